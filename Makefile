@@ -1,0 +1,34 @@
+# elastic_ops — two commands matter: `make demo` and `make test`.
+PY ?= python3.11
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: setup test test-fast demo bench lint clean
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade "pip>=24"
+	$(BIN)/pip install -q -c constraints.txt -e ".[dev]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -ra -m "not e2e and not slow" $(PYTEST_ARGS)
+
+demo: $(STAMP)
+	$(BIN)/python -m elastic_ops.demo
+
+bench: $(STAMP)
+	$(BIN)/python -m benchmarks.run_all
+
+lint: $(STAMP)
+	$(BIN)/ruff check elastic_ops tests benchmarks dags plugins
+
+clean:
+	rm -rf $(VENV) .demo .pytest_cache

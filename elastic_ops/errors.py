@@ -1,0 +1,155 @@
+"""One error hierarchy for elastic_ops.
+
+Every error says whether retrying can help (``retryable``). The Airflow layer maps
+``retryable=False`` onto "fail without burning retries" and ``retryable=True`` onto Airflow's
+normal retry with backoff. Messages carry the values involved and a hint.
+"""
+
+from __future__ import annotations
+
+
+class ElasticOpsError(Exception):
+    """Base class. ``retryable`` tells the caller whether another try may succeed."""
+
+    retryable: bool = False
+
+    def __init__(self, message: str, *, hint: str | None = None) -> None:
+        self.message = message
+        self.hint = hint
+        super().__init__(f"{message} (hint: {hint})" if hint else message)
+
+
+# --- user input ---------------------------------------------------------------------------
+
+
+class SpecError(ElasticOpsError, ValueError):
+    """A user-facing value is invalid. Names the field, the value and what is allowed."""
+
+    def __init__(self, field: str, value: object, allowed: str, *, hint: str | None = None) -> None:
+        self.field = field
+        self.value = value
+        self.allowed = allowed
+        super().__init__(f"invalid {field}={value!r}: {allowed}", hint=hint)
+
+
+class EntrypointError(SpecError):
+    """The entrypoint cannot be imported or is not a Trainable / script."""
+
+
+# --- training ----------------------------------------------------------------------------
+
+
+class TrainingError(ElasticOpsError):
+    """Training itself failed."""
+
+
+class UserCodeError(TrainingError):
+    """An exception raised by the user's model code. Deterministic: retrying will not help."""
+
+
+class NonFiniteLossError(TrainingError):
+    """The loss became NaN or infinite. Not retryable: the same data gives the same loss."""
+
+
+class WorkerLostError(TrainingError):
+    """A worker process or its host died (signal, OOM kill, lost connection). Retryable."""
+
+    retryable = True
+
+    def __init__(self, message: str, *, host: str | None = None, hint: str | None = None) -> None:
+        self.host = host
+        super().__init__(message, hint=hint)
+
+
+class PreemptedError(TrainingError):
+    """The pool took every worker away. Not a failure: the caller checkpoints and waits again."""
+
+    retryable = True
+
+
+# --- checkpoints -------------------------------------------------------------------------
+
+
+class CheckpointError(ElasticOpsError):
+    """Base for checkpoint store problems."""
+
+
+class CheckpointNotFoundError(CheckpointError):
+    """No committed checkpoint exists where one was required."""
+
+
+class CheckpointCorruptError(CheckpointError):
+    """A checkpoint failed verification (checksum, manifest, format) or holds unsafe content."""
+
+
+class UnsafeCheckpointError(CheckpointCorruptError):
+    """A checkpoint tried to make the loader execute code. Never loaded."""
+
+
+class CommitConflictError(CheckpointError):
+    """Another writer already committed this iteration (conditional commit lost)."""
+
+
+class StaleEpochError(CheckpointError):
+    """A writer holding an old fencing epoch tried to commit. Its lease is dead."""
+
+    def __init__(self, epoch: int, current: int, *, hint: str | None = None) -> None:
+        self.epoch = epoch
+        self.current = current
+        super().__init__(
+            f"fencing epoch {epoch} is stale (current epoch is {current})",
+            hint=hint or "this writer's lease expired or was replaced; its work is discarded",
+        )
+
+
+class StorageTransientError(CheckpointError):
+    """A transient storage failure that survived all retries (5xx, throttling, timeouts)."""
+
+    retryable = True
+
+
+class StoragePermanentError(CheckpointError):
+    """A storage failure that retrying cannot fix (access denied, no such bucket, credentials)."""
+
+
+# --- pool --------------------------------------------------------------------------------
+
+
+class PoolError(ElasticOpsError):
+    """Base for resource pool problems."""
+
+
+class UnknownJobError(PoolError, KeyError):
+    def __init__(self, job: str) -> None:
+        self.job = job
+        super().__init__(f"unknown job {job!r}", hint="register the job with the pool first")
+
+    def __str__(self) -> str:  # KeyError would otherwise quote the message
+        return self.args[0]
+
+
+class UnknownHostError(PoolError, KeyError):
+    def __init__(self, host: str) -> None:
+        self.host = host
+        super().__init__(f"unknown host {host!r}", hint="list hosts with `elastic-ops pool status`")
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+class UnknownPolicyError(PoolError, ValueError):
+    def __init__(self, name: str, known: list[str]) -> None:
+        self.name = name
+        super().__init__(f"unknown policy {name!r}; known policies: {', '.join(sorted(known))}")
+
+
+class LeaseExpiredError(PoolError):
+    """The lease is gone (expired, released, or superseded by a newer epoch)."""
+
+    retryable = True
+
+
+class LedgerBusyError(PoolError):
+    """The ledger database stayed locked past the retry budget."""
+
+    retryable = True

@@ -1,0 +1,269 @@
+"""The validated job spec.
+
+A ``JobSpec`` is frozen and validated when it is built (from Python, a YAML file, Airflow
+Params or the CLI): every bad value raises :class:`~elastic_ops.errors.SpecError` naming the
+field, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Any, Mapping
+
+from elastic_ops.errors import SpecError
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
+_ENTRY_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+_URI_RE = re.compile(r"^(file://.+|s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/.*)?)$")
+
+MAX_WORKERS_LIMIT = 4096
+
+
+class Consistency(str, enum.Enum):
+    """How results may depend on the worker count.
+
+    ``bitwise``: fixed virtual shards reduced in a fixed order; identical to a 1-worker run.
+    ``fast``: plain allreduce; equal within floating-point tolerance.
+    """
+
+    BITWISE = "bitwise"
+    FAST = "fast"
+
+
+class Scaling(str, enum.Enum):
+    """How the batch reacts to the worker count. ``fixed`` (default) keeps the global batch."""
+
+    FIXED = "fixed"
+    LINEAR_LR = "linear_lr"
+    SQRT_LR = "sqrt_lr"
+
+
+class Device(str, enum.Enum):
+    CPU = "cpu"
+    CUDA = "cuda"
+    AUTO = "auto"
+
+
+def _enum(cls: type[enum.Enum], field: str, value: Any) -> Any:
+    try:
+        return cls(value)
+    except ValueError:
+        allowed = ", ".join(repr(m.value) for m in cls)
+        raise SpecError(field, value, f"must be one of {allowed}") from None
+
+
+def _int(field: str, value: Any, lo: int, hi: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SpecError(field, value, f"must be an integer >= {lo}" + (f" and <= {hi}" if hi else ""))
+    if value < lo or (hi is not None and value > hi):
+        rng = f"between {lo} and {hi}" if hi is not None else f">= {lo}"
+        raise SpecError(field, value, f"must be {rng}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class JobSpec:
+    """Everything that defines an elastic training job. See the README's spec reference."""
+
+    name: str
+    entrypoint: str
+    total_iterations: int
+    global_batch: int
+    chunk_iterations: int | None = None
+    min_workers: int = 1
+    max_workers: int = 1
+    priority: int = 1
+    preemptible: bool = True
+    consistency: Consistency = Consistency.FAST
+    virtual_shards: int | None = None
+    micro_batch: int | None = None
+    scaling: Scaling = Scaling.FIXED
+    warmup_iterations: int = 0
+    checkpoint: str | None = None
+    checkpoint_interval: int | None = None
+    keep_last: int = 3
+    keep_every: int | None = None
+    data_seed: int = 0
+    threads_per_worker: int = 1
+    device: Device = Device.CPU
+    params: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen dataclass
+        if not isinstance(self.name, str) or not _NAME_RE.match(self.name):
+            raise SpecError("name", self.name, "must be 1-128 characters of letters, digits, '_', '.', '-'")
+        self._check_entrypoint()
+        _int("total_iterations", self.total_iterations, 1)
+        _int("global_batch", self.global_batch, 1)
+        chunk = self.total_iterations if self.chunk_iterations is None else self.chunk_iterations
+        _int("chunk_iterations", chunk, 1)
+        if chunk > self.total_iterations:
+            raise SpecError(
+                "chunk_iterations", chunk, f"must be <= total_iterations ({self.total_iterations})"
+            )
+        set_("chunk_iterations", chunk)
+        _int("min_workers", self.min_workers, 1, MAX_WORKERS_LIMIT)
+        _int("max_workers", self.max_workers, 1, MAX_WORKERS_LIMIT)
+        if self.min_workers > self.max_workers:
+            raise SpecError(
+                "min_workers", self.min_workers, f"must be <= max_workers ({self.max_workers})"
+            )
+        _int("priority", self.priority, 1, 1000)
+        if not isinstance(self.preemptible, bool):
+            raise SpecError("preemptible", self.preemptible, "must be true or false")
+        set_("consistency", _enum(Consistency, "consistency", self.consistency))
+        set_("scaling", _enum(Scaling, "scaling", self.scaling))
+        set_("device", _enum(Device, "device", self.device))
+        self._check_batching()
+        _int("warmup_iterations", self.warmup_iterations, 0)
+        if self.checkpoint is not None and (
+            not isinstance(self.checkpoint, str) or not _URI_RE.match(self.checkpoint)
+        ):
+            raise SpecError(
+                "checkpoint",
+                self.checkpoint,
+                "must be a URI 'file:///path' or 's3://bucket/prefix' (bucket: 3-63 lowercase "
+                "letters, digits, '.', '-')",
+            )
+        interval = chunk if self.checkpoint_interval is None else self.checkpoint_interval
+        _int("checkpoint_interval", interval, 1)
+        set_("checkpoint_interval", interval)
+        _int("keep_last", self.keep_last, 1)
+        if self.keep_every is not None:
+            _int("keep_every", self.keep_every, 1)
+        _int("data_seed", self.data_seed, 0, 2**63 - 1)
+        _int("threads_per_worker", self.threads_per_worker, 1, 256)
+        if not isinstance(self.params, Mapping):
+            raise SpecError("params", self.params, "must be a mapping of hyperparameters")
+        try:
+            json.dumps(dict(self.params), sort_keys=True)
+        except TypeError as exc:
+            raise SpecError("params", self.params, f"must be JSON-serialisable ({exc})") from None
+        set_("params", dict(self.params))
+
+    def _check_entrypoint(self) -> None:
+        ep = self.entrypoint
+        if not isinstance(ep, str) or not (_ENTRY_RE.match(ep) or ep.endswith(".py")):
+            raise SpecError(
+                "entrypoint",
+                ep,
+                "must be 'package.module:TrainableClass' or a path to a Python script ending in .py",
+            )
+
+    def _check_batching(self) -> None:
+        if self.micro_batch is not None:
+            _int("micro_batch", self.micro_batch, 1)
+        if self.consistency is Consistency.BITWISE:
+            shards = self.max_workers if self.virtual_shards is None else self.virtual_shards
+            _int("virtual_shards", shards, 1, MAX_WORKERS_LIMIT)
+            if shards < self.max_workers:
+                raise SpecError(
+                    "virtual_shards", shards, f"must be >= max_workers ({self.max_workers})",
+                    hint="every worker needs at least one virtual shard",
+                )
+            if self.global_batch % shards:
+                raise SpecError(
+                    "global_batch",
+                    self.global_batch,
+                    f"must be divisible by virtual_shards ({shards}) in bitwise mode",
+                    hint="bitwise mode splits every batch into equal, fixed virtual shards",
+                )
+            object.__setattr__(self, "virtual_shards", shards)
+            if self.scaling is not Scaling.FIXED:
+                raise SpecError(
+                    "scaling", self.scaling.value, "must be 'fixed' when consistency is 'bitwise'",
+                    hint="a batch that grows with the workers cannot be identical to a 1-worker run",
+                )
+        elif self.virtual_shards is not None:
+            raise SpecError("virtual_shards", self.virtual_shards, "only applies to consistency 'bitwise'")
+        if self.scaling is not Scaling.FIXED and self.global_batch % self.min_workers:
+            raise SpecError(
+                "global_batch",
+                self.global_batch,
+                f"must be divisible by min_workers ({self.min_workers}) with scaling "
+                f"{self.scaling.value!r} (the per-worker batch is global_batch / min_workers)",
+            )
+        if self.global_batch < self.max_workers and self.scaling is Scaling.FIXED:
+            raise SpecError(
+                "global_batch",
+                self.global_batch,
+                f"must be >= max_workers ({self.max_workers}) so every worker gets a sample",
+            )
+
+    # --- derived values -----------------------------------------------------------------
+
+    @property
+    def num_chunks(self) -> int:
+        return -(-self.total_iterations // int(self.chunk_iterations or self.total_iterations))
+
+    def chunk_ranges(self) -> list[tuple[int, int]]:
+        """The ``[start, end)`` iteration range of every chunk, in order."""
+        step = int(self.chunk_iterations or self.total_iterations)
+        return [(s, min(s + step, self.total_iterations)) for s in range(0, self.total_iterations, step)]
+
+    def checkpoint_uri(self, root: str | Path = "checkpoints") -> str:
+        """The checkpoint URI, defaulting to ``file://<root>/<name>`` (absolute)."""
+        if self.checkpoint:
+            return self.checkpoint
+        return f"file://{(Path(root).resolve() / self.name)}"
+
+    def spec_hash(self) -> str:
+        """A hash of the fields that define the training trajectory (not workers or priority).
+
+        Stored in every manifest, so a checkpoint is never resumed by a different job.
+        """
+        keys = (
+            "entrypoint", "global_batch", "consistency", "virtual_shards", "micro_batch",
+            "scaling", "warmup_iterations", "data_seed", "params", "total_iterations",
+        )
+        data = {k: _plain(getattr(self, k)) for k in keys}
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    def replace(self, **changes: Any) -> "JobSpec":
+        return dataclasses.replace(self, **changes)
+
+    # --- constructors -------------------------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "JobSpec":
+        if not isinstance(data, Mapping):
+            raise SpecError("spec", data, "must be a mapping of field names to values")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise SpecError("spec", unknown[0], f"unknown field; known fields: {', '.join(sorted(known))}")
+        for required in ("name", "entrypoint", "total_iterations", "global_batch"):
+            if required not in data:
+                raise SpecError(required, None, "is required")
+        return cls(**dict(data))
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "JobSpec":
+        import yaml
+
+        p = Path(path)
+        try:
+            text = p.read_text()
+        except OSError as exc:
+            raise SpecError("spec", str(path), f"cannot be read ({exc.strerror})") from None
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise SpecError("spec", str(path), f"is not valid YAML ({exc})") from None
+        return cls.from_dict(data or {})
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
