@@ -1,0 +1,35 @@
+"""Shared test plumbing. Small builders live next to the tests that use them."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+
+REQUIRE_SERVICES = os.environ.get("ELASTIC_OPS_REQUIRE_SERVICES") == "1"
+
+
+def _reachable(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+def require_service(name: str, host: str, port: int) -> None:
+    """Skip (or, in CI, fail) when a service the test needs is not running."""
+    if _reachable(host, port):
+        return
+    msg = f"needs {name} at {host}:{port} (start it, or see README 'Running the tests')"
+    if REQUIRE_SERVICES:
+        pytest.fail(f"ELASTIC_OPS_REQUIRE_SERVICES=1 and {msg}")
+    pytest.skip(msg)
+
+
+@pytest.fixture
+def postgres_url() -> str:
+    """A URL to the local PostgreSQL ``test`` database (trust auth)."""
+    require_service("PostgreSQL", "127.0.0.1", 5432)
+    return os.environ.get("ELASTIC_OPS_TEST_POSTGRES", "postgresql+psycopg2://postgres@127.0.0.1:5432/test")
