@@ -1,0 +1,38 @@
+"""The small object-store interface the checkpoint store is built on.
+
+Keys are relative, ``/``-separated paths under the store's root (``it-00000040/manifest.json``).
+Every backend guarantees: ``put`` replaces atomically (a reader sees the old or the new bytes,
+never a mix); ``put_if_absent`` creates atomically and at most once across all processes and
+hosts (the commit primitive); ``get`` returns ``None`` for a missing key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectInfo:
+    key: str
+    size: int
+
+
+class Backend(Protocol):
+    #: human-readable location of the root, used in messages (``file:///…``, ``s3://…``)
+    uri: str
+
+    def put(self, key: str, data: bytes) -> None:
+        """Write ``data`` at ``key``, replacing it atomically."""
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        """Create ``key`` with ``data`` unless it exists. True if this call created it."""
+
+    def get(self, key: str) -> bytes | None:
+        """The bytes at ``key``, or ``None`` when there is no such key."""
+
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        """Every object whose key starts with ``prefix`` (any order)."""
+
+    def delete(self, keys: list[str]) -> None:
+        """Delete ``keys``; missing keys are ignored."""

@@ -1,0 +1,137 @@
+"""Safe encoding of training state.
+
+A state is a tree of dicts (any ``dict``, including ``OrderedDict`` from ``state_dict()``),
+lists and tuples whose leaves are tensors, numbers, strings, bytes, bools, ``None``,
+``torch.Size``, ``torch.dtype`` and ``torch.device``: exactly what a model, optimizer and LR
+scheduler ``state_dict()`` holds, and what ``torch.load(..., weights_only=True)`` accepts.
+
+Encoding uses ``torch.save``; decoding uses ONLY ``torch.load(..., weights_only=True,
+map_location="cpu")``, PyTorch's restricted unpickler, which refuses any global it does not
+know instead of calling it. A refusal becomes :class:`UnsafeCheckpointError`; nothing from the
+file is executed. ``encode_state`` checks the tree first, so a state that could not be loaded
+back is refused at save time (naming the offending path), not discovered at resume time.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import random
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from elastic_ops.errors import CheckpointCorruptError, CheckpointError, UnsafeCheckpointError
+
+_LEAF_TYPES = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device)
+_KEY_TYPES = (str, int, float, bool, type(None))
+_ALLOWED = (
+    "dict, list, tuple, torch.Tensor, int, float, bool, str, bytes, None, torch.Size, "
+    "torch.dtype, torch.device"
+)
+
+
+class InvalidStateError(CheckpointError, TypeError):
+    """The state holds a value the safe loader could not read back. Not retryable."""
+
+    def __init__(self, path: str, value: object) -> None:
+        self.path = path
+        super().__init__(
+            f"invalid state{path}: type {type(value).__module__}.{type(value).__qualname__} is not "
+            f"allowed; allowed: {_ALLOWED}",
+            hint="convert it to tensors or plain lists (numpy RNG state: use capture_rng())",
+        )
+
+
+def check_state(state: Any, path: str = "") -> None:
+    """Raise :class:`InvalidStateError` naming the first value ``torch.load`` would refuse."""
+    if isinstance(state, torch.Tensor):
+        return
+    if isinstance(state, Mapping):
+        if not isinstance(state, dict):
+            raise InvalidStateError(path, state)
+        for key, value in state.items():
+            if not isinstance(key, _KEY_TYPES):
+                raise InvalidStateError(f"{path}[key {key!r}]", key)
+            check_state(value, f"{path}[{key!r}]")
+        return
+    if isinstance(state, list | tuple):
+        if type(state) not in (list, tuple, torch.Size):
+            raise InvalidStateError(path, state)
+        for i, value in enumerate(state):
+            check_state(value, f"{path}[{i}]")
+        return
+    if not isinstance(state, _LEAF_TYPES) or type(state) not in _LEAF_TYPES:
+        # exact type: a str/int subclass (e.g. an Enum) would pickle as its class -> refused on load
+        raise InvalidStateError(path, state)
+
+
+def encode_state(state: Any) -> bytes:
+    """Serialise ``state`` (checked first) with ``torch.save``."""
+    check_state(state)
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return buf.getvalue()
+
+
+def decode_state(data: bytes, *, name: str = "state.pt") -> Any:
+    """Load bytes written by :func:`encode_state` without executing anything from them.
+
+    Raises :class:`UnsafeCheckpointError` when the payload asks for a global the restricted
+    unpickler does not allow (code execution attempt, or a foreign object), and
+    :class:`CheckpointCorruptError` when it is not a readable torch file.
+    """
+    try:
+        return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UnsafeCheckpointError(
+            f"refused to load {name}: it needs objects the safe loader does not allow ({first[:300]})",
+            hint="the checkpoint was not written by elastic_ops or was tampered with; it was not executed",
+        ) from None
+    except Exception as exc:  # a truncated zip, a bad magic number, ...
+        raise CheckpointCorruptError(
+            f"cannot decode {name}: {type(exc).__name__}: {str(exc)[:300]}",
+            hint="the file is damaged; an older checkpoint is used by latest()",
+        ) from None
+
+
+# --- RNG state ---------------------------------------------------------------------------
+
+
+def capture_rng() -> dict[str, Any]:
+    """The torch (CPU and CUDA), numpy and python RNG states as safely loadable values."""
+    np_state = np.random.get_state(legacy=False)
+    py_version, py_internal, py_gauss = random.getstate()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy": {
+            "bit_generator": np_state["bit_generator"],
+            "state": torch.from_numpy(np.asarray(np_state["state"]["key"], dtype=np.int64)),
+            "pos": int(np_state["state"]["pos"]),
+            "has_gauss": int(np_state["has_gauss"]),
+            "gauss": float(np_state["gauss"]),
+        },
+        "python": {"version": py_version, "internal": list(py_internal), "gauss": py_gauss},
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = [s.cpu() for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def restore_rng(state: Mapping[str, Any]) -> None:
+    """Restore what :func:`capture_rng` captured (CUDA only when present on both sides)."""
+    torch.set_rng_state(state["torch"].to(torch.uint8).cpu())
+    npst = state["numpy"]
+    key = npst["state"].numpy() if isinstance(npst["state"], torch.Tensor) else np.asarray(npst["state"])
+    np.random.set_state(
+        (npst["bit_generator"], key.astype(np.uint32), int(npst["pos"]), int(npst["has_gauss"]),
+         float(npst["gauss"]))
+    )
+    py = state["python"]
+    random.setstate((py["version"], tuple(int(x) for x in py["internal"]), py["gauss"]))
+    cuda = state.get("cuda")
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([s.to(torch.uint8).cpu() for s in cuda][: torch.cuda.device_count()])

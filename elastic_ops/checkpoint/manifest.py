@@ -1,0 +1,134 @@
+"""The checkpoint manifest: the one small object whose presence makes a checkpoint exist.
+
+It is written last and only if absent. It lists every data file of the checkpoint with its
+SHA-256 and size, so a reader can tell a complete, intact checkpoint from a damaged one.
+Parsing is strict: anything unexpected makes the manifest (and so the checkpoint) invalid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from elastic_ops.errors import CheckpointCorruptError, CheckpointError
+
+FORMAT = "elastic-ops-checkpoint"
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+STATE_NAME = "state.pt"
+
+# a file name inside an iteration prefix: "d-<hex>/<name>", no "..", no absolute paths
+_FILE_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*$")
+_SHA_RE = re.compile(r"^[0-9a-f]{64}$")
+
+
+@dataclasses.dataclass(frozen=True)
+class FileEntry:
+    """One data file of a checkpoint, relative to its iteration prefix."""
+
+    name: str
+    sha256: str
+    size: int
+
+    @classmethod
+    def of(cls, name: str, data: bytes) -> FileEntry:
+        return cls(name, hashlib.sha256(data).hexdigest(), len(data))
+
+
+@dataclasses.dataclass(frozen=True)
+class Manifest:
+    iteration: int
+    epoch: int
+    spec_hash: str
+    created: float
+    files: tuple[FileEntry, ...]
+    metrics: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False, hash=False)
+
+    def to_json(self) -> bytes:
+        doc = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "iteration": self.iteration,
+            "epoch": self.epoch,
+            "spec_hash": self.spec_hash,
+            "created": self.created,
+            "metrics": self.metrics,
+            "files": [dataclasses.asdict(f) for f in self.files],
+        }
+        return json.dumps(doc, sort_keys=True, indent=1).encode()
+
+    def same_content(self, other: Manifest) -> bool:
+        """True when ``other`` commits the same bytes for the same job (an idempotent retry)."""
+        return (self.iteration, self.spec_hash, self.files) == (other.iteration, other.spec_hash, other.files)
+
+
+def check_metrics(metrics: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Metrics must be a JSON mapping (finite or not: a NaN loss is still worth recording)."""
+    if metrics is None:
+        return {}
+    if not isinstance(metrics, Mapping):
+        raise CheckpointError(f"invalid metrics={metrics!r}: must be a mapping of name to JSON value")
+    try:
+        return json.loads(json.dumps(dict(metrics), default=_json_default))
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"invalid metrics={metrics!r}: must be JSON-serialisable ({exc})") from None
+
+
+def _json_default(value: Any) -> Any:
+    if hasattr(value, "item"):  # a 0-d tensor or numpy scalar
+        return value.item()
+    raise TypeError(f"{type(value).__name__} is not JSON-serialisable")
+
+
+def parse_manifest(data: bytes, *, where: str) -> Manifest:
+    """Parse and validate a manifest; :class:`CheckpointCorruptError` says what is wrong."""
+
+    def bad(why: str) -> CheckpointCorruptError:
+        return CheckpointCorruptError(f"invalid manifest {where}: {why}")
+
+    try:
+        doc = json.loads(data)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise bad(f"not JSON ({exc})") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise bad(f"format must be {FORMAT!r}")
+    if doc.get("format_version") != FORMAT_VERSION:
+        raise bad(f"format_version={doc.get('format_version')!r}, this version reads {FORMAT_VERSION}")
+    for key in ("iteration", "epoch"):
+        if type(doc.get(key)) is not int or doc[key] < 0:
+            raise bad(f"{key}={doc.get(key)!r} must be an integer >= 0")
+    if not isinstance(doc.get("spec_hash"), str):
+        raise bad("spec_hash must be a string")
+    created = doc.get("created")
+    if type(created) not in (int, float) or not math.isfinite(created):
+        raise bad(f"created={created!r} must be a number")
+    if not isinstance(doc.get("metrics", {}), dict):
+        raise bad("metrics must be an object")
+    files = doc.get("files")
+    if not isinstance(files, list) or not files:
+        raise bad("files must be a non-empty list")
+    entries = []
+    for f in files:
+        if not isinstance(f, dict) or set(f) != {"name", "sha256", "size"}:
+            raise bad(f"file entry {f!r} must have exactly name, sha256, size")
+        name, sha, size = f["name"], f["sha256"], f["size"]
+        if not isinstance(name, str) or not _FILE_NAME_RE.match(name) or ".." in name.split("/"):
+            raise bad(f"file name {name!r} is not a relative path inside the checkpoint")
+        if not isinstance(sha, str) or not _SHA_RE.match(sha):
+            raise bad(f"sha256 {sha!r} of {name} is not a hex digest")
+        if type(size) is not int or size < 0:
+            raise bad(f"size {size!r} of {name} must be an integer >= 0")
+        entries.append(FileEntry(name, sha, size))
+    return Manifest(
+        iteration=doc["iteration"],
+        epoch=doc["epoch"],
+        spec_hash=doc["spec_hash"],
+        created=float(created),
+        files=tuple(entries),
+        metrics=doc.get("metrics", {}),
+    )

@@ -1,0 +1,401 @@
+"""The checkpoint store: commit protocol, fencing, verification, retention.
+
+Layout under the store's root (a directory or an S3 prefix)::
+
+    it-00000040/manifest.json                 written LAST, create-if-absent: the commit point
+    it-00000040/d-<sha256[:16]>/state.pt      data, under a content-named directory
+    _fence/epoch-00000000000000000007         one marker per fencing epoch seen; fence = max
+
+A checkpoint exists only when its manifest exists, so a save interrupted before the manifest
+is invisible. Data lives under a directory named by its content hash: two writers racing for one
+iteration never overwrite each other's bytes, and an identical retry rewrites identical bytes.
+The fence only grows: markers are created (never changed) and only markers below one a writer
+itself created are ever pruned, so the maximum is never lost.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from elastic_ops.checkpoint.backend import Backend, ObjectInfo
+from elastic_ops.checkpoint.codec import decode_state, encode_state
+from elastic_ops.checkpoint.manifest import (
+    MANIFEST_NAME,
+    STATE_NAME,
+    FileEntry,
+    Manifest,
+    check_metrics,
+    parse_manifest,
+)
+from elastic_ops.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CommitConflictError,
+    SpecError,
+    StaleEpochError,
+)
+
+log = logging.getLogger("elastic_ops.checkpoint")
+
+_IT_RE = re.compile(r"^it-(\d+)$")
+_FENCE_DIR = "_fence"
+_FENCE_RE = re.compile(r"^_fence/epoch-(\d+)$")
+
+
+def iteration_dir(iteration: int) -> str:
+    return f"it-{iteration:08d}"
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointRef:
+    """A committed checkpoint. ``uri`` is its iteration prefix; ``files`` come from its manifest."""
+
+    uri: str
+    iteration: int
+    epoch: int
+    spec_hash: str
+    created: float
+    files: tuple[FileEntry, ...]
+    metrics: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def size(self) -> int:
+        return sum(f.size for f in self.files)
+
+
+class CheckpointStore:
+    """Checkpoints of one job in one backend. Thread-safe for one writer plus readers.
+
+    ``keep_last`` newest checkpoints are kept after each commit, plus every checkpoint whose
+    iteration is a multiple of ``keep_every`` (when set). ``clock`` stamps manifests.
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        keep_last: int = 3,
+        keep_every: int | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if type(keep_last) is not int or keep_last < 1:
+            raise SpecError("keep_last", keep_last, "must be an integer >= 1")
+        if keep_every is not None and (type(keep_every) is not int or keep_every < 1):
+            raise SpecError("keep_every", keep_every, "must be None or an integer >= 1")
+        self.backend = backend
+        self.uri = backend.uri
+        self.keep_last = keep_last
+        self.keep_every = keep_every
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._verified: tuple[CheckpointRef, dict[str, bytes]] | None = None
+        self._executor: ThreadPoolExecutor | None = None
+
+    def __repr__(self) -> str:
+        return f"CheckpointStore({self.uri!r}, keep_last={self.keep_last}, keep_every={self.keep_every})"
+
+    # --- fencing ---------------------------------------------------------------------------
+
+    def current_epoch(self) -> int:
+        """The highest fencing epoch recorded for this store (0 when never fenced)."""
+        return max(self._fence_markers(), default=0)
+
+    def _fence_markers(self) -> list[int]:
+        out = []
+        for obj in self.backend.list(f"{_FENCE_DIR}/"):
+            m = _FENCE_RE.match(obj.key)
+            if m:
+                out.append(int(m.group(1)))
+        return out
+
+    def fence(self, epoch: int) -> int:
+        """Record ``epoch``: later saves with a lower epoch raise :class:`StaleEpochError`.
+
+        Monotonic and idempotent; returns the fence after the call (``max(current, epoch)``).
+        """
+        if type(epoch) is not int or epoch < 0:
+            raise SpecError("epoch", epoch, "must be an integer >= 0")
+        markers = self._fence_markers()
+        if epoch not in markers and epoch > max(markers, default=-1):
+            self.backend.put_if_absent(f"{_FENCE_DIR}/epoch-{epoch:020d}", str(epoch).encode())
+            markers.append(epoch)
+        # prune markers below one this call made sure exists: the maximum is never deleted
+        lower = [e for e in markers if e < epoch]
+        if lower:
+            self.backend.delete([f"{_FENCE_DIR}/epoch-{e:020d}" for e in lower])
+        return max(markers)
+
+    def _check_epoch(self, epoch: int) -> None:
+        current = self.current_epoch()
+        if epoch < current:
+            raise StaleEpochError(epoch, current)
+        if epoch > current:
+            self.fence(epoch)
+
+    # --- save ------------------------------------------------------------------------------
+
+    def save(
+        self,
+        iteration: int,
+        state: Any,
+        *,
+        epoch: int,
+        spec_hash: str,
+        metrics: Mapping[str, Any] | None = None,
+    ) -> CheckpointRef:
+        """Commit ``state`` as the checkpoint of ``iteration``; see the module doc for the protocol.
+
+        Raises :class:`StaleEpochError` when ``epoch`` is below the fence, and
+        :class:`CommitConflictError` when another writer committed different bytes for this
+        iteration first (an identical retry returns the existing checkpoint).
+        """
+        self._check_args(iteration, epoch, spec_hash)
+        return self._commit(iteration, {STATE_NAME: encode_state(state)}, epoch, spec_hash, metrics)
+
+    def save_async(
+        self,
+        iteration: int,
+        state: Any,
+        *,
+        epoch: int,
+        spec_hash: str,
+        metrics: Mapping[str, Any] | None = None,
+    ) -> Future[CheckpointRef]:
+        """Like :meth:`save`, but only serialisation blocks the caller.
+
+        The state is encoded (a snapshot: training may change its tensors right after this
+        returns) and then written by one background thread; saves are committed in call order.
+        The returned future raises whatever :meth:`save` would have raised.
+        """
+        self._check_args(iteration, epoch, spec_hash)
+        files = {STATE_NAME: encode_state(state)}
+        metrics = check_metrics(metrics)
+        with self._lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(1, thread_name_prefix="elastic-ops-ckpt")
+            return self._executor.submit(self._commit, iteration, files, epoch, spec_hash, metrics)
+
+    def close(self) -> None:
+        """Wait for background saves to finish."""
+        with self._lock:
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=True)
+
+    @staticmethod
+    def _check_args(iteration: int, epoch: int, spec_hash: str) -> None:
+        if type(iteration) is not int or iteration < 0:
+            raise SpecError("iteration", iteration, "must be an integer >= 0")
+        if type(epoch) is not int or epoch < 0:
+            raise SpecError("epoch", epoch, "must be an integer >= 0")
+        if not isinstance(spec_hash, str):
+            raise SpecError("spec_hash", spec_hash, "must be a string (JobSpec.spec_hash())")
+
+    def _commit(
+        self,
+        iteration: int,
+        payload: dict[str, bytes],
+        epoch: int,
+        spec_hash: str,
+        metrics: Mapping[str, Any] | None,
+    ) -> CheckpointRef:
+        it_dir = iteration_dir(iteration)
+        digest = hashlib.sha256(b"".join(hashlib.sha256(d).digest() for d in payload.values()))
+        data_dir = f"d-{digest.hexdigest()[:16]}"
+        files = {f"{data_dir}/{name}": data for name, data in payload.items()}
+        manifest = Manifest(
+            iteration=iteration,
+            epoch=epoch,
+            spec_hash=spec_hash,
+            created=float(self._clock()),
+            files=tuple(FileEntry.of(name, data) for name, data in files.items()),
+            metrics=check_metrics(metrics),
+        )
+        manifest_key = f"{it_dir}/{MANIFEST_NAME}"
+
+        self._check_epoch(epoch)
+        existing = self.backend.get(manifest_key)
+        if existing is not None:  # committed already: skip the upload
+            return self._resolve_existing(manifest, existing, manifest_key, uploaded=False)
+        for name, data in files.items():
+            self.backend.put(f"{it_dir}/{name}", data)
+        self._check_epoch(epoch)  # again right before the commit point: the window is one request
+        if not self.backend.put_if_absent(manifest_key, manifest.to_json()):
+            existing = self.backend.get(manifest_key) or b""
+            return self._resolve_existing(manifest, existing, manifest_key, uploaded=True)
+        ref = self._ref(manifest)
+        log.info("committed checkpoint %s (epoch %d, %d bytes)", ref.uri, epoch, ref.size)
+        self._retain(committed=iteration)
+        return ref
+
+    def _resolve_existing(
+        self, ours: Manifest, existing: bytes, key: str, *, uploaded: bool
+    ) -> CheckpointRef:
+        try:
+            theirs = parse_manifest(existing, where=f"{self.uri}/{key}")
+        except CheckpointCorruptError:
+            theirs = None
+        if theirs is not None and theirs.same_content(ours):
+            log.info("checkpoint %s/%s already committed with identical content", self.uri, key)
+            return self._ref(theirs)
+        if uploaded:  # our upload lost the race: remove it unless theirs uses it too
+            it_dir = iteration_dir(ours.iteration)
+            theirs_names = {f.name for f in theirs.files} if theirs else set()
+            self.backend.delete([f"{it_dir}/{f.name}" for f in ours.files if f.name not in theirs_names])
+        who = f"epoch {theirs.epoch}" if theirs else "an unreadable manifest"
+        raise CommitConflictError(
+            f"iteration {ours.iteration} is already committed at {self.uri}/{key} by {who} "
+            f"with different content",
+            hint="another writer owns this job; only one chunk try may run at a time",
+        )
+
+    def _ref(self, m: Manifest) -> CheckpointRef:
+        return CheckpointRef(
+            uri=f"{self.uri}/{iteration_dir(m.iteration)}",
+            iteration=m.iteration,
+            epoch=m.epoch,
+            spec_hash=m.spec_hash,
+            created=m.created,
+            files=m.files,
+            metrics=m.metrics,
+        )
+
+    # --- read ------------------------------------------------------------------------------
+
+    def _scan(self) -> tuple[dict[int, dict[str, int]], list[ObjectInfo]]:
+        """Objects grouped by iteration: {iteration: {key-in-iteration: size}}."""
+        objects = self.backend.list("it-")
+        by_it: dict[int, dict[str, int]] = {}
+        for obj in objects:
+            head, _, rest = obj.key.partition("/")
+            m = _IT_RE.match(head)
+            if m and rest:
+                by_it.setdefault(int(m.group(1)), {})[rest] = obj.size
+        return by_it, objects
+
+    def list(self) -> list[CheckpointRef]:
+        """Committed checkpoints, oldest first: the manifest parses and every listed file is
+        present with its recorded size. (Checksums are verified by :meth:`latest` and :meth:`load`.)
+        """
+        by_it, _ = self._scan()
+        refs = []
+        for iteration in sorted(by_it):
+            m = self._read_manifest(iteration, by_it[iteration], quiet=True)
+            if m is not None:
+                refs.append(self._ref(m))
+        return refs
+
+    def _read_manifest(self, iteration: int, sizes: dict[str, int], *, quiet: bool) -> Manifest | None:
+        if MANIFEST_NAME not in sizes:
+            return None  # an interrupted or in-flight save: invisible
+        where = f"{self.uri}/{iteration_dir(iteration)}/{MANIFEST_NAME}"
+        try:
+            data = self.backend.get(f"{iteration_dir(iteration)}/{MANIFEST_NAME}")
+            if data is None:
+                return None  # deleted by retention since the listing
+            m = parse_manifest(data, where=where)
+            if m.iteration != iteration:
+                raise CheckpointCorruptError(f"manifest {where} says iteration {m.iteration}")
+            for f in m.files:
+                if sizes.get(f.name) != f.size:
+                    raise CheckpointCorruptError(
+                        f"checkpoint {where}: file {f.name} is missing or has size "
+                        f"{sizes.get(f.name)} instead of {f.size}"
+                    )
+            return m
+        except CheckpointCorruptError as exc:
+            if not quiet:
+                log.warning("skipping damaged checkpoint at iteration %d: %s", iteration, exc)
+            return None
+
+    def latest(self, spec_hash: str | None = None) -> CheckpointRef | None:
+        """The newest checkpoint whose manifest and checksums verify (and whose spec hash is
+        ``spec_hash`` when given), or ``None``. Damaged or foreign checkpoints are skipped with
+        a warning naming the checkpoint and the reason.
+        """
+        by_it, _ = self._scan()
+        for iteration in sorted(by_it, reverse=True):
+            m = self._read_manifest(iteration, by_it[iteration], quiet=False)
+            if m is None:
+                continue
+            ref = self._ref(m)
+            if spec_hash is not None and m.spec_hash != spec_hash:
+                log.warning(
+                    "skipping checkpoint %s: spec hash %s differs from this job's %s "
+                    "(written by a different job definition)", ref.uri, m.spec_hash, spec_hash,
+                )
+                continue
+            try:
+                payload = self._read_files(ref)
+            except CheckpointCorruptError as exc:
+                log.warning("skipping damaged checkpoint %s, using an older one: %s", ref.uri, exc)
+                continue
+            with self._lock:
+                self._verified = (ref, payload)  # load(ref) right after latest() reads once
+            return ref
+        return None
+
+    def _read_files(self, ref: CheckpointRef) -> dict[str, bytes]:
+        it_dir = iteration_dir(ref.iteration)
+        out = {}
+        for f in ref.files:
+            data = self.backend.get(f"{it_dir}/{f.name}")
+            if data is None:
+                raise CheckpointCorruptError(f"{ref.uri}/{f.name} is missing")
+            if len(data) != f.size or hashlib.sha256(data).hexdigest() != f.sha256:
+                raise CheckpointCorruptError(
+                    f"{ref.uri}/{f.name} fails verification: expected sha256 {f.sha256[:12]}… "
+                    f"size {f.size}, got sha256 {hashlib.sha256(data).hexdigest()[:12]}… size {len(data)}"
+                )
+            out[f.name] = data
+        return out
+
+    def load(self, ref: CheckpointRef) -> Any:
+        """The state saved in ``ref``, after verifying every checksum. Never executes code.
+
+        Raises :class:`CheckpointCorruptError` (damage) or :class:`UnsafeCheckpointError`
+        (content the safe loader refuses).
+        """
+        with self._lock:
+            cached, self._verified = self._verified, None
+        payload = cached[1] if cached is not None and cached[0] == ref else self._read_files(ref)
+        states = [name for name in payload if name.rsplit("/", 1)[-1] == STATE_NAME]
+        if len(states) != 1:
+            raise CheckpointCorruptError(f"{ref.uri} has no single {STATE_NAME}")
+        return decode_state(payload[states[0]], name=f"{ref.uri}/{states[0]}")
+
+    # --- retention -------------------------------------------------------------------------
+
+    def _retain(self, *, committed: int) -> None:
+        """Delete checkpoints outside the keep set, and orphaned data, older than ``committed``.
+
+        Only iterations below the one just committed are candidates, so that checkpoint (whose
+        bytes were just verified as written) and anything newer survive; the latest verified
+        checkpoint is therefore never deleted. A manifest is deleted before its data, so an
+        interrupted cleanup leaves an invisible orphan, never a checkpoint with missing files.
+        """
+        try:
+            by_it, _ = self._scan()
+            committed_its = sorted(i for i, keys in by_it.items() if MANIFEST_NAME in keys)
+            keep = set(committed_its[-self.keep_last:]) | {committed}
+            if self.keep_every:
+                keep |= {i for i in committed_its if i % self.keep_every == 0}
+            for iteration in sorted(by_it):
+                if iteration >= committed or iteration in keep:
+                    continue
+                keys = by_it[iteration]
+                it_dir = iteration_dir(iteration)
+                if MANIFEST_NAME in keys:
+                    self.backend.delete([f"{it_dir}/{MANIFEST_NAME}"])
+                self.backend.delete([f"{it_dir}/{k}" for k in keys if k != MANIFEST_NAME])
+                log.info("retention: removed %s/%s", self.uri, it_dir)
+        except CheckpointError as exc:  # the commit itself succeeded; cleanup is retried next time
+            log.warning("retention after committing iteration %d failed: %s", committed, exc)
