@@ -1,0 +1,125 @@
+"""``ElasticOpsHook``: resolves the pool ledger and the checkpoint store from Airflow connections.
+
+The pool ledger URL comes from a connection of type ``elastic_ops_pool`` (default id
+``elastic_ops_pool_default``): either ``extra={"url": "..."}`` or the usual host/login/password/
+port/schema fields, which build a PostgreSQL URL. Without that connection the ledger is the
+embedded default, ``sqlite:///$AIRFLOW_HOME/elastic_ops_pool.db``.
+
+``s3://`` checkpoints get a boto3 client built from an Airflow ``aws`` connection through the
+Amazon provider's ``S3Hook`` (so ``endpoint_url`` in the connection's extra is honoured and any
+S3-compatible store works); ``file://`` checkpoints need no connection.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+from airflow.sdk import BaseHook
+from airflow.sdk.exceptions import AirflowNotFoundException
+
+DEFAULT_CONN_ID = "elastic_ops_pool_default"
+CONN_TYPE = "elastic_ops_pool"
+LEDGER_FILE = "elastic_ops_pool.db"
+
+
+def airflow_home() -> Path:
+    return Path(os.environ.get("AIRFLOW_HOME") or Path.home() / "airflow")
+
+
+def default_ledger_url() -> str:
+    """The embedded default ledger: a SQLite file beside ``AIRFLOW_HOME``."""
+    return f"sqlite:///{airflow_home() / LEDGER_FILE}"
+
+
+def default_checkpoint_root() -> str:
+    return f"file://{airflow_home() / 'elastic_ops' / 'checkpoints'}"
+
+
+def url_from_connection(conn: Any) -> str:
+    """A SQLAlchemy URL from an ``elastic_ops_pool`` connection (``extra.url`` wins)."""
+    extra = conn.extra_dejson or {}
+    if extra.get("url"):
+        return str(extra["url"])
+    if not conn.host:
+        raise ValueError(
+            f"connection {conn.conn_id!r} of type {CONN_TYPE!r} needs extra {{'url': ...}} or a host"
+        )
+    auth = ""
+    if conn.login:
+        auth = quote(conn.login, safe="")
+        if conn.password:
+            auth += ":" + quote(conn.password, safe="")
+        auth += "@"
+    port = f":{conn.port}" if conn.port else ""
+    return f"postgresql+psycopg2://{auth}{conn.host}{port}/{conn.schema or 'postgres'}"
+
+
+class ElasticOpsHook(BaseHook):
+    """Gives operators, sensors and triggers a ``PoolClient`` and checkpoint stores."""
+
+    conn_name_attr = "elastic_ops_conn_id"
+    default_conn_name = DEFAULT_CONN_ID
+    conn_type = CONN_TYPE
+    hook_name = "Elastic Ops pool ledger"
+
+    def __init__(
+        self,
+        elastic_ops_conn_id: str = DEFAULT_CONN_ID,
+        aws_conn_id: str | None = "aws_default",
+        ledger_url: str | None = None,
+    ) -> None:
+        super().__init__()
+        self.elastic_ops_conn_id = elastic_ops_conn_id
+        self.aws_conn_id = aws_conn_id
+        self._ledger_url = ledger_url
+        self._pool = None
+
+    @classmethod
+    def get_ui_field_behaviour(cls) -> dict[str, Any]:
+        return {
+            "hidden_fields": [],
+            "relabeling": {"schema": "Database"},
+            "placeholders": {
+                "extra": '{"url": "postgresql+psycopg2://user:pass@host:5432/pool"}',
+                "host": "pool-db.example.com",
+            },
+        }
+
+    # --- pool ------------------------------------------------------------------------------
+
+    def ledger_url(self) -> str:
+        """The ledger URL: explicit, else the connection, else the embedded SQLite default."""
+        if self._ledger_url is None:
+            try:
+                conn = self.get_connection(self.elastic_ops_conn_id)
+            except AirflowNotFoundException:
+                self._ledger_url = default_ledger_url()
+            else:
+                self._ledger_url = url_from_connection(conn)
+        return self._ledger_url
+
+    def pool(self):
+        """A ``PoolClient`` on the ledger (created and migrated on first use)."""
+        if self._pool is None:
+            from elastic_ops.pool import PoolClient
+
+            self._pool = PoolClient(self.ledger_url())
+        return self._pool
+
+    # --- checkpoints -----------------------------------------------------------------------
+
+    def s3_client(self):
+        """A boto3 S3 client from the Airflow ``aws`` connection (endpoint_url honoured)."""
+        from airflow.providers.amazon.aws.hooks.s3 import S3Hook
+
+        return S3Hook(aws_conn_id=self.aws_conn_id).get_conn()
+
+    def store(self, uri: str, *, keep_last: int = 3, keep_every: int | None = None):
+        """Open the checkpoint store at ``uri`` (``file://`` or ``s3://``)."""
+        from elastic_ops.checkpoint import open_store
+
+        client = self.s3_client() if uri.startswith("s3://") and self.aws_conn_id else None
+        return open_store(uri, s3_client=client, keep_last=keep_last, keep_every=keep_every)

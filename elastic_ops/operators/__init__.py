@@ -1,0 +1,11 @@
+"""Elastic training operators: register → chunk × N → finalize (see ``elastic_training``)."""
+
+from elastic_ops.operators.chunk import ElasticChunkOperator
+from elastic_ops.operators.lifecycle import ElasticFinalizeOperator, ElasticRegisterOperator
+from elastic_ops.operators.results import ChunkTaskResult
+from elastic_ops.operators.retry import ElasticRetryPolicy
+
+__all__ = [
+    "ChunkTaskResult", "ElasticChunkOperator", "ElasticFinalizeOperator", "ElasticRegisterOperator",
+    "ElasticRetryPolicy",
+]

@@ -1,0 +1,242 @@
+"""``ElasticChunkOperator``: one Airflow task trains one iteration range of an elastic job.
+
+A try: request a grant (defer to :class:`GrantTrigger` while the pool says wait) → run the
+chunk through the runtime with a heartbeating lease → commit → release → typed XCom result.
+A full preemption checkpoints, releases and defers again (never a failure, never a retry).
+A lost worker reports the failed host to the pool and raises, so Airflow retries with backoff
+on a grant that avoids that host, resuming from the latest committed checkpoint.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+from airflow.sdk import BaseOperator
+
+from elastic_ops.errors import WorkerLostError
+from elastic_ops.hooks.elastic_ops import DEFAULT_CONN_ID, ElasticOpsHook, default_checkpoint_root
+from elastic_ops.operators.jobs import chunk_range, job_id, runtime_spec, safe_name
+from elastic_ops.operators.lease import LeaseKeeper
+from elastic_ops.operators.progress import progress_logger
+from elastic_ops.operators.results import ChunkTaskResult
+from elastic_ops.operators.retry import ElasticRetryPolicy
+from elastic_ops.spec import JobSpec
+from elastic_ops.triggers.events import GrantEvent, TriggerFailure, parse_event
+from elastic_ops.triggers.pool import GrantTrigger
+
+WARM_START_PREVIOUS = "previous"
+
+
+def failed_hosts(client: Any, job: str) -> list[str]:
+    """Hosts on which ``job`` failed, from the pool's event log (what a retry must avoid)."""
+    hosts: set[str] = set()
+    for event in client.events(job=job):
+        kind = str(event.get("kind") or event.get("type") or event.get("event") or "")
+        if "fail" in kind and event.get("host"):
+            hosts.add(str(event["host"]))
+    return sorted(hosts)
+
+
+class ElasticOperatorMixin:
+    """Fields and helpers every elastic operator shares (job identity, hook)."""
+
+    elastic_ops_conn_id: str
+    aws_conn_id: str | None
+    group_id: str
+    spec_fields: dict[str, Any]
+    num_chunks: int | None
+
+    def _hook(self, ledger_url: str | None = None) -> ElasticOpsHook:
+        return ElasticOpsHook(self.elastic_ops_conn_id, aws_conn_id=self.aws_conn_id, ledger_url=ledger_url)
+
+    def _spec(self, context: Any) -> JobSpec:
+        dag_id = context["dag"].dag_id
+        run_id = context["run_id"]
+        root = f"{default_checkpoint_root()}/{safe_name(dag_id)}/{safe_name(self.group_id)}"
+        return runtime_spec(
+            self.spec_fields, name=job_id(dag_id, self.group_id, run_id), checkpoint_root=root,
+            run_id=run_id, num_chunks=self.num_chunks,
+        )
+
+
+class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
+    """Train chunk ``chunk_index`` of the job described by ``spec_fields`` (templated)."""
+
+    template_fields: Sequence[str] = ("spec_fields", "warm_start")
+    ui_color = "#c9e4ff"
+
+    def __init__(
+        self,
+        *,
+        spec_fields: dict[str, Any],
+        chunk_index: int,
+        group_id: str,
+        num_chunks: int | None = None,
+        warm_start: str | None = None,
+        elastic_ops_conn_id: str = DEFAULT_CONN_ID,
+        aws_conn_id: str | None = "aws_default",
+        poll_interval: float = 1.0,
+        heartbeat_interval: float = 2.0,
+        **kwargs: Any,
+    ) -> None:
+        kwargs.setdefault("retries", 3)
+        kwargs.setdefault("retry_delay", timedelta(seconds=5))
+        kwargs.setdefault("retry_exponential_backoff", 2.0)
+        kwargs.setdefault("max_retry_delay", timedelta(minutes=10))
+        kwargs.setdefault("retry_policy", ElasticRetryPolicy())
+        super().__init__(**kwargs)
+        self.spec_fields = spec_fields
+        self.chunk_index = chunk_index
+        self.group_id = group_id
+        self.num_chunks = num_chunks
+        self.warm_start = warm_start
+        self.elastic_ops_conn_id = elastic_ops_conn_id
+        self.aws_conn_id = aws_conn_id
+        self.poll_interval = poll_interval
+        self.heartbeat_interval = heartbeat_interval
+
+    # --- first entry -----------------------------------------------------------------------
+
+    def execute(self, context: Any) -> dict[str, Any]:
+        spec = self._spec(context)
+        start, end = chunk_range(spec, self.chunk_index)
+        hook = self._hook()
+        state = {
+            "spec": spec.to_dict(), "chunk_index": self.chunk_index, "start": start, "end": end,
+            "warm_start": self._warm_start(context) if start == 0 else None,
+            "ledger_url": hook.ledger_url(), "preemptions": 0, "timeline": [], "epochs": [],
+            "hosts": [], "trained": 0, "waited_s": 0.0, "started_at": time.time(),
+        }
+        done = self._already_done(hook, spec, end) if start < end else None
+        if start >= end or done is not None:
+            self.log.info("chunk [%d, %d) of %s already done; nothing to train", start, end, spec.name)
+            return self._result(state, status="already_done", checkpoint_uri=done).to_dict()
+        return self._acquire(context, state, hook)
+
+    def execute_granted(self, context: Any, event: dict[str, Any]) -> dict[str, Any]:
+        """Resume after the :class:`GrantTrigger` fired; all state comes from the event."""
+        parsed = parse_event(event)
+        if isinstance(parsed, TriggerFailure):
+            from elastic_ops.errors import PoolError
+
+            raise PoolError(f"waiting for a grant failed: {parsed.error_type}: {parsed.error}")
+        assert isinstance(parsed, GrantEvent)  # noqa: S101 - parse_event's contract, not input
+        state = dict(parsed.state)
+        state["waited_s"] = float(state.get("waited_s", 0.0)) + parsed.waited_s
+        return self._run_granted(context, state, parsed, self._hook(state["ledger_url"]))
+
+    # --- steps -----------------------------------------------------------------------------
+
+    def _warm_start(self, context: Any) -> str | None:
+        if self.warm_start != WARM_START_PREVIOUS:
+            return self.warm_start or None
+        for asset in self.inlets:
+            events = context["inlet_events"][asset]
+            if len(events):
+                uri = (events[-1].extra or {}).get("checkpoint_uri")
+                self.log.info("warm start from the previous model %s", uri)
+                return uri
+        self.log.info("no previous model yet; cold start")
+        return None
+
+    def _already_done(self, hook: ElasticOpsHook, spec: JobSpec, end: int) -> str | None:
+        store = hook.store(spec.checkpoint_uri(), keep_last=spec.keep_last, keep_every=spec.keep_every)
+        ref = store.latest(spec_hash=spec.spec_hash())
+        return ref.uri if ref is not None and ref.iteration >= end else None
+
+    def _acquire(self, context: Any, state: dict[str, Any], hook: ElasticOpsHook) -> dict[str, Any]:
+        job = state["spec"]["name"]
+        client = hook.pool()
+        avoid = failed_hosts(client, job)
+        if avoid:
+            self.log.info("job %s avoids hosts that failed it: %s", job, ", ".join(avoid))
+        outcome = client.request(job, avoid_hosts=tuple(avoid))
+        if hasattr(outcome, "epoch"):
+            return self._run_granted(context, state, GrantEvent.from_grant(outcome, state), hook)
+        self.log.info("job %s waits for workers (%s); deferring", job, getattr(outcome, "reason", ""))
+        self.defer(
+            trigger=GrantTrigger(job=job, ledger_url=state["ledger_url"], state=state,
+                                 avoid_hosts=avoid, poll_interval=self.poll_interval),
+            method_name="execute_granted",
+        )
+
+    def _run_granted(
+        self, context: Any, state: dict[str, Any], grant: GrantEvent, hook: ElasticOpsHook
+    ) -> dict[str, Any]:
+        from elastic_ops.runtime import ChunkStatus, run_chunk
+
+        spec = JobSpec.from_dict(state["spec"])
+        client = hook.pool()
+        host = grant.placements[0][0]
+        self.log.info("job %s: chunk [%d, %d) on %d workers on %s (epoch %d)", spec.name,
+                      state["start"], state["end"], grant.workers, ", ".join(grant.hosts), grant.epoch)
+        store = hook.store(spec.checkpoint_uri(), keep_last=spec.keep_last, keep_every=spec.keep_every)
+        keeper = LeaseKeeper(client, spec.name, grant.epoch, grant.workers,
+                             interval_s=min(self.heartbeat_interval, grant.ttl_s / 3)).start()
+        try:
+            result = run_chunk(
+                spec, state["start"], state["end"], target=keeper.target, store=store,
+                epoch=grant.epoch, on_progress=progress_logger(self.log, spec.name), host=host,
+                warm_start=state.get("warm_start"),
+            )
+        except WorkerLostError as exc:
+            keeper.stop()
+            failed = exc.host or host
+            self.log.error("job %s lost a worker on host %s: %s", spec.name, failed, exc)
+            client.report_failure(spec.name, failed)
+            self._release(client, spec.name, grant.epoch)
+            raise
+        except BaseException:
+            keeper.stop()
+            self._release(client, spec.name, grant.epoch)
+            raise
+        keeper.stop()
+        state = self._account(state, grant, result)
+        if result.status == ChunkStatus.PREEMPTED:
+            self._release(client, spec.name, grant.epoch)
+            state["preemptions"] += 1
+            state["warm_start"] = None  # the checkpoint it just wrote is where it resumes
+            self.log.info("job %s preempted at iteration %d; waiting for workers again",
+                          spec.name, result.iteration)
+            return self._acquire(context, state, hook)
+        last = state["end"] >= spec.total_iterations
+        self._release(client, spec.name, grant.epoch, finished=last)
+        out = self._result(state, status=str(getattr(result.status, "value", result.status)),
+                           checkpoint_uri=result.checkpoint_uri, result=result)
+        self.log.info("job %s: chunk [%d, %d) done: loss=%s %.0f samples/s, checkpoint %s",
+                      spec.name, out.start, out.end, out.loss, out.samples_per_sec, out.checkpoint_uri)
+        return out.to_dict()
+
+    def _release(self, client: Any, job: str, epoch: int, finished: bool = False) -> None:
+        from elastic_ops.errors import LeaseExpiredError
+
+        try:
+            client.release(job, epoch, finished=finished)
+        except LeaseExpiredError:
+            self.log.info("job %s: lease of epoch %d already gone", job, epoch)
+
+    @staticmethod
+    def _account(state: dict[str, Any], grant: GrantEvent, result: Any) -> dict[str, Any]:
+        state = dict(state)
+        state["timeline"] = list(state["timeline"]) + [list(t) for t in result.workers_timeline]
+        state["epochs"] = list(state["epochs"]) + [grant.epoch]
+        state["hosts"] = sorted(set(state["hosts"]) | set(grant.hosts))
+        state["trained"] = int(state["trained"]) + max(0, result.iteration - result.start)
+        state["last"] = {"samples_per_sec": result.samples_per_sec, "duration_s": result.duration_s}
+        return state
+
+    def _result(self, state: dict[str, Any], *, status: str, checkpoint_uri: str | None,
+                result: Any = None) -> ChunkTaskResult:
+        return ChunkTaskResult(
+            job=state["spec"]["name"], chunk_index=state["chunk_index"], start=state["start"],
+            end=state["end"], status=status, iterations=int(state["trained"]),
+            workers_timeline=state["timeline"],
+            samples_per_sec=float(getattr(result, "samples_per_sec", 0.0) or 0.0),
+            loss=getattr(result, "loss", None), metrics=dict(getattr(result, "metrics", None) or {}),
+            checkpoint_uri=checkpoint_uri, param_sha256=getattr(result, "param_sha256", None),
+            epochs=state["epochs"], hosts=state["hosts"], preemptions=int(state["preemptions"]),
+            waited_s=float(state["waited_s"]), duration_s=time.time() - float(state["started_at"]),
+        )

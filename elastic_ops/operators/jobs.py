@@ -1,0 +1,99 @@
+"""Naming and run-time spec building shared by the elastic operators (no Airflow imports).
+
+One elastic training group in one DAG run is one pool job, with its own checkpoint prefix, so
+two runs of a DAG never resume each other's checkpoints (a scheduled retraining warm-starts from
+the previous run's final model instead, explicitly).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from elastic_ops.errors import SpecError
+from elastic_ops.spec import JobSpec
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.\-]+")
+_INT_FIELDS = {
+    "total_iterations", "global_batch", "chunk_iterations", "min_workers", "max_workers",
+    "priority", "virtual_shards", "micro_batch", "warmup_iterations", "checkpoint_interval",
+    "keep_last", "keep_every", "data_seed", "threads_per_worker",
+}
+_NONE_STRINGS = {"", "none", "null"}
+
+
+def safe_name(text: str, limit: int = 128) -> str:
+    """``text`` reduced to the characters a job name allows, short enough, still unique."""
+    name = _UNSAFE.sub("_", text).strip("_.-") or "job"
+    if len(name) > limit:
+        digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+        name = f"{name[: limit - 17]}-{digest}"
+    return name
+
+
+def job_id(dag_id: str, group_id: str, run_id: str) -> str:
+    """The pool job of one elastic training group in one DAG run."""
+    return safe_name(f"{dag_id}.{group_id}.{run_id}")
+
+
+def is_template(value: Any) -> bool:
+    return isinstance(value, str) and ("{{" in value or "{%" in value)
+
+
+def coerce_rendered(fields: Mapping[str, Any]) -> dict[str, Any]:
+    """Turn rendered template strings back into the types the spec wants ("8" -> 8).
+
+    Jinja renders to strings unless the DAG renders native objects; the trigger form's Params
+    are already typed and pass through unchanged.
+    """
+    out: dict[str, Any] = {}
+    for key, value in fields.items():
+        if isinstance(value, str):
+            text = value.strip()
+            if key in _INT_FIELDS and re.fullmatch(r"[+-]?\d+", text):
+                value = int(text)
+            elif key == "preemptible" and text.lower() in ("true", "false"):
+                value = text.lower() == "true"
+            elif key in _INT_FIELDS | {"checkpoint"} and text.lower() in _NONE_STRINGS:
+                value = None
+        out[key] = value
+    return out
+
+
+def run_checkpoint_uri(root: str, run_id: str) -> str:
+    return f"{root.rstrip('/')}/{safe_name(run_id)}"
+
+
+def runtime_spec(
+    fields: Mapping[str, Any],
+    *,
+    name: str,
+    checkpoint_root: str,
+    run_id: str,
+    num_chunks: int | None = None,
+) -> JobSpec:
+    """The spec one DAG run trains: rendered fields + the run's job name and checkpoint prefix.
+
+    With ``num_chunks`` fixed at parse time (because ``total_iterations`` is a template), the
+    chunk size becomes ``ceil(total_iterations / num_chunks)``.
+    """
+    data = coerce_rendered(fields)
+    data["name"] = name
+    data["checkpoint"] = run_checkpoint_uri(data.get("checkpoint") or checkpoint_root, run_id)
+    total = data.get("total_iterations")
+    if num_chunks is not None and isinstance(total, int) and not isinstance(total, bool) and total > 0:
+        if num_chunks > total:
+            raise SpecError("total_iterations", total, f"must be >= the number of chunk tasks ({num_chunks})")
+        data["chunk_iterations"] = math.ceil(total / num_chunks)
+    return JobSpec.from_dict(data)
+
+
+def chunk_range(spec: JobSpec, index: int) -> tuple[int, int]:
+    """The ``[start, end)`` of chunk ``index``; an empty range past the last chunk."""
+    ranges = spec.chunk_ranges()
+    if index < len(ranges):
+        return ranges[index]
+    return spec.total_iterations, spec.total_iterations

@@ -1,0 +1,117 @@
+"""``ElasticRegisterOperator`` (submit the job to the pool) and ``ElasticFinalizeOperator``
+(finish the job in the pool, emit the trained model as an Asset event with its metrics)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from airflow.sdk import BaseOperator
+
+from elastic_ops.hooks.elastic_ops import DEFAULT_CONN_ID
+from elastic_ops.operators.chunk import ElasticOperatorMixin
+from elastic_ops.operators.results import ChunkTaskResult
+
+
+class ElasticRegisterOperator(ElasticOperatorMixin, BaseOperator):
+    """Register (idempotently) the run's job with the pool: ``min..max`` workers, priority."""
+
+    template_fields: Sequence[str] = ("spec_fields",)
+    ui_color = "#e8f4d9"
+
+    def __init__(
+        self,
+        *,
+        spec_fields: dict[str, Any],
+        group_id: str,
+        num_chunks: int | None = None,
+        elastic_ops_conn_id: str = DEFAULT_CONN_ID,
+        aws_conn_id: str | None = "aws_default",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.spec_fields = spec_fields
+        self.group_id = group_id
+        self.num_chunks = num_chunks
+        self.elastic_ops_conn_id = elastic_ops_conn_id
+        self.aws_conn_id = aws_conn_id
+
+    def execute(self, context: Any) -> dict[str, Any]:
+        spec = self._spec(context)
+        self._hook().pool().submit(
+            spec.name, min_workers=spec.min_workers, max_workers=spec.max_workers,
+            priority=spec.priority, preemptible=spec.preemptible,
+        )
+        self.log.info(
+            "registered job %s: %d..%d workers, priority %d, %d chunks of %d iterations, checkpoints %s",
+            spec.name, spec.min_workers, spec.max_workers, spec.priority, spec.num_chunks,
+            spec.chunk_iterations, spec.checkpoint_uri(),
+        )
+        return {"job": spec.name, "spec": spec.to_dict(), "checkpoint": spec.checkpoint_uri()}
+
+
+class ElasticFinalizeOperator(ElasticOperatorMixin, BaseOperator):
+    """Finish the job: sum up the chunks' results, emit the model Asset event (URI + metrics)."""
+
+    template_fields: Sequence[str] = ("spec_fields",)
+    ui_color = "#ffe7b3"
+
+    def __init__(
+        self,
+        *,
+        spec_fields: dict[str, Any],
+        group_id: str,
+        chunk_task_ids: list[str],
+        num_chunks: int | None = None,
+        elastic_ops_conn_id: str = DEFAULT_CONN_ID,
+        aws_conn_id: str | None = "aws_default",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.spec_fields = spec_fields
+        self.group_id = group_id
+        self.chunk_task_ids = list(chunk_task_ids)
+        self.num_chunks = num_chunks
+        self.elastic_ops_conn_id = elastic_ops_conn_id
+        self.aws_conn_id = aws_conn_id
+
+    def execute(self, context: Any) -> dict[str, Any]:
+        spec = self._spec(context)
+        ti = context["ti"]
+        chunks = [
+            ChunkTaskResult.from_dict(ti.xcom_pull(task_ids=tid)) for tid in self.chunk_task_ids
+        ]
+        hook = self._hook()
+        store = hook.store(spec.checkpoint_uri(), keep_last=spec.keep_last, keep_every=spec.keep_every)
+        ref = store.latest(spec_hash=spec.spec_hash())
+        if ref is None or ref.iteration < spec.total_iterations:
+            from elastic_ops.errors import CheckpointNotFoundError
+
+            got = None if ref is None else ref.iteration
+            raise CheckpointNotFoundError(
+                f"job {spec.name} has no final checkpoint at iteration {spec.total_iterations} "
+                f"(latest: {got}) under {spec.checkpoint_uri()}"
+            )
+        trained = [c for c in chunks if c.status != "already_done"]
+        last = trained[-1] if trained else chunks[-1]
+        summary = {
+            "job": spec.name, "checkpoint_uri": ref.uri, "iteration": ref.iteration,
+            "loss": last.loss, "metrics": last.metrics, "param_sha256": last.param_sha256,
+            "chunks": len(chunks), "preemptions": sum(c.preemptions for c in chunks),
+            "waited_s": round(sum(c.waited_s for c in chunks), 3),
+            "train_s": round(sum(c.duration_s - c.waited_s for c in trained), 3),
+            "max_workers_used": max((int(w) for c in chunks for _, w, _ in c.workers_timeline), default=0),
+            "dag_id": context["dag"].dag_id, "run_id": context["run_id"],
+        }
+        self._finish_in_pool(hook, spec.name)
+        for asset in self.outlets:
+            context["outlet_events"][asset].extra = summary
+        self.log.info("job %s finished: model %s, metrics %s", spec.name, ref.uri, summary["metrics"])
+        return summary
+
+    def _finish_in_pool(self, hook: Any, job: str) -> None:
+        """The last chunk released with ``finished=True``; make sure even when it had no work."""
+        client = hook.pool()
+        finish = getattr(client, "finish", None)
+        if finish is not None:
+            finish(job)

@@ -1,0 +1,37 @@
+"""The typed XCom result of a chunk task (a JSON dict on the wire)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkTaskResult:
+    """What one chunk task did. ``workers_timeline`` holds ``[iteration, workers, unix_time]``."""
+
+    job: str
+    chunk_index: int
+    start: int
+    end: int
+    status: str                       # completed | already_done
+    iterations: int                   # iterations trained by this task (all its grants)
+    workers_timeline: list[list[float]]
+    samples_per_sec: float
+    loss: float | None
+    metrics: dict[str, float]
+    checkpoint_uri: str | None
+    param_sha256: str | None
+    epochs: list[int]                 # fencing epochs of the grants this task ran under
+    hosts: list[str]
+    preemptions: int
+    waited_s: float
+    duration_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ChunkTaskResult:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})

@@ -1,0 +1,135 @@
+"""``elastic_training(...)``: one call in a DAG → a task group register → chunk × N → finalize.
+
+Every argument is validated when the DAG is parsed (a bad value raises ``SpecError`` naming the
+field, the value and what is allowed). Worker bounds, priority, checkpoint and total iterations
+may be Jinja templates (e.g. ``"{{ params.max_workers }}"`` from the trigger form); those are
+validated again when the task renders them. The number of chunk tasks is fixed at parse time: it
+is ``ceil(total_iterations / chunk_iterations)``, or ``num_chunks`` when ``total_iterations`` is a
+template.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from airflow.sdk import Asset, TaskGroup
+from airflow.sdk.definitions._internal.contextmanager import DagContext
+
+from elastic_ops.errors import SpecError
+from elastic_ops.hooks.elastic_ops import DEFAULT_CONN_ID, airflow_home
+from elastic_ops.operators.chunk import WARM_START_PREVIOUS, ElasticChunkOperator
+from elastic_ops.operators.jobs import is_template, safe_name
+from elastic_ops.operators.lifecycle import ElasticFinalizeOperator, ElasticRegisterOperator
+from elastic_ops.spec import JobSpec
+
+# Fields that cannot be templates: they decide the task structure or the training trajectory.
+_STATIC = ("entrypoint", "chunk_iterations", "global_batch", "consistency", "data_seed")
+
+
+def _placeholder(field: str, fields: dict[str, Any], num_chunks: int | None) -> Any:
+    """A valid stand-in for a templated field, so the other fields can be checked at parse time."""
+    concrete = lambda k, d: d if is_template(fields.get(k)) or fields.get(k) is None else fields[k]  # noqa: E731
+    if field == "max_workers":
+        return max(1, concrete("min_workers", 1))
+    if field == "total_iterations":
+        return max(num_chunks or 1, 1) * max(1, concrete("chunk_iterations", 1))
+    return {"min_workers": 1, "priority": 1, "checkpoint": None, "preemptible": True}.get(field)
+
+
+def validate_fields(fields: dict[str, Any], num_chunks: int | None) -> tuple[JobSpec, int]:
+    """Parse-time check of the spec fields; returns the (placeholder-filled) spec and chunk count."""
+    for field in _STATIC:
+        if is_template(fields.get(field)):
+            raise SpecError(field, fields[field], "cannot be a template: it is fixed when the DAG is parsed")
+    templated = [k for k, v in fields.items() if is_template(v)]
+    if "total_iterations" in templated and num_chunks is None:
+        raise SpecError(
+            "num_chunks", None,
+            "is required when total_iterations is a template (the chunk tasks are created at parse time)",
+        )
+    if num_chunks is not None and (isinstance(num_chunks, bool) or not isinstance(num_chunks, int)
+                                   or num_chunks < 1):
+        raise SpecError("num_chunks", num_chunks, "must be an integer >= 1")
+    concrete = dict(fields)
+    for field in templated:
+        concrete[field] = _placeholder(field, fields, num_chunks)
+    if num_chunks is not None:
+        concrete.pop("chunk_iterations", None)
+    spec = JobSpec.from_dict(concrete)
+    if num_chunks is None:
+        return spec, spec.num_chunks
+    if "total_iterations" not in templated and num_chunks > spec.total_iterations:
+        raise SpecError("num_chunks", num_chunks, f"must be <= total_iterations ({spec.total_iterations})")
+    if "total_iterations" not in templated:
+        return spec, math.ceil(spec.total_iterations / math.ceil(spec.total_iterations / num_chunks))
+    return spec, num_chunks
+
+
+def elastic_training(
+    task_id: str,
+    trainable: str,
+    total_iterations: int | str,
+    chunk_iterations: int | None = None,
+    min_workers: int | str = 1,
+    max_workers: int | str = 1,
+    priority: int | str = 1,
+    checkpoint: str | None = None,
+    *,
+    global_batch: int = 64,
+    num_chunks: int | None = None,
+    warm_start: str | None = None,
+    model_asset: Asset | None = None,
+    elastic_ops_conn_id: str = DEFAULT_CONN_ID,
+    aws_conn_id: str | None = "aws_default",
+    chunk_kwargs: dict[str, Any] | None = None,
+    **spec: Any,
+) -> TaskGroup:
+    """Build the task group that trains ``trainable`` elastically.
+
+    :param trainable: ``"package.module:TrainableClass"`` (or a script path).
+    :param checkpoint: ``file://…`` or ``s3://bucket/prefix``; each DAG run trains under its own
+        ``<checkpoint>/<run_id>`` prefix. Default: ``file://$AIRFLOW_HOME/elastic_ops/checkpoints``.
+    :param warm_start: a checkpoint URI, or ``"previous"``: the model of the latest event of
+        ``model_asset`` (scheduled retraining continues from the last run's final model).
+    :param model_asset: the Asset finalize emits (default: named after the DAG and group).
+    :param chunk_kwargs: extra ``BaseOperator`` arguments for the chunk tasks (retries, pool, …).
+    :param spec: any other ``JobSpec`` field (consistency, params, preemptible, data_seed, …).
+    """
+    dag = DagContext.get_current()
+    dag_id = dag.dag_id if dag is not None else "no_dag"
+    fields: dict[str, Any] = {
+        "name": safe_name(task_id), "entrypoint": trainable, "total_iterations": total_iterations,
+        "chunk_iterations": chunk_iterations, "min_workers": min_workers, "max_workers": max_workers,
+        "priority": priority, "checkpoint": checkpoint, "global_batch": global_batch, **spec,
+    }
+    if is_template(warm_start):
+        raise SpecError("warm_start", warm_start, "must be a checkpoint URI or 'previous', not a template")
+    _, n_chunks = validate_fields(fields, num_chunks)
+    fields = {k: v for k, v in fields.items() if k != "name"}
+    if model_asset is None:
+        default_root = airflow_home() / "elastic_ops" / "checkpoints" / safe_name(dag_id) / safe_name(task_id)
+        root = checkpoint if checkpoint and not is_template(checkpoint) else f"file://{default_root}"
+        model_asset = Asset(name=f"{dag_id}.{task_id}.model", uri=root, group="model")
+    common = {"spec_fields": fields, "group_id": task_id, "num_chunks": num_chunks,
+              "elastic_ops_conn_id": elastic_ops_conn_id, "aws_conn_id": aws_conn_id}
+    with TaskGroup(group_id=task_id, tooltip=f"elastic training of {trainable}") as group:
+        register = ElasticRegisterOperator(task_id="register", **common)
+        chunks = []
+        for i in range(n_chunks):
+            extra = dict(chunk_kwargs or {})
+            if i == 0 and warm_start == WARM_START_PREVIOUS:
+                extra["inlets"] = [model_asset]
+            chunks.append(ElasticChunkOperator(
+                task_id=f"chunk_{i + 1:02d}_of_{n_chunks:02d}", chunk_index=i,
+                warm_start=warm_start if i == 0 else None, **common, **extra,
+            ))
+        finalize = ElasticFinalizeOperator(
+            task_id="finalize", chunk_task_ids=[c.task_id for c in chunks], outlets=[model_asset], **common,
+        )
+        prev = register
+        for task in [*chunks, finalize]:
+            prev >> task
+            prev = task
+    group.model_asset = model_asset  # type: ignore[attr-defined] - for DAG authors wiring Assets
+    return group

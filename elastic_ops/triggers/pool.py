@@ -1,0 +1,131 @@
+"""``GrantTrigger`` (wait for a grant) and ``PoolCapacityTrigger`` (wait for free capacity).
+
+Both poll the pool ledger from the triggerer in a worker thread (the ledger client is
+synchronous SQLAlchemy). Everything the deferred task needs afterwards travels in the trigger's
+keyword arguments and comes back in the event payload: the task keeps no state across deferral.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from airflow.triggers.base import BaseTrigger, TriggerEvent
+
+from elastic_ops.errors import ElasticOpsError
+from elastic_ops.triggers.events import CapacityEvent, GrantEvent, TriggerFailure
+
+_MODULE = "elastic_ops.triggers.pool"
+
+
+def _pool_client(ledger_url: str):
+    from elastic_ops.pool import PoolClient
+
+    return PoolClient(ledger_url)
+
+
+def free_slots(status: dict[str, Any]) -> int:
+    """Free (unheld, unreserved) slots on hosts that take grants, from ``PoolClient.status()``."""
+    if "free_slots" in status:
+        return int(status["free_slots"])
+    free = 0
+    for host in status.get("hosts", []):
+        if str(host.get("state", "up")) not in ("up", "HostState.UP"):
+            continue
+        free += int(host.get("free", host.get("free_slots", 0)))
+    return free
+
+
+class GrantTrigger(BaseTrigger):
+    """Fires once the pool grants ``job`` at least its minimum, with the grant in the event.
+
+    The trigger *requests* (it is the job's place in the pool's queue, so the pool can plan and
+    preempt for it); the resumed task heartbeats the grant at once. On a ledger error that
+    retrying cannot fix it fires a ``TriggerFailure`` event instead of looping forever.
+    """
+
+    def __init__(
+        self,
+        *,
+        job: str,
+        ledger_url: str,
+        state: dict[str, Any],
+        avoid_hosts: list[str] | tuple[str, ...] = (),
+        poll_interval: float = 1.0,
+    ) -> None:
+        super().__init__()
+        self.job = job
+        self.ledger_url = ledger_url
+        self.state = dict(state)
+        self.avoid_hosts = list(avoid_hosts)
+        self.poll_interval = float(poll_interval)
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return (
+            f"{_MODULE}.GrantTrigger",
+            {
+                "job": self.job, "ledger_url": self.ledger_url, "state": self.state,
+                "avoid_hosts": list(self.avoid_hosts), "poll_interval": self.poll_interval,
+            },
+        )
+
+    def _request_once(self, client: Any) -> Any:
+        return client.request(self.job, avoid_hosts=tuple(self.avoid_hosts))
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        started = time.monotonic()
+        client = None
+        while True:
+            try:
+                if client is None:
+                    client = await asyncio.to_thread(_pool_client, self.ledger_url)
+                outcome = await asyncio.to_thread(self._request_once, client)
+            except ElasticOpsError as exc:
+                if not exc.retryable:
+                    yield TriggerEvent(TriggerFailure(str(exc), type(exc).__name__, False).to_payload())
+                    return
+                # a busy ledger: keep waiting rather than fail the task
+                self.log.warning("pool ledger busy (%s); still waiting", exc)
+                await asyncio.sleep(self.poll_interval)
+                continue
+            if hasattr(outcome, "epoch"):
+                waited = time.monotonic() - started
+                self.log.info("job %s granted %d workers (epoch %s) after %.1fs",
+                              self.job, len(outcome.placements), outcome.epoch, waited)
+                yield TriggerEvent(GrantEvent.from_grant(outcome, self.state, waited).to_payload())
+                return
+            self.log.debug("job %s waits: %s", self.job, getattr(outcome, "reason", outcome))
+            await asyncio.sleep(self.poll_interval)
+
+
+class PoolCapacityTrigger(BaseTrigger):
+    """Fires when the pool has at least ``min_workers`` free slots."""
+
+    def __init__(self, *, ledger_url: str, min_workers: int, poll_interval: float = 2.0) -> None:
+        super().__init__()
+        self.ledger_url = ledger_url
+        self.min_workers = int(min_workers)
+        self.poll_interval = float(poll_interval)
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return (
+            f"{_MODULE}.PoolCapacityTrigger",
+            {"ledger_url": self.ledger_url, "min_workers": self.min_workers,
+             "poll_interval": self.poll_interval},
+        )
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        started = time.monotonic()
+        try:
+            client = await asyncio.to_thread(_pool_client, self.ledger_url)
+            while True:
+                free = free_slots(await asyncio.to_thread(client.status))
+                if free >= self.min_workers:
+                    waited = time.monotonic() - started
+                    yield TriggerEvent(CapacityEvent(free, self.min_workers, waited).to_payload())
+                    return
+                await asyncio.sleep(self.poll_interval)
+        except ElasticOpsError as exc:
+            yield TriggerEvent(TriggerFailure(str(exc), type(exc).__name__, exc.retryable).to_payload())
