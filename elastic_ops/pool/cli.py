@@ -1,0 +1,191 @@
+"""``elastic-ops pool …`` and ``elastic-ops simulate …`` subcommands."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Any
+
+from elastic_ops.pool.client import ENV_URL
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    pool = sub.add_parser("pool", help="inspect and control the resource pool ledger")
+    pool.add_argument("--pool-url", default=None, help=f"SQLAlchemy URL of the ledger (default: ${ENV_URL})")
+    psub = pool.add_subparsers(dest="pool_command", required=True)
+
+    p = psub.add_parser("status", help="hosts, slots, jobs, leases and targets")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_status)
+
+    p = psub.add_parser("set-priority", help="change a job's priority (re-plans at once)")
+    p.add_argument("job")
+    p.add_argument("priority", type=int)
+    p.set_defaults(func=lambda a: _client(a).set_priority(a.job, a.priority))
+
+    p = psub.add_parser("set-bounds", help="change a job's min/max workers (re-plans at once)")
+    p.add_argument("job")
+    p.add_argument("min_workers", type=int)
+    p.add_argument("max_workers", type=int)
+    p.set_defaults(func=lambda a: _client(a).set_bounds(a.job, a.min_workers, a.max_workers))
+
+    p = psub.add_parser("set-preemptible", help="allow or forbid preempting a job")
+    p.add_argument("job")
+    p.add_argument("preemptible", choices=["true", "false"])
+    p.set_defaults(func=lambda a: _client(a).set_preemptible(a.job, a.preemptible == "true"))
+
+    p = psub.add_parser("drain", help="no new grants on HOST; its jobs move off at their next boundary")
+    p.add_argument("host")
+    p.set_defaults(func=lambda a: _client(a).drain_host(a.host))
+
+    p = psub.add_parser("set-host-state", help="set a host's state: up, draining, down, cooling")
+    p.add_argument("host")
+    p.add_argument("state", choices=["up", "draining", "down", "cooling"])
+    p.set_defaults(func=lambda a: _client(a).set_host_state(a.host, a.state))
+
+    p = psub.add_parser("add-host", help="register (or re-enable) a host with SLOTS slots")
+    p.add_argument("host")
+    p.add_argument("slots", type=int)
+    p.add_argument("--label", action="append", default=[], metavar="KEY=VALUE")
+    p.set_defaults(func=_add_host)
+
+    p = psub.add_parser("configure", help="pool-wide settings (policy, preemption, ttl, anti-thrashing)")
+    p.add_argument("--policy")
+    p.add_argument("--preemption", choices=["none", "graceful"])
+    for name in ("lease-ttl-s", "min-rescale-interval-s", "min-gain", "aging-s", "job-idle-s", "cooling-s"):
+        p.add_argument(f"--{name}", type=float)
+    p.add_argument("--failure-threshold", type=int)
+    p.set_defaults(func=_configure)
+
+    p = psub.add_parser("events", help="the event log (grants, grows, shrinks, releases, expiries, hosts)")
+    p.add_argument("--job", default=None)
+    p.add_argument("--json", action="store_true", help="one JSON object per line")
+    p.set_defaults(func=_events)
+
+    sim = sub.add_parser("simulate", help="replay a workload trace through the pool policies")
+    sim.add_argument(
+        "--workload", required=True, help="workload CSV (name,time,application,num_replicas,batch_size)"
+    )
+    sim.add_argument("--slots", type=int, default=64)
+    sim.add_argument("--slots-per-host", type=int, default=4)
+    sim.add_argument("--policy", default="all", help="a registered policy, 'static', or 'all'")
+    sim.add_argument("--preemption", default="graceful", choices=["none", "graceful"])
+    sim.add_argument("--rescale-cost", type=float, default=30.0, help="seconds lost per rescale")
+    sim.add_argument("--replan-interval", type=float, default=60.0, help="seconds between re-plans")
+    sim.add_argument(
+        "--traces", default=None, help="application traces folder (default: ../shared/traces/pollux/traces)"
+    )
+    sim.add_argument("--json", action="store_true", help="last line: one JSON object")
+    sim.set_defaults(func=_simulate)
+
+
+def _client(args: argparse.Namespace):
+    from elastic_ops.pool.client import PoolClient
+
+    return PoolClient(args.pool_url or os.environ.get(ENV_URL))
+
+
+def _add_host(args: argparse.Namespace) -> None:
+    from elastic_ops.errors import SpecError
+
+    labels = {}
+    for item in args.label:
+        if "=" not in item:
+            raise SpecError("label", item, "must be KEY=VALUE")
+        k, v = item.split("=", 1)
+        labels[k] = v
+    _client(args).add_host(args.host, args.slots, labels)
+
+
+def _configure(args: argparse.Namespace) -> None:
+    keys = (
+        "policy",
+        "preemption",
+        "lease_ttl_s",
+        "min_rescale_interval_s",
+        "min_gain",
+        "aging_s",
+        "job_idle_s",
+        "cooling_s",
+        "failure_threshold",
+    )
+    changes = {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
+    print(json.dumps(_client(args).configure(**changes), sort_keys=True))
+
+
+def _table(rows: list[list[Any]], header: list[str]) -> str:
+    cells = [header] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells)
+
+
+def _status(args: argparse.Namespace) -> None:
+    st = _client(args).status()
+    if args.json:
+        print(json.dumps(st, sort_keys=True))
+        return
+    cfg = st["settings"]
+    print(
+        f"policy {cfg['policy']} (preemption {cfg['preemption']}), lease ttl {cfg['lease_ttl_s']:g}s; "
+        f"slots used {st['slots']['used']} of {st['slots']['up']} up"
+    )
+    print()
+    print(
+        _table(
+            [
+                [
+                    h["name"],
+                    h["state"],
+                    h["slots"],
+                    h["used"],
+                    ",".join(f"{k}={v}" for k, v in h["labels"].items()) or "-",
+                ]
+                for h in st["hosts"]
+            ],
+            ["HOST", "STATE", "SLOTS", "USED", "LABELS"],
+        )
+    )
+    print()
+    print(
+        _table(
+            [
+                [
+                    j["name"],
+                    j["state"],
+                    f"{j['min_workers']}..{j['max_workers']}",
+                    j["priority"],
+                    "yes" if j["preemptible"] else "no",
+                    j["workers"],
+                    j["target"],
+                    j["epoch"],
+                    "-" if j["lease_expires_in"] is None else f"{j['lease_expires_in']:.0f}s",
+                    j["reason"],
+                ]
+                for j in st["jobs"]
+            ],
+            ["JOB", "STATE", "MIN..MAX", "PRIO", "PREEMPT", "WORKERS", "TARGET", "EPOCH", "LEASE", "REASON"],
+        )
+    )
+
+
+def _events(args: argparse.Namespace) -> None:
+    import datetime as dt
+
+    for e in _client(args).events(args.job):
+        if args.json:
+            print(json.dumps(e, sort_keys=True))
+            continue
+        ts = dt.datetime.fromtimestamp(e["ts"], dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
+        slots = ",".join(f"{h}:{s}" for h, s in e["slots"])
+        who = e["job"] or e["host"] or "-"
+        print(
+            f"{e['id']:>6} {ts} {e['kind']:<8} {who:<20} workers={e['workers']} epoch={e['epoch']} "
+            f"slots=[{slots}] {e['reason']}"
+        )
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from elastic_ops.pool.simulator import main_simulate
+
+    return main_simulate(args)

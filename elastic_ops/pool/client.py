@@ -1,0 +1,818 @@
+"""The pool client: the ledger's mechanism around the pure policies.
+
+Every call runs **sync → decide → apply** in one database transaction:
+
+- *sync* expires leases whose TTL passed (their slots return, their epoch dies) and returns
+  cooled-down hosts to ``up``;
+- *decide* builds a :class:`~elastic_ops.pool.model.Snapshot` and calls the configured policy;
+- *apply* reserves the slots of decided grows, creates the caller's grant, releases slots a
+  job has given up at its boundary, and records every change in ``events``.
+
+Transactions are serialised: SQLite takes the write lock at ``BEGIN IMMEDIATE`` (with a busy
+timeout and retries), PostgreSQL locks the single ``pool`` row with ``SELECT … FOR UPDATE``.
+The ``allocations`` primary key ``(host, slot)`` makes a double grant impossible even so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from sqlalchemy import Connection, create_engine, delete, event, insert, select, update
+from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.exc import ArgumentError, DBAPIError, OperationalError
+
+from elastic_ops.errors import (
+    LeaseExpiredError,
+    LedgerBusyError,
+    SpecError,
+    UnknownHostError,
+    UnknownJobError,
+)
+from elastic_ops.pool import schema as s
+from elastic_ops.pool.model import (
+    Decision,
+    Host,
+    HostState,
+    Job,
+    JobState,
+    PolicyConfig,
+    Preemption,
+    Slot,
+    Snapshot,
+    TargetAction,
+)
+from elastic_ops.pool.policies import get_policy
+from elastic_ops.spec import MAX_WORKERS_LIMIT
+
+ENV_URL = "ELASTIC_OPS_POOL_URL"
+
+
+@dataclasses.dataclass(frozen=True)
+class Grant:
+    job: str
+    epoch: int
+    placements: tuple[Slot, ...]
+    ttl_s: float
+
+    @property
+    def workers(self) -> int:
+        return len(self.placements)
+
+
+@dataclasses.dataclass(frozen=True)
+class Wait:
+    job: str
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """What a running job should do at its next boundary. ``workers`` = ``len(placements)``,
+    the slots it holds now (0 for ``preempt``)."""
+
+    job: str
+    workers: int
+    action: TargetAction
+    reason: str
+    placements: tuple[Slot, ...]
+
+
+# --- validation ------------------------------------------------------------------------------
+
+
+def _check_int(field: str, value: Any, lo: int, hi: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise SpecError(field, value, f"must be an integer in [{lo}, {hi}]")
+    return value
+
+
+def _check_bounds(min_workers: Any, max_workers: Any) -> None:
+    _check_int("min_workers", min_workers, 1, MAX_WORKERS_LIMIT)
+    _check_int("max_workers", max_workers, 1, MAX_WORKERS_LIMIT)
+    if min_workers > max_workers:
+        raise SpecError("min_workers", min_workers, f"must be <= max_workers ({max_workers})")
+
+
+def _check_name(field: str, value: Any) -> str:
+    if not isinstance(value, str) or not value or len(value) > 255:
+        raise SpecError(field, value, "must be a non-empty string of at most 255 characters")
+    return value
+
+
+def _check_host_state(value: Any) -> HostState:
+    try:
+        return HostState(value)
+    except ValueError:
+        raise SpecError("state", value, "must be one of 'up', 'draining', 'down', 'cooling'") from None
+
+
+CONFIG_FIELDS = tuple(k for k in s.DEFAULTS)
+
+
+def _check_config(changes: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for key, value in changes.items():
+        if key not in CONFIG_FIELDS:
+            raise SpecError(key, value, f"unknown pool setting; known: {', '.join(CONFIG_FIELDS)}")
+        if key == "policy":
+            get_policy(value)
+        elif key == "preemption":
+            if value not in ("none", "graceful"):
+                raise SpecError("preemption", value, "must be one of 'none', 'graceful'")
+            value = Preemption(value).value
+        elif key == "failure_threshold":
+            _check_int(key, value, 1, 1_000_000)
+        elif isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+            raise SpecError(key, value, "must be a number >= 0")
+        elif key == "lease_ttl_s" and value <= 0:
+            raise SpecError(key, value, "must be > 0")
+        out[key] = value
+    return out
+
+
+# --- engine ----------------------------------------------------------------------------------
+
+
+def _engine(url: str) -> Engine:
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        raise SpecError(
+            "url", url, "must be an SQLAlchemy URL: sqlite:////abs/pool.db or postgresql+psycopg2://…"
+        ) from None
+    backend = parsed.get_backend_name()
+    if backend == "sqlite":
+        if not parsed.database or parsed.database == ":memory:":
+            raise SpecError("url", url, "an SQLite ledger needs a file path (sqlite:////abs/path/pool.db)")
+        os.makedirs(os.path.dirname(os.path.abspath(parsed.database)), exist_ok=True)
+        engine = create_engine(parsed, connect_args={"timeout": 30})
+
+        @event.listens_for(engine, "connect")
+        def _connect(dbapi_conn, _rec):  # pragma: no cover - exercised by every sqlite test
+            dbapi_conn.isolation_level = None  # we issue BEGIN ourselves
+            cur = dbapi_conn.cursor()
+            cur.execute("PRAGMA journal_mode=WAL")
+            cur.execute("PRAGMA busy_timeout=30000")
+            cur.execute("PRAGMA synchronous=NORMAL")
+            cur.close()
+
+        @event.listens_for(engine, "begin")
+        def _begin(conn):  # take the write lock up front: no upgrade deadlocks between readers
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+        return engine
+    if backend == "postgresql":
+        return create_engine(parsed, pool_pre_ping=True)
+    raise SpecError("url", url, "the pool ledger supports sqlite and postgresql URLs")
+
+
+def _retryable(exc: DBAPIError) -> bool:
+    msg = str(exc.orig).lower() if exc.orig is not None else str(exc).lower()
+    return any(
+        m in msg
+        for m in ("database is locked", "could not serialize", "deadlock detected", "database is busy")
+    )
+
+
+class PoolClient:
+    """Client of the pool ledger. Safe to use from many processes at once (one client each).
+
+    ``url``: an SQLAlchemy URL (``sqlite:////abs/path/pool.db``, ``postgresql+psycopg2://…``);
+    the schema is created or migrated on first use. ``settings`` (``policy``, ``preemption``,
+    ``lease_ttl_s``, ``min_rescale_interval_s``, ``min_gain``, ``aging_s``, ``job_idle_s``,
+    ``cooling_s``, ``failure_threshold``) are stored in the ledger, shared by all clients.
+    """
+
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        clock: Callable[[], float] = time.time,
+        sleep: Callable[[float], None] = time.sleep,
+        retries: int = 20,
+        **settings: Any,
+    ) -> None:
+        url = url or os.environ.get(ENV_URL)
+        if not url:
+            raise SpecError("url", url, f"give a ledger URL or set ${ENV_URL}")
+        self.url = url
+        self.clock = clock
+        self.sleep = sleep
+        self.retries = retries
+        self.engine = _engine(url)
+        self._tx(lambda conn, now: s.migrate(conn), lock=False)
+        if settings:
+            self.configure(**settings)
+
+    # --- transactions -------------------------------------------------------------------
+
+    def _tx(self, fn: Callable[[Connection, float], Any], *, lock: bool = True) -> Any:
+        delay = 0.005
+        for attempt in range(self.retries + 1):
+            try:
+                with self.engine.begin() as conn:
+                    if lock and conn.dialect.name == "postgresql":
+                        conn.execute(select(s.pool.c.id).where(s.pool.c.id == 1).with_for_update())
+                    return fn(conn, self.clock())
+            except OperationalError as exc:
+                if not _retryable(exc) or attempt == self.retries:
+                    if _retryable(exc):
+                        raise LedgerBusyError(
+                            f"pool ledger stayed busy after {self.retries} retries",
+                            hint="too many concurrent clients for SQLite; use PostgreSQL",
+                        ) from exc
+                    raise
+            self.sleep(delay * (1 + random.random()))
+            delay = min(delay * 2, 0.5)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    # --- settings and hosts --------------------------------------------------------------
+
+    def configure(self, **settings: Any) -> dict[str, Any]:
+        """Change pool-wide settings (policy, preemption, TTL, anti-thrashing, aging) and re-plan."""
+        changes = _check_config(settings)
+
+        def op(conn, now):
+            if changes:
+                conn.execute(update(s.pool).where(s.pool.c.id == 1).values(**changes))
+                self._event(conn, now, "config", reason=json.dumps(changes, sort_keys=True))
+            self._replan(conn, now)
+            return self._settings(conn)
+
+        return self._tx(op)
+
+    def add_host(self, name: str, slots: int, labels: dict[str, str] | None = None) -> None:
+        """Register (or update) a host with ``slots`` slots; it becomes ``up``."""
+        _check_name("host", name)
+        _check_int("slots", slots, 1, 1_000_000)
+        labels_json = json.dumps(dict(labels or {}), sort_keys=True)
+
+        def op(conn, now):
+            row = conn.execute(select(s.hosts).where(s.hosts.c.name == name)).first()
+            values = dict(
+                slots=slots, labels=labels_json, state=HostState.UP.value, state_since=now, failures=0
+            )
+            if row is None:
+                conn.execute(insert(s.hosts).values(name=name, **values))
+            else:
+                conn.execute(update(s.hosts).where(s.hosts.c.name == name).values(**values))
+            self._event(conn, now, "host", host=name, workers=slots, reason=f"added: {slots} slots, up")
+            self._replan(conn, now)
+
+        self._tx(op)
+
+    def drain_host(self, name: str) -> None:
+        """No new grants on ``name``; its jobs move off at their next iteration boundary."""
+        self.set_host_state(name, HostState.DRAINING)
+
+    def set_host_state(self, name: str, state: HostState | str) -> None:
+        st = _check_host_state(state)
+
+        def op(conn, now):
+            self._host_row(conn, name)
+            conn.execute(
+                update(s.hosts)
+                .where(s.hosts.c.name == name)
+                .values(state=st.value, state_since=now, failures=0)
+            )
+            self._event(conn, now, "host", host=name, reason=f"state -> {st.value}")
+            self._replan(conn, now)
+
+        self._tx(op)
+
+    # --- jobs ----------------------------------------------------------------------------
+
+    def submit(
+        self, job: str, *, min_workers: int, max_workers: int, priority: int = 1, preemptible: bool = True
+    ) -> None:
+        """Register a job or update its demand (idempotent). A finished job becomes waiting again."""
+        _check_name("job", job)
+        _check_bounds(min_workers, max_workers)
+        _check_int("priority", priority, 1, 1000)
+        if not isinstance(preemptible, bool):
+            raise SpecError("preemptible", preemptible, "must be true or false")
+
+        def op(conn, now):
+            row = conn.execute(select(s.jobs).where(s.jobs.c.name == job)).first()
+            values = dict(
+                min_workers=min_workers,
+                max_workers=max_workers,
+                priority=priority,
+                preemptible=preemptible,
+                last_seen=now,
+            )
+            if row is None:
+                conn.execute(
+                    insert(s.jobs).values(
+                        name=job,
+                        state=JobState.WAITING.value,
+                        submitted=now,
+                        waiting_since=now,
+                        epoch=0,
+                        avoid_hosts="[]",
+                        target=0,
+                        reason="submitted",
+                        **values,
+                    )
+                )
+                self._event(
+                    conn,
+                    now,
+                    "submit",
+                    job=job,
+                    reason=f"min {min_workers} max {max_workers} "
+                    f"priority {priority} preemptible {preemptible}",
+                )
+            else:
+                if row.state == JobState.FINISHED.value:
+                    values.update(
+                        state=JobState.WAITING.value, waiting_since=now, submitted=now, avoid_hosts="[]"
+                    )
+                conn.execute(update(s.jobs).where(s.jobs.c.name == job).values(**values))
+            self._replan(conn, now)
+
+        self._tx(op)
+
+    def request(self, job: str, *, avoid_hosts: Iterable[str] = ()) -> Grant | Wait:
+        """Ask for workers. Returns the live grant (new or existing) or ``Wait`` with the reason."""
+        avoid = sorted({_check_name("avoid_hosts", h) for h in avoid_hosts})
+
+        def op(conn, now):
+            row = self._job_row(conn, job)
+            values: dict[str, Any] = {"last_seen": now}
+            if avoid:
+                values["avoid_hosts"] = json.dumps(sorted(set(json.loads(row.avoid_hosts)) | set(avoid)))
+            if row.state == JobState.FINISHED.value:
+                values.update(state=JobState.WAITING.value, waiting_since=now)
+            conn.execute(update(s.jobs).where(s.jobs.c.name == job).values(**values))
+            lease = self._live_lease(conn, job)
+            if lease is None:
+                plan = self._replan(conn, now, grant_to=job)
+                lease = self._live_lease(conn, job)
+                if lease is None:
+                    d = plan.get(job)
+                    return Wait(job, d.reason if d else "not planned")
+            ttl = self._settings(conn)["lease_ttl_s"]
+            return Grant(job, lease.epoch, self._held(conn, job), ttl)
+
+        return self._tx(op)
+
+    def heartbeat(
+        self, job: str, epoch: int, *, workers: int, placements: Sequence[Slot] | None = None
+    ) -> Target:
+        """Renew the lease and return the target. ``workers``: what the job runs now.
+
+        Slots the plan takes away are released when the job reports ``workers <= target``
+        (and, if it passes ``placements``, no longer lists them): it has shrunk at a boundary.
+        ``workers=0`` after ``preempt`` ends the lease; the job requests again later.
+        """
+        _check_int("workers", workers, 0, MAX_WORKERS_LIMIT)
+
+        def op(conn, now):
+            self._sync(conn, now)
+            self._job_row(conn, job)
+            self._require_live(conn, job, epoch)
+            ttl = self._settings(conn)["lease_ttl_s"]
+            conn.execute(
+                update(s.leases)
+                .where(s.leases.c.job == job, s.leases.c.epoch == epoch)
+                .values(expires=now + ttl)
+            )
+            conn.execute(update(s.jobs).where(s.jobs.c.name == job).values(last_seen=now))
+            d = self._replan(conn, now, synced=True)[job]
+            if workers <= d.target and d.release:
+                still = set(placements or ())
+                gone = [sl for sl in d.release if sl not in still]
+                if gone:
+                    kind = "release" if d.target == 0 else "shrink"
+                    self._free(
+                        conn,
+                        now,
+                        job,
+                        gone,
+                        kind,
+                        f"released at boundary: {d.reason}",
+                        epoch=epoch,
+                        workers=d.target,
+                    )
+                    d = self._replan(conn, now, synced=True)[job]
+            if d.target == 0 and workers == 0:
+                self._end_lease(conn, now, job, epoch, "preempted")
+                conn.execute(
+                    update(s.jobs)
+                    .where(s.jobs.c.name == job)
+                    .values(state=JobState.WAITING.value, waiting_since=now)
+                )
+                self._replan(conn, now, synced=True)
+                return Target(job, 0, TargetAction.PREEMPT, d.reason, ())
+            return self._target(job, workers, d)
+
+        return self._tx(op)
+
+    def release(self, job: str, epoch: int, *, finished: bool = False) -> bool:
+        """Give back every slot of the lease ``epoch``. Idempotent: a lease already ended (or
+        expired) releases nothing and returns False. ``finished=True`` ends the job."""
+
+        def op(conn, now):
+            row = self._job_row(conn, job)
+            self._sync(conn, now)
+            live = self._live_lease(conn, job)
+            released = live is not None and live.epoch == epoch
+            if released:
+                held = self._held(conn, job)
+                self._free(
+                    conn,
+                    now,
+                    job,
+                    held,
+                    "release",
+                    "finished" if finished else "released",
+                    epoch=epoch,
+                    workers=0,
+                )
+                self._end_lease(conn, now, job, epoch, "finished" if finished else "released")
+            if epoch == row.epoch or released:
+                state = JobState.FINISHED if finished else JobState.WAITING
+                conn.execute(
+                    update(s.jobs)
+                    .where(s.jobs.c.name == job)
+                    .values(state=state.value, waiting_since=now, target=0, reason=state.value)
+                )
+                if finished:
+                    self._event(conn, now, "finish", job=job, epoch=epoch)
+            self._replan(conn, now, synced=True)
+            return released
+
+        return self._tx(op)
+
+    def report_failure(self, job: str, host: str) -> None:
+        """``job`` failed on ``host``: the job avoids it from now on; enough failures cool it."""
+
+        def op(conn, now):
+            row = self._job_row(conn, job)
+            h = self._host_row(conn, host)
+            cfg = self._settings(conn)
+            avoid = sorted(set(json.loads(row.avoid_hosts)) | {host})
+            conn.execute(update(s.jobs).where(s.jobs.c.name == job).values(avoid_hosts=json.dumps(avoid)))
+            failures = h.failures + 1
+            values: dict[str, Any] = {"failures": failures}
+            reason = f"failure {failures} of job {job}"
+            if failures >= cfg["failure_threshold"] and h.state == HostState.UP.value:
+                values.update(state=HostState.COOLING.value, state_since=now, failures=0)
+                reason += f"; cooling for {cfg['cooling_s']:.0f}s"
+            conn.execute(update(s.hosts).where(s.hosts.c.name == host).values(**values))
+            self._event(conn, now, "failure", job=job, host=host, reason=reason)
+            self._replan(conn, now)
+
+        self._tx(op)
+
+    def check_epoch(self, job: str, epoch: int) -> None:
+        """Raise :class:`LeaseExpiredError` unless ``epoch`` is the job's live lease."""
+
+        def op(conn, now):
+            self._job_row(conn, job)
+            self._sync(conn, now)
+            self._require_live(conn, job, epoch)
+
+        self._tx(op)
+
+    def set_priority(self, job: str, priority: int) -> None:
+        _check_int("priority", priority, 1, 1000)
+        self._update_job(job, {"priority": priority}, f"priority -> {priority}")
+
+    def set_bounds(self, job: str, min_workers: int, max_workers: int) -> None:
+        _check_bounds(min_workers, max_workers)
+        self._update_job(
+            job,
+            {"min_workers": min_workers, "max_workers": max_workers},
+            f"bounds -> {min_workers}..{max_workers}",
+        )
+
+    def set_preemptible(self, job: str, preemptible: bool) -> None:
+        if not isinstance(preemptible, bool):
+            raise SpecError("preemptible", preemptible, "must be true or false")
+        self._update_job(job, {"preemptible": preemptible}, f"preemptible -> {preemptible}")
+
+    def _update_job(self, job: str, values: dict[str, Any], reason: str) -> None:
+        def op(conn, now):
+            self._job_row(conn, job)
+            conn.execute(update(s.jobs).where(s.jobs.c.name == job).values(**values))
+            self._event(conn, now, "config", job=job, reason=reason)
+            self._replan(conn, now)
+
+        self._tx(op)
+
+    # --- reading -------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        """Hosts, jobs (with held slots, targets, leases) and settings, after a sync."""
+
+        def op(conn, now):
+            self._sync(conn, now)
+            held: dict[str, list[Slot]] = {}
+            per_host: dict[str, int] = {}
+            for r in conn.execute(select(s.allocations).order_by(s.allocations.c.host, s.allocations.c.slot)):
+                held.setdefault(r.job, []).append((r.host, r.slot))
+                per_host[r.host] = per_host.get(r.host, 0) + 1
+            live = {r.job: r for r in conn.execute(select(s.leases).where(s.leases.c.ended.is_(None)))}
+            hosts = [
+                {
+                    "name": r.name,
+                    "slots": r.slots,
+                    "used": per_host.get(r.name, 0),
+                    "state": r.state,
+                    "labels": json.loads(r.labels),
+                    "failures": r.failures,
+                }
+                for r in conn.execute(select(s.hosts).order_by(s.hosts.c.name))
+            ]
+            jobs = []
+            for r in conn.execute(select(s.jobs).order_by(s.jobs.c.name)):
+                lease = live.get(r.name)
+                jobs.append(
+                    {
+                        "name": r.name,
+                        "state": r.state,
+                        "min_workers": r.min_workers,
+                        "max_workers": r.max_workers,
+                        "priority": r.priority,
+                        "preemptible": r.preemptible,
+                        "workers": len(held.get(r.name, ())),
+                        "target": r.target,
+                        "reason": r.reason,
+                        "epoch": r.epoch,
+                        "lease_expires_in": None if lease is None else round(lease.expires - now, 3),
+                        "avoid_hosts": json.loads(r.avoid_hosts),
+                        "placements": [list(p) for p in held.get(r.name, ())],
+                    }
+                )
+            total = sum(h["slots"] for h in hosts if h["state"] == HostState.UP.value)
+            used = sum(per_host.values())
+            return {
+                "now": now,
+                "settings": self._settings(conn),
+                "hosts": hosts,
+                "jobs": jobs,
+                "slots": {"up": total, "used": used},
+            }
+
+        return self._tx(op)
+
+    def events(self, job: str | None = None, *, since_id: int = 0) -> list[dict[str, Any]]:
+        """The event log, oldest first (optionally one job's, or only ids above ``since_id``)."""
+
+        def op(conn, now):
+            q = select(s.events).where(s.events.c.id > since_id).order_by(s.events.c.id)
+            if job is not None:
+                q = q.where(s.events.c.job == job)
+            return [
+                {
+                    "id": r.id,
+                    "ts": r.ts,
+                    "kind": r.kind,
+                    "job": r.job,
+                    "host": r.host,
+                    "slots": [tuple(x) for x in json.loads(r.slots)],
+                    "epoch": r.epoch,
+                    "workers": r.workers,
+                    "reason": r.reason,
+                }
+                for r in conn.execute(q)
+            ]
+
+        return self._tx(op, lock=False)
+
+    # --- internals -----------------------------------------------------------------------
+
+    def _settings(self, conn: Connection) -> dict[str, Any]:
+        row = conn.execute(select(s.pool).where(s.pool.c.id == 1)).mappings().one()
+        return {k: row[k] for k in CONFIG_FIELDS}
+
+    def _job_row(self, conn: Connection, job: str):
+        row = conn.execute(select(s.jobs).where(s.jobs.c.name == job)).first()
+        if row is None:
+            raise UnknownJobError(job)
+        return row
+
+    def _host_row(self, conn: Connection, host: str):
+        row = conn.execute(select(s.hosts).where(s.hosts.c.name == host)).first()
+        if row is None:
+            raise UnknownHostError(host)
+        return row
+
+    def _live_lease(self, conn: Connection, job: str):
+        return conn.execute(select(s.leases).where(s.leases.c.job == job, s.leases.c.ended.is_(None))).first()
+
+    def _require_live(self, conn: Connection, job: str, epoch: int) -> None:
+        live = self._live_lease(conn, job)
+        if live is None or live.epoch != epoch:
+            current = None if live is None else live.epoch
+            raise LeaseExpiredError(
+                f"lease epoch {epoch} of job {job!r} is not live (live epoch: {current})",
+                hint="the lease expired, was released or was replaced; request a new grant",
+            )
+
+    def _held(self, conn: Connection, job: str) -> tuple[Slot, ...]:
+        rows = conn.execute(
+            select(s.allocations.c.host, s.allocations.c.slot)
+            .where(s.allocations.c.job == job)
+            .order_by(s.allocations.c.host, s.allocations.c.slot)
+        )
+        return tuple((r.host, r.slot) for r in rows)
+
+    def _event(
+        self,
+        conn: Connection,
+        now: float,
+        kind: str,
+        *,
+        job: str | None = None,
+        host: str | None = None,
+        slots: Sequence[Slot] = (),
+        epoch: int | None = None,
+        workers: int | None = None,
+        reason: str = "",
+    ) -> None:
+        conn.execute(
+            insert(s.events).values(
+                ts=now,
+                kind=kind,
+                job=job,
+                host=host,
+                slots=json.dumps([list(x) for x in slots]),
+                epoch=epoch,
+                workers=workers,
+                reason=reason,
+            )
+        )
+
+    def _free(self, conn, now, job, slots: Sequence[Slot], kind: str, reason: str, *, epoch, workers) -> None:
+        for h, sl in slots:
+            conn.execute(
+                delete(s.allocations).where(
+                    s.allocations.c.host == h, s.allocations.c.slot == sl, s.allocations.c.job == job
+                )
+            )
+        if slots:
+            conn.execute(update(s.jobs).where(s.jobs.c.name == job).values(last_rescale=now))
+        self._event(conn, now, kind, job=job, slots=slots, epoch=epoch, workers=workers, reason=reason)
+
+    def _end_lease(self, conn, now, job, epoch, why: str) -> None:
+        conn.execute(
+            update(s.leases)
+            .where(s.leases.c.job == job, s.leases.c.epoch == epoch)
+            .values(ended=now, end_reason=why)
+        )
+
+    def _sync(self, conn: Connection, now: float) -> None:
+        """Expire overdue leases (slots return, epoch dies) and end finished cooling periods."""
+        expired = conn.execute(
+            select(s.leases).where(s.leases.c.ended.is_(None), s.leases.c.expires < now)
+        ).all()
+        for lease in expired:
+            held = self._held(conn, lease.job)
+            self._free(
+                conn,
+                now,
+                lease.job,
+                held,
+                "expiry",
+                f"lease expired at {lease.expires:.3f}",
+                epoch=lease.epoch,
+                workers=0,
+            )
+            self._end_lease(conn, now, lease.job, lease.epoch, "expired")
+            conn.execute(
+                update(s.jobs)
+                .where(s.jobs.c.name == lease.job, s.jobs.c.state != JobState.FINISHED.value)
+                .values(state=JobState.WAITING.value, waiting_since=now)
+            )
+        cooling_s = self._settings(conn)["cooling_s"]
+        for h in conn.execute(
+            select(s.hosts).where(
+                s.hosts.c.state == HostState.COOLING.value, s.hosts.c.state_since + cooling_s <= now
+            )
+        ).all():
+            conn.execute(
+                update(s.hosts)
+                .where(s.hosts.c.name == h.name)
+                .values(state=HostState.UP.value, state_since=now)
+            )
+            self._event(conn, now, "host", host=h.name, reason="cooling over -> up")
+
+    def _snapshot(self, conn: Connection, now: float, cfg: dict[str, Any]) -> Snapshot:
+        hosts = tuple(
+            Host(r.name, r.slots, HostState(r.state), tuple(sorted(json.loads(r.labels).items())))
+            for r in conn.execute(select(s.hosts))
+        )
+        held: dict[str, list[Slot]] = {}
+        for r in conn.execute(select(s.allocations.c.job, s.allocations.c.host, s.allocations.c.slot)):
+            held.setdefault(r.job, []).append((r.host, r.slot))
+        idle_before = now - cfg["job_idle_s"]
+        jobs = []
+        for r in conn.execute(select(s.jobs).where(s.jobs.c.state != JobState.FINISHED.value)):
+            mine = held.get(r.name, ())
+            if not mine and r.last_seen < idle_before:
+                continue  # a waiting job that stopped asking does not block others
+            jobs.append(
+                Job(
+                    name=r.name,
+                    min_workers=r.min_workers,
+                    max_workers=r.max_workers,
+                    priority=r.priority,
+                    preemptible=bool(r.preemptible),
+                    avoid_hosts=frozenset(json.loads(r.avoid_hosts)),
+                    submitted=r.submitted,
+                    waiting_since=r.waiting_since,
+                    last_rescale=r.last_rescale,
+                    held=tuple(sorted(mine)),
+                    epoch=r.epoch,
+                )
+            )
+        config = PolicyConfig(
+            preemption=Preemption(cfg["preemption"]),
+            min_rescale_interval_s=cfg["min_rescale_interval_s"],
+            min_gain=cfg["min_gain"],
+            aging_s=cfg["aging_s"],
+        )
+        return Snapshot(hosts, tuple(jobs), now, config)
+
+    def _replan(
+        self, conn: Connection, now: float, *, grant_to: str | None = None, synced: bool = False
+    ) -> dict[str, Decision]:
+        """sync → decide → apply. Reserves decided grows of running jobs; grants only to
+        ``grant_to`` (other waiting jobs get theirs when they ask). Returns decisions by job."""
+        if not synced:
+            self._sync(conn, now)
+        cfg = self._settings(conn)
+        snap = self._snapshot(conn, now, cfg)
+        plan = get_policy(cfg["policy"])(snap)
+        jobs_by_name = {j.name: j for j in snap.jobs}
+        rows = {
+            r.name: r
+            for r in conn.execute(
+                select(s.jobs.c.name, s.jobs.c.target, s.jobs.c.reason, s.jobs.c.state, s.jobs.c.epoch)
+            )
+        }
+        out = {}
+        for d in plan.decisions:
+            out[d.job] = d
+            job = jobs_by_name[d.job]
+            row = rows[d.job]
+            values: dict[str, Any] = {}
+            if row.target != d.target or row.reason != d.reason:
+                values.update(target=d.target, reason=d.reason)
+                if row.target != d.target:
+                    self._event(conn, now, "target", job=d.job, workers=d.target, reason=d.reason)
+            if job.held:
+                new = [sl for sl in d.placements if sl not in set(job.held)]
+                if new:
+                    self._reserve(conn, now, d.job, row.epoch, new, "grow", d)
+                state = JobState.PREEMPTING if d.target == 0 else JobState.RUNNING
+                if row.state != state.value:
+                    values["state"] = state.value
+                    if state == JobState.PREEMPTING:
+                        self._event(
+                            conn, now, "preempt", job=d.job, epoch=row.epoch, workers=0, reason=d.reason
+                        )
+            elif d.job == grant_to and d.placements:
+                epoch = row.epoch + 1
+                ttl = cfg["lease_ttl_s"]
+                conn.execute(insert(s.leases).values(job=d.job, epoch=epoch, granted=now, expires=now + ttl))
+                values.update(epoch=epoch, state=JobState.RUNNING.value)
+                self._reserve(conn, now, d.job, epoch, list(d.placements), "grant", d)
+            if values:
+                conn.execute(update(s.jobs).where(s.jobs.c.name == d.job).values(**values))
+        return out
+
+    def _reserve(self, conn, now, job, epoch, slots: list[Slot], kind: str, d: Decision) -> None:
+        conn.execute(
+            insert(s.allocations),
+            [{"host": h, "slot": sl, "job": job, "epoch": epoch, "granted": now} for h, sl in slots],
+        )
+        conn.execute(update(s.jobs).where(s.jobs.c.name == job).values(last_rescale=now))
+        self._event(
+            conn, now, kind, job=job, slots=slots, epoch=epoch, workers=len(d.placements), reason=d.reason
+        )
+
+    @staticmethod
+    def _target(job: str, workers: int, d: Decision) -> Target:
+        n = len(d.placements)
+        if d.target == 0:
+            action = TargetAction.PREEMPT
+        elif n > workers:
+            action = TargetAction.GROW
+        elif n < workers:
+            action = TargetAction.SHRINK
+        else:
+            action = TargetAction.KEEP
+        return Target(job, n, action, d.reason, d.placements)

@@ -1,0 +1,290 @@
+"""Allocation policies: pure functions from a :class:`Snapshot` to a :class:`Plan`.
+
+A decision has three steps, all deterministic and free of I/O:
+
+1. **Order and admit.** Jobs are ordered by ``(-effective priority, running first, submitted,
+   name)``. Walking that order, a job is admitted if its ``min_workers`` still fits in the
+   capacity (slots on ``up`` hosts) after the minimums of the jobs admitted before it: gang
+   semantics, a job starts only when its minimum can be granted. Jobs not admitted get 0.
+2. **Share.** The capacity is split among admitted jobs within ``[min, max]``: ``fairshare``
+   (max-min fair, equal weights), ``priority`` (weights = priorities, so 3:5 on 8 slots gives
+   3/5) or ``strict`` (minimums first, then the rest to the highest priority class, max-min fair
+   inside a class). Running jobs that must not move (``preemption=none``, non-preemptible,
+   rescaled too recently, or a change smaller than ``min_gain``) are frozen at what they hold
+   and the rest is re-shared around them.
+3. **Place.** Each job keeps its held slots on ``up`` hosts (most-used hosts first) up to its
+   target and releases the rest at its next boundary; growth takes free slots on ``up`` hosts
+   it does not avoid, its own hosts first, then hosts in name order. A grow (or a new grant)
+   waits for its full increment while other jobs still have slots to release, so a job
+   rescales once rather than in steps.
+
+**Aging** (no starvation): a job holding no slots has effective priority
+``priority + (now - waiting_since) / aging_s``; a running job's is its priority. Aging changes
+the admission order and the ``strict`` class, never the ``priority`` weights.
+
+Cost: O(J log J + H + S) for J jobs, H hosts and S held slots.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+
+from elastic_ops.errors import UnknownPolicyError
+from elastic_ops.pool.model import (
+    Decision,
+    HostState,
+    Job,
+    Plan,
+    Preemption,
+    Slot,
+    Snapshot,
+    TargetAction,
+)
+from elastic_ops.pool.shares import strict_fill, weighted_fill
+
+Policy = Callable[[Snapshot], Plan]
+ShareFn = Callable[[list[Job], list[int], int, Snapshot], list[int]]
+
+
+def effective_priority(job: Job, now: float, aging_s: float) -> float:
+    """Priority plus one unit per ``aging_s`` seconds spent waiting (jobs holding no slots)."""
+    if job.held or aging_s <= 0 or job.waiting_since is None:
+        return float(job.priority)
+    return job.priority + max(0.0, now - job.waiting_since) / aging_s
+
+
+def order_key(job: Job, snap: Snapshot) -> tuple:
+    """Deterministic rank: higher effective priority, then running jobs, then FIFO, then name."""
+    eff = effective_priority(job, snap.now, snap.config.aging_s)
+    return (-eff, 0 if job.held else 1, job.submitted, job.name)
+
+
+# --- share functions (step 2) ---------------------------------------------------------------
+
+
+def _fair(jobs: list[Job], caps: list[int], capacity: int, snap: Snapshot) -> list[int]:
+    return weighted_fill([j.min_workers for j in jobs], caps, [1.0] * len(jobs), capacity)
+
+
+def _priority(jobs: list[Job], caps: list[int], capacity: int, snap: Snapshot) -> list[int]:
+    return weighted_fill([j.min_workers for j in jobs], caps, [float(j.priority) for j in jobs], capacity)
+
+
+def _strict(jobs: list[Job], caps: list[int], capacity: int, snap: Snapshot) -> list[int]:
+    classes = [math.floor(effective_priority(j, snap.now, snap.config.aging_s)) for j in jobs]
+    return strict_fill([j.min_workers for j in jobs], caps, classes, capacity)
+
+
+# --- decide -------------------------------------------------------------------------------
+
+
+def _usable(snap: Snapshot) -> tuple[dict[str, int], int]:
+    up = {h.name: h.slots for h in snap.hosts if h.state == HostState.UP}
+    return up, sum(up.values())
+
+
+def _cap(job: Job, up: dict[str, int], capacity: int) -> int:
+    """The most workers a job can use: its max, limited by slots on up hosts it does not avoid."""
+    avoided = sum(up.get(h, 0) for h in job.avoid_hosts)
+    return min(job.max_workers, capacity - avoided)
+
+
+def _share_round(
+    jobs: list[Job], caps: list[int], capacity: int, snap: Snapshot, share: ShareFn
+) -> tuple[list[int], list[str]]:
+    """Admit in order (gang), then share among the admitted. ``jobs`` is already ordered."""
+    admitted: list[int] = []
+    reasons = [""] * len(jobs)
+    need = 0
+    for i, job in enumerate(jobs):
+        if caps[i] < job.min_workers:
+            reasons[i] = f"min {job.min_workers} exceeds the {max(caps[i], 0)} usable slots it may use"
+        elif need + job.min_workers <= capacity:
+            admitted.append(i)
+            need += job.min_workers
+        else:
+            reasons[i] = (
+                f"min {job.min_workers} does not fit: {capacity - need} slots left after higher-ranked jobs"
+            )
+    targets = [0] * len(jobs)
+    part = share([jobs[i] for i in admitted], [caps[i] for i in admitted], capacity, snap)
+    for i, t in zip(admitted, part, strict=True):
+        targets[i] = t
+        reasons[i] = f"share {t} of {capacity}"
+    return targets, reasons
+
+
+def _freeze_reason(job: Job, held_up: int, target: int, snap: Snapshot) -> str | None:
+    """Why a running job must stay at ``held_up`` rather than move to ``target`` (None: it may)."""
+    if held_up == 0 or target == held_up or held_up > job.max_workers or held_up < job.min_workers:
+        return None
+    cfg = snap.config
+    if target < held_up:
+        if cfg.preemption == Preemption.NONE:
+            return "preemption is 'none': running jobs are not shrunk"
+        if not job.preemptible:
+            return "job is not preemptible"
+    if job.last_rescale is not None and snap.now - job.last_rescale < cfg.min_rescale_interval_s:
+        return f"rescaled {snap.now - job.last_rescale:.0f}s ago (< {cfg.min_rescale_interval_s:.0f}s)"
+    if target > 0 and abs(target - held_up) / held_up < cfg.min_gain:
+        return f"gain {abs(target - held_up) / held_up:.2f} below min_gain {cfg.min_gain:.2f}"
+    return None
+
+
+def _targets(snap: Snapshot, share: ShareFn, ordered: list[Job], up: dict[str, int], capacity: int):
+    caps = [_cap(j, up, capacity) for j in ordered]
+    held_up = [sum(1 for h, _ in j.held if h in up) for j in ordered]
+    frozen: dict[int, str] = {}
+    # Freezing only ever grows the frozen set, so this reaches a fixed point; the bound keeps the
+    # worst case cheap (what is still unfrozen after it simply follows the last round).
+    for _ in range(6):
+        free_idx = [i for i in range(len(ordered)) if i not in frozen]
+        cap_left = capacity - sum(held_up[i] for i in frozen)
+        part, why = _share_round(
+            [ordered[i] for i in free_idx], [caps[i] for i in free_idx], cap_left, snap, share
+        )
+        targets = [0] * len(ordered)
+        reasons = [""] * len(ordered)
+        for i in frozen:
+            targets[i], reasons[i] = held_up[i], f"keeps {held_up[i]}: {frozen[i]}"
+        for k, i in enumerate(free_idx):
+            targets[i], reasons[i] = part[k], why[k]
+        new = {}
+        for i in free_idx:
+            r = _freeze_reason(ordered[i], held_up[i], targets[i], snap)
+            if r:
+                new[i] = r
+        if not new:
+            break
+        frozen.update(new)
+    return targets, reasons
+
+
+class _FreeSlots:
+    """Free slots on up hosts, handed out first-fit in host-name order with a moving cursor."""
+
+    def __init__(self, snap: Snapshot, up: dict[str, int]) -> None:
+        taken: dict[str, set[int]] = {}
+        for job in snap.jobs:
+            for h, s in job.held:
+                taken.setdefault(h, set()).add(s)
+        self.hosts = sorted(up)
+        self.free: dict[str, list[int]] = {}
+        for h in self.hosts:
+            t = taken.get(h)
+            # Lists are popped from the end, so store them descending to hand out low indices first.
+            self.free[h] = [s for s in range(up[h] - 1, -1, -1) if not t or s not in t]
+        self.cursor = 0
+        self.total = sum(len(v) for v in self.free.values())
+
+    def count_for(self, avoid: frozenset[str]) -> int:
+        return self.total - sum(len(self.free.get(h, ())) for h in avoid)
+
+    def take(self, n: int, prefer: Iterable[str], avoid: frozenset[str]) -> list[Slot]:
+        out: list[Slot] = []
+        for h in prefer:
+            if h in avoid:
+                continue
+            out.extend(self._take_from(h, n - len(out)))
+            if len(out) == n:
+                return out
+        i = self.cursor
+        while len(out) < n and i < len(self.hosts):
+            h = self.hosts[i]
+            if h not in avoid:
+                out.extend(self._take_from(h, n - len(out)))
+            if not self.free[h] and i == self.cursor:
+                self.cursor += 1
+            i += 1
+        return out
+
+    def _take_from(self, h: str, n: int) -> list[Slot]:
+        lst = self.free.get(h)
+        if not lst or n <= 0:
+            return []
+        k = min(n, len(lst))
+        got = [(h, lst.pop()) for _ in range(k)]
+        self.total -= k
+        return got
+
+
+def _keep(job: Job, target: int, up: dict[str, int]) -> tuple[list[Slot], list[Slot]]:
+    """Which held slots to keep (on up hosts, most-used hosts first) and which to release."""
+    per_host: dict[str, list[int]] = {}
+    for h, s in job.held:
+        per_host.setdefault(h, []).append(s)
+    keep: list[Slot] = []
+    release: list[Slot] = []
+    for h in sorted(per_host, key=lambda h: (h not in up, -len(per_host[h]), h)):
+        for s in sorted(per_host[h]):
+            if h in up and len(keep) < target:
+                keep.append((h, s))
+            else:
+                release.append((h, s))
+    return keep, release
+
+
+def make_policy(share: ShareFn) -> Policy:
+    def decide(snap: Snapshot) -> Plan:
+        up, capacity = _usable(snap)
+        ordered = sorted((j for j in snap.jobs), key=lambda j: order_key(j, snap))
+        targets, reasons = _targets(snap, share, ordered, up, capacity)
+        kept = [_keep(j, t, up) for j, t in zip(ordered, targets, strict=True)]
+        pending = sum(1 for _, rel in kept for h, _ in rel if h in up)
+        free = _FreeSlots(snap, up)
+        decisions = []
+        for job, target, reason, (keep, release) in zip(ordered, targets, reasons, kept, strict=True):
+            decisions.append(_place(job, target, reason, keep, release, free, pending, up))
+        return Plan(tuple(decisions))
+
+    return decide
+
+
+def _place(job, target, reason, keep, release, free: _FreeSlots, pending, up) -> Decision:
+    need = target - len(keep)
+    new: list[Slot] = []
+    if need > 0:
+        avail = free.count_for(job.avoid_hosts)
+        if avail >= need:
+            new = free.take(need, (h for h, _ in keep), job.avoid_hosts)
+        elif pending == 0 and len(keep) + avail >= max(job.min_workers, 1):
+            new = free.take(avail, (h for h, _ in keep), job.avoid_hosts)
+            reason += f"; only {avail} more free"
+        else:
+            reason += f"; waiting for {need - avail} slots to be released"
+    placements = tuple(keep + new)
+    moved = any(h not in up for h, _ in job.held)
+    if job.held and target == 0:
+        action: TargetAction | None = TargetAction.PREEMPT
+        reason = "preempted: " + reason
+    elif new:
+        action = TargetAction.GROW
+    elif release:
+        action = TargetAction.SHRINK
+    elif job.held:
+        action = TargetAction.KEEP
+    else:
+        action = None
+    if moved:
+        reason += "; moving off unhealthy hosts"
+    return Decision(job.name, target, placements, tuple(release), action, reason)
+
+
+POLICIES: dict[str, Policy] = {
+    "fairshare": make_policy(_fair),
+    "priority": make_policy(_priority),
+    "strict": make_policy(_strict),
+}
+
+
+def get_policy(name: str) -> Policy:
+    try:
+        return POLICIES[name]
+    except KeyError:
+        raise UnknownPolicyError(name, list(POLICIES)) from None
+
+
+def decide(snapshot: Snapshot, policy: str = "priority") -> Plan:
+    """Run the named policy on a snapshot."""
+    return get_policy(policy)(snapshot)

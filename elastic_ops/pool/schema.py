@@ -1,0 +1,166 @@
+"""Ledger tables and versioned migrations (SQLAlchemy Core; SQLite and PostgreSQL).
+
+``allocations`` has one row per granted slot, keyed by ``(host, slot)``: the database itself
+refuses to grant a slot twice. ``pool`` has exactly one row; it holds the policy settings and
+is the row every PostgreSQL transaction locks first, which serialises all decisions.
+
+Migrations are an ordered list of ``(version, function)``; :func:`migrate` applies the ones
+newer than ``schema_version`` inside one locked transaction, so concurrent first starts are safe.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from sqlalchemy import (
+    Boolean,
+    Column,
+    Connection,
+    Float,
+    Integer,
+    MetaData,
+    PrimaryKeyConstraint,
+    String,
+    Table,
+    Text,
+    insert,
+    inspect,
+    select,
+    text,
+)
+
+metadata = MetaData()
+
+schema_version = Table(
+    "schema_version",
+    metadata,
+    Column("version", Integer, primary_key=True),
+    Column("applied", Float, nullable=False),
+)
+
+pool = Table(
+    "pool",
+    metadata,
+    Column("id", Integer, primary_key=True),
+    Column("policy", String(64), nullable=False),
+    Column("preemption", String(16), nullable=False),
+    Column("lease_ttl_s", Float, nullable=False),
+    Column("min_rescale_interval_s", Float, nullable=False),
+    Column("min_gain", Float, nullable=False),
+    Column("aging_s", Float, nullable=False),
+    Column("job_idle_s", Float, nullable=False),
+    Column("cooling_s", Float, nullable=False),
+    Column("failure_threshold", Integer, nullable=False),
+)
+
+hosts = Table(
+    "hosts",
+    metadata,
+    Column("name", String(255), primary_key=True),
+    Column("slots", Integer, nullable=False),
+    Column("state", String(16), nullable=False),
+    Column("labels", Text, nullable=False, default="{}"),
+    Column("state_since", Float, nullable=False),
+    Column("failures", Integer, nullable=False, default=0),
+)
+
+jobs = Table(
+    "jobs",
+    metadata,
+    Column("name", String(255), primary_key=True),
+    Column("min_workers", Integer, nullable=False),
+    Column("max_workers", Integer, nullable=False),
+    Column("priority", Integer, nullable=False),
+    Column("preemptible", Boolean, nullable=False),
+    Column("state", String(16), nullable=False),
+    Column("submitted", Float, nullable=False),
+    Column("waiting_since", Float),
+    Column("last_rescale", Float),
+    Column("last_seen", Float, nullable=False),
+    Column("epoch", Integer, nullable=False, default=0),
+    Column("avoid_hosts", Text, nullable=False, default="[]"),
+    Column("target", Integer, nullable=False, default=0),
+    Column("reason", Text, nullable=False, default=""),
+)
+
+leases = Table(
+    "leases",
+    metadata,
+    Column("job", String(255), nullable=False),
+    Column("epoch", Integer, nullable=False),
+    Column("granted", Float, nullable=False),
+    Column("expires", Float, nullable=False),
+    Column("ended", Float),
+    Column("end_reason", String(32)),
+    PrimaryKeyConstraint("job", "epoch"),
+)
+
+allocations = Table(
+    "allocations",
+    metadata,
+    Column("host", String(255), nullable=False),
+    Column("slot", Integer, nullable=False),
+    Column("job", String(255), nullable=False, index=True),
+    Column("epoch", Integer, nullable=False),
+    Column("granted", Float, nullable=False),
+    PrimaryKeyConstraint("host", "slot"),
+)
+
+events = Table(
+    "events",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("ts", Float, nullable=False),
+    Column("kind", String(32), nullable=False),
+    Column("job", String(255), index=True),
+    Column("host", String(255)),
+    Column("slots", Text, nullable=False, default="[]"),
+    Column("epoch", Integer),
+    Column("workers", Integer),
+    Column("reason", Text, nullable=False, default=""),
+)
+
+DEFAULTS = {
+    "policy": "priority",
+    "preemption": "graceful",
+    "lease_ttl_s": 60.0,
+    "min_rescale_interval_s": 0.0,
+    "min_gain": 0.0,
+    "aging_s": 600.0,
+    "job_idle_s": 180.0,
+    "cooling_s": 300.0,
+    "failure_threshold": 3,
+}
+
+
+def _v1(conn: Connection) -> None:
+    metadata.create_all(conn, checkfirst=True)
+    if conn.execute(select(pool.c.id)).first() is None:
+        conn.execute(insert(pool).values(id=1, **DEFAULTS))
+
+
+MIGRATIONS: list[tuple[int, Callable[[Connection], None]]] = [(1, _v1)]
+LATEST = MIGRATIONS[-1][0]
+
+
+def current_version(conn: Connection) -> int:
+    if not inspect(conn).has_table("schema_version"):
+        return 0
+    return (
+        conn.execute(select(schema_version.c.version).order_by(schema_version.c.version.desc())).scalar() or 0
+    )
+
+
+def migrate(conn: Connection) -> int:
+    """Apply pending migrations in the caller's (locked) transaction; return the new version."""
+    if conn.dialect.name == "postgresql":
+        # Serialise concurrent first starts (the pool row may not exist yet to lock).
+        conn.execute(text("SELECT pg_advisory_xact_lock(7720331)"))
+    version = current_version(conn)
+    for v, step in MIGRATIONS:
+        if v > version:
+            step(conn)
+            conn.execute(insert(schema_version).values(version=v, applied=time.time()))
+            version = v
+    return version
