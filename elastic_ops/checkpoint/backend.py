@@ -28,8 +28,11 @@ class Backend(Protocol):
     def put_if_absent(self, key: str, data: bytes) -> bool:
         """Create ``key`` with ``data`` unless it exists. True if this call created it."""
 
-    def get(self, key: str) -> bytes | None:
-        """The bytes at ``key``, or ``None`` when there is no such key."""
+    def get(self, key: str, *, size_hint: int | None = None) -> bytes | None:
+        """The bytes at ``key``, or ``None`` when there is no such key.
+
+        ``size_hint`` (the expected size, when known) lets a backend pick a parallel download.
+        """
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
         """Every object whose key starts with ``prefix`` (any order)."""

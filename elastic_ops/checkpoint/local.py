@@ -65,7 +65,7 @@ class LocalBackend:
             _fsync_dir(path.parent)
             return True
 
-    def get(self, key: str) -> bytes | None:
+    def get(self, key: str, *, size_hint: int | None = None) -> bytes | None:
         with _os_errors(self.uri, key):
             try:
                 return self._path(key).read_bytes()

@@ -347,7 +347,7 @@ class CheckpointStore:
         it_dir = iteration_dir(ref.iteration)
         out = {}
         for f in ref.files:
-            data = self.backend.get(f"{it_dir}/{f.name}")
+            data = self.backend.get(f"{it_dir}/{f.name}", size_hint=f.size)
             if data is None:
                 raise CheckpointCorruptError(f"{ref.uri}/{f.name} is missing")
             if len(data) != f.size or hashlib.sha256(data).hexdigest() != f.sha256:

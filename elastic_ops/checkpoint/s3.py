@@ -1,0 +1,142 @@
+"""``s3://`` backend (boto3), for AWS S3 and S3-compatible stores (MinIO, Ceph RGW, moto, …).
+
+- The commit primitive is a conditional PUT: ``put_object(IfNoneMatch="*")`` (AWS S3 since
+  2024-08, MinIO, moto >= 5.0.14). The store answers 412 to the second writer of a key.
+  A store that silently ignores ``If-None-Match`` gives last-writer-wins; see docs/checkpoint.md.
+- Objects larger than ``transfer_config.multipart_threshold`` are uploaded and downloaded in
+  parallel parts (boto3's transfer manager).
+- Every call goes through :func:`call_with_retry`. A client we build ourselves has botocore's
+  own retries turned off so the one retry policy (and its injected sleep) is the only one; a
+  client handed in (Airflow's aws connection) keeps its configuration.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import boto3
+from boto3.s3.transfer import TransferConfig
+from botocore import exceptions as bce
+from botocore.config import Config
+
+from elastic_ops.checkpoint.backend import ObjectInfo
+from elastic_ops.checkpoint.retry import RetryPolicy, call_with_retry, error_code
+
+MiB = 1024 * 1024
+DEFAULT_TRANSFER = TransferConfig(
+    multipart_threshold=16 * MiB, multipart_chunksize=16 * MiB, max_concurrency=8, use_threads=True
+)
+
+
+def make_client(endpoint_url: str | None = None, **kwargs: Any) -> Any:
+    """A boto3 S3 client from the standard credential chain, without botocore retries."""
+    config = Config(
+        retries={"total_max_attempts": 1, "mode": "standard"},
+        connect_timeout=10,
+        read_timeout=60,
+        s3={"addressing_style": "path"} if endpoint_url else None,
+    )
+    return boto3.client("s3", endpoint_url=endpoint_url, config=config, **kwargs)
+
+
+class S3Backend:
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str = "",
+        *,
+        client: Any = None,
+        endpoint_url: str | None = None,
+        retry: RetryPolicy | None = None,
+        transfer_config: TransferConfig | None = None,
+    ) -> None:
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        self.uri = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
+        self.client = client if client is not None else make_client(endpoint_url)
+        self.retry = retry or RetryPolicy()
+        self.transfer = transfer_config or DEFAULT_TRANSFER
+
+    def _key(self, key: str) -> str:
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def _call(self, verb: str, key: str, fn: Any) -> Any:
+        return call_with_retry(fn, f"{verb} {self.uri}/{key}", self.retry)
+
+    def put(self, key: str, data: bytes) -> None:
+        full = self._key(key)
+        if len(data) >= self.transfer.multipart_threshold:
+            self._call(
+                "upload", key,
+                lambda: self.client.upload_fileobj(io.BytesIO(data), self.bucket, full, Config=self.transfer),
+            )
+        else:
+            self._call("put", key, lambda: self.client.put_object(Bucket=self.bucket, Key=full, Body=data))
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        full = self._key(key)
+
+        def attempt() -> bool:
+            try:
+                self.client.put_object(Bucket=self.bucket, Key=full, Body=data, IfNoneMatch="*")
+                return True
+            except bce.ClientError as exc:
+                code, status = error_code(exc)
+                if status == 412 or code == "PreconditionFailed":
+                    return False
+                raise
+
+        return self._call("conditional put", key, attempt)
+
+    def get(self, key: str, *, size_hint: int | None = None) -> bytes | None:
+        full = self._key(key)
+
+        def attempt() -> bytes | None:
+            try:
+                if size_hint is not None and size_hint >= self.transfer.multipart_threshold:
+                    buf = io.BytesIO()  # parallel ranged GETs
+                    self.client.download_fileobj(self.bucket, full, buf, Config=self.transfer)
+                    return buf.getvalue()
+                return self.client.get_object(Bucket=self.bucket, Key=full)["Body"].read()
+            except bce.ClientError as exc:
+                code, status = error_code(exc)
+                if status == 404 and code in ("NoSuchKey", "404", "NotFound"):
+                    return None
+                raise
+
+        return self._call("get", key, attempt)
+
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        full = self._key(prefix) if prefix else (f"{self.prefix}/" if self.prefix else "")
+        strip = len(self.prefix) + 1 if self.prefix else 0
+
+        def attempt() -> list[ObjectInfo]:
+            out = []
+            pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=full)
+            for page in pages:
+                for obj in page.get("Contents", []):
+                    out.append(ObjectInfo(obj["Key"][strip:], int(obj["Size"])))
+            return out
+
+        return self._call("list", f"{prefix}*", attempt)
+
+    def delete(self, keys: list[str]) -> None:
+        for i in range(0, len(keys), 1000):  # DeleteObjects takes at most 1000 keys
+            batch = [{"Key": self._key(k)} for k in keys[i : i + 1000]]
+
+            def attempt(batch: list[dict[str, str]] = batch) -> None:
+                resp = self.client.delete_objects(
+                    Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True}
+                )
+                errors = [e for e in resp.get("Errors", []) if e.get("Code") != "NoSuchKey"]
+                if errors:
+                    err = errors[0]
+                    raise bce.ClientError(
+                        {"Error": {"Code": err.get("Code", ""), "Message": err.get("Message", "")},
+                         "ResponseMetadata": {"HTTPStatusCode": 500 if err.get("Code") == "InternalError"
+                                              else 403}},
+                        "DeleteObjects",
+                    )
+
+            self._call("delete", f"{keys[i]} (+{len(batch) - 1} more)", attempt)

@@ -1,0 +1,191 @@
+"""Store behaviour users rely on, on both backends (local directory and a real S3 endpoint)."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+
+import pytest
+import torch
+
+from elastic_ops.checkpoint import restore_rng
+from elastic_ops.errors import (
+    CheckpointCorruptError,
+    CommitConflictError,
+    StaleEpochError,
+)
+from tests.checkpoint.builders import (
+    StoreTarget,
+    child_open,
+    make_model,
+    make_state,
+    small_state,
+    train_steps,
+)
+
+
+def test_resume_from_checkpoint_continues_training_identically(target: StoreTarget) -> None:
+    model, opt, sched = make_model(seed=1)
+    train_steps(model, opt, sched, 3)
+    store = target.open()
+    ref = store.save(3, make_state(model, opt, sched), epoch=1, spec_hash="h", metrics={"loss": 0.25})
+    train_steps(model, opt, sched, 4)  # the uninterrupted run
+
+    resumed, ropt, rsched = make_model(seed=99)  # different init: everything must come from the checkpoint
+    state = target.open().load(target.open().latest(spec_hash="h"))
+    resumed.load_state_dict(state["model"])
+    ropt.load_state_dict(state["optimizer"])
+    rsched.load_state_dict(state["scheduler"])
+    restore_rng(state["rng"])
+    train_steps(resumed, ropt, rsched, 4)
+
+    for a, b in zip(model.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert state["cursor"] == {"epoch": 0, "offset": 12}
+    assert (ref.iteration, ref.epoch, ref.spec_hash, ref.metrics) == (3, 1, "h", {"loss": 0.25})
+
+
+def test_save_interrupted_before_manifest_is_invisible(target: StoreTarget) -> None:
+    store = target.open()
+    store.save(10, small_state(1), epoch=1, spec_hash="h")
+
+    class Crash(Exception):
+        pass
+
+    def crash_on_commit(key: str, data: bytes) -> bool:
+        raise Crash("process died before the manifest was written")
+
+    store.backend.put_if_absent = crash_on_commit  # the data upload happens, the commit does not
+    with pytest.raises(Crash):
+        store.save(20, small_state(2), epoch=1, spec_hash="h")
+    assert any(k.startswith("it-00000020/d-") for k in target.keys()), "the data was written"
+
+    fresh = target.open()
+    assert [r.iteration for r in fresh.list()] == [10]
+    assert fresh.latest().iteration == 10
+    assert fresh.load(fresh.latest())["step"] == 1
+    # the orphan does not block a later save of that iteration
+    assert fresh.save(20, small_state(2), epoch=1, spec_hash="h").iteration == 20
+    assert fresh.load(fresh.latest())["step"] == 2
+
+
+def _flip_byte(target: StoreTarget, key: str) -> None:
+    data = bytearray(target.read(key))
+    data[len(data) // 2] ^= 0xFF
+    target.write(key, bytes(data))
+
+
+@pytest.mark.parametrize("damage", ["flip_byte", "truncate", "delete_data", "garbage_manifest"])
+def test_damaged_latest_falls_back_to_previous(target: StoreTarget, damage: str, caplog) -> None:
+    store = target.open()
+    store.save(10, small_state(1), epoch=1, spec_hash="h")
+    newest = store.save(20, small_state(2), epoch=1, spec_hash="h")
+    data_key = f"it-00000020/{newest.files[0].name}"
+    if damage == "flip_byte":
+        _flip_byte(target, data_key)
+    elif damage == "truncate":
+        target.write(data_key, target.read(data_key)[:-10])
+    elif damage == "delete_data":
+        target.delete(data_key)
+    else:
+        target.write("it-00000020/manifest.json", b"{not json")
+
+    with caplog.at_level(logging.WARNING, logger="elastic_ops.checkpoint"):
+        ref = target.open().latest()
+    assert ref.iteration == 10
+    assert target.open().load(ref)["step"] == 1
+    assert any("it-00000020" in r.getMessage() for r in caplog.records), "the warning names the checkpoint"
+    if damage == "flip_byte":
+        with pytest.raises(CheckpointCorruptError, match="fails verification"):
+            target.open().load(newest)
+
+
+def test_stale_epoch_cannot_commit(target: StoreTarget) -> None:
+    store = target.open()
+    assert store.fence(5) == 5
+    with pytest.raises(StaleEpochError) as err:
+        store.save(10, small_state(1), epoch=4, spec_hash="h")
+    assert (err.value.epoch, err.value.current) == (4, 5)
+    assert target.open().latest() is None
+    assert not any(k.startswith("it-") for k in target.keys()), "a zombie uploads nothing"
+
+    store.save(10, small_state(1), epoch=7, spec_hash="h")  # a newer lease raises the fence
+    assert target.open().current_epoch() == 7
+    assert target.open().fence(6) == 7, "the fence never goes down"
+    with pytest.raises(StaleEpochError):
+        target.open().save(20, small_state(2), epoch=6, spec_hash="h")
+    assert [r.iteration for r in target.open().list()] == [10]
+
+
+def test_same_iteration_twice_conflicts_unless_identical(target: StoreTarget) -> None:
+    store = target.open()
+    first = store.save(10, small_state(1), epoch=1, spec_hash="h")
+    again = target.open().save(10, small_state(1), epoch=2, spec_hash="h")  # idempotent retry
+    assert again.files == first.files
+    with pytest.raises(CommitConflictError, match="iteration 10 is already committed"):
+        target.open().save(10, small_state(5), epoch=2, spec_hash="h")
+    assert target.open().load(target.open().latest())["step"] == 1
+
+
+def test_spec_hash_mismatch_is_skipped(target: StoreTarget) -> None:
+    store = target.open()
+    store.save(10, small_state(1), epoch=1, spec_hash="job-a")
+    store.save(20, small_state(2), epoch=1, spec_hash="job-b")
+    assert store.latest(spec_hash="job-a").iteration == 10
+    assert store.latest(spec_hash="job-b").iteration == 20
+    assert store.latest(spec_hash="job-c") is None
+    assert store.latest().iteration == 20
+
+
+@pytest.mark.parametrize(("keep_last", "keep_every"), [(2, None), (1, 30), (3, 20)])
+def test_retention_keeps_last_k_and_every_mth(target: StoreTarget, keep_last: int, keep_every) -> None:
+    store = target.open(keep_last=keep_last, keep_every=keep_every)
+    saved = []
+    for it in range(10, 71, 10):
+        store.save(it, small_state(it), epoch=1, spec_hash="h")
+        saved.append(it)
+        expected = set(saved[-keep_last:]) | {i for i in saved if keep_every and i % keep_every == 0}
+        assert [r.iteration for r in store.list()] == sorted(expected)
+    # nothing of the removed checkpoints is left behind
+    left = {k.split("/")[0] for k in target.keys() if k.startswith("it-")}
+    assert left == {f"it-{i:08d}" for i in expected}
+
+
+def _racer(uri: str, endpoint_url: str | None, barrier, iteration: int, value: float, out) -> None:
+    store = child_open(uri, endpoint_url, keep_last=100)
+    barrier.wait()
+    try:
+        store.save(iteration, small_state(value, n=4096), epoch=1, spec_hash="h")
+        out.put((iteration, value, "won"))
+    except CommitConflictError:
+        out.put((iteration, value, "lost"))
+    except Exception as exc:  # reported, so the test shows it
+        out.put((iteration, value, repr(exc)))
+
+
+def test_concurrent_commit_from_two_processes_exactly_one_wins(target: StoreTarget) -> None:
+    target.open()  # create the root
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    rounds = 4
+    for it in range(rounds):
+        barrier = ctx.Barrier(2)
+        procs = [
+            ctx.Process(target=_racer, args=(*target.child_args(), barrier, it, v, out)) for v in (1.0, 2.0)
+        ]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(60)
+            assert p.exitcode == 0
+    results = [out.get(timeout=10) for _ in range(2 * rounds)]
+    store = target.open(keep_last=100)
+    for it in range(rounds):
+        outcome = {v: r for i, v, r in results if i == it}
+        assert sorted(outcome.values()) == ["lost", "won"], outcome
+        winner = next(v for v, r in outcome.items() if r == "won")
+        ref = next(r for r in store.list() if r.iteration == it)
+        assert store.load(ref)["step"] == int(winner), "the committed bytes are the winner's"
+        # the loser cleaned up: only the winner's data remains under the iteration
+        data_keys = [k for k in target.keys() if k.startswith(f"it-{it:08d}/d-")]
+        assert data_keys == [f"it-{it:08d}/{ref.files[0].name}"]

@@ -1,0 +1,230 @@
+"""A real S3 HTTP endpoint for tests: moto's server, in a thread, on 127.0.0.1 and a free port.
+
+Use it as a context manager or through the pytest fixtures::
+
+    from tests.s3_server import S3Server, s3_server, s3_endpoint   # noqa: F401 (fixtures)
+
+    def test_x(s3_endpoint):                       # fresh bucket per test, shared server
+        client = s3_endpoint.client()              # boto3 client, botocore retries off
+        uri = s3_endpoint.uri("job-1")             # "s3://<bucket>/job-1"
+        s3_endpoint.endpoint_url, s3_endpoint.bucket, s3_endpoint.credentials  # for an aws connection
+
+    with S3Server() as server:                     # outside pytest
+        ep = server.endpoint("my-bucket")
+
+Extras that a plain moto server lacks:
+
+* Fault injection at the HTTP level, against the real endpoint: ``server.inject(count, status=503,
+  code="SlowDown")`` answers the next ``count`` matching requests with that S3 error;
+  ``kind="drop"`` closes the connection without an answer (a dropped connection);
+  ``method=`` / ``path_contains=`` restrict which requests are hit. ``server.requests`` logs
+  ``(method, path, query, status)`` of every request.
+* Requests are served one at a time. Moto checks ``If-None-Match: *`` and then writes, without
+  a lock between; serialising requests gives the atomic conditional write that real S3
+  guarantees, so two-writer races test our protocol and not a moto race.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+import threading
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+
+ACCESS_KEY = "testing-access-key"
+SECRET_KEY = "testing-secret-key"
+REGION = "us-east-1"
+
+
+@dataclasses.dataclass
+class Fault:
+    remaining: int
+    status: int = 503
+    code: str = "SlowDown"
+    kind: str = "error"  # "error" | "drop"
+    method: str | None = None
+    path_contains: str | None = None
+
+    def matches(self, method: str, path: str) -> bool:
+        return (
+            self.remaining > 0
+            and (self.method is None or self.method == method)
+            and (self.path_contains is None or self.path_contains in path)
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class S3Endpoint:
+    """One bucket on a running server: everything a client or an Airflow aws connection needs."""
+
+    server: S3Server
+    endpoint_url: str
+    bucket: str
+    region: str = REGION
+    access_key_id: str = ACCESS_KEY
+    secret_access_key: str = SECRET_KEY
+
+    @property
+    def credentials(self) -> dict[str, str]:
+        return {"aws_access_key_id": self.access_key_id, "aws_secret_access_key": self.secret_access_key}
+
+    def uri(self, prefix: str = "") -> str:
+        return f"s3://{self.bucket}/{prefix}".rstrip("/")
+
+    def client(self, **config: Any) -> Any:
+        """A boto3 S3 client for this endpoint. botocore retries are off unless ``config`` says."""
+        import boto3
+        from botocore.config import Config
+
+        cfg = {"retries": {"total_max_attempts": 1, "mode": "standard"}, "s3": {"addressing_style": "path"},
+               "connect_timeout": 5, "read_timeout": 30, **config}
+        return boto3.client(
+            "s3", endpoint_url=self.endpoint_url, region_name=self.region, config=Config(**cfg),
+            **self.credentials,
+        )
+
+    def inject(self, count: int, **fault: Any) -> Fault:
+        return self.server.inject(count, **fault)
+
+
+class _FaultApp:
+    """WSGI middleware: serialise requests, log them, and answer some with injected faults."""
+
+    def __init__(self, app: Any, server: S3Server) -> None:
+        self.app = app
+        self.server = server
+
+    def __call__(self, environ: dict[str, Any], start_response: Any) -> Any:
+        method, path = environ["REQUEST_METHOD"], environ.get("PATH_INFO", "")
+        query = environ.get("QUERY_STRING", "")
+        with self.server.lock:
+            fault = next((f for f in self.server.faults if f.matches(method, path)), None)
+            if fault is not None:
+                fault.remaining -= 1
+                label = "fault:drop" if fault.kind == "drop" else f"fault:{fault.status}:{fault.code}"
+                self.server.requests.append((method, path, query, label))
+                if fault.kind == "drop":
+                    sock = environ.get("werkzeug.socket")
+                    if sock is not None:
+                        sock.shutdown(socket.SHUT_RDWR)
+                    # werkzeug treats ConnectionError as "client went away" and stays quiet
+                    raise ConnectionResetError("injected connection drop")
+                body = (
+                    f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{fault.code}</Code>'
+                    "<Message>injected fault</Message><RequestId>fault</RequestId></Error>"
+                ).encode()
+                start_response(f"{fault.status} Injected", [("Content-Type", "application/xml"),
+                                                            ("Content-Length", str(len(body)))])
+                return [body]
+            status: list[str] = []
+
+            def recording_start_response(st: str, headers: Any, exc_info: Any = None) -> Any:
+                status.append(st.split(" ", 1)[0])
+                return start_response(st, headers, exc_info)
+
+            result = list(self.app(environ, recording_start_response))  # consume inside the lock
+            self.server.requests.append((method, path, query, status[0] if status else "?"))
+            return result
+
+
+class S3Server:
+    """moto's S3 in server mode with fault injection. ``start()``/``stop()`` or ``with``."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.host, self.port = host, port
+        self.lock = threading.Lock()
+        self.faults: list[Fault] = []
+        self.requests: list[tuple[str, str, str, str]] = []
+        self._server: Any = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def endpoint_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self) -> S3Server:
+        from moto.moto_server.werkzeug_app import (
+            DomainDispatcherApplication,
+            MotoRequestHandler,
+            create_backend_app,
+        )
+        from werkzeug.serving import make_server
+
+        class QuietHandler(MotoRequestHandler):
+            def log(self, *args: Any, **kwargs: Any) -> None:  # keep test output readable
+                pass
+
+        app = _FaultApp(DomainDispatcherApplication(create_backend_app), self)
+        self._server = make_server(self.host, self.port, app, threaded=True, request_handler=QuietHandler)
+        self.port = self._server.server_address[1]
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True, name="moto-s3")
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def __enter__(self) -> S3Server:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def endpoint(self, bucket: str | None = None) -> S3Endpoint:
+        """Create ``bucket`` (a fresh unique one by default) and describe it."""
+        bucket = bucket or f"test-{uuid.uuid4().hex[:12]}"
+        ep = S3Endpoint(self, self.endpoint_url, bucket)
+        ep.client().create_bucket(Bucket=bucket)
+        return ep
+
+    def inject(
+        self,
+        count: int,
+        *,
+        status: int = 503,
+        code: str = "SlowDown",
+        kind: str = "error",
+        method: str | None = None,
+        path_contains: str | None = None,
+    ) -> Fault:
+        """Fail the next ``count`` matching requests. Returns the rule (``.remaining`` counts down)."""
+        if kind not in ("error", "drop"):
+            raise ValueError(f"kind={kind!r}: must be 'error' or 'drop'")
+        fault = Fault(count, status, code, kind, method, path_contains)
+        with self.lock:
+            self.faults.append(fault)
+        return fault
+
+    def clear_faults(self) -> None:
+        with self.lock:
+            self.faults.clear()
+
+
+@contextmanager
+def running_s3_server() -> Iterator[S3Server]:
+    with S3Server() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[S3Server]:
+    """One moto S3 server for the whole test session."""
+    with running_s3_server() as server:
+        yield server
+
+
+@pytest.fixture
+def s3_endpoint(s3_server: S3Server) -> Iterator[S3Endpoint]:
+    """A fresh bucket on the session's server; faults injected by the test are cleared after it."""
+    yield s3_server.endpoint()
+    s3_server.clear_faults()
