@@ -75,6 +75,11 @@ class Windows(Dataset):
         start = (index % self.count) * self.stride
         return self.ids[start : start + self.length].long()
 
+    def gather(self, indices: torch.Tensor) -> torch.Tensor:
+        """Windows ``indices`` stacked into ``[len(indices), length]`` with one gather."""
+        starts = torch.as_tensor(indices, dtype=torch.long) * self.stride
+        return self.ids[starts[:, None] + torch.arange(self.length)].long()
+
 
 class Block(nn.Module):
     """Pre-norm transformer block with causal self-attention."""
@@ -128,7 +133,7 @@ class CharTransformer(Trainable):
         p = P.parse(params, SCHEMA)
         if p["d_model"] % p["heads"]:
             raise SpecError("params.heads", p["heads"], f"must divide params.d_model ({p['d_model']})")
-        self.params = p
+        super().__init__(**p)
 
     def _ids(self) -> torch.Tensor:
         expected = self.params["corpus_sha256"]
@@ -170,6 +175,12 @@ class CharTransformer(Trainable):
         train, _ = self._split()
         return Windows(train, self.params["context"] + 1, self.params["stride"])
 
+    def fetch(self, dataset: Dataset, indices: torch.Tensor) -> torch.Tensor:
+        """The runtime's batch builder: one gather instead of collating window by window."""
+        if isinstance(dataset, Windows):
+            return dataset.gather(indices)
+        return super().fetch(dataset, indices)
+
     def loss(self, model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
         batch = batch.to(next(model.parameters()).device)
         logits = model(batch[:, :-1])
@@ -181,7 +192,7 @@ class CharTransformer(Trainable):
         _, val = self._split()
         length = self.params["context"] + 1
         windows = Windows(val, length, length)
-        batch = torch.stack([windows[i] for i in range(len(windows))])
+        batch = windows.gather(torch.arange(len(windows)))
         was_training = model.training
         model.eval()
         try:

@@ -73,7 +73,7 @@ class DigitsMLP(Trainable):
     """Classifies 8x8 digit images with a ReLU MLP trained by AdamW on cross-entropy."""
 
     def __init__(self, **params: Any) -> None:
-        self.params = P.parse(params, SCHEMA)
+        super().__init__(**P.parse(params, SCHEMA))
 
     def _split(self) -> dict[str, np.ndarray]:
         return load_split(self.params["test_fraction"], self.params["split_seed"])

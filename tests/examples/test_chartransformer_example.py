@@ -41,6 +41,15 @@ def test_windows_are_consecutive_slices_at_stride():
         assert torch.equal(w[i], torch.arange(7 * i, 7 * i + 10))
     with pytest.raises(IndexError):
         w[len(w)]
+    picked = torch.tensor([3, 0, 5])
+    assert torch.equal(w.gather(picked), torch.stack([w[3], w[0], w[5]]))
+
+
+def test_fetch_builds_the_same_batch_as_collating_windows():
+    t = CharTransformer(**SMALL)
+    ds = t.train_dataset()
+    picked = torch.tensor([7, 2, len(ds) - 1])
+    assert torch.equal(t.fetch(ds, picked), torch.stack([ds[7], ds[2], ds[len(ds) - 1]]))
 
 
 def test_train_windows_stay_out_of_the_validation_text():
