@@ -136,7 +136,7 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
         for asset in self.inlets:
             events = context["inlet_events"][asset]
             if len(events):
-                uri = (events[-1].extra or {}).get("checkpoint_uri")
+                uri = (events[-1].extra or {}).get("checkpoint_root")
                 self.log.info("warm start from the previous model %s", uri)
                 return uri
         self.log.info("no previous model yet; cold start")

@@ -95,7 +95,8 @@ class ElasticFinalizeOperator(ElasticOperatorMixin, BaseOperator):
         trained = [c for c in chunks if c.status != "already_done"]
         last = trained[-1] if trained else chunks[-1]
         summary = {
-            "job": spec.name, "checkpoint_uri": ref.uri, "iteration": ref.iteration,
+            "job": spec.name, "checkpoint_uri": ref.uri, "checkpoint_root": spec.checkpoint_uri(),
+            "entrypoint": spec.entrypoint, "params": dict(spec.params), "iteration": ref.iteration,
             "loss": last.loss, "metrics": last.metrics, "param_sha256": last.param_sha256,
             "chunks": len(chunks), "preemptions": sum(c.preemptions for c in chunks),
             "waited_s": round(sum(c.waited_s for c in chunks), 3),
@@ -110,8 +111,9 @@ class ElasticFinalizeOperator(ElasticOperatorMixin, BaseOperator):
         return summary
 
     def _finish_in_pool(self, hook: Any, job: str) -> None:
-        """The last chunk released with ``finished=True``; make sure even when it had no work."""
+        """The last chunk released with ``finished=True``; this covers a last chunk that had no
+        work (already done) and so held no lease. Releasing the job's current epoch ends it."""
         client = hook.pool()
-        finish = getattr(client, "finish", None)
-        if finish is not None:
-            finish(job)
+        for row in client.status()["jobs"]:
+            if row["name"] == job and row["state"] != "finished":
+                client.release(job, int(row["epoch"]), finished=True)

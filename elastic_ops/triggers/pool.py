@@ -27,15 +27,12 @@ def _pool_client(ledger_url: str):
 
 
 def free_slots(status: dict[str, Any]) -> int:
-    """Free (unheld, unreserved) slots on hosts that take grants, from ``PoolClient.status()``."""
-    if "free_slots" in status:
-        return int(status["free_slots"])
-    free = 0
-    for host in status.get("hosts", []):
-        if str(host.get("state", "up")) not in ("up", "HostState.UP"):
-            continue
-        free += int(host.get("free", host.get("free_slots", 0)))
-    return free
+    """Free slots on hosts that take grants (state ``up``), from ``PoolClient.status()``."""
+    return sum(
+        max(0, int(h["slots"]) - int(h.get("used", 0)))
+        for h in status.get("hosts", [])
+        if str(h.get("state", "up")) == "up"
+    )
 
 
 class GrantTrigger(BaseTrigger):

@@ -1,0 +1,44 @@
+"""Start an elastic training run from the Airflow UI's trigger form.
+
+Every field is a ``Param`` with a JSON schema, so the form rejects bad values (a worker count out
+of range, a priority below 1, a malformed checkpoint URI) before a run is created; the spec is
+validated again when the tasks render the values.
+"""
+
+from __future__ import annotations
+
+import pendulum
+from airflow.sdk import DAG, Param
+
+from elastic_ops.taskgroup import elastic_training
+
+with DAG(
+    dag_id="elastic_train_from_form",
+    schedule=None,
+    start_date=pendulum.datetime(2024, 1, 1, tz="UTC"),
+    catchup=False,
+    tags=["elastic_ops", "params"],
+    doc_md=__doc__,
+    params={
+        "min_workers": Param(1, type="integer", minimum=1, maximum=8, title="Minimum workers"),
+        "max_workers": Param(4, type="integer", minimum=1, maximum=8, title="Maximum workers"),
+        "priority": Param(1, type="integer", minimum=1, maximum=1000, title="Priority",
+                          description="weight in the pool's priority policy"),
+        "iterations": Param(200, type="integer", minimum=4, maximum=100_000, title="Total iterations",
+                            description="split into 4 chunk tasks"),
+        "checkpoint": Param(None, type=["null", "string"], title="Checkpoint URI",
+                            pattern=r"^(file:///.+|s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/.*)?)$",
+                            description="file:///path or s3://bucket/prefix; empty = the default"),
+    },
+):
+    elastic_training(
+        task_id="train",
+        trainable="elastic_ops.examples.digits:DigitsMLP",
+        total_iterations="{{ params.iterations }}",
+        num_chunks=4,
+        min_workers="{{ params.min_workers }}",
+        max_workers="{{ params.max_workers }}",
+        priority="{{ params.priority }}",
+        checkpoint="{{ params.checkpoint }}",
+        global_batch=64,
+    )
