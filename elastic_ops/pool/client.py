@@ -389,9 +389,8 @@ class PoolClient:
             )
             conn.execute(update(s.jobs).where(s.jobs.c.name == job).values(last_seen=now))
             d = self._replan(conn, now, synced=True)[job]
-            if workers <= d.target and d.release:
-                still = set(placements or ())
-                gone = [sl for sl in d.release if sl not in still]
+            if d.release and workers <= d.target:
+                gone = self._given_up(conn, job, d, workers, placements)
                 if gone:
                     kind = "release" if d.target == 0 else "shrink"
                     self._free(
@@ -405,6 +404,7 @@ class PoolClient:
                         workers=d.target,
                     )
                     d = self._replan(conn, now, synced=True)[job]
+            self._mark_releasing(conn, now, job, d.release)
             if d.target == 0 and workers == 0:
                 self._end_lease(conn, now, job, epoch, "preempted")
                 conn.execute(
@@ -666,6 +666,40 @@ class PoolClient:
             conn.execute(update(s.jobs).where(s.jobs.c.name == job).values(last_rescale=now))
         self._event(conn, now, kind, job=job, slots=slots, epoch=epoch, workers=workers, reason=reason)
 
+    def _given_up(self, conn, job, d: Decision, workers: int, placements) -> list[Slot]:
+        """Slots of ``d.release`` the job has certainly stopped using: it says so (``placements``),
+        it runs nothing, or it was told to release them in an earlier heartbeat and now runs
+        ``workers <= target`` (it acted at a boundary)."""
+        if placements is not None:
+            still = {tuple(p) for p in placements}
+            return [sl for sl in d.release if sl not in still]
+        if workers == 0:
+            return list(d.release)
+        rows = conn.execute(
+            select(s.allocations.c.host, s.allocations.c.slot).where(
+                s.allocations.c.job == job, s.allocations.c.releasing.is_not(None)
+            )
+        )
+        told = {(r.host, r.slot) for r in rows}
+        return [sl for sl in d.release if sl in told]
+
+    def _mark_releasing(self, conn, now, job, release: Sequence[Slot]) -> None:
+        """Remember which slots this heartbeat told the job to give up (and forget the rest)."""
+        rows = conn.execute(
+            select(s.allocations.c.host, s.allocations.c.slot, s.allocations.c.releasing).where(
+                s.allocations.c.job == job
+            )
+        ).all()
+        wanted = set(release)
+        for r in rows:
+            told = (r.host, r.slot) in wanted
+            if told != (r.releasing is not None):
+                conn.execute(
+                    update(s.allocations)
+                    .where(s.allocations.c.host == r.host, s.allocations.c.slot == r.slot)
+                    .values(releasing=now if told else None)
+                )
+
     def _end_lease(self, conn, now, job, epoch, why: str) -> None:
         conn.execute(
             update(s.leases)
@@ -809,7 +843,7 @@ class PoolClient:
         n = len(d.placements)
         if d.target == 0:
             action = TargetAction.PREEMPT
-        elif n > workers:
+        elif n > workers or (n == workers and d.release):  # equal count + release: a move
             action = TargetAction.GROW
         elif n < workers:
             action = TargetAction.SHRINK

@@ -104,6 +104,8 @@ allocations = Table(
     Column("job", String(255), nullable=False, index=True),
     Column("epoch", Integer, nullable=False),
     Column("granted", Float, nullable=False),
+    # When the holder was told (in a heartbeat) to give this slot up; NULL while it keeps it.
+    Column("releasing", Float),
     PrimaryKeyConstraint("host", "slot"),
 )
 

@@ -1,0 +1,61 @@
+"""Small builders for snapshots and hypothesis strategies over them."""
+
+from __future__ import annotations
+
+from hypothesis import strategies as st
+
+from elastic_ops.pool.model import Host, HostState, Job, PolicyConfig, Preemption, Snapshot
+
+
+def make_snapshot(hosts=(("h0", 8),), jobs=(), now=1_000.0, **config) -> Snapshot:
+    """``hosts``: (name, slots[, state]) tuples; ``jobs``: Job objects or dicts of Job fields."""
+    hs = tuple(Host(h[0], h[1], HostState(h[2]) if len(h) > 2 else HostState.UP) for h in hosts)
+    js = tuple(j if isinstance(j, Job) else make_job(**j) for j in jobs)
+    return Snapshot(hs, js, now, PolicyConfig(**config))
+
+
+def make_job(name="j", min_workers=1, max_workers=8, priority=1, held=(), **kw) -> Job:
+    kw.setdefault("waiting_since", None if held else kw.get("submitted", 0.0))
+    return Job(name, min_workers, max_workers, priority, held=tuple(held), **kw)
+
+
+@st.composite
+def snapshots(draw, preemption=None) -> Snapshot:
+    n_hosts = draw(st.integers(1, 4))
+    hosts = []
+    for i in range(n_hosts):
+        state = draw(st.sampled_from([HostState.UP] * 4 + list(HostState)))
+        hosts.append(Host(f"h{i}", draw(st.integers(1, 8)), state))
+    all_slots = [(h.name, s) for h in hosts for s in range(h.slots)]
+    order = draw(st.permutations(all_slots))
+    n_jobs = draw(st.integers(0, 7))
+    jobs, cursor = [], 0
+    now = 10_000.0
+    for i in range(n_jobs):
+        lo = draw(st.integers(1, 4))
+        hi = draw(st.integers(lo, lo + 8))
+        n_held = draw(st.integers(0, max(0, min(hi + 2, len(order) - cursor))))
+        held = tuple(sorted(order[cursor : cursor + n_held]))
+        cursor += n_held
+        waiting = None if held else draw(st.floats(0, now))
+        jobs.append(
+            Job(
+                name=f"job{i}",
+                min_workers=lo,
+                max_workers=hi,
+                priority=draw(st.integers(1, 6)),
+                preemptible=draw(st.booleans()),
+                avoid_hosts=frozenset(draw(st.sets(st.sampled_from([h.name for h in hosts]), max_size=2))),
+                submitted=draw(st.floats(0, now)),
+                waiting_since=waiting,
+                last_rescale=draw(st.none() | st.floats(now - 200, now)),
+                held=held,
+            )
+        )
+    config = PolicyConfig(
+        preemption=preemption or draw(st.sampled_from(list(Preemption))),
+        min_rescale_interval_s=draw(st.sampled_from([0.0, 60.0])),
+        min_gain=draw(st.sampled_from([0.0, 0.25])),
+        aging_s=draw(st.sampled_from([0.0, 600.0])),
+    )
+    return Snapshot(tuple(hosts), tuple(jobs), now, config)

@@ -1,0 +1,182 @@
+"""Ledger behaviour: leases, fencing, preemption, hosts, runtime control, errors (SQLite + PostgreSQL)."""
+
+from __future__ import annotations
+
+import pytest
+import sqlalchemy as sa
+
+from elastic_ops.errors import (
+    LeaseExpiredError,
+    SpecError,
+    UnknownHostError,
+    UnknownJobError,
+    UnknownPolicyError,
+)
+from elastic_ops.pool import Grant, PoolClient, TargetAction, Wait
+from elastic_ops.pool.schema import LATEST
+
+from .timeline import held_now, replay
+
+
+@pytest.fixture
+def pool(ledger_url, clock):
+    client = PoolClient(ledger_url, clock=clock, lease_ttl_s=30)
+    client.add_host("h0", 4)
+    yield client
+    client.close()
+
+
+def grant(pool, job, **kw) -> Grant:
+    pool.submit(job, min_workers=kw.pop("min_workers", 1), max_workers=kw.pop("max_workers", 4), **kw)
+    g = pool.request(job)
+    assert isinstance(g, Grant), g
+    return g
+
+
+def test_expired_lease_returns_its_slots_and_its_epoch_is_dead(pool, clock):
+    g = grant(pool, "a")
+    clock.advance(20)
+    pool.heartbeat("a", g.epoch, workers=4)  # renews: expires 30 s from now
+    clock.advance(29)
+    pool.check_epoch("a", g.epoch)
+    clock.advance(2)
+    with pytest.raises(LeaseExpiredError, match="lease epoch 1 of job 'a' is not live"):
+        pool.check_epoch("a", g.epoch)
+    with pytest.raises(LeaseExpiredError):
+        pool.heartbeat("a", g.epoch, workers=4)
+    assert pool.status()["slots"]["used"] == 0
+    assert [e["kind"] for e in pool.events("a")][-1] == "expiry"
+    g2 = grant(pool, "b")
+    assert g2.workers == 2  # "a" still waits (its chunk will be retried): fair share
+    # The zombie's release is a no-op and takes nothing from b; a retry gets a new epoch.
+    assert pool.release("a", g.epoch) is False
+    assert pool.status()["slots"]["used"] == 2
+    assert pool.request("a").epoch == g.epoch + 1
+
+
+def test_epoch_increases_with_every_grant_and_stale_ones_are_refused(pool, clock):
+    g1 = grant(pool, "a")
+    assert pool.request("a") == g1  # asking again returns the live lease
+    pool.release("a", g1.epoch)
+    g2 = pool.request("a")
+    assert g2.epoch == g1.epoch + 1
+    with pytest.raises(LeaseExpiredError, match="live epoch: 2"):
+        pool.check_epoch("a", g1.epoch)
+    pool.check_epoch("a", g2.epoch)
+
+
+def test_release_is_idempotent_and_finished_jobs_leave_the_plan(pool):
+    g = grant(pool, "a")
+    assert pool.release("a", g.epoch, finished=True) is True
+    assert pool.release("a", g.epoch, finished=True) is False
+    job = {j["name"]: j for j in pool.status()["jobs"]}["a"]
+    assert job["state"] == "finished" and job["workers"] == 0
+
+
+def test_full_preemption_checkpoint_release_and_request_again(pool, clock):
+    low = grant(pool, "low", priority=1, min_workers=2)
+    pool.submit("high", min_workers=4, max_workers=4, priority=9)
+    assert isinstance(pool.request("high"), Wait)
+    t = pool.heartbeat("low", low.epoch, workers=4)
+    assert t.action == TargetAction.PREEMPT and t.workers == 0
+    t = pool.heartbeat("low", low.epoch, workers=0)  # checkpointed and stopped
+    assert t.action == TargetAction.PREEMPT
+    with pytest.raises(LeaseExpiredError):
+        pool.check_epoch("low", low.epoch)
+    assert pool.request("high").workers == 4
+    assert isinstance(pool.request("low"), Wait)
+    kinds = [e["kind"] for e in pool.events("low")]
+    assert "preempt" in kinds and kinds.count("release") == 1
+    replay(pool.events())
+
+
+def test_drain_moves_jobs_off_at_their_boundary(pool, clock):
+    pool.add_host("h1", 4)
+    g = grant(pool, "a", max_workers=4)
+    assert {h for h, _ in g.placements} == {"h0"}
+    pool.drain_host("h0")
+    t = pool.heartbeat("a", g.epoch, workers=4)
+    assert t.action == TargetAction.GROW and {h for h, _ in t.placements} == {"h1"}
+    pool.heartbeat("a", g.epoch, workers=4, placements=t.placements)
+    assert {h for h, _ in held_now(pool.events())} == {"h1"}
+
+
+def test_drained_host_takes_no_new_grants(pool):
+    pool.drain_host("h0")
+    pool.submit("a", min_workers=1, max_workers=4)
+    w = pool.request("a")
+    assert isinstance(w, Wait) and "exceeds the 0 usable slots" in w.reason
+    pool.add_host("h0", 4)  # back up
+    assert pool.request("a").workers == 4
+
+
+def test_failures_make_the_job_avoid_the_host_and_cool_it_down(pool, clock):
+    pool.configure(failure_threshold=2, cooling_s=100, lease_ttl_s=1000)
+    pool.add_host("h1", 2)
+    g = grant(pool, "a", max_workers=6)
+    pool.report_failure("a", "h0")
+    pool.release("a", g.epoch)
+    g2 = pool.request("a", avoid_hosts=["h0"])
+    assert {h for h, _ in g2.placements} == {"h1"}
+    pool.submit("b", min_workers=1, max_workers=4)
+    pool.report_failure("b", "h0")
+    hosts = {h["name"]: h for h in pool.status()["hosts"]}
+    assert hosts["h0"]["state"] == "cooling"
+    pool.submit("c", min_workers=1, max_workers=4)
+    assert isinstance(pool.request("c"), Wait)  # h0 is cooling, h1 is a's
+    clock.advance(101)
+    assert {h["name"]: h for h in pool.status()["hosts"]}["h0"]["state"] == "up"
+    assert isinstance(pool.request("b"), Wait)  # b avoids h0 for good
+    assert {h for h, _ in pool.request("c").placements} == {"h0"}
+
+
+def test_runtime_control_replans_at_once(pool):
+    g = grant(pool, "a", max_workers=4)
+    pool.set_bounds("a", 1, 2)
+    assert pool.heartbeat("a", g.epoch, workers=4).workers == 2
+    pool.set_preemptible("a", False)
+    pool.set_priority("a", 7)
+    job = {j["name"]: j for j in pool.status()["jobs"]}["a"]
+    assert (job["priority"], job["max_workers"], job["preemptible"], job["target"]) == (7, 2, False, 2)
+
+
+def test_a_waiting_job_that_stopped_asking_does_not_block_others(pool, clock):
+    pool.configure(job_idle_s=60)
+    pool.submit("gone", min_workers=4, max_workers=4, priority=9)
+    clock.advance(61)
+    assert grant(pool, "here").workers == 4
+
+
+def test_invalid_input_gets_clear_errors(pool):
+    with pytest.raises(SpecError, match="min_workers=5: must be <= max_workers \\(2\\)"):
+        pool.submit("a", min_workers=5, max_workers=2)
+    with pytest.raises(SpecError, match="priority=-1"):
+        pool.submit("a", min_workers=1, max_workers=2, priority=-1)
+    with pytest.raises(UnknownJobError, match="unknown job 'nope'"):
+        pool.request("nope")
+    with pytest.raises(UnknownJobError):
+        pool.set_priority("nope", 3)
+    with pytest.raises(UnknownHostError, match="unknown host 'h9'"):
+        pool.drain_host("h9")
+    with pytest.raises(UnknownPolicyError, match="known policies: fairshare, priority, strict"):
+        pool.configure(policy="fastest")
+    with pytest.raises(SpecError, match="state='broken'"):
+        pool.set_host_state("h0", "broken")
+    with pytest.raises(SpecError, match="slots=0"):
+        pool.add_host("h1", 0)
+
+
+def test_bad_urls_are_rejected(tmp_path):
+    with pytest.raises(SpecError, match="sqlite and postgresql"):
+        PoolClient("mysql://x/y")
+    with pytest.raises(SpecError, match="needs a file path"):
+        PoolClient("sqlite://")
+
+
+def test_schema_is_versioned_and_reopening_keeps_data(ledger_url, clock):
+    a = PoolClient(ledger_url, clock=clock)
+    a.add_host("h0", 2)
+    b = PoolClient(ledger_url, clock=clock)  # a second process opening the same ledger
+    with b.engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT max(version) FROM schema_version")).scalar() == LATEST
+    assert [h["name"] for h in b.status()["hosts"]] == ["h0"]

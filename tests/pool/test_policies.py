@@ -1,0 +1,142 @@
+"""What each policy decides on small, readable snapshots."""
+
+from __future__ import annotations
+
+import pytest
+
+from elastic_ops.errors import SpecError, UnknownPolicyError
+from elastic_ops.pool.model import PolicyConfig, TargetAction
+from elastic_ops.pool.policies import decide, effective_priority, get_policy
+from elastic_ops.pool.shares import weighted_fill
+
+from .builders import make_snapshot
+
+
+def slots(host, *idx):
+    return tuple((host, i) for i in idx)
+
+
+def targets(snap, policy):
+    return decide(snap, policy).targets()
+
+
+def test_fairshare_is_max_min_fair_within_bounds():
+    snap = make_snapshot(
+        hosts=[("h0", 10)],
+        jobs=[dict(name="a", max_workers=2), dict(name="b", max_workers=8), dict(name="c", max_workers=8)],
+    )
+    assert targets(snap, "fairshare") == {"a": 2, "b": 4, "c": 4}
+
+
+def test_priority_shares_follow_the_weights():
+    snap = make_snapshot(jobs=[dict(name="a", priority=3), dict(name="b", priority=5, submitted=1)])
+    assert targets(snap, "priority") == {"a": 3, "b": 5}
+    assert targets(snap, "fairshare") == {"a": 4, "b": 4}
+
+
+def test_strict_serves_higher_classes_first_and_minimums_to_all():
+    snap = make_snapshot(
+        hosts=[("h0", 10)],
+        jobs=[
+            dict(name="hi", priority=9, max_workers=6),
+            dict(name="lo1", priority=1, min_workers=2, max_workers=8),
+            dict(name="lo2", priority=1, min_workers=1, max_workers=8, submitted=1),
+        ],
+    )
+    assert targets(snap, "strict") == {"hi": 6, "lo1": 2, "lo2": 2}
+
+
+def test_gang_a_job_starts_only_when_its_minimum_fits():
+    snap = make_snapshot(
+        hosts=[("h0", 8)],
+        jobs=[dict(name="big", priority=5, min_workers=6), dict(name="wide", min_workers=4, submitted=1)],
+    )
+    plan = decide(snap, "priority").by_job()
+    assert plan["big"].target == 8 and plan["wide"].target == 0
+    assert "does not fit" in plan["wide"].reason and plan["wide"].action is None
+
+
+def test_ties_break_by_submission_then_name():
+    jobs = [
+        dict(name=n, min_workers=3, max_workers=3, submitted=s) for n, s in (("b", 0), ("a", 0), ("c", -1))
+    ]
+    assert targets(make_snapshot(hosts=[("h0", 6)], jobs=jobs), "fairshare") == {"c": 3, "a": 3, "b": 0}
+
+
+def test_aging_lets_a_starved_waiting_job_overtake():
+    running = dict(name="run", priority=2, min_workers=8, held=slots("h0", *range(8)))
+    waiting = dict(name="wait", priority=1, min_workers=8, submitted=0.0, waiting_since=0.0)
+    young = make_snapshot(jobs=[running, waiting], now=100.0, aging_s=600)
+    old = make_snapshot(jobs=[running, waiting], now=1300.0, aging_s=600)
+    assert targets(young, "priority") == {"run": 8, "wait": 0}
+    assert effective_priority(old.jobs[1], old.now, 600) == pytest.approx(1 + 1300 / 600)
+    plan = decide(old, "priority").by_job()
+    assert plan["run"].action == TargetAction.PREEMPT and plan["wait"].target == 8
+
+
+def test_graceful_shrink_keeps_slots_until_released_and_the_newcomer_waits():
+    snap = make_snapshot(jobs=[dict(name="a", held=slots("h0", *range(8))), dict(name="b", submitted=5)])
+    plan = decide(snap, "priority").by_job()
+    assert plan["a"].action == TargetAction.SHRINK and len(plan["a"].release) == 4
+    assert plan["b"].target == 4 and plan["b"].placements == () and "released" in plan["b"].reason
+
+
+def test_preemption_none_and_non_preemptible_jobs_keep_their_slots():
+    held = dict(name="a", held=slots("h0", *range(8)))
+    for snap in (
+        make_snapshot(jobs=[held, dict(name="b", priority=9)], preemption="none"),
+        make_snapshot(jobs=[dict(held, preemptible=False), dict(name="b", priority=9)]),
+    ):
+        plan = decide(snap, "priority").by_job()
+        assert plan["a"].target == 8 and plan["a"].action == TargetAction.KEEP
+        assert plan["b"].target == 0
+
+
+def test_anti_thrashing_interval_and_min_gain():
+    recent = dict(name="a", held=slots("h0", *range(8)), last_rescale=990.0)
+    snap = make_snapshot(jobs=[recent, dict(name="b")], now=1000.0, min_rescale_interval_s=60)
+    plan = decide(snap, "priority").by_job()
+    assert plan["a"].target == 8 and "rescaled 10s ago" in plan["a"].reason and plan["b"].target == 0
+    later = make_snapshot(jobs=[recent, dict(name="b")], now=1100.0, min_rescale_interval_s=60)
+    assert targets(later, "priority") == {"a": 4, "b": 4}
+    # 8 -> 7 is a 12.5% change: below a 25% threshold it is skipped.
+    small = make_snapshot(
+        hosts=[("h0", 9)],
+        jobs=[dict(name="a", held=slots("h0", *range(8))), dict(name="b", max_workers=2)],
+        min_gain=0.25,
+    )
+    assert targets(small, "fairshare") == {"a": 8, "b": 1}
+
+
+def test_draining_host_gets_no_grants_and_its_jobs_move_off():
+    snap = make_snapshot(
+        hosts=[("h0", 4, "draining"), ("h1", 4)],
+        jobs=[
+            dict(name="a", max_workers=4, held=slots("h0", 0, 1)),
+            dict(name="b", max_workers=4, submitted=1),
+        ],
+    )
+    plan = decide(snap, "fairshare").by_job()
+    assert all(h == "h1" for d in plan.values() for h, _ in d.placements)
+    assert set(plan["a"].release) == set(slots("h0", 0, 1)) and "moving off" in plan["a"].reason
+    assert plan["a"].target + plan["b"].target == 4
+
+
+def test_avoid_hosts_are_respected_and_cap_the_share():
+    snap = make_snapshot(hosts=[("h0", 4), ("h1", 4)], jobs=[dict(name="a", avoid_hosts=frozenset({"h0"}))])
+    plan = decide(snap, "priority").by_job()
+    assert plan["a"].target == 4 and {h for h, _ in plan["a"].placements} == {"h1"}
+
+
+def test_weighted_fill_rounds_deterministically_and_sums_to_capacity():
+    assert weighted_fill([1, 1, 1], [8, 8, 8], [1, 1, 1], 8) == [3, 3, 2]
+    assert weighted_fill([1, 1], [2, 8], [5, 1], 8) == [2, 6]
+
+
+def test_invalid_policy_inputs_get_clear_errors():
+    with pytest.raises(UnknownPolicyError, match="unknown policy 'best'.*fairshare, priority, strict"):
+        get_policy("best")
+    with pytest.raises(SpecError, match="preemption='always'"):
+        PolicyConfig(preemption="always")
+    with pytest.raises(SpecError, match="min_gain=-1"):
+        PolicyConfig(min_gain=-1)

@@ -1,0 +1,125 @@
+"""Invariants every policy keeps, for any snapshot."""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import HealthCheck, given, settings
+
+from elastic_ops.pool.model import HostState, Preemption, Snapshot, TargetAction
+from elastic_ops.pool.policies import POLICIES, order_key
+
+from .builders import snapshots
+
+PROPS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _up(snap: Snapshot) -> dict[str, int]:
+    return {h.name: h.slots for h in snap.hosts if h.state == HostState.UP}
+
+
+@PROPS
+@given(snap=snapshots())
+def test_no_slot_is_granted_twice(snap):
+    for name in sorted(POLICIES):
+        _check_no_slot_is_granted_twice(name, snap)
+
+
+def _check_no_slot_is_granted_twice(name, snap):
+    plan = POLICIES[name](snap)
+    seen = {}
+    holder = {sl: j.name for j in snap.jobs for sl in j.held}
+    up = _up(snap)
+    jobs = {j.name: j for j in snap.jobs}
+    for d in plan.decisions:
+        for sl in d.placements:
+            assert sl not in seen, f"{sl} placed for {seen[sl]} and {d.job}"
+            seen[sl] = d.job
+            assert holder.get(sl, d.job) == d.job, f"{d.job} placed on {sl}, still held by {holder[sl]}"
+            if sl not in jobs[d.job].held:  # a new grant: healthy host, in range, not avoided
+                assert sl[0] in up and 0 <= sl[1] < up[sl[0]]
+                assert sl[0] not in jobs[d.job].avoid_hosts
+        assert set(d.release) == set(jobs[d.job].held) - set(d.placements)
+
+
+@PROPS
+@given(snap=snapshots())
+def test_every_job_within_bounds_or_waiting(snap):
+    for name in sorted(POLICIES):
+        _check_every_job_within_bounds_or_waiting(name, snap)
+
+
+def _check_every_job_within_bounds_or_waiting(name, snap):
+    plan = POLICIES[name](snap)
+    assert sorted(d.job for d in plan.decisions) == sorted(j.name for j in snap.jobs)
+    jobs = {j.name: j for j in snap.jobs}
+    for d in plan.decisions:
+        j = jobs[d.job]
+        assert d.target == 0 or j.min_workers <= d.target <= j.max_workers, d
+        assert len(d.placements) <= d.target
+        if d.target == 0 and j.held:
+            assert d.action == TargetAction.PREEMPT
+    assert sum(d.target for d in plan.decisions) <= sum(_up(snap).values())
+
+
+@PROPS
+@given(snap=snapshots())
+def test_preemption_only_takes_from_lower_ranked_or_over_share_jobs(snap):
+    for name in sorted(POLICIES):
+        _check_preemption_only_takes_from_lower_ranked_or_over_share_jobs(name, snap)
+
+
+def _check_preemption_only_takes_from_lower_ranked_or_over_share_jobs(name, snap):
+    plan = POLICIES[name](snap)
+    up = _up(snap)
+    capacity = sum(up.values())
+    by = plan.by_job()
+    jobs = {j.name: j for j in snap.jobs}
+    frozen = {d.job for d in plan.decisions if d.reason.startswith("keeps")}
+    for x in snap.jobs:
+        held_up = sum(1 for h, _ in x.held if h in up)
+        target = by[x.name].target
+        if target >= held_up or not x.min_workers <= held_up <= x.max_workers:
+            continue  # nothing taken (or its own bounds changed: it must be resized anyway)
+        assert x.preemptible and snap.config.preemption == Preemption.GRACEFUL, by[x.name]
+        if target > 0:
+            assert target >= x.min_workers  # a shrink never goes below the minimum
+            continue
+        # Fully preempted: its minimum did not fit next to the jobs that rank above it.
+        above = sum(
+            (by[y].target if y in frozen else jobs[y].min_workers)
+            for y in by
+            if by[y].target > 0 and (y in frozen or order_key(jobs[y], snap) < order_key(x, snap))
+        )
+        avoided = sum(up.get(h, 0) for h in x.avoid_hosts)
+        assert above + x.min_workers > capacity or x.min_workers > capacity - avoided, by[x.name]
+
+
+@PROPS
+@given(snap=snapshots(), seed=__import__("hypothesis").strategies.integers(0, 2**16))
+def test_same_snapshot_same_plan_in_any_order(snap, seed):
+    for name in sorted(POLICIES):
+        _check_same_snapshot_same_plan_in_any_order(name, snap, seed)
+
+
+def _check_same_snapshot_same_plan_in_any_order(name, snap, seed):
+    rng = random.Random(seed)
+    jobs, hosts = list(snap.jobs), list(snap.hosts)
+    rng.shuffle(jobs)
+    rng.shuffle(hosts)
+    shuffled = Snapshot(tuple(hosts), tuple(jobs), snap.now, snap.config)
+    plan = POLICIES[name](snap)
+    assert plan == POLICIES[name](snap)
+    assert plan.by_job() == POLICIES[name](shuffled).by_job()
+
+
+@PROPS
+@given(snap=snapshots(preemption=Preemption.NONE))
+def test_preemption_none_never_shrinks_a_running_job(snap):
+    for name in POLICIES:
+        by = POLICIES[name](snap).by_job()
+        up = _up(snap)
+        for j in snap.jobs:
+            held_up = sum(1 for h, _ in j.held if h in up)
+            if j.min_workers <= held_up <= j.max_workers:
+                assert by[j.name].target >= held_up, by[j.name]
