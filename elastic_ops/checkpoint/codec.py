@@ -86,16 +86,24 @@ def decode_state(data: bytes, *, name: str = "state.pt") -> Any:
     try:
         return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        # the restricted unpickler refused the stream: a global it does not allow (an attempt
+        # to call or build something) or an opcode it does not support; either way not ours
+        reason = str(exc.__context__ or exc)
         raise UnsafeCheckpointError(
-            f"refused to load {name}: it needs objects the safe loader does not allow ({first[:300]})",
-            hint="the checkpoint was not written by elastic_ops or was tampered with; it was not executed",
+            f"the safe loader refused {name} ({_first_line(reason)})",
+            hint="the checkpoint was not written by elastic_ops or was tampered with; "
+            "nothing in it was executed",
         ) from None
     except Exception as exc:  # a truncated zip, a bad magic number, ...
         raise CheckpointCorruptError(
             f"cannot decode {name}: {type(exc).__name__}: {str(exc)[:300]}",
             hint="the file is damaged; an older checkpoint is used by latest()",
         ) from None
+
+
+def _first_line(text: str) -> str:
+    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    return (lines[0] if lines else "unknown reason")[:300]
 
 
 # --- RNG state ---------------------------------------------------------------------------

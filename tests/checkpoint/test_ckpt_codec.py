@@ -1,0 +1,136 @@
+"""The codec loads state without executing anything from the checkpoint."""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from elastic_ops.checkpoint import InvalidStateError, capture_rng, decode_state, encode_state, restore_rng
+from elastic_ops.checkpoint.manifest import FileEntry, Manifest
+from elastic_ops.errors import CheckpointCorruptError, UnsafeCheckpointError
+from tests.checkpoint.builders import StoreTarget, make_model, make_state, small_state, train_steps
+
+
+class _Exploit:
+    """Unpickling this runs a shell command (classic pickle code execution)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _malicious_payloads(marker: Path) -> dict[str, bytes]:
+    zipped = io.BytesIO()
+    torch.save({"model": _Exploit(marker)}, zipped)  # a real torch zip file whose data.pkl calls os.system
+    return {
+        "torch_zip": zipped.getvalue(),
+        "legacy_pickle": pickle.dumps({"model": _Exploit(marker)}, protocol=2),
+        "builtins_exec": pickle.dumps(_ExecExploit(marker), protocol=2),
+        "pickle_protocol_5": pickle.dumps({"model": _Exploit(marker)}, protocol=5),
+    }
+
+
+class _ExecExploit:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (exec, (f"open({str(self.marker)!r}, 'w').close()",))
+
+
+PAYLOADS = ["torch_zip", "legacy_pickle", "builtins_exec", "pickle_protocol_5"]
+
+
+@pytest.mark.parametrize("payload", PAYLOADS)
+def test_the_exploits_are_real(tmp_path: Path, payload: str) -> None:
+    """Guard against a vacuous test: an unrestricted load of each payload does run it."""
+    marker = tmp_path / "pwned"
+    data = _malicious_payloads(marker)[payload]
+    if payload == "torch_zip":
+        torch.load(io.BytesIO(data), weights_only=False)
+    else:
+        pickle.loads(data)
+    assert marker.exists()
+
+
+@pytest.mark.parametrize("payload", PAYLOADS)
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")
+def test_malicious_checkpoint_with_valid_manifest_is_rejected(
+    target: StoreTarget, tmp_path: Path, payload: str
+) -> None:
+    marker = tmp_path / "pwned"
+    store = target.open()
+    store.save(10, small_state(1), epoch=1, spec_hash="h")
+    evil = _malicious_payloads(marker)[payload]
+    # an attacker with write access plants a checkpoint whose manifest and checksums are valid
+    entry = FileEntry.of("d-evil/state.pt", evil)
+    target.write("it-00000020/d-evil/state.pt", evil)
+    target.write(
+        "it-00000020/manifest.json",
+        Manifest(iteration=20, epoch=1, spec_hash="h", created=0.0, files=(entry,)).to_json(),
+    )
+
+    ref = target.open().latest()
+    assert ref.iteration == 20, "checksums verify, so it is the latest"
+    with pytest.raises(UnsafeCheckpointError) as err:
+        target.open().load(ref)
+    assert err.value.retryable is False
+    assert isinstance(err.value, CheckpointCorruptError)
+    assert not marker.exists(), "the payload was never executed"
+
+
+def test_truncated_file_is_corrupt_not_unsafe() -> None:
+    with pytest.raises(CheckpointCorruptError) as err:
+        decode_state(encode_state(small_state(1))[:-100])
+    assert not isinstance(err.value, UnsafeCheckpointError)
+
+
+def test_real_training_state_round_trips_exactly() -> None:
+    model, opt, sched = make_model()
+    train_steps(model, opt, sched, 2)
+    state = make_state(model, opt, sched, history=[{"it": 1, "loss": 0.5}, {"it": 2, "loss": None}])
+    back = decode_state(encode_state(state))
+    assert back["optimizer"]["param_groups"] == state["optimizer"]["param_groups"]  # tuples, None, bools
+    assert back["scheduler"] == state["scheduler"]
+    assert back["history"] == state["history"]
+    for k, v in state["model"].items():
+        assert torch.equal(back["model"][k], v)
+
+
+@pytest.mark.parametrize(
+    ("state", "path", "kind"),
+    [
+        ({"rng": {"np": np.zeros(3)}}, "['rng']['np']", "numpy.ndarray"),
+        ({"layers": [1, 2, {1, 2}]}, "['layers'][2]", "builtins.set"),
+        ({"fn": print}, "['fn']", "builtin_function_or_method"),
+        ({"obj": object()}, "['obj']", "builtins.object"),
+    ],
+)
+def test_state_the_safe_loader_would_refuse_is_rejected_at_save(state, path: str, kind: str) -> None:
+    with pytest.raises(InvalidStateError) as err:
+        encode_state(state)
+    assert path in str(err.value) and kind in str(err.value)
+
+
+def test_capture_and_restore_rng_replays_the_same_draws() -> None:
+    torch.manual_seed(1)
+    np.random.seed(2)
+    random.seed(3)
+    np.random.normal()  # leaves a cached gaussian in numpy's state
+    state = decode_state(encode_state({"rng": capture_rng()}))["rng"]
+
+    def draw():
+        return torch.rand(3).tolist(), np.random.rand(3).tolist(), np.random.normal(), random.random()
+
+    first = draw()
+    restore_rng(state)
+    assert draw() == first
