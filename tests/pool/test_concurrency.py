@@ -1,0 +1,82 @@
+"""Many processes requesting, heartbeating and releasing against one ledger stay consistent."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import random
+
+import pytest
+import sqlalchemy as sa
+
+from elastic_ops.pool import Grant, PoolClient, TargetAction
+
+from .timeline import held_now, replay
+
+PROCS, OPS = 6, 30
+
+
+def _worker(url: str, proc: int, seed: int, out) -> None:
+    """Two jobs per process, driven like chunk runners: request, follow targets, release."""
+    rng = random.Random(seed)
+    pool = PoolClient(url)
+    jobs = [f"p{proc}-j{k}" for k in range(2)]
+    live: dict[str, tuple[int, int]] = {}  # job -> (epoch, workers)
+    for j in jobs:
+        pool.submit(j, min_workers=rng.randint(1, 3), max_workers=rng.randint(3, 8), priority=rng.randint(1, 5))
+    done = 0
+    for _ in range(OPS):
+        j = rng.choice(jobs)
+        if j not in live:
+            g = pool.request(j)
+            if isinstance(g, Grant):
+                live[j] = (g.epoch, g.workers)
+            done += 1
+            continue
+        epoch, workers = live[j]
+        if rng.random() < 0.2:
+            pool.release(j, epoch, finished=rng.random() < 0.5)
+            del live[j]
+        else:
+            t = pool.heartbeat(j, epoch, workers=workers)
+            live[j] = (epoch, 0 if t.action == TargetAction.PREEMPT else t.workers)  # acts at the boundary
+            if t.action == TargetAction.PREEMPT:
+                pool.heartbeat(j, epoch, workers=0)
+                del live[j]
+        done += 1
+    for j, (epoch, _) in live.items():
+        pool.release(j, epoch, finished=True)
+    pool.close()
+    out.put(done)
+
+
+def _run(url: str) -> None:
+    setup = PoolClient(url, lease_ttl_s=3600, policy="priority", preemption="graceful")
+    for h in range(3):
+        setup.add_host(f"h{h}", 6)
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(url, i, 1000 + i, out)) for i in range(PROCS)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+        assert p.exitcode == 0, f"worker exited with {p.exitcode}"
+    assert sum(out.get(timeout=5) for _ in procs) == PROCS * OPS
+
+    events = setup.events()
+    replay(events)  # no slot ever held by two jobs; only holders release
+    assert held_now(events) == {}  # every release was recorded
+    with setup.engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT count(*) FROM allocations")).scalar() == 0
+        assert conn.execute(sa.text("SELECT count(*) FROM leases WHERE ended IS NULL")).scalar() == 0
+    assert sum(1 for e in events if e["kind"] == "grant") >= PROCS
+    assert setup.status()["slots"]["used"] == 0
+
+
+def test_many_processes_on_sqlite(sqlite_url):
+    _run(sqlite_url)
+
+
+@pytest.mark.postgres
+def test_many_processes_on_postgres(pg_url):
+    _run(pg_url)
