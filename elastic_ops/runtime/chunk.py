@@ -1,0 +1,435 @@
+"""The chunk runner: train iterations ``[start, end)`` with a changing number of workers.
+
+``run_chunk`` restores the latest committed checkpoint, then runs *segments*: one launch of
+``N`` worker processes that train until the chunk's end or until the target for an iteration
+boundary differs from ``N``. Between segments the full training state moves through a staging
+file (``torch.save``, loaded with ``weights_only=True``) and the runner relaunches with the new
+count; target ``0`` commits a checkpoint and returns ``PREEMPTED``.
+
+A background *controller* thread follows rank 0 through the shared control channel
+(:mod:`elastic_ops.runtime.control`): it asks ``target(i)`` for boundaries up to
+``LOOKAHEAD`` iterations ahead of rank 0 (so the poll never stalls training), commits the
+checkpoints rank 0 leaves at ``checkpoint_interval`` boundaries (in the background, in order)
+and reports progress.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import logging
+import math
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from elastic_ops.errors import (
+    CheckpointNotFoundError,
+    NonFiniteLossError,
+    SpecError,
+    TrainingError,
+    UserCodeError,
+    WorkerLostError,
+)
+from elastic_ops.runtime.control import ControlChannel
+from elastic_ops.runtime.launcher import LaunchRequest, LocalLauncher
+from elastic_ops.runtime.state import load_state, param_sha256, save_atomic
+from elastic_ops.spec import JobSpec
+
+log = logging.getLogger("elastic_ops.runtime")
+
+LOOKAHEAD = 2  # target(i) is asked while rank 0 runs iteration i - LOOKAHEAD
+
+
+class ChunkStatus(str, enum.Enum):
+    """How a chunk try ended. Terminal states; a try starts in none of them.
+
+    ``completed``: trained to ``end`` and committed. ``preempted``: the target went to 0; the
+    state at ``iteration`` is committed. ``already_done``: the latest checkpoint was at or
+    after ``end``; nothing ran.
+    """
+
+    COMPLETED = "completed"
+    PREEMPTED = "preempted"
+    ALREADY_DONE = "already_done"
+
+
+@dataclasses.dataclass(frozen=True)
+class Progress:
+    iteration: int
+    end: int
+    loss: float
+    workers: int
+    samples_per_sec: float
+    eta_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkResult:
+    status: ChunkStatus
+    start: int
+    end: int
+    iteration: int
+    checkpoint_uri: str | None
+    loss: float | None
+    metrics: dict[str, float]
+    workers_timeline: list[tuple[int, int, float]]
+    samples_per_sec: float
+    duration_s: float
+    param_sha256: str | None
+    train_samples_per_sec: float = 0.0  # samples / time inside the training loops (no startup)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["status"] = self.status.value
+        d["workers_timeline"] = [list(t) for t in self.workers_timeline]
+        return d
+
+
+@dataclasses.dataclass
+class _Segment:
+    """What one launch left behind (read from rank 0's ``result.json``)."""
+
+    iteration: int
+    next_workers: int
+    state_path: str
+    loss: float
+    evaluation: dict[str, float]
+    train_seconds: float
+    samples: int
+
+
+class _Committer:
+    """Commits staged states to the store, in order, off the training path."""
+
+    def __init__(self, store: Any, epoch: int, spec_hash: str) -> None:
+        self.store, self.epoch, self.spec_hash = store, epoch, spec_hash
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="elastic-ops-commit")
+        self.futures: list[Future] = []
+        self.last_ref: Any = None
+
+    def submit(self, iteration: int, path: str, metrics: dict[str, Any], *, remove: bool) -> Future:
+        fut = self.pool.submit(self._commit, iteration, path, metrics, remove)
+        self.futures.append(fut)
+        return fut
+
+    def _commit(self, iteration: int, path: str, metrics: dict[str, Any], remove: bool) -> Any:
+        state = load_state(path)
+        metrics = {**metrics, "param_sha256": param_sha256(state["model"])}
+        ref = self.store.save(iteration, state, epoch=self.epoch, spec_hash=self.spec_hash, metrics=metrics)
+        self.last_ref = ref
+        if remove:
+            Path(path).unlink(missing_ok=True)
+        log.info("committed checkpoint at iteration %d: %s", iteration, ref.uri)
+        return ref
+
+    def check(self) -> None:
+        """Raise the first commit failure (e.g. a stale fencing epoch) now."""
+        for fut in self.futures:
+            if fut.done() and fut.exception() is not None:
+                raise fut.exception()
+
+    def drain(self) -> None:
+        for fut in self.futures:
+            fut.result()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
+
+class _Runner:
+    def __init__(self, spec: JobSpec, start: int, end: int, target: Callable[[int], int], store: Any,
+                 epoch: int, on_progress: Callable[[Progress], None] | None, host: str, launcher: Any,
+                 workdir: Path) -> None:
+        self.spec, self.start, self.end = spec, start, end
+        self.target_fn, self.store, self.epoch = target, store, epoch
+        self.on_progress, self.host, self.launcher, self.workdir = on_progress, host, launcher, workdir
+        self.committer = _Committer(store, epoch, spec.spec_hash())
+        self.timeline: list[tuple[int, int, float]] = []
+        self._last_log = 0.0
+        self._t0 = time.time()
+
+    def target(self, iteration: int) -> int:
+        """The wanted worker count, clamped to the spec's bounds (0 = preempt)."""
+        n = int(self.target_fn(iteration))
+        if n <= 0:
+            return 0
+        return max(self.spec.min_workers, min(self.spec.max_workers, n))
+
+    # --- one segment ------------------------------------------------------------------------
+
+    def run_segment(self, index: int, it: int, workers: int, state_path: str | None) -> _Segment:
+        segdir = self.workdir / f"seg-{index}"
+        segdir.mkdir(parents=True)
+        length = self.end - it + 1
+        chan = ControlChannel(segdir, length, create=True)
+        chan.decide(0, workers)
+        for j in range(1, LOOKAHEAD + 1):
+            if not chan.decided(j):
+                chan.decide(j, self.target(it + j))
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        cfg = {"spec": self.spec.to_dict(), "start": it, "end": self.end, "workers": workers,
+               "segment": index, "dir": str(segdir), "state_path": state_path}
+        (segdir / "segment.json").write_text(json.dumps(cfg))
+        req = LaunchRequest(
+            workers=workers, script=_script(self.spec), master_addr="127.0.0.1", master_port=store.port, segment=index,
+            log_dir=segdir / "logs", env={"ELASTIC_OPS_SEGMENT": str(segdir / "segment.json")},
+            device=_device(self.spec), threads_per_worker=self.spec.threads_per_worker,
+        )
+        stop = threading.Event()
+        errors: list[BaseException] = []
+        ctl = threading.Thread(target=self._control, args=(chan, it, workers, stop, errors, segdir),
+                               name="elastic-ops-control", daemon=True)
+        pc = self.launcher.start(req)
+        ctl.start()
+        try:
+            result = None
+            while result is None:
+                result = pc.wait(timeout=0.5, period=0.01)
+                self.committer.check()
+                if errors:
+                    raise errors[0]
+        except BaseException:
+            pc.close()
+            raise
+        finally:
+            stop.set()
+            ctl.join()
+            del store
+        if errors:
+            raise errors[0]
+        if result.failures:
+            raise self._failure(segdir, result.failures)
+        info = json.loads((segdir / "result.json").read_text())
+        return _Segment(
+            iteration=info["iteration"], next_workers=info["next_workers"], state_path=info["state_path"],
+            loss=info["loss"], evaluation=info["evaluation"], train_seconds=info["train_seconds"],
+            samples=info["samples"],
+        )
+
+    def _control(self, chan: ControlChannel, start: int, workers: int, stop: threading.Event,
+                 errors: list[BaseException], segdir: Path) -> None:
+        seen = 0
+        row0 = None
+        try:
+            while True:
+                finished = stop.is_set()  # read before the last sweep, so no row is missed
+                reached = chan.reached()
+                for j in range(seen + 1, reached + 1):
+                    if row0 is None:
+                        row0 = chan.row(0)
+                    self._boundary(chan, start, j, workers, row0, segdir)
+                seen = max(seen, reached)
+                for j in range(max(reached, 0) + 1, max(reached, 0) + LOOKAHEAD + 1):
+                    if not chan.decided(j):
+                        chan.decide(j, self.target(start + j))
+                if finished:
+                    return
+                time.sleep(0.001)
+        except BaseException as exc:  # surfaced by the main thread
+            errors.append(exc)
+
+    def _boundary(self, chan: ControlChannel, start: int, j: int, workers: int,
+                  row0: tuple[float, float, int], segdir: Path) -> None:
+        it = start + j
+        loss, t, cursor = chan.row(j)
+        ckpt = segdir / f"ckpt-{it}.pt"
+        if ckpt.exists():
+            self.committer.submit(it, str(ckpt), {"loss": loss}, remove=True)
+        elapsed = max(t - row0[1], 1e-9)
+        rate = (cursor - row0[2]) / elapsed
+        its = j / elapsed
+        eta = (self.end - it) / its if its > 0 else math.inf
+        prog = Progress(iteration=it, end=self.end, loss=loss, workers=workers, samples_per_sec=rate, eta_s=eta)
+        if self.on_progress is not None:
+            self.on_progress(prog)
+        now = time.monotonic()
+        if now - self._last_log >= 2.0 or it == self.end:
+            self._last_log = now
+            log.info("iteration %d/%d loss %.5f workers %d %.0f samples/s ETA %.0fs",
+                     it, self.end, loss, workers, rate, eta)
+
+    def _failure(self, segdir: Path, failures: dict[int, Any]) -> Exception:
+        reports = []
+        for path in sorted(segdir.glob("error-*.json")):
+            try:
+                reports.append(json.loads(path.read_text()))
+            except (OSError, ValueError):
+                continue
+        for kind, cls in (("user", UserCodeError), ("nonfinite", NonFiniteLossError)):
+            found = [r for r in reports if r["kind"] == kind]
+            if found:
+                r = min(found, key=lambda r: r["time"])
+                msg = f"rank {r['rank']} at iteration {r['iteration']}: {r['message']}"
+                if r["traceback"]:
+                    msg += "\n" + r["traceback"]
+                return cls(msg)
+        internal = [r for r in reports if r["kind"] == "internal"]
+        signals = {rank: f.signal_name() for rank, f in failures.items() if f.exitcode < 0}
+        if internal and not signals:
+            r = internal[0]
+            return TrainingError(f"runtime error on rank {r['rank']}: {r['message']}\n{r['traceback']}")
+        what = ", ".join(f"rank {r} killed by {s}" for r, s in signals.items()) or ", ".join(
+            f"rank {r} exited with {f.exitcode}" for r, f in failures.items())
+        return WorkerLostError(f"worker lost on {self.host}: {what}", host=self.host,
+                               hint="retry resumes from the last committed checkpoint")
+
+    # --- the whole chunk -----------------------------------------------------------------------
+
+    def commit_now(self, iteration: int, path: str, metrics: dict[str, Any]) -> Any:
+        self.committer.drain()
+        return self.committer.submit(iteration, path, metrics, remove=False).result()
+
+    def run(self, it: int, state_path: str | None, first_workers: int) -> ChunkResult:
+        workers, segments, index = first_workers, [], 0
+        last: _Segment | None = None
+        while True:
+            if workers == 0:
+                return self._preempted(it, last)
+            self.timeline.append((it, workers, time.time()))
+            log.info("segment %d: iterations %d..%d with %d worker(s)", index, it, self.end, workers)
+            last = self.run_segment(index, it, workers, state_path)
+            segments.append(last)
+            index += 1
+            it, state_path, workers = last.iteration, last.state_path, last.next_workers
+            if it >= self.end:
+                break
+            if it % int(self.spec.checkpoint_interval) == 0 and workers != 0:
+                self.committer.submit(it, state_path, {"loss": last.loss}, remove=False)
+        metrics = {"loss": last.loss, **last.evaluation}
+        ref = self.commit_now(it, state_path, metrics)
+        return self._result(ChunkStatus.COMPLETED, it, ref, last, segments)
+
+    def _preempted(self, it: int, last: _Segment | None) -> ChunkResult:
+        ref = None
+        if last is not None:
+            ref = self.commit_now(it, last.state_path, {"loss": last.loss})
+        else:
+            self.committer.drain()
+            ref = self.store.latest(spec_hash=self.spec.spec_hash())
+        log.info("preempted at iteration %d", it)
+        return self._result(ChunkStatus.PREEMPTED, it, ref, last, [])
+
+    def _result(self, status: ChunkStatus, it: int, ref: Any, last: _Segment | None,
+                segments: list[_Segment]) -> ChunkResult:
+        duration = time.time() - self._t0
+        samples = sum(s.samples for s in segments)
+        train_s = sum(s.train_seconds for s in segments)
+        metrics = dict(ref.metrics) if ref is not None else {}
+        return ChunkResult(
+            status=status, start=self.start, end=self.end, iteration=it,
+            checkpoint_uri=ref.uri if ref is not None else None,
+            loss=last.loss if last is not None else metrics.get("loss"),
+            metrics=dict(last.evaluation) if last is not None else {},
+            workers_timeline=list(self.timeline), samples_per_sec=samples / duration if duration else 0.0,
+            duration_s=duration, param_sha256=metrics.get("param_sha256"),
+            train_samples_per_sec=samples / train_s if train_s else 0.0,
+        )
+
+
+def _script(spec: JobSpec) -> str | None:
+    return str(Path(spec.entrypoint).resolve()) if spec.entrypoint.endswith(".py") else None
+
+
+def _device(spec: JobSpec) -> str:
+    if spec.device.value == "auto":
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return spec.device.value
+
+
+def _check_range(spec: JobSpec, start: int, end: int) -> None:
+    if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start < spec.total_iterations:
+        raise SpecError("start", start, f"must be an integer in [0, {spec.total_iterations})")
+    if isinstance(end, bool) or not isinstance(end, int) or not start < end <= spec.total_iterations:
+        raise SpecError("end", end, f"must be an integer in ({start}, {spec.total_iterations}]")
+
+
+def _check_entrypoint(spec: JobSpec) -> None:
+    if spec.entrypoint.endswith(".py"):
+        if not Path(spec.entrypoint).is_file():
+            from elastic_ops.errors import EntrypointError
+
+            raise EntrypointError("entrypoint", spec.entrypoint, "script file does not exist")
+        return
+    from elastic_ops.runtime.trainable import load_trainable_class
+
+    load_trainable_class(spec.entrypoint)
+
+
+def run_chunk(
+    spec: JobSpec, start: int, end: int, *, target: Callable[[int], int], store: Any = None, epoch: int = 0,
+    on_progress: Callable[[Progress], None] | None = None, host: str = "localhost",
+    warm_start: str | None = None, launcher: Any = None, workdir: str | Path | None = None,
+) -> ChunkResult:
+    """Train iterations ``[start, end)`` from the latest committed checkpoint; see the module doc.
+
+    ``target(i)`` is called for every boundary ``i`` of the chunk, from a background thread, up
+    to ``LOOKAHEAD`` iterations before ``i`` runs; it must be cheap (cache a pool heartbeat).
+    ``workdir`` holds the staging files (a temporary directory by default, removed afterwards).
+    """
+    _check_range(spec, start, end)
+    _check_entrypoint(spec)
+    if store is None:
+        from elastic_ops.checkpoint import open_store
+
+        store = open_store(spec.checkpoint_uri(), keep_last=spec.keep_last, keep_every=spec.keep_every)
+    t0 = time.time()
+    ref = store.latest(spec_hash=spec.spec_hash())
+    if ref is not None and ref.iteration >= end:
+        log.info("chunk [%d, %d) already done: checkpoint at iteration %d", start, end, ref.iteration)
+        m = dict(ref.metrics)
+        return ChunkResult(
+            status=ChunkStatus.ALREADY_DONE, start=start, end=end, iteration=ref.iteration,
+            checkpoint_uri=ref.uri, loss=m.get("loss"),
+            metrics={k: v for k, v in m.items() if k not in ("loss", "param_sha256")},
+            workers_timeline=[], samples_per_sec=0.0, duration_s=time.time() - t0,
+            param_sha256=m.get("param_sha256"),
+        )
+    if ref is None and start > 0:
+        raise CheckpointNotFoundError(
+            f"no committed checkpoint for spec hash {spec.spec_hash()} in {spec.checkpoint_uri()} "
+            f"to resume iteration {start} from", hint="run the earlier chunks first, or start at 0",
+        )
+    own_dir = workdir is None
+    work = Path(tempfile.mkdtemp(prefix="elastic-ops-")) if own_dir else Path(workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        runner = _Runner(spec, start, end, target, store, epoch, on_progress, host,
+                         launcher or LocalLauncher(), work)
+        it, state_path = 0, None
+        if ref is not None:
+            it = ref.iteration
+            state_path = str(work / f"restore-{it}.pt")
+            save_atomic(store.load(ref), state_path)
+            log.info("resuming from checkpoint at iteration %d (%s)", it, ref.uri)
+        elif warm_start:
+            state_path = str(work / "warm-start.pt")
+            save_atomic(_warm_state(warm_start), state_path)
+        try:
+            return runner.run(it, state_path, runner.target(it))
+        finally:
+            runner.committer.close()
+    finally:
+        if own_dir:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _warm_state(uri: str) -> dict[str, Any]:
+    """Model weights of the latest checkpoint at ``uri`` (any job), to initialise a fresh job."""
+    from elastic_ops.checkpoint import open_store
+
+    ws = open_store(uri)
+    ref = ws.latest()
+    if ref is None:
+        raise CheckpointNotFoundError(f"warm_start {uri!r} holds no committed checkpoint")
+    return {"model": ws.load(ref)["model"], "warm": True}

@@ -1,0 +1,59 @@
+"""``elastic-ops run``: train a job locally, print progress, end with one JSON line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from typing import Any
+
+from elastic_ops.errors import SpecError
+
+
+def add_commands(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "run", help="train a job locally with N worker processes",
+        description="Train a job's iterations locally. Progress goes to stderr; the last line on "
+        "stdout is one JSON object with the result.",
+    )
+    p.add_argument("--spec", required=True, help="job spec YAML file")
+    p.add_argument("--workers-schedule", default=None,
+                   help="worker counts: '1,3,2' (equal parts of the run) or '1@0,3@40,2@70' "
+                   "(from iteration 40 on: 3 workers); default: max_workers throughout")
+    p.add_argument("--checkpoint", default=None, help="checkpoint URI (file:///path or s3://bucket/prefix)")
+    p.add_argument("--iterations", default=None, help="START:END range to train (default: the whole job)")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.set_defaults(func=cmd_run)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from elastic_ops.runtime.job import Schedule, parse_range, run_job
+    from elastic_ops.spec import JobSpec
+
+    spec = JobSpec.from_yaml(args.spec)
+    if args.checkpoint is not None:
+        try:
+            spec = spec.replace(checkpoint=args.checkpoint)
+        except SpecError as exc:
+            raise SpecError("--checkpoint", args.checkpoint, exc.allowed) from None
+    start, end = parse_range(args.iterations, spec)
+    schedule = Schedule.parse(args.workers_schedule, spec, start, end) if args.workers_schedule else None
+    if not args.quiet:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("elastic-ops: %(message)s"))
+        logger = logging.getLogger("elastic_ops.runtime")
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+    result = run_job(spec, schedule=schedule, start=start, end=end)
+    out = {
+        "job": spec.name, "status": result.status.value, "iterations": result.iteration - start
+        if result.status.value != "already_done" else 0, "start": start, "end": end,
+        "iteration": result.iteration, "loss": result.loss, "metrics": result.metrics,
+        "param_sha256": result.param_sha256, "samples_per_sec": round(result.samples_per_sec, 2),
+        "train_samples_per_sec": round(result.train_samples_per_sec, 2), "checkpoint": result.checkpoint_uri,
+        "workers_timeline": [[i, n, round(t, 3)] for i, n, t in result.workers_timeline],
+        "duration_s": round(result.duration_s, 3),
+    }
+    print(json.dumps(out), flush=True)
+    return 0

@@ -1,0 +1,164 @@
+"""How one iteration's gradient is computed and combined across workers.
+
+``bitwise``: the global batch of ``B`` samples is cut into ``V`` fixed virtual shards of
+``B / V`` samples. Shard ``k`` always gets the same samples and its own RNG seed from
+``(data_seed, iteration, k)``. Each worker computes the gradient of its contiguous shards
+separately (micro-batched inside a shard if ``micro_batch`` is set), each scaled by its share
+of the global batch; all workers ``all_gather`` the per-shard flat gradients and sum them in
+shard order ``0..V-1``. Every floating-point operation is then the same for any worker count,
+so the result is bitwise identical to a 1-worker run. Cost: ``V/N`` backward passes on smaller
+batches per worker, an ``all_gather`` that moves ``V x`` the gradient size instead of one
+allreduce, and ``V`` sequential vector additions.
+
+``fast``: worker ``r`` takes a contiguous slice of the batch (uneven slices allowed), accumulates
+the gradient over micro-batches, each scaled by its share of the global batch, and one
+``all_reduce(SUM)`` gives the gradient of the global mean. Summation order depends on the
+worker count, so results agree within floating-point tolerance only.
+
+Both keep the loss as one extra element at the end of the flat gradient buffer, so the global
+loss travels with the gradients and costs no extra collective.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from elastic_ops.runtime.data_order import even_split, iteration_seed, shards_of_worker
+
+
+class FlatGrads:
+    """``rows`` flat buffers of ``numel + 1`` elements; ``bind(r)`` points every ``p.grad`` at row r.
+
+    Autograd accumulates into an existing ``.grad`` in place, so backward writes straight into
+    the buffer that is then communicated (as DDP's ``gradient_as_bucket_view`` does).
+    """
+
+    def __init__(self, params: list[torch.nn.Parameter], rows: int, device: torch.device) -> None:
+        self.params = params
+        self.numel = sum(p.numel() for p in params)
+        self.buf = torch.zeros(rows, self.numel + 1, device=device, dtype=params[0].dtype)
+        self._views = [self.row_views(self.buf[r]) for r in range(rows)]
+
+    def row_views(self, row: torch.Tensor) -> list[torch.Tensor]:
+        views, off = [], 0
+        for p in self.params:
+            views.append(row[off : off + p.numel()].view_as(p))
+            off += p.numel()
+        return views
+
+    def bind(self, row: int) -> None:
+        for p, v in zip(self.params, self._views[row]):
+            p.grad = v
+
+
+def _chunks(indices: torch.Tensor, size: int | None) -> list[torch.Tensor]:
+    if not size or len(indices) <= size:
+        return [indices]
+    return list(torch.split(indices, size))
+
+
+class GradientEngine:
+    """Computes one iteration's reduced gradient into ``p.grad`` and returns the global loss."""
+
+    def __init__(
+        self, *, mode: str, model: torch.nn.Module, loss_fn: Callable[[Any], torch.Tensor],
+        fetch: Callable[[torch.Tensor], Any], rank: int, workers: int, virtual_shards: int | None,
+        micro_batch: int | None, data_seed: int, device: torch.device,
+        guard: Callable[[], Any] = contextlib.nullcontext,
+    ) -> None:
+        self.guard = guard  # wraps user code (loss, fetch, backward) so its errors are attributed
+        self.mode, self.rank, self.workers = mode, rank, workers
+        self.loss_fn, self.fetch = loss_fn, fetch
+        self.micro_batch, self.data_seed, self.device = micro_batch, data_seed, device
+        params = [p for p in model.parameters() if p.requires_grad]
+        if mode == "bitwise":
+            self.shards = virtual_shards or 1
+            self.my_shards = shards_of_worker(self.shards, workers, rank)
+            self.max_rows = math.ceil(self.shards / workers)
+            self.grads = FlatGrads(params, self.max_rows, device)
+            self.out = torch.zeros(self.grads.numel + 1, device=device, dtype=self.grads.buf.dtype)
+            self.row_owner = [(r, k - shards_of_worker(self.shards, workers, r).start)
+                              for r in range(workers) for k in shards_of_worker(self.shards, workers, r)]
+            self._gathered = [torch.empty_like(self.grads.buf) for _ in range(workers)]
+            self._out_views = self.grads.row_views(self.out)
+        else:
+            self.grads = FlatGrads(params, 1, device)
+
+    def step(self, iteration: int, batch: torch.Tensor) -> float:
+        if self.mode == "bitwise":
+            return self._bitwise(iteration, batch)
+        return self._fast(iteration, batch)
+
+    def _accumulate(self, indices: torch.Tensor, total: int) -> torch.Tensor:
+        loss_sum = torch.zeros((), device=self.device, dtype=self.grads.buf.dtype)
+        for micro in _chunks(indices, self.micro_batch):
+            loss = self.loss_fn(self.fetch(micro)) * (len(micro) / total)
+            loss.backward()
+            loss_sum = loss_sum + loss.detach()
+        return loss_sum
+
+    def _fast(self, iteration: int, batch: torch.Tensor) -> float:
+        lo, hi = even_split(len(batch), self.workers)[self.rank]
+        buf = self.grads.buf[0]
+        buf.zero_()
+        self.grads.bind(0)
+        torch.manual_seed(iteration_seed(self.data_seed, iteration, self.rank))
+        if hi > lo:
+            with self.guard():
+                buf[-1] = self._accumulate(batch[lo:hi], len(batch))
+        if self.workers > 1:
+            dist.all_reduce(buf)
+        return float(buf[-1])
+
+    def _bitwise(self, iteration: int, batch: torch.Tensor) -> float:
+        size = len(batch) // self.shards
+        self.grads.buf.zero_()
+        for row, k in enumerate(self.my_shards):
+            self.grads.bind(row)
+            torch.manual_seed(iteration_seed(self.data_seed, iteration, k))
+            with self.guard():
+                self.grads.buf[row, -1] = self._accumulate(batch[k * size : (k + 1) * size], len(batch))
+        if self.workers > 1:
+            dist.all_gather(self._gathered, self.grads.buf)
+            rows = self._gathered
+        else:
+            rows = [self.grads.buf]
+        # Sum in shard order 0..V-1, one vector add at a time: the same operations for any N.
+        out = self.out
+        for k, (r, j) in enumerate(self.row_owner):
+            if k == 0:
+                out.copy_(rows[r][j])
+            else:
+                out.add_(rows[r][j])
+        for p, v in zip(self.grads.params, self._out_views):
+            p.grad = v
+        return float(out[-1])
+
+
+def lr_factor(ramp: dict[str, float], iteration: int, warmup: int) -> float:
+    """The learning-rate multiplier of the scaling modes, ramped linearly over ``warmup`` iterations.
+
+    ``ramp`` = ``{"from": f0, "to": f1, "start": i0}``: the factor moves from ``f0`` at iteration
+    ``i0`` to ``f1`` at ``i0 + warmup`` (Goyal et al.'s gradual warmup; a rescale starts a new ramp
+    from the factor in force).
+    """
+    if not ramp:
+        return 1.0
+    f0, f1, i0 = ramp["from"], ramp["to"], ramp["start"]
+    if warmup <= 0 or iteration - i0 >= warmup:
+        return f1
+    return f0 + (f1 - f0) * max(0, iteration - i0) / warmup
+
+
+def target_factor(scaling: str, workers: int, min_workers: int) -> float:
+    if scaling == "linear_lr":
+        return workers / min_workers
+    if scaling == "sqrt_lr":
+        return math.sqrt(workers / min_workers)
+    return 1.0

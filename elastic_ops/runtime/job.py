@@ -1,0 +1,105 @@
+"""Run a whole job (or an iteration range) locally, with an optional worker schedule.
+
+A *worker schedule* says how many workers train each iteration (for tests and demos; in
+production the pool decides). Two forms, never mixed:
+
+- ``1,3,2`` — equal parts of the iterations being run: with ``--iterations 0:90`` that is
+  iterations 0-29 on 1 worker, 30-59 on 3, 60-89 on 2 (part ``j`` of ``k`` starts at
+  ``start + j * (end - start) // k``);
+- ``1@0,3@40,2@70`` — explicit absolute iteration boundaries, ascending: from iteration 40 on,
+  3 workers. The first entry applies from the start of the run whatever its boundary.
+
+Every count must lie in ``[min_workers, max_workers]`` of the spec. Without a schedule the job
+runs on ``max_workers`` throughout.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from elastic_ops.errors import SpecError
+from elastic_ops.runtime.chunk import ChunkResult, Progress, run_chunk
+from elastic_ops.spec import JobSpec
+
+FLAG = "--workers-schedule"
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Worker count by iteration: ``counts[j]`` from ``starts[j]`` (ascending) on."""
+
+    starts: tuple[int, ...]
+    counts: tuple[int, ...]
+
+    def __call__(self, iteration: int) -> int:
+        return self.counts[max(0, bisect.bisect_right(self.starts, iteration) - 1)]
+
+    @classmethod
+    def constant(cls, workers: int) -> Schedule:
+        return cls((0,), (workers,))
+
+    @classmethod
+    def parse(cls, text: str, spec: JobSpec, start: int, end: int) -> Schedule:
+        items = [p.strip() for p in str(text).split(",")]
+        if not text or not all(items):
+            raise SpecError(FLAG, text, "must be a comma-separated list like '1,3,2' or '1@0,3@40,2@70'")
+        explicit = ["@" in p for p in items]
+        if any(explicit) and not all(explicit):
+            raise SpecError(FLAG, text, "must use one form: all 'N' or all 'N@ITERATION'")
+        counts, starts = [], []
+        for j, item in enumerate(items):
+            n_text, _, at_text = item.partition("@")
+            n = _int(text, n_text)
+            if not spec.min_workers <= n <= spec.max_workers:
+                raise SpecError(FLAG, text, f"worker count {n} must be between min_workers "
+                                f"({spec.min_workers}) and max_workers ({spec.max_workers})")
+            counts.append(n)
+            starts.append(_int(text, at_text) if at_text else start + j * (end - start) // len(items))
+        if any(b <= a for a, b in zip(starts, starts[1:], strict=False)):
+            raise SpecError(FLAG, text, "iteration boundaries must be strictly ascending")
+        return cls(tuple(starts), tuple(counts))
+
+
+def _int(text: str, value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise SpecError(FLAG, text, f"{value!r} is not an integer") from None
+    if n < 0:
+        raise SpecError(FLAG, text, f"{n} must be >= 0")
+    return n
+
+
+def parse_range(text: str | None, spec: JobSpec) -> tuple[int, int]:
+    """``START:END`` (either side may be empty) → ``(start, end)`` within the job."""
+    if not text:
+        return 0, spec.total_iterations
+    lo, sep, hi = text.partition(":")
+    try:
+        start = int(lo) if lo.strip() else 0
+        end = int(hi) if hi.strip() else spec.total_iterations
+    except ValueError:
+        start = end = -1
+    if not sep or not 0 <= start < end <= spec.total_iterations:
+        raise SpecError("--iterations", text,
+                        f"must be START:END with 0 <= START < END <= total_iterations ({spec.total_iterations})")
+    return start, end
+
+
+def run_job(
+    spec: JobSpec, *, schedule: Schedule | Callable[[int], int] | None = None, store: Any = None,
+    start: int = 0, end: int | None = None, on_progress: Callable[[Progress], None] | None = None,
+    warm_start: str | None = None, **kwargs: Any,
+) -> ChunkResult:
+    """Train iterations ``[start, end)`` (the whole job by default) in one runner call.
+
+    Checkpoints are committed every ``checkpoint_interval`` iterations (by default the chunk
+    size, i.e. where Airflow would commit between chunks) and at the end.
+    """
+    end = spec.total_iterations if end is None else end
+    target = schedule or Schedule.constant(spec.max_workers)
+    return run_chunk(spec, start, end, target=target, store=store, on_progress=on_progress,
+                     warm_start=warm_start, **kwargs)

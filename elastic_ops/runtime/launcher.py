@@ -1,0 +1,157 @@
+"""Where worker processes run. ``LocalLauncher``: processes on this host.
+
+Built on ``torch.distributed.elastic.multiprocessing.start_processes`` (the process layer under
+``torchrun``/``elastic_launch``), not on ``elastic_launch`` itself, because:
+
+- the runner must stay in control between launches: it polls the target, commits checkpoints
+  and relaunches with a *different* worker count at an iteration boundary; ``elastic_launch``
+  blocks inside its agent and restarts failed workers at the same size, which would hide the
+  failures we must report (a lost worker is a retryable chunk failure, not a silent restart);
+- ``start_processes`` gives a non-blocking ``PContext`` with per-rank exit codes and signals,
+  so a SIGKILLed worker is reported as such, and tears the other ranks down.
+
+Workers start with the ``forkserver`` method, with ``torch`` and the worker module preloaded in
+the fork server: importing torch costs seconds of CPU per process, and a rescale relaunches
+every worker, so each process forks from the already-initialised server instead (the server
+is single-threaded and never touches CUDA, so forking it is safe). Workers never need the
+runner's ``__main__`` module (everything they run is importable by name), so the launcher
+stops multiprocessing from re-running it in each worker, and a script that calls ``run_job``
+at top level, without an ``if __name__ == "__main__":`` guard, works too.
+
+Rendezvous follows torchelastic's agent-store convention: the runner hosts a ``TCPStore`` per
+segment and sets ``TORCHELASTIC_USE_AGENT_STORE=True``, so a plain
+``dist.init_process_group(backend)`` (``env://``) in a worker or in a user's DDP script
+connects to it as a client.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.machinery
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, PContext, Std, start_processes
+
+from elastic_ops.runtime.worker import worker_entry
+
+
+@dataclass(frozen=True)
+class LaunchRequest:
+    workers: int
+    script: str | None           # a user script (script mode), else the Trainable worker
+    master_addr: str
+    master_port: int
+    segment: int                 # becomes TORCHELASTIC_RESTART_COUNT
+    log_dir: Path
+    env: Mapping[str, str]       # extra variables for every rank
+    device: str = "cpu"          # "cpu" or "cuda"
+    threads_per_worker: int = 1
+
+
+def worker_env(req: LaunchRequest, rank: int, gpus: Sequence[str] = ()) -> dict[str, str]:
+    """The environment of worker ``rank``: PyTorch's names plus IBM WML's (1-based)."""
+    env = {
+        "RANK": str(rank), "WORLD_SIZE": str(req.workers), "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(req.workers), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
+        "ROLE_WORLD_SIZE": str(req.workers), "MASTER_ADDR": req.master_addr,
+        "MASTER_PORT": str(req.master_port), "LEARNER_ID": str(rank + 1),
+        "NUM_LEARNERS": str(req.workers), "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCHELASTIC_RESTART_COUNT": str(req.segment), "OMP_NUM_THREADS": str(req.threads_per_worker),
+        "ELASTIC_OPS_DEVICE": req.device,
+        # All ranks share this host: gloo on loopback, no hostname resolution (seconds when DNS is slow).
+        "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+        **req.env,
+    }
+    if req.device == "cuda":
+        env["CUDA_VISIBLE_DEVICES"] = gpus[rank % len(gpus)] if gpus else str(rank)
+        env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # needed by deterministic cuBLAS
+    return env
+
+
+def visible_gpus() -> list[str]:
+    """GPU ids this process may hand out, one per worker slot."""
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed:
+        return [g.strip() for g in listed.split(",") if g.strip()]
+    import torch
+
+    return [str(i) for i in range(torch.cuda.device_count())]
+
+
+# torch._inductor.config: torch.use_deterministic_algorithms imports it (~4 s of CPU) in bitwise mode.
+_PRELOAD = ["torch", "torch.distributed", "torch._inductor.config", "elastic_ops.runtime.worker"]
+
+
+class LocalLauncher:
+    """Starts a segment's workers as processes on this host."""
+
+    host = "localhost"
+
+    def __init__(self) -> None:
+        # Only takes effect if this process has not started a fork server yet.
+        multiprocessing.set_forkserver_preload(_PRELOAD)
+
+    def start(self, req: LaunchRequest) -> PContext:
+        gpus = visible_gpus() if req.device == "cuda" else []
+        if req.device == "cuda" and len(gpus) < req.workers:
+            from elastic_ops.errors import SpecError
+
+            raise SpecError("workers", req.workers, f"needs one GPU per worker; {len(gpus)} visible")
+        envs = {r: worker_env(req, r, gpus) for r in range(req.workers)}
+        args = {r: (req.script,) for r in range(req.workers)}
+        logs = DefaultLogsSpecs(log_dir=str(req.log_dir), redirects=Std.NONE, tee=Std.NONE)
+        # start() installs SIGTERM/SIGINT handlers in the main thread; the host process (an
+        # Airflow task, the CLI) owns those, so put its handlers back afterwards.
+        saved = _save_handlers()
+        try:
+            with _main_not_rerun():
+                return start_processes(
+                    name="elastic-ops-worker", entrypoint=worker_entry, args=args, envs=envs, logs_specs=logs,
+                    start_method="forkserver",
+                )
+        finally:
+            _restore_handlers(saved)
+
+
+@contextlib.contextmanager
+def _main_not_rerun() -> Iterator[None]:
+    """Make multiprocessing treat ``__main__`` as unimportable while workers are started.
+
+    ``spawn.get_preparation_data`` skips re-running the main module when its spec is named
+    ``__main__``; the workers' preparation data is captured synchronously in ``start``.
+    """
+    main = sys.modules.get("__main__")
+    if main is None:
+        yield
+        return
+    had, old = hasattr(main, "__spec__"), getattr(main, "__spec__", None)
+    main.__spec__ = importlib.machinery.ModuleSpec("__main__", None)
+    try:
+        yield
+    finally:
+        if had:
+            main.__spec__ = old
+        else:
+            del main.__spec__
+
+
+_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+
+
+def _save_handlers() -> dict[int, object]:
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {getattr(signal, s): signal.getsignal(getattr(signal, s)) for s in _SIGNALS if hasattr(signal, s)}
+
+
+def _restore_handlers(saved: dict[int, object]) -> None:
+    for sig, handler in saved.items():
+        if handler is not None:
+            signal.signal(sig, handler)

@@ -1,0 +1,149 @@
+"""The worker side of one *segment*: a run of iterations at a fixed worker count.
+
+Shared by Trainable workers (:mod:`elastic_ops.runtime.worker`) and script mode
+(:mod:`elastic_ops.runtime.script`). The runner writes ``segment.json`` into a fresh directory
+and points ``ELASTIC_OPS_SEGMENT`` at it. Files written here, read by the runner:
+
+- ``ckpt-<i>.pt`` (rank 0): the state at checkpoint boundary ``i``, written before boundary
+  ``i`` is published, so the runner finds it complete when it sees the boundary;
+- ``state-<i>.pt`` + ``result.json`` (rank 0): the state where the segment stopped (the chunk's
+  end, or a boundary where the target differs from the current worker count);
+- ``error-<rank>.json``: why a rank failed (``user``, ``nonfinite``, ``comm``, ``internal``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import time
+import traceback
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from elastic_ops.runtime.control import ControlChannel
+from elastic_ops.spec import JobSpec
+
+ENV_VAR = "ELASTIC_OPS_SEGMENT"
+PG_TIMEOUT = datetime.timedelta(seconds=int(os.environ.get("ELASTIC_OPS_PG_TIMEOUT_S", "600")))
+
+
+class UserFailure(Exception):
+    """An exception raised by the user's code; carries the user's traceback text."""
+
+    def __init__(self, exc: BaseException) -> None:
+        self.text = "".join(traceback.format_exception(exc))
+        super().__init__(f"{type(exc).__name__}: {exc}")
+
+
+class NonFiniteLoss(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def user_code() -> Iterator[None]:
+    """Attribute any exception raised inside to the user's code."""
+    try:
+        yield
+    except UserFailure:
+        raise
+    except Exception as exc:
+        raise UserFailure(exc) from exc
+
+
+@dataclass
+class Segment:
+    spec: JobSpec
+    start: int
+    end: int
+    workers: int
+    index: int
+    dir: Path
+    state_path: str | None
+    rank: int
+    local_rank: int
+    channel: ControlChannel
+
+    @classmethod
+    def from_env(cls) -> Segment:
+        path = os.environ.get(ENV_VAR)
+        if not path:
+            raise RuntimeError(f"{ENV_VAR} is not set: this process was not started by the elastic_ops runner")
+        cfg = json.loads(Path(path).read_text())
+        return cls(
+            spec=JobSpec.from_dict(cfg["spec"]), start=cfg["start"], end=cfg["end"], workers=cfg["workers"],
+            index=cfg["segment"], dir=Path(cfg["dir"]), state_path=cfg["state_path"],
+            rank=int(os.environ["RANK"]), local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+            channel=ControlChannel(cfg["dir"], cfg["end"] - cfg["start"] + 1, create=False),
+        )
+
+    # --- setup ---------------------------------------------------------------------------
+
+    def device(self) -> torch.device:
+        # The launcher gives each CUDA worker exactly one visible GPU.
+        return torch.device("cuda", 0) if os.environ.get("ELASTIC_OPS_DEVICE") == "cuda" else torch.device("cpu")
+
+    def setup(self) -> None:
+        """Threads, determinism and the process group (env:// rendezvous on the runner's store)."""
+        torch.set_num_threads(self.spec.threads_per_worker)
+        if self.spec.consistency.value == "bitwise":
+            torch.use_deterministic_algorithms(True)
+        if self.device().type == "cuda":
+            torch.cuda.set_device(0)
+        if self.workers > 1 and not dist.is_initialized():
+            backend = "nccl" if self.device().type == "cuda" else "gloo"
+            dist.init_process_group(backend, timeout=PG_TIMEOUT)
+
+    def load_state(self) -> dict[str, Any] | None:
+        if not self.state_path:
+            return None
+        from elastic_ops.runtime.state import load_state
+
+        return load_state(self.state_path)
+
+    # --- boundaries ----------------------------------------------------------------------
+
+    def target(self, iteration: int) -> int:
+        """The worker count wanted at boundary ``iteration`` (same value on every rank)."""
+        if iteration == self.start:
+            return self.workers
+        return self.channel.target(iteration - self.start)
+
+    def checkpoint_due(self, iteration: int) -> bool:
+        return self.start < iteration < self.end and iteration % int(self.spec.checkpoint_interval) == 0
+
+    def publish(self, iteration: int, loss: float, cursor: int) -> None:
+        if self.rank == 0:
+            self.channel.publish(iteration - self.start, loss, cursor)
+
+    def write_checkpoint(self, iteration: int, state: dict[str, Any]) -> None:
+        from elastic_ops.runtime.state import save_atomic
+
+        save_atomic(state, self.dir / f"ckpt-{iteration}.pt")
+
+    def write_result(self, iteration: int, state: dict[str, Any], **info: Any) -> None:
+        """Rank 0: the state where this segment stopped, then ``result.json`` (written last)."""
+        from elastic_ops.runtime.state import save_atomic
+
+        path = self.dir / f"state-{iteration}.pt"
+        save_atomic(state, path)
+        info = {"iteration": iteration, "state_path": str(path), **info}
+        tmp = self.dir / ".result.json.tmp"
+        tmp.write_text(json.dumps(info))
+        os.replace(tmp, self.dir / "result.json")
+
+    def write_error(self, kind: str, message: str, text: str, iteration: int | None) -> None:
+        data = {"kind": kind, "message": message, "traceback": text, "iteration": iteration,
+                "rank": self.rank, "time": time.time()}
+        (self.dir / f"error-{self.rank}.json").write_text(json.dumps(data))
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()

@@ -1,0 +1,78 @@
+"""The training state that moves between segments and into checkpoints.
+
+A state is a nested dict of tensors, numbers, strings, lists and dicts only, so that it loads
+with ``torch.load(..., weights_only=True)`` (no code execution) and fits the checkpoint store:
+
+``format, iteration, cursor, model, optimizer, scheduler, rng{torch, numpy, python},
+metrics{loss: [[it, loss]...], eval: [[it, {...}]...]}, lr_ramp{from, to, start}``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from elastic_ops.checkpoint.codec import capture_rng, restore_rng
+
+__all__ = ["capture_rng", "restore_rng", "build_state", "param_sha256", "load_state", "save_atomic"]
+
+FORMAT = 1
+LOSS_HISTORY = 1000  # the loss of the last N iterations is kept in the metrics history
+
+
+def param_sha256(model_state: dict[str, torch.Tensor]) -> str:
+    """SHA-256 over the bytes of every tensor of a model ``state_dict``, in its order."""
+    h = hashlib.sha256()
+    for name, tensor in model_state.items():
+        h.update(name.encode())
+        h.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The module inside a DistributedDataParallel wrapper (scripts may pass either)."""
+    return getattr(model, "module", model)
+
+
+def build_state(
+    *, iteration: int, cursor: int, model: torch.nn.Module, optimizer: Any, scheduler: Any,
+    metrics: dict[str, Any], lr_ramp: dict[str, float] | None = None,
+) -> dict[str, Any]:
+    return {
+        "format": FORMAT,
+        "iteration": int(iteration),
+        "cursor": int(cursor),
+        "model": {k: v.detach().cpu().clone() for k, v in unwrap(model).state_dict().items()},
+        "optimizer": _to_cpu(optimizer.state_dict()) if optimizer is not None else {},
+        "scheduler": scheduler.state_dict() if scheduler is not None else {},
+        "rng": capture_rng(),
+        "metrics": {"loss": list(metrics.get("loss", []))[-LOSS_HISTORY:], "eval": list(metrics.get("eval", []))},
+        "lr_ramp": dict(lr_ramp or {}),
+    }
+
+
+def _to_cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
+def save_atomic(state: dict[str, Any], path: str | Path) -> None:
+    """``torch.save`` to a temporary name, then rename: readers never see a partial file."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def load_state(path: str | Path) -> dict[str, Any]:
+    """Load a staged state; ``weights_only=True`` refuses anything that would execute code."""
+    return torch.load(path, map_location="cpu", weights_only=True)

@@ -1,0 +1,96 @@
+"""The ``Trainable`` base class a user's model subclasses, and entrypoint loading."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from elastic_ops.errors import EntrypointError
+
+
+class Trainable:
+    """A model written once, trained with any number of workers.
+
+    Subclass it and implement ``build_model``, ``build_optimizer``, ``train_dataset`` and
+    ``loss``; ``build_scheduler`` and ``evaluate`` are optional. The spec's ``params`` are passed
+    to ``__init__`` as keyword arguments. ``loss`` must return the *mean* loss over the batch it
+    is given (the runtime scales it by the batch's share of the global batch).
+
+    The scheduler, if any, is stepped once per iteration, after the optimizer.
+    """
+
+    def __init__(self, **params: Any) -> None:
+        self.params = dict(params)
+
+    def build_model(self) -> nn.Module:
+        raise NotImplementedError(f"{type(self).__name__} must implement build_model()")
+
+    def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        raise NotImplementedError(f"{type(self).__name__} must implement build_optimizer(model)")
+
+    def build_scheduler(self, optimizer: torch.optim.Optimizer) -> Any | None:
+        return None
+
+    def train_dataset(self) -> torch.utils.data.Dataset:
+        raise NotImplementedError(f"{type(self).__name__} must implement train_dataset()")
+
+    def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} must implement loss(model, batch)")
+
+    def evaluate(self, model: nn.Module) -> dict[str, float]:
+        return {}
+
+    def fetch(self, dataset: Any, indices: torch.Tensor) -> Any:
+        """Build the batch for ``indices`` (override for custom collation).
+
+        ``TensorDataset`` is indexed directly (one gather per tensor); other map-style data
+        sets are indexed sample by sample and collated with PyTorch's ``default_collate``.
+        """
+        if isinstance(dataset, torch.utils.data.TensorDataset):
+            return tuple(t[indices] for t in dataset.tensors)
+        from torch.utils.data import default_collate
+
+        return default_collate([dataset[int(i)] for i in indices])
+
+
+def load_trainable_class(entrypoint: str) -> type[Trainable]:
+    """Import ``package.module:Class`` and check that it is a ``Trainable`` subclass."""
+    if not isinstance(entrypoint, str) or ":" not in entrypoint:
+        raise EntrypointError("entrypoint", entrypoint, "must be 'package.module:TrainableClass'")
+    module_name, _, attr = entrypoint.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # ImportError, or an error raised while importing user code
+        raise EntrypointError(
+            "entrypoint", entrypoint, f"module {module_name!r} cannot be imported ({type(exc).__name__}: {exc})"
+        ) from exc
+    cls = getattr(module, attr, None)
+    if cls is None:
+        raise EntrypointError("entrypoint", entrypoint, f"module {module_name!r} has no attribute {attr!r}")
+    if not (isinstance(cls, type) and issubclass(cls, Trainable)):
+        raise EntrypointError(
+            "entrypoint", entrypoint, "must name a subclass of elastic_ops.runtime.Trainable",
+            hint=f"{attr} is {type(cls).__name__}",
+        )
+    return cls
+
+
+def load_trainable(entrypoint: str, params: Mapping[str, Any] | None = None) -> Trainable:
+    return load_trainable_class(entrypoint)(**dict(params or {}))
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """Move every tensor in a (nested) batch to ``device``."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, Mapping):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, Sequence) and not isinstance(batch, str):
+        return type(batch)(to_device(v, device) for v in batch) if isinstance(batch, tuple) else [
+            to_device(v, device) for v in batch
+        ]
+    return batch

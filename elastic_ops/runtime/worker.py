@@ -1,0 +1,206 @@
+"""One worker process of a Trainable job: ``python -m elastic_ops.runtime.worker``.
+
+Started by the launcher with the PyTorch environment (``RANK``, ``WORLD_SIZE``, ...) and
+``ELASTIC_OPS_SEGMENT``. Trains iterations ``[start, end)`` of its segment, stops early at a
+boundary whose target worker count differs, and leaves its state for the runner.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+import traceback
+from typing import Any
+
+import torch
+
+from elastic_ops.runtime.consistency import GradientEngine, lr_factor, target_factor
+from elastic_ops.runtime.data_order import batch_size, stream_slice
+from elastic_ops.runtime.segment import NonFiniteLoss, Segment, UserFailure, user_code
+from elastic_ops.runtime.state import build_state, restore_rng
+from elastic_ops.runtime.trainable import load_trainable, to_device
+
+CURRENT_ITERATION = -1  # the iteration this process is running (for diagnostics and test hooks)
+
+
+class TrainableWorker:
+    def __init__(self, seg: Segment) -> None:
+        self.seg = seg
+        spec = seg.spec
+        self.device = seg.device()
+        with user_code():
+            self.trainable = load_trainable(spec.entrypoint, spec.params)
+            # Same seed on every rank: every worker builds identical initial parameters.
+            torch.manual_seed(spec.data_seed)
+            self.model = self.trainable.build_model().to(self.device)
+            self.optimizer = self.trainable.build_optimizer(self.model)
+            self.scheduler = self.trainable.build_scheduler(self.optimizer)
+            self.dataset = self.trainable.train_dataset()
+            self.num_samples = len(self.dataset)
+        self.iteration, self.cursor = seg.start, 0
+        self.metrics: dict[str, list] = {"loss": [], "eval": []}
+        self.scaled = spec.scaling.value != "fixed"
+        self.lr_ramp: dict[str, float] = {}
+        self._restore(seg.load_state())
+        if self.scaled:
+            self._ramp_to(seg.workers)
+        self.engine = GradientEngine(
+            mode=spec.consistency.value, model=self.model, loss_fn=self._loss, fetch=self._fetch,
+            rank=seg.rank, workers=seg.workers, virtual_shards=spec.virtual_shards,
+            micro_batch=spec.micro_batch, data_seed=spec.data_seed, device=self.device, guard=user_code,
+        )
+
+    def _restore(self, state: dict[str, Any] | None) -> None:
+        if state is None:
+            return
+        with user_code():
+            self.model.load_state_dict(state["model"])
+            if state.get("warm"):  # warm start: weights only, a fresh job otherwise
+                return
+            self.optimizer.load_state_dict(state["optimizer"])
+            if self.scheduler is not None and state.get("scheduler"):
+                self.scheduler.load_state_dict(state["scheduler"])
+        self.iteration, self.cursor = int(state["iteration"]), int(state["cursor"])
+        self.metrics = {"loss": list(state["metrics"]["loss"]), "eval": list(state["metrics"]["eval"])}
+        self.lr_ramp = dict(state.get("lr_ramp") or {})
+        restore_rng(state["rng"])
+
+    def _ramp_to(self, workers: int) -> None:
+        spec = self.seg.spec
+        goal = target_factor(spec.scaling.value, workers, spec.min_workers)
+        if self.lr_ramp.get("to") == goal:
+            return
+        now = lr_factor(self.lr_ramp, self.iteration, spec.warmup_iterations) if self.lr_ramp else 1.0
+        self.lr_ramp = {"from": now, "to": goal, "start": self.iteration}
+
+    def _fetch(self, indices: torch.Tensor) -> Any:
+        return to_device(self.trainable.fetch(self.dataset, indices), self.device)
+
+    def _loss(self, batch: Any) -> torch.Tensor:
+        return self.trainable.loss(self.model, batch)
+
+    def state(self) -> dict[str, Any]:
+        return build_state(
+            iteration=self.iteration, cursor=self.cursor, model=self.model, optimizer=self.optimizer,
+            scheduler=self.scheduler, metrics=self.metrics, lr_ramp=self.lr_ramp,
+        )
+
+    def _optimizer_step(self) -> None:
+        factor = lr_factor(self.lr_ramp, self.iteration, self.seg.spec.warmup_iterations)
+        groups = self.optimizer.param_groups
+        base = [g["lr"] for g in groups]
+        if factor != 1.0:
+            for g in groups:
+                g["lr"] = g["lr"] * factor
+        with user_code():
+            self.optimizer.step()
+        if factor != 1.0:
+            for g, lr in zip(groups, base):
+                g["lr"] = lr
+        if self.scheduler is not None:
+            with user_code():
+                self.scheduler.step()
+
+    def run(self) -> None:
+        seg, spec = self.seg, self.seg.spec
+        loss, next_workers = math.nan, seg.workers
+        t0, c0 = time.time(), self.cursor
+        while True:
+            it = self.iteration
+            if it >= seg.end:
+                break
+            next_workers = seg.target(it)
+            if next_workers != seg.workers:
+                break
+            if seg.rank == 0 and seg.checkpoint_due(it):
+                seg.write_checkpoint(it, self.state())
+            seg.publish(it, loss, self.cursor)
+            global CURRENT_ITERATION
+            CURRENT_ITERATION = it
+            b = batch_size(spec.global_batch, spec.min_workers, seg.workers, self.scaled)
+            loss = self.engine.step(it, stream_slice(spec.data_seed, self.num_samples, self.cursor, b))
+            if not math.isfinite(loss):
+                raise NonFiniteLoss(f"loss is {loss} at iteration {it}")
+            self._optimizer_step()
+            self.metrics["loss"].append([it, loss])
+            self.cursor += b
+            self.iteration = it + 1
+        seg.publish(self.iteration, loss, self.cursor)
+        train_s = time.time() - t0
+        if seg.rank != 0:
+            return
+        evaluation: dict[str, float] = {}
+        if self.iteration >= seg.end:
+            was_training = self.model.training
+            self.model.eval()  # evaluation without dropout, without autograd
+            with user_code(), torch.no_grad():
+                evaluation = {k: float(v) for k, v in (self.trainable.evaluate(self.model) or {}).items()}
+            self.model.train(was_training)
+            self.metrics["eval"].append([self.iteration, evaluation])
+        seg.write_result(
+            self.iteration, self.state(), cursor=self.cursor, next_workers=next_workers, loss=loss,
+            evaluation=evaluation, train_seconds=train_s, samples=self.cursor - c0,
+        )
+
+
+def worker_entry(script: str | None) -> None:
+    """What each worker process runs (a picklable function for the fork server)."""
+    code = run_script(script) if script else main()
+    if code:
+        raise SystemExit(code)
+
+
+def run_script(path: str) -> int:
+    """Script mode: run the user's file as ``__main__``; its exceptions are user errors."""
+    import runpy
+
+    try:
+        runpy.run_path(path, run_name="__main__")
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except Exception as exc:
+        seg = Segment.from_env()
+        kind = "nonfinite" if isinstance(exc, NonFiniteLoss) else "user"
+        seg.write_error(kind, f"{type(exc).__name__}: {exc}", traceback.format_exc(), None)
+        return 1
+    return 0
+
+
+def _debug(what: str) -> None:
+    if os.environ.get("ELASTIC_OPS_DEBUG"):
+        print(f"[{time.time():.3f}] rank {os.environ.get('RANK')}: {what}", file=sys.stderr, flush=True)
+
+
+def main() -> int:
+    _debug("entry")
+    seg = Segment.from_env()
+    iteration = None
+    try:
+        seg.setup()
+        _debug("process group ready")
+        worker = TrainableWorker(seg)
+        _debug("trainable built")
+        iteration = worker.iteration
+        try:
+            worker.run()
+        finally:
+            iteration = worker.iteration
+    except UserFailure as exc:
+        seg.write_error("user", str(exc), exc.text, iteration)
+        return 1
+    except NonFiniteLoss as exc:
+        seg.write_error("nonfinite", str(exc), "", iteration)
+        return 1
+    except Exception as exc:  # collectives failing because a peer died, or our own bug
+        kind = "comm" if isinstance(exc, (RuntimeError, TimeoutError, ConnectionError)) else "internal"
+        seg.write_error(kind, f"{type(exc).__name__}: {exc}", traceback.format_exc(), iteration)
+        return 1
+    finally:
+        seg.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

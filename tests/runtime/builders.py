@@ -1,0 +1,103 @@
+"""Small builders for runtime tests: a tiny Trainable on generated data, and spec helpers."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from elastic_ops.runtime import Trainable
+from elastic_ops.spec import JobSpec
+
+ENTRY = "tests.runtime.builders:TinyMLP"
+
+
+def _data(n: int, seed: int = 123) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=g)
+    w = torch.randn(8, 3, generator=g)
+    y = (x @ w).argmax(dim=1)
+    ids = torch.arange(n)
+    return TensorDataset(x, y, ids)
+
+
+class TinyMLP(Trainable):
+    """8 -> 16 -> 3 MLP with dropout on generated, learnable data (fast enough for many runs).
+
+    Test hooks (params): ``record_dir`` writes every sample id a rank trains on;
+    ``fail_at`` raises a user error at that iteration's loss; ``nan_at`` returns NaN there;
+    ``kill_rank``/``kill_at`` SIGKILL that rank once (a marker file makes it one-shot).
+    """
+
+    def __init__(self, **params: Any) -> None:
+        super().__init__(**params)
+        self.n = int(params.get("samples", 96))
+        self.calls = 0
+        self._seen_iteration: int | None = None
+
+    def build_model(self) -> nn.Module:
+        return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.1), nn.Linear(16, 3))
+
+    def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.SGD(model.parameters(), lr=float(self.params.get("lr", 0.1)), momentum=0.9)
+
+    def build_scheduler(self, optimizer: torch.optim.Optimizer) -> Any:
+        return torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.9)
+
+    def train_dataset(self) -> TensorDataset:
+        return _data(self.n)
+
+    def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        x, y, ids = batch
+        it = int(os.environ.get("_TINY_IT", "-1"))
+        p = self.params
+        if p.get("record_dir"):
+            rank = os.environ["RANK"]
+            with open(Path(p["record_dir"]) / f"rank{rank}-pid{os.getpid()}.txt", "a") as fh:
+                fh.write(" ".join(str(int(i)) for i in ids) + "\n")
+        if p.get("kill_at") is not None and self._at(p["kill_at"]) and os.environ["RANK"] == str(p["kill_rank"]):
+            marker = Path(p["marker"])
+            if not marker.exists():
+                marker.write_text("killed")
+                os.kill(os.getpid(), signal.SIGKILL)
+        if p.get("fail_at") is not None and self._at(p["fail_at"]):
+            raise ValueError("tiny model refuses this batch")
+        out = F.cross_entropy(model(x), y)
+        if p.get("nan_at") is not None and self._at(p["nan_at"]):
+            return out * float("nan")
+        del it
+        return out
+
+    def _at(self, iteration: int) -> bool:
+        """Whether this call belongs to ``iteration`` (counts optimizer steps via the model)."""
+        return _current_iteration() == int(iteration)
+
+    def evaluate(self, model: nn.Module) -> dict[str, float]:
+        data = _data(self.n)
+        x, y, _ = data.tensors
+        with torch.no_grad():
+            acc = (model(x).argmax(dim=1) == y).float().mean().item()
+        return {"accuracy": acc}
+
+
+def _current_iteration() -> int:
+    """The iteration the worker is running (the worker's loop exposes it for test hooks)."""
+    from elastic_ops.runtime import worker
+
+    return worker.CURRENT_ITERATION
+
+
+def make_spec(tmp_path: Path, **overrides: Any) -> JobSpec:
+    fields: dict[str, Any] = dict(
+        name="tiny", entrypoint=ENTRY, total_iterations=30, global_batch=12, min_workers=1, max_workers=3,
+        consistency="bitwise", virtual_shards=6, checkpoint=f"file://{tmp_path}/ckpt", checkpoint_interval=10,
+        data_seed=7, params={},
+    )
+    fields.update(overrides)
+    return JobSpec(**fields)
