@@ -1,0 +1,118 @@
+"""Triggers: serialization round trips (also through Airflow's serde, as the triggerer stores
+them) and their behaviour against a real SQLite pool ledger."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from airflow.sdk.serde import deserialize, serialize
+
+from elastic_ops.pool import PoolClient
+from elastic_ops.triggers import GrantTrigger, PoolCapacityTrigger
+from elastic_ops.triggers.events import CapacityEvent, GrantEvent, TriggerFailure, parse_event
+
+
+def make_pool(tmp_path, slots: int = 2) -> PoolClient:
+    client = PoolClient(f"sqlite:///{tmp_path / 'pool.db'}", policy="priority", preemption="graceful",
+                        aging_s=0.0)
+    client.add_host("h1", slots)
+    return client
+
+
+def roundtrip(trigger):
+    classpath, kwargs = trigger.serialize()
+    module, name = classpath.rsplit(".", 1)
+    cls = getattr(__import__(module, fromlist=[name]), name)
+    rebuilt = cls(**deserialize(serialize(kwargs)))
+    return classpath, kwargs, rebuilt
+
+
+def test_grant_trigger_roundtrip_keeps_everything_the_task_needs():
+    state = {"spec": {"name": "j", "params": {"lr": 0.1}}, "start": 10, "end": 20, "timeline": [[10, 2, 1.5]],
+             "warm_start": None, "preemptions": 1}
+    trig = GrantTrigger(job="j", ledger_url="sqlite:////tmp/x.db", state=state, avoid_hosts=["h2"],
+                        poll_interval=0.5)
+    classpath, kwargs, rebuilt = roundtrip(trig)
+    assert classpath == "elastic_ops.triggers.pool.GrantTrigger"
+    assert rebuilt.serialize() == (classpath, kwargs)
+    assert rebuilt.state == state and rebuilt.avoid_hosts == ["h2"]
+
+
+def test_capacity_trigger_roundtrip():
+    trig = PoolCapacityTrigger(ledger_url="postgresql+psycopg2://u@h/db", min_workers=3, poll_interval=0.2)
+    classpath, kwargs, rebuilt = roundtrip(trig)
+    assert classpath == "elastic_ops.triggers.pool.PoolCapacityTrigger"
+    assert rebuilt.serialize() == (classpath, kwargs)
+
+
+@pytest.mark.parametrize("event", [
+    GrantEvent("j", 3, (("h1", 0), ("h1", 1)), 30.0, {"start": 0, "end": 5}, 1.25),
+    CapacityEvent(free=4, min_workers=2, waited_s=0.5),
+    TriggerFailure("unknown job 'x'", "UnknownJobError", False),
+])
+def test_event_payloads_roundtrip(event):
+    payload = deserialize(serialize(event.to_payload()))
+    assert parse_event(payload) == event
+
+
+def test_parse_event_rejects_foreign_payloads():
+    with pytest.raises(ValueError, match="not an elastic_ops trigger event"):
+        parse_event({"status": "success"})
+    with pytest.raises(ValueError, match="unknown elastic_ops trigger event kind"):
+        parse_event({"kind": "bogus"})
+
+
+async def first_event(trigger, timeout: float = 20.0):
+    gen = trigger.run()
+    try:
+        return await asyncio.wait_for(gen.__anext__(), timeout)
+    finally:
+        await gen.aclose()
+
+
+def test_grant_trigger_waits_until_the_pool_frees_slots_then_carries_the_grant(tmp_path):
+    pool = make_pool(tmp_path, slots=2)
+    pool.submit("a", min_workers=2, max_workers=2, priority=1, preemptible=False)
+    grant_a = pool.request("a")
+    pool.submit("b", min_workers=1, max_workers=2, priority=1)
+    assert not hasattr(pool.request("b"), "epoch")  # b must wait: a holds both slots
+
+    trig = GrantTrigger(job="b", ledger_url=pool.url, state={"chunk_index": 4}, poll_interval=0.05)
+
+    async def scenario():
+        task = asyncio.ensure_future(first_event(trig))
+        await asyncio.sleep(0.3)
+        assert not task.done()  # still waiting while a holds the slots
+        await asyncio.to_thread(pool.release, "a", grant_a.epoch, finished=True)
+        return await task
+
+    event = parse_event(asyncio.run(scenario()).payload)
+    assert isinstance(event, GrantEvent)
+    assert event.job == "b" and event.workers == 2 and event.state == {"chunk_index": 4}
+    assert event.epoch == pool.request("b").epoch  # the live lease the task will heartbeat
+
+
+def test_grant_trigger_reports_unknown_job_instead_of_waiting_forever(tmp_path):
+    pool = make_pool(tmp_path)
+    trig = GrantTrigger(job="ghost", ledger_url=pool.url, state={}, poll_interval=0.05)
+    event = parse_event(asyncio.run(first_event(trig)).payload)
+    assert isinstance(event, TriggerFailure)
+    assert event.error_type == "UnknownJobError" and not event.retryable
+
+
+def test_capacity_trigger_fires_when_enough_slots_are_free(tmp_path):
+    pool = make_pool(tmp_path, slots=4)
+    pool.submit("a", min_workers=3, max_workers=3, priority=1, preemptible=False)
+    grant = pool.request("a")
+    trig = PoolCapacityTrigger(ledger_url=pool.url, min_workers=2, poll_interval=0.05)
+
+    async def scenario():
+        task = asyncio.ensure_future(first_event(trig))
+        await asyncio.sleep(0.3)
+        assert not task.done()  # 1 free slot < 2
+        await asyncio.to_thread(pool.release, "a", grant.epoch, finished=True)
+        return await task
+
+    event = parse_event(asyncio.run(scenario()).payload)
+    assert event == CapacityEvent(free=4, min_workers=2, waited_s=event.waited_s)
