@@ -76,6 +76,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     sim.add_argument(
         "--traces", default=None, help="application traces folder (default: ../shared/traces/pollux/traces)"
     )
+    sim.add_argument("--min-rescale-interval", type=float, default=0.0, help="anti-thrashing: seconds")
+    sim.add_argument("--min-gain", type=float, default=0.0, help="anti-thrashing: least relative change")
     sim.add_argument("--json", action="store_true", help="last line: one JSON object")
     sim.set_defaults(func=_simulate)
 

@@ -22,7 +22,9 @@ def _worker(url: str, proc: int, seed: int, out) -> None:
     jobs = [f"p{proc}-j{k}" for k in range(2)]
     live: dict[str, tuple[int, int]] = {}  # job -> (epoch, workers)
     for j in jobs:
-        pool.submit(j, min_workers=rng.randint(1, 3), max_workers=rng.randint(3, 8), priority=rng.randint(1, 5))
+        pool.submit(
+            j, min_workers=rng.randint(1, 3), max_workers=rng.randint(3, 8), priority=rng.randint(1, 5)
+        )
     done = 0
     for _ in range(OPS):
         j = rng.choice(jobs)

@@ -1,0 +1,187 @@
+"""Workloads and measured application models for the simulator (Pollux artifact traces).
+
+A workload row is ``name,time,application,num_replicas,batch_size``: a job submitted at
+``time`` asking for ``num_replicas`` GPUs at global batch ``batch_size``. Its length comes from
+the application traces (``<traces>/<application>/``):
+
+- **iterations** to reach the application's target metric at that global batch, read from
+  ``validation-<batch>.csv`` (linear between epochs). The target is the *worst final metric*
+  over all measured global batches, so every batch size reaches it (direction — higher or lower
+  is better — is read from the curve itself);
+- **step time** on ``r`` GPUs at per-GPU batch ``batch / r`` (the global batch stays fixed):
+  ``placements.csv`` for up to 16 GPUs packed on 4-GPU nodes (e.g. 6 GPUs = placement ``24``),
+  ``scalability.csv`` beyond that (linear between measured replica counts), log-log
+  interpolation in the per-GPU batch. A per-GPU batch above the largest measured one is run as
+  gradient accumulation (``k`` micro-steps of ``batch / (r k)``); one below the smallest
+  measured batch is not allowed, which bounds a job's useful workers (``max_workers``).
+"""
+
+from __future__ import annotations
+
+import bisect
+import csv
+import dataclasses
+import functools
+import math
+import os
+from pathlib import Path
+
+from elastic_ops.errors import SpecError
+
+GPUS_PER_NODE = 4
+
+
+def default_traces_dir() -> Path:
+    """``$ELASTIC_OPS_TRACES`` or ``../shared/traces/pollux/traces`` next to the repository."""
+    env = os.environ.get("ELASTIC_OPS_TRACES")
+    if env:
+        return Path(env)
+    repo = Path(__file__).resolve().parents[2]
+    return repo.parent / "shared" / "traces" / "pollux" / "traces"
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkloadJob:
+    name: str
+    submit: float
+    application: str
+    num_replicas: int
+    batch_size: int
+
+
+def read_workload(path: str | Path) -> list[WorkloadJob]:
+    path = Path(path)
+    if not path.is_file():
+        raise SpecError("workload", str(path), "must be an existing CSV file")
+    jobs = []
+    with path.open() as f:
+        for i, row in enumerate(csv.DictReader(f), start=2):
+            try:
+                jobs.append(
+                    WorkloadJob(
+                        row["name"],
+                        float(row["time"]),
+                        row["application"],
+                        int(row["num_replicas"]),
+                        int(row["batch_size"]),
+                    )
+                )
+            except (KeyError, TypeError, ValueError) as exc:
+                raise SpecError(
+                    "workload",
+                    f"{path}:{i}",
+                    f"rows need name,time,application,num_replicas,batch_size ({exc})",
+                ) from None
+    return sorted(jobs, key=lambda j: (j.submit, j.name))
+
+
+def _read(path: Path) -> list[dict[str, float | str]]:
+    with path.open() as f:
+        return [
+            {k: (v if k == "placement" else float(v)) for k, v in row.items()} for row in csv.DictReader(f)
+        ]
+
+
+def _interp(xs: list[float], ys: list[float], x: float) -> float:
+    """Piecewise-linear interpolation, clamped at the ends."""
+    if x <= xs[0]:
+        return ys[0]
+    if x >= xs[-1]:
+        return ys[-1]
+    i = bisect.bisect_right(xs, x)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+def placement_for(r: int) -> str:
+    """The packing of ``r`` GPUs on 4-GPU nodes, as the artifact spells it (digits ascending)."""
+    full, rest = divmod(r, GPUS_PER_NODE)
+    return "".join(sorted(([str(rest)] if rest else []) + [str(GPUS_PER_NODE)] * full))
+
+
+class Application:
+    """Measured step times and convergence of one application."""
+
+    def __init__(self, folder: Path) -> None:
+        if not folder.is_dir():
+            raise SpecError("application", folder.name, f"no traces folder {folder}")
+        self.name = folder.name
+        curves: dict[str, list[tuple[float, float]]] = {}
+        for row in _read(folder / "placements.csv"):
+            curves.setdefault(str(row["placement"]), []).append(
+                (float(row["local_bsz"]), float(row["step_time"]))
+            )
+        self.by_placement = {p: sorted(v) for p, v in curves.items()}
+        scal: dict[int, dict[int, list[tuple[float, float]]]] = {}
+        for row in _read(folder / "scalability.csv"):
+            scal.setdefault(int(row["num_replicas"]), {}).setdefault(int(row["num_nodes"]), []).append(
+                (float(row["local_bsz"]), float(row["step_time"]))
+            )
+        # For each replica count keep the tightest packing measured.
+        self.by_replicas = {r: sorted(nodes[min(nodes)]) for r, nodes in scal.items()}
+        self.min_local = min(b for v in self.by_placement.values() for b, _ in v)
+        self.max_local = max(b for v in self.by_placement.values() for b, _ in v)
+        self.validation: dict[int, list[tuple[float, float]]] = {}
+        for f in folder.glob("validation-*.csv"):
+            rows = _read(f)
+            self.validation[int(f.stem.split("-")[1])] = [
+                (float(r["iteration"]), float(r["metric"])) for r in rows
+            ]
+        smallest = self.validation[min(self.validation)]
+        self.higher_is_better = smallest[-1][1] >= smallest[0][1]
+        finals = [v[-1][1] for v in self.validation.values()]
+        self.target_metric = min(finals) if self.higher_is_better else max(finals)
+
+    @functools.cache  # noqa: B019 - one Application per process, few keys
+    def iterations(self, batch: int) -> float:
+        """Iterations to reach the target metric at global batch ``batch`` (nearest measured batch)."""
+        b = min(self.validation, key=lambda k: (abs(math.log(k / batch)), k))
+        prev_it, prev_m = 0.0, None
+        for it, m in self.validation[b]:
+            reached = m >= self.target_metric if self.higher_is_better else m <= self.target_metric
+            if reached:
+                if prev_m is None or m == prev_m:
+                    return it
+                frac = (self.target_metric - prev_m) / (m - prev_m)
+                return prev_it + frac * (it - prev_it)
+            prev_it, prev_m = it, m
+        return self.validation[b][-1][0]
+
+    def max_workers(self, batch: int, limit: int) -> int:
+        """Most GPUs that keep the per-GPU batch at or above the smallest measured one."""
+        return max(1, min(limit, int(batch // self.min_local)))
+
+    def _curve_time(self, curve: list[tuple[float, float]], local: float) -> float:
+        xs = [math.log(b) for b, _ in curve]
+        ys = [math.log(t) for _, t in curve]
+        return math.exp(_interp(xs, ys, math.log(local)))
+
+    def _time_at(self, r: int, local: float) -> float:
+        if r <= 4 * GPUS_PER_NODE:
+            return self._curve_time(self.by_placement[placement_for(r)], local)
+        counts = sorted(self.by_replicas)
+        if r >= counts[-1]:
+            return self._curve_time(self.by_replicas[counts[-1]], local)
+        lo = max([c for c in counts if c <= r] or [4 * GPUS_PER_NODE])
+        hi = min(c for c in counts if c >= r)
+        t_lo = (
+            self._curve_time(self.by_replicas[lo], local)
+            if lo in self.by_replicas
+            else self._curve_time(self.by_placement[placement_for(lo)], local)
+        )
+        if hi == lo:
+            return t_lo
+        t_hi = self._curve_time(self.by_replicas[hi], local)
+        return t_lo + (t_hi - t_lo) * (r - lo) / (hi - lo)
+
+    @functools.cache  # noqa: B019
+    def step_time(self, r: int, batch: int) -> float:
+        """Seconds per iteration of global batch ``batch`` on ``r`` GPUs (accumulating if needed)."""
+        local = batch / r
+        accum = max(1, math.ceil(local / self.max_local))
+        return accum * self._time_at(r, local / accum)
+
+
+@functools.cache
+def load_application(traces: str, name: str) -> Application:
+    return Application(Path(traces) / name)

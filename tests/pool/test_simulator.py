@@ -1,0 +1,74 @@
+"""The simulator: trace-driven job lengths, the same policies, metrics a user compares."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from elastic_ops.errors import SpecError, UnknownPolicyError
+from elastic_ops.pool import policies
+from elastic_ops.pool.simulator import SimConfig, simulate, tuned_max_workers
+from elastic_ops.pool.workload import default_traces_dir, load_application, placement_for, read_workload
+
+from .cli_helper import run
+
+WORKLOAD = Path(__file__).parent / "data" / "tiny-workload.csv"
+TRACES = default_traces_dir()
+pytestmark = pytest.mark.skipif(not TRACES.is_dir(), reason=f"needs the Pollux traces at {TRACES}")
+SMALL = SimConfig(slots=16, slots_per_host=4)
+
+
+def test_job_lengths_come_from_measured_traces():
+    app = load_application(str(TRACES), "cifar10")
+    # Fixed global batch: more GPUs shrink the per-GPU batch, so a step gets faster but less than linearly.
+    t1, t4 = app.step_time(1, 2048), app.step_time(4, 2048)
+    assert t4 < t1 < 4 * t4
+    assert placement_for(6) == "24" and placement_for(16) == "4444"
+    # A larger global batch needs fewer iterations to reach the same metric.
+    assert app.iterations(4096) < app.iterations(2048) < app.iterations(128)
+    assert 1 <= tuned_max_workers(app, 2048, 64) <= app.max_workers(2048, 64)
+
+
+def test_static_and_elastic_policies_finish_every_job():
+    results = {name: simulate(WORKLOAD, name, SMALL, TRACES) for name in ("static", "fairshare")}
+    for r in results.values():
+        assert r["jobs"] == 8
+        assert 0 < r["utilization"] <= 1.0
+        assert r["p99_jct"] >= r["avg_jct"] > 0 and r["makespan"] >= r["p99_jct"] - 240
+    assert results["static"]["rescales"] == 0
+    assert results["fairshare"]["rescales"] > 0
+    # Elastic sharing beats strict FIFO with fixed requests on a contended cluster.
+    assert results["fairshare"]["avg_jct"] < results["static"]["avg_jct"]
+
+
+def test_rescale_cost_is_charged():
+    cheap = simulate(WORKLOAD, "fairshare", SimConfig(slots=16, rescale_cost=0), TRACES)
+    dear = simulate(WORKLOAD, "fairshare", SimConfig(slots=16, rescale_cost=300), TRACES)
+    assert dear["avg_jct"] > cheap["avg_jct"]
+
+
+def test_the_simulator_calls_the_registered_policy(monkeypatch):
+    calls = []
+    real = policies.POLICIES["priority"]
+    monkeypatch.setitem(policies.POLICIES, "priority", lambda snap: calls.append(snap) or real(snap))
+    simulate(WORKLOAD, "priority", SMALL, TRACES)
+    assert calls and all(sum(h.slots for h in s.hosts) == 16 for s in calls)
+
+
+def test_bad_simulation_input():
+    with pytest.raises(UnknownPolicyError):
+        simulate(WORKLOAD, "best", SMALL, TRACES)
+    with pytest.raises(SpecError, match="slots=0"):
+        SimConfig(slots=0)
+    with pytest.raises(SpecError, match="must be an existing CSV"):
+        read_workload("/nonexistent.csv")
+
+
+def test_simulate_cli_json_last_line(capsys):
+    rc = run(["simulate", "--workload", str(WORKLOAD), "--slots", "16", "--policy", "all", "--json"])
+    assert rc == 0
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(last) == {"static", "fairshare", "priority", "strict"}
+    assert {"avg_jct", "p99_jct", "makespan", "utilization", "rescales"} <= set(last["fairshare"])
