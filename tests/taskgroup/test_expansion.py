@@ -1,0 +1,116 @@
+"""``elastic_training``: task-group expansion and parse-time validation."""
+
+from __future__ import annotations
+
+import pendulum
+import pytest
+from airflow.sdk import DAG, Asset
+
+from elastic_ops.errors import SpecError
+from elastic_ops.operators import (
+    ElasticChunkOperator,
+    ElasticFinalizeOperator,
+    ElasticRegisterOperator,
+    ElasticRetryPolicy,
+)
+from elastic_ops.taskgroup import elastic_training
+
+DIGITS = "elastic_ops.examples.digits:DigitsMLP"
+
+
+def make_dag(**kwargs):
+    """A DAG holding one ``elastic_training`` group built from ``kwargs`` (small defaults)."""
+    args = {"task_id": "train", "trainable": DIGITS, "total_iterations": 100, "chunk_iterations": 30,
+            "min_workers": 1, "max_workers": 4, "priority": 2} | kwargs
+    with DAG(dag_id="d", schedule=None, start_date=pendulum.datetime(2024, 1, 1, tz="UTC")) as dag:
+        group = elastic_training(**args)
+    return dag, group
+
+
+def chain_of(dag) -> list[str]:
+    """Follow the single downstream edge from ``train.register`` to the end."""
+    order, task = [], dag.get_task("train.register")
+    while task is not None:
+        order.append(task.task_id)
+        downs = list(task.downstream_list)
+        assert len(downs) <= 1
+        task = downs[0] if downs else None
+    return order
+
+
+def test_expands_into_register_chunks_finalize_in_a_line():
+    dag, _ = make_dag()
+    assert chain_of(dag) == [
+        "train.register", "train.chunk_01_of_04", "train.chunk_02_of_04", "train.chunk_03_of_04",
+        "train.chunk_04_of_04", "train.finalize",
+    ]
+    assert isinstance(dag.get_task("train.register"), ElasticRegisterOperator)
+    assert isinstance(dag.get_task("train.finalize"), ElasticFinalizeOperator)
+    chunks = [t for t in dag.tasks if isinstance(t, ElasticChunkOperator)]
+    assert [c.chunk_index for c in chunks] == [0, 1, 2, 3]
+    assert all(isinstance(c.retry_policy, ElasticRetryPolicy) and c.retries >= 1 for c in chunks)
+    assert dag.get_task("train.finalize").chunk_task_ids == [c.task_id for c in chunks]
+
+
+def test_finalize_emits_the_model_asset_and_previous_warm_start_reads_it():
+    asset = Asset(name="m", uri="s3://models/digits")
+    dag, group = make_dag(model_asset=asset, warm_start="previous", checkpoint="s3://models/digits")
+    assert dag.get_task("train.finalize").outlets == [asset]
+    assert group.model_asset == asset
+    assert dag.get_task("train.chunk_01_of_04").inlets == [asset]
+    assert dag.get_task("train.chunk_02_of_04").inlets == []
+
+
+def test_default_model_asset_points_at_the_checkpoint_root():
+    dag, group = make_dag(checkpoint="s3://models/digits")
+    assert group.model_asset.uri == "s3://models/digits"
+    assert dag.get_task("train.finalize").outlets == [group.model_asset]
+
+
+def test_chunk_kwargs_reach_the_chunk_tasks():
+    dag, _ = make_dag(chunk_kwargs={"retries": 7})
+    assert dag.get_task("train.chunk_01_of_04").retries == 7
+
+
+@pytest.mark.parametrize(("kwargs", "field"), [
+    ({"min_workers": 5, "max_workers": 2}, "min_workers"),
+    ({"chunk_iterations": 500}, "chunk_iterations"),
+    ({"checkpoint": "ftp://x"}, "checkpoint"),
+    ({"priority": 0}, "priority"),
+    ({"trainable": "not an entrypoint"}, "entrypoint"),
+    ({"consistency": "sloppy"}, "consistency"),
+    ({"total_iterations": "{{ params.n }}"}, "num_chunks"),
+    ({"trainable": "{{ params.model }}"}, "entrypoint"),
+    ({"num_chunks": 0}, "num_chunks"),
+    ({"num_chunks": 101}, "num_chunks"),
+    ({"warm_start": "{{ params.x }}"}, "warm_start"),
+])
+def test_bad_arguments_fail_at_parse_time_naming_the_field(kwargs, field):
+    with pytest.raises(SpecError) as err:
+        make_dag(**kwargs)
+    assert err.value.field == field
+    assert field in str(err.value)
+
+
+def test_templates_are_accepted_at_parse_time_and_kept_for_rendering():
+    dag, _ = make_dag(total_iterations="{{ params.iterations }}", num_chunks=3,
+                      max_workers="{{ params.max_workers }}", priority="{{ params.priority }}")
+    chunks = [t for t in dag.tasks if isinstance(t, ElasticChunkOperator)]
+    assert len(chunks) == 3
+    assert chunks[0].spec_fields["max_workers"] == "{{ params.max_workers }}"
+    assert "spec_fields" in ElasticChunkOperator.template_fields
+
+
+def test_num_chunks_with_a_fixed_total_sets_the_chunk_count():
+    dag, _ = make_dag(total_iterations=10, chunk_iterations=None, num_chunks=4)
+    assert len([t for t in dag.tasks if isinstance(t, ElasticChunkOperator)]) == 4
+
+
+def test_the_dag_serializes_for_the_scheduler():
+    from airflow.serialization.serialized_objects import DagSerialization
+
+    dag, _ = make_dag(warm_start="previous")
+    data = DagSerialization.to_dict(dag)
+    rebuilt = DagSerialization.from_dict(data)
+    assert set(rebuilt.task_dict) == set(dag.task_dict)
+    assert rebuilt.get_task("train.chunk_01_of_04").has_retry_policy
