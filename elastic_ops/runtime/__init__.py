@@ -9,6 +9,14 @@ from elastic_ops.runtime.state import param_sha256
 from elastic_ops.runtime.trainable import Trainable, load_trainable, load_trainable_class
 
 __all__ = [
-    "ChunkResult", "ChunkStatus", "Progress", "Schedule", "Trainable", "load_trainable",
-    "load_trainable_class", "param_sha256", "run_chunk", "run_job",
+    "ChunkResult",
+    "ChunkStatus",
+    "Progress",
+    "Schedule",
+    "Trainable",
+    "load_trainable",
+    "load_trainable_class",
+    "param_sha256",
+    "run_chunk",
+    "run_job",
 ]

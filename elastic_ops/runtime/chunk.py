@@ -49,7 +49,7 @@ log = logging.getLogger("elastic_ops.runtime")
 LOOKAHEAD = 2  # target(i) is asked while rank 0 runs iteration i - LOOKAHEAD
 
 
-class ChunkStatus(str, enum.Enum):
+class ChunkStatus(enum.StrEnum):
     """How a chunk try ended. Terminal states; a try starts in none of them.
 
     ``completed``: trained to ``end`` and committed. ``preempted``: the target went to 0; the
@@ -146,9 +146,19 @@ class _Committer:
 
 
 class _Runner:
-    def __init__(self, spec: JobSpec, start: int, end: int, target: Callable[[int], int], store: Any,
-                 epoch: int, on_progress: Callable[[Progress], None] | None, host: str, launcher: Any,
-                 workdir: Path) -> None:
+    def __init__(
+        self,
+        spec: JobSpec,
+        start: int,
+        end: int,
+        target: Callable[[int], int],
+        store: Any,
+        epoch: int,
+        on_progress: Callable[[Progress], None] | None,
+        host: str,
+        launcher: Any,
+        workdir: Path,
+    ) -> None:
         self.spec, self.start, self.end = spec, start, end
         self.target_fn, self.store, self.epoch = target, store, epoch
         self.on_progress, self.host, self.launcher, self.workdir = on_progress, host, launcher, workdir
@@ -176,18 +186,35 @@ class _Runner:
             if not chan.decided(j):
                 chan.decide(j, self.target(it + j))
         store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        cfg = {"spec": self.spec.to_dict(), "start": it, "end": self.end, "workers": workers,
-               "segment": index, "dir": str(segdir), "state_path": state_path}
+        cfg = {
+            "spec": self.spec.to_dict(),
+            "start": it,
+            "end": self.end,
+            "workers": workers,
+            "segment": index,
+            "dir": str(segdir),
+            "state_path": state_path,
+        }
         (segdir / "segment.json").write_text(json.dumps(cfg))
         req = LaunchRequest(
-            workers=workers, script=_script(self.spec), master_addr="127.0.0.1", master_port=store.port, segment=index,
-            log_dir=segdir / "logs", env={"ELASTIC_OPS_SEGMENT": str(segdir / "segment.json")},
-            device=_device(self.spec), threads_per_worker=self.spec.threads_per_worker,
+            workers=workers,
+            script=_script(self.spec),
+            master_addr="127.0.0.1",
+            master_port=store.port,
+            segment=index,
+            log_dir=segdir / "logs",
+            env={"ELASTIC_OPS_SEGMENT": str(segdir / "segment.json")},
+            device=_device(self.spec),
+            threads_per_worker=self.spec.threads_per_worker,
         )
         stop = threading.Event()
         errors: list[BaseException] = []
-        ctl = threading.Thread(target=self._control, args=(chan, it, workers, stop, errors, segdir),
-                               name="elastic-ops-control", daemon=True)
+        ctl = threading.Thread(
+            target=self._control,
+            args=(chan, it, workers, stop, errors, segdir),
+            name="elastic-ops-control",
+            daemon=True,
+        )
         pc = self.launcher.start(req)
         ctl.start()
         try:
@@ -210,13 +237,24 @@ class _Runner:
             raise self._failure(segdir, result.failures)
         info = json.loads((segdir / "result.json").read_text())
         return _Segment(
-            iteration=info["iteration"], next_workers=info["next_workers"], state_path=info["state_path"],
-            loss=info["loss"], evaluation=info["evaluation"], train_seconds=info["train_seconds"],
+            iteration=info["iteration"],
+            next_workers=info["next_workers"],
+            state_path=info["state_path"],
+            loss=info["loss"],
+            evaluation=info["evaluation"],
+            train_seconds=info["train_seconds"],
             samples=info["samples"],
         )
 
-    def _control(self, chan: ControlChannel, start: int, workers: int, stop: threading.Event,
-                 errors: list[BaseException], segdir: Path) -> None:
+    def _control(
+        self,
+        chan: ControlChannel,
+        start: int,
+        workers: int,
+        stop: threading.Event,
+        errors: list[BaseException],
+        segdir: Path,
+    ) -> None:
         seen = 0
         row0 = None
         try:
@@ -237,8 +275,15 @@ class _Runner:
         except BaseException as exc:  # surfaced by the main thread
             errors.append(exc)
 
-    def _boundary(self, chan: ControlChannel, start: int, j: int, workers: int,
-                  row0: tuple[float, float, int], segdir: Path) -> None:
+    def _boundary(
+        self,
+        chan: ControlChannel,
+        start: int,
+        j: int,
+        workers: int,
+        row0: tuple[float, float, int],
+        segdir: Path,
+    ) -> None:
         it = start + j
         loss, t, cursor = chan.row(j)
         ckpt = segdir / f"ckpt-{it}.pt"
@@ -248,14 +293,23 @@ class _Runner:
         rate = (cursor - row0[2]) / elapsed
         its = j / elapsed
         eta = (self.end - it) / its if its > 0 else math.inf
-        prog = Progress(iteration=it, end=self.end, loss=loss, workers=workers, samples_per_sec=rate, eta_s=eta)
+        prog = Progress(
+            iteration=it, end=self.end, loss=loss, workers=workers, samples_per_sec=rate, eta_s=eta
+        )
         if self.on_progress is not None:
             self.on_progress(prog)
         now = time.monotonic()
         if now - self._last_log >= 2.0 or it == self.end:
             self._last_log = now
-            log.info("iteration %d/%d loss %.5f workers %d %.0f samples/s ETA %.0fs",
-                     it, self.end, loss, workers, rate, eta)
+            log.info(
+                "iteration %d/%d loss %.5f workers %d %.0f samples/s ETA %.0fs",
+                it,
+                self.end,
+                loss,
+                workers,
+                rate,
+                eta,
+            )
 
     def _failure(self, segdir: Path, failures: dict[int, Any]) -> Exception:
         reports = []
@@ -278,9 +332,13 @@ class _Runner:
             r = internal[0]
             return TrainingError(f"runtime error on rank {r['rank']}: {r['message']}\n{r['traceback']}")
         what = ", ".join(f"rank {r} killed by {s}" for r, s in signals.items()) or ", ".join(
-            f"rank {r} exited with {f.exitcode}" for r, f in failures.items())
-        return WorkerLostError(f"worker lost on {self.host}: {what}", host=self.host,
-                               hint="retry resumes from the last committed checkpoint")
+            f"rank {r} exited with {f.exitcode}" for r, f in failures.items()
+        )
+        return WorkerLostError(
+            f"worker lost on {self.host}: {what}",
+            host=self.host,
+            hint="retry resumes from the last committed checkpoint",
+        )
 
     # --- the whole chunk -----------------------------------------------------------------------
 
@@ -318,19 +376,25 @@ class _Runner:
         log.info("preempted at iteration %d", it)
         return self._result(ChunkStatus.PREEMPTED, it, ref, last, [])
 
-    def _result(self, status: ChunkStatus, it: int, ref: Any, last: _Segment | None,
-                segments: list[_Segment]) -> ChunkResult:
+    def _result(
+        self, status: ChunkStatus, it: int, ref: Any, last: _Segment | None, segments: list[_Segment]
+    ) -> ChunkResult:
         duration = time.time() - self._t0
         samples = sum(s.samples for s in segments)
         train_s = sum(s.train_seconds for s in segments)
         metrics = dict(ref.metrics) if ref is not None else {}
         return ChunkResult(
-            status=status, start=self.start, end=self.end, iteration=it,
+            status=status,
+            start=self.start,
+            end=self.end,
+            iteration=it,
             checkpoint_uri=ref.uri if ref is not None else None,
             loss=last.loss if last is not None else metrics.get("loss"),
             metrics=dict(last.evaluation) if last is not None else {},
-            workers_timeline=list(self.timeline), samples_per_sec=samples / duration if duration else 0.0,
-            duration_s=duration, param_sha256=metrics.get("param_sha256"),
+            workers_timeline=list(self.timeline),
+            samples_per_sec=samples / duration if duration else 0.0,
+            duration_s=duration,
+            param_sha256=metrics.get("param_sha256"),
             train_samples_per_sec=samples / train_s if train_s else 0.0,
         )
 
@@ -356,6 +420,13 @@ def _check_range(spec: JobSpec, start: int, end: int) -> None:
 
 def _check_entrypoint(spec: JobSpec) -> None:
     if spec.entrypoint.endswith(".py"):
+        if spec.consistency.value != "fast" or spec.scaling.value != "fixed":
+            raise SpecError(
+                "consistency",
+                spec.consistency.value,
+                "script entrypoints support consistency 'fast' with scaling 'fixed' only",
+                hint="the script reduces its own gradients (e.g. with DDP)",
+            )
         if not Path(spec.entrypoint).is_file():
             from elastic_ops.errors import EntrypointError
 
@@ -367,9 +438,18 @@ def _check_entrypoint(spec: JobSpec) -> None:
 
 
 def run_chunk(
-    spec: JobSpec, start: int, end: int, *, target: Callable[[int], int], store: Any = None, epoch: int = 0,
-    on_progress: Callable[[Progress], None] | None = None, host: str = "localhost",
-    warm_start: str | None = None, launcher: Any = None, workdir: str | Path | None = None,
+    spec: JobSpec,
+    start: int,
+    end: int,
+    *,
+    target: Callable[[int], int],
+    store: Any = None,
+    epoch: int = 0,
+    on_progress: Callable[[Progress], None] | None = None,
+    host: str = "localhost",
+    warm_start: str | None = None,
+    launcher: Any = None,
+    workdir: str | Path | None = None,
 ) -> ChunkResult:
     """Train iterations ``[start, end)`` from the latest committed checkpoint; see the module doc.
 
@@ -389,23 +469,31 @@ def run_chunk(
         log.info("chunk [%d, %d) already done: checkpoint at iteration %d", start, end, ref.iteration)
         m = dict(ref.metrics)
         return ChunkResult(
-            status=ChunkStatus.ALREADY_DONE, start=start, end=end, iteration=ref.iteration,
-            checkpoint_uri=ref.uri, loss=m.get("loss"),
+            status=ChunkStatus.ALREADY_DONE,
+            start=start,
+            end=end,
+            iteration=ref.iteration,
+            checkpoint_uri=ref.uri,
+            loss=m.get("loss"),
             metrics={k: v for k, v in m.items() if k not in ("loss", "param_sha256")},
-            workers_timeline=[], samples_per_sec=0.0, duration_s=time.time() - t0,
+            workers_timeline=[],
+            samples_per_sec=0.0,
+            duration_s=time.time() - t0,
             param_sha256=m.get("param_sha256"),
         )
     if ref is None and start > 0:
         raise CheckpointNotFoundError(
             f"no committed checkpoint for spec hash {spec.spec_hash()} in {spec.checkpoint_uri()} "
-            f"to resume iteration {start} from", hint="run the earlier chunks first, or start at 0",
+            f"to resume iteration {start} from",
+            hint="run the earlier chunks first, or start at 0",
         )
     own_dir = workdir is None
     work = Path(tempfile.mkdtemp(prefix="elastic-ops-")) if own_dir else Path(workdir)
     work.mkdir(parents=True, exist_ok=True)
     try:
-        runner = _Runner(spec, start, end, target, store, epoch, on_progress, host,
-                         launcher or LocalLauncher(), work)
+        runner = _Runner(
+            spec, start, end, target, store, epoch, on_progress, host, launcher or LocalLauncher(), work
+        )
         it, state_path = 0, None
         if ref is not None:
             it = ref.iteration

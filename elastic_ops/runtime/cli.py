@@ -13,14 +13,18 @@ from elastic_ops.errors import SpecError
 
 def add_commands(subparsers: Any) -> None:
     p = subparsers.add_parser(
-        "run", help="train a job locally with N worker processes",
+        "run",
+        help="train a job locally with N worker processes",
         description="Train a job's iterations locally. Progress goes to stderr; the last line on "
         "stdout is one JSON object with the result.",
     )
     p.add_argument("--spec", required=True, help="job spec YAML file")
-    p.add_argument("--workers-schedule", default=None,
-                   help="worker counts: '1,3,2' (equal parts of the run) or '1@0,3@40,2@70' "
-                   "(from iteration 40 on: 3 workers); default: max_workers throughout")
+    p.add_argument(
+        "--workers-schedule",
+        default=None,
+        help="worker counts: '1,3,2' (equal parts of the run) or '1@0,3@40,2@70' "
+        "(from iteration 40 on: 3 workers); default: max_workers throughout",
+    )
     p.add_argument("--checkpoint", default=None, help="checkpoint URI (file:///path or s3://bucket/prefix)")
     p.add_argument("--iterations", default=None, help="START:END range to train (default: the whole job)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
@@ -47,11 +51,18 @@ def cmd_run(args: argparse.Namespace) -> int:
         logger.setLevel(logging.INFO)
     result = run_job(spec, schedule=schedule, start=start, end=end)
     out = {
-        "job": spec.name, "status": result.status.value, "iterations": result.iteration - start
-        if result.status.value != "already_done" else 0, "start": start, "end": end,
-        "iteration": result.iteration, "loss": result.loss, "metrics": result.metrics,
-        "param_sha256": result.param_sha256, "samples_per_sec": round(result.samples_per_sec, 2),
-        "train_samples_per_sec": round(result.train_samples_per_sec, 2), "checkpoint": result.checkpoint_uri,
+        "job": spec.name,
+        "status": result.status.value,
+        "iterations": result.iteration - start if result.status.value != "already_done" else 0,
+        "start": start,
+        "end": end,
+        "iteration": result.iteration,
+        "loss": result.loss,
+        "metrics": result.metrics,
+        "param_sha256": result.param_sha256,
+        "samples_per_sec": round(result.samples_per_sec, 2),
+        "train_samples_per_sec": round(result.train_samples_per_sec, 2),
+        "checkpoint": result.checkpoint_uri,
         "workers_timeline": [[i, n, round(t, 3)] for i, n, t in result.workers_timeline],
         "duration_s": round(result.duration_s, 3),
     }

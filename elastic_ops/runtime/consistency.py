@@ -53,7 +53,7 @@ class FlatGrads:
         return views
 
     def bind(self, row: int) -> None:
-        for p, v in zip(self.params, self._views[row]):
+        for p, v in zip(self.params, self._views[row], strict=True):
             p.grad = v
 
 
@@ -67,9 +67,18 @@ class GradientEngine:
     """Computes one iteration's reduced gradient into ``p.grad`` and returns the global loss."""
 
     def __init__(
-        self, *, mode: str, model: torch.nn.Module, loss_fn: Callable[[Any], torch.Tensor],
-        fetch: Callable[[torch.Tensor], Any], rank: int, workers: int, virtual_shards: int | None,
-        micro_batch: int | None, data_seed: int, device: torch.device,
+        self,
+        *,
+        mode: str,
+        model: torch.nn.Module,
+        loss_fn: Callable[[Any], torch.Tensor],
+        fetch: Callable[[torch.Tensor], Any],
+        rank: int,
+        workers: int,
+        virtual_shards: int | None,
+        micro_batch: int | None,
+        data_seed: int,
+        device: torch.device,
         guard: Callable[[], Any] = contextlib.nullcontext,
     ) -> None:
         self.guard = guard  # wraps user code (loss, fetch, backward) so its errors are attributed
@@ -83,8 +92,11 @@ class GradientEngine:
             self.max_rows = math.ceil(self.shards / workers)
             self.grads = FlatGrads(params, self.max_rows, device)
             self.out = torch.zeros(self.grads.numel + 1, device=device, dtype=self.grads.buf.dtype)
-            self.row_owner = [(r, k - shards_of_worker(self.shards, workers, r).start)
-                              for r in range(workers) for k in shards_of_worker(self.shards, workers, r)]
+            self.row_owner = [
+                (r, k - shards_of_worker(self.shards, workers, r).start)
+                for r in range(workers)
+                for k in shards_of_worker(self.shards, workers, r)
+            ]
             self._gathered = [torch.empty_like(self.grads.buf) for _ in range(workers)]
             self._out_views = self.grads.row_views(self.out)
         else:
@@ -136,7 +148,7 @@ class GradientEngine:
                 out.copy_(rows[r][j])
             else:
                 out.add_(rows[r][j])
-        for p, v in zip(self.grads.params, self._out_views):
+        for p, v in zip(self.grads.params, self._out_views, strict=True):
             p.grad = v
         return float(out[-1])
 

@@ -54,8 +54,12 @@ class Schedule:
             n_text, _, at_text = item.partition("@")
             n = _int(text, n_text)
             if not spec.min_workers <= n <= spec.max_workers:
-                raise SpecError(FLAG, text, f"worker count {n} must be between min_workers "
-                                f"({spec.min_workers}) and max_workers ({spec.max_workers})")
+                raise SpecError(
+                    FLAG,
+                    text,
+                    f"worker count {n} must be between min_workers "
+                    f"({spec.min_workers}) and max_workers ({spec.max_workers})",
+                )
             counts.append(n)
             starts.append(_int(text, at_text) if at_text else start + j * (end - start) // len(items))
         if any(b <= a for a, b in zip(starts, starts[1:], strict=False)):
@@ -84,15 +88,24 @@ def parse_range(text: str | None, spec: JobSpec) -> tuple[int, int]:
     except ValueError:
         start = end = -1
     if not sep or not 0 <= start < end <= spec.total_iterations:
-        raise SpecError("--iterations", text,
-                        f"must be START:END with 0 <= START < END <= total_iterations ({spec.total_iterations})")
+        raise SpecError(
+            "--iterations",
+            text,
+            f"must be START:END with 0 <= START < END <= total_iterations ({spec.total_iterations})",
+        )
     return start, end
 
 
 def run_job(
-    spec: JobSpec, *, schedule: Schedule | Callable[[int], int] | None = None, store: Any = None,
-    start: int = 0, end: int | None = None, on_progress: Callable[[Progress], None] | None = None,
-    warm_start: str | None = None, **kwargs: Any,
+    spec: JobSpec,
+    *,
+    schedule: Schedule | Callable[[int], int] | None = None,
+    store: Any = None,
+    start: int = 0,
+    end: int | None = None,
+    on_progress: Callable[[Progress], None] | None = None,
+    warm_start: str | None = None,
+    **kwargs: Any,
 ) -> ChunkResult:
     """Train iterations ``[start, end)`` (the whole job by default) in one runner call.
 
@@ -101,5 +114,6 @@ def run_job(
     """
     end = spec.total_iterations if end is None else end
     target = schedule or Schedule.constant(spec.max_workers)
-    return run_chunk(spec, start, end, target=target, store=store, on_progress=on_progress,
-                     warm_start=warm_start, **kwargs)
+    return run_chunk(
+        spec, start, end, target=target, store=store, on_progress=on_progress, warm_start=warm_start, **kwargs
+    )

@@ -45,25 +45,33 @@ from elastic_ops.runtime.worker import worker_entry
 @dataclass(frozen=True)
 class LaunchRequest:
     workers: int
-    script: str | None           # a user script (script mode), else the Trainable worker
+    script: str | None  # a user script (script mode), else the Trainable worker
     master_addr: str
     master_port: int
-    segment: int                 # becomes TORCHELASTIC_RESTART_COUNT
+    segment: int  # becomes TORCHELASTIC_RESTART_COUNT
     log_dir: Path
-    env: Mapping[str, str]       # extra variables for every rank
-    device: str = "cpu"          # "cpu" or "cuda"
+    env: Mapping[str, str]  # extra variables for every rank
+    device: str = "cpu"  # "cpu" or "cuda"
     threads_per_worker: int = 1
 
 
 def worker_env(req: LaunchRequest, rank: int, gpus: Sequence[str] = ()) -> dict[str, str]:
     """The environment of worker ``rank``: PyTorch's names plus IBM WML's (1-based)."""
     env = {
-        "RANK": str(rank), "WORLD_SIZE": str(req.workers), "LOCAL_RANK": str(rank),
-        "LOCAL_WORLD_SIZE": str(req.workers), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
-        "ROLE_WORLD_SIZE": str(req.workers), "MASTER_ADDR": req.master_addr,
-        "MASTER_PORT": str(req.master_port), "LEARNER_ID": str(rank + 1),
-        "NUM_LEARNERS": str(req.workers), "TORCHELASTIC_USE_AGENT_STORE": "True",
-        "TORCHELASTIC_RESTART_COUNT": str(req.segment), "OMP_NUM_THREADS": str(req.threads_per_worker),
+        "RANK": str(rank),
+        "WORLD_SIZE": str(req.workers),
+        "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(req.workers),
+        "GROUP_RANK": "0",
+        "ROLE_RANK": str(rank),
+        "ROLE_WORLD_SIZE": str(req.workers),
+        "MASTER_ADDR": req.master_addr,
+        "MASTER_PORT": str(req.master_port),
+        "LEARNER_ID": str(rank + 1),
+        "NUM_LEARNERS": str(req.workers),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCHELASTIC_RESTART_COUNT": str(req.segment),
+        "OMP_NUM_THREADS": str(req.threads_per_worker),
         "ELASTIC_OPS_DEVICE": req.device,
         # All ranks share this host: gloo on loopback, no hostname resolution (seconds when DNS is slow).
         "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
@@ -113,7 +121,11 @@ class LocalLauncher:
         try:
             with _main_not_rerun():
                 return start_processes(
-                    name="elastic-ops-worker", entrypoint=worker_entry, args=args, envs=envs, logs_specs=logs,
+                    name="elastic-ops-worker",
+                    entrypoint=worker_entry,
+                    args=args,
+                    envs=envs,
+                    logs_specs=logs,
                     start_method="forkserver",
                 )
         finally:

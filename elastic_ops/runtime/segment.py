@@ -74,12 +74,20 @@ class Segment:
     def from_env(cls) -> Segment:
         path = os.environ.get(ENV_VAR)
         if not path:
-            raise RuntimeError(f"{ENV_VAR} is not set: this process was not started by the elastic_ops runner")
+            raise RuntimeError(
+                f"{ENV_VAR} is not set: this process was not started by the elastic_ops runner"
+            )
         cfg = json.loads(Path(path).read_text())
         return cls(
-            spec=JobSpec.from_dict(cfg["spec"]), start=cfg["start"], end=cfg["end"], workers=cfg["workers"],
-            index=cfg["segment"], dir=Path(cfg["dir"]), state_path=cfg["state_path"],
-            rank=int(os.environ["RANK"]), local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+            spec=JobSpec.from_dict(cfg["spec"]),
+            start=cfg["start"],
+            end=cfg["end"],
+            workers=cfg["workers"],
+            index=cfg["segment"],
+            dir=Path(cfg["dir"]),
+            state_path=cfg["state_path"],
+            rank=int(os.environ["RANK"]),
+            local_rank=int(os.environ.get("LOCAL_RANK", "0")),
             channel=ControlChannel(cfg["dir"], cfg["end"] - cfg["start"] + 1, create=False),
         )
 
@@ -87,16 +95,22 @@ class Segment:
 
     def device(self) -> torch.device:
         # The launcher gives each CUDA worker exactly one visible GPU.
-        return torch.device("cuda", 0) if os.environ.get("ELASTIC_OPS_DEVICE") == "cuda" else torch.device("cpu")
+        return (
+            torch.device("cuda", 0) if os.environ.get("ELASTIC_OPS_DEVICE") == "cuda" else torch.device("cpu")
+        )
 
-    def setup(self) -> None:
-        """Threads, determinism and the process group (env:// rendezvous on the runner's store)."""
+    def setup(self, *, always_group: bool = False) -> None:
+        """Threads, determinism and the process group (env:// rendezvous on the runner's store).
+
+        Trainable workers skip the group at one worker (no collective to run); scripts always
+        get one, since DDP needs it even alone.
+        """
         torch.set_num_threads(self.spec.threads_per_worker)
         if self.spec.consistency.value == "bitwise":
             torch.use_deterministic_algorithms(True)
         if self.device().type == "cuda":
             torch.cuda.set_device(0)
-        if self.workers > 1 and not dist.is_initialized():
+        if (self.workers > 1 or always_group) and not dist.is_initialized():
             backend = "nccl" if self.device().type == "cuda" else "gloo"
             dist.init_process_group(backend, timeout=PG_TIMEOUT)
 
@@ -139,8 +153,14 @@ class Segment:
         os.replace(tmp, self.dir / "result.json")
 
     def write_error(self, kind: str, message: str, text: str, iteration: int | None) -> None:
-        data = {"kind": kind, "message": message, "traceback": text, "iteration": iteration,
-                "rank": self.rank, "time": time.time()}
+        data = {
+            "kind": kind,
+            "message": message,
+            "traceback": text,
+            "iteration": iteration,
+            "rank": self.rank,
+            "time": time.time(),
+        }
         (self.dir / f"error-{self.rank}.json").write_text(json.dumps(data))
 
     def close(self) -> None:

@@ -39,8 +39,14 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def build_state(
-    *, iteration: int, cursor: int, model: torch.nn.Module, optimizer: Any, scheduler: Any,
-    metrics: dict[str, Any], lr_ramp: dict[str, float] | None = None,
+    *,
+    iteration: int,
+    cursor: int,
+    model: torch.nn.Module,
+    optimizer: Any,
+    scheduler: Any,
+    metrics: dict[str, Any],
+    lr_ramp: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     return {
         "format": FORMAT,
@@ -50,7 +56,10 @@ def build_state(
         "optimizer": _to_cpu(optimizer.state_dict()) if optimizer is not None else {},
         "scheduler": scheduler.state_dict() if scheduler is not None else {},
         "rng": capture_rng(),
-        "metrics": {"loss": list(metrics.get("loss", []))[-LOSS_HISTORY:], "eval": list(metrics.get("eval", []))},
+        "metrics": {
+            "loss": list(metrics.get("loss", []))[-LOSS_HISTORY:],
+            "eval": list(metrics.get("eval", [])),
+        },
         "lr_ramp": dict(lr_ramp or {}),
     }
 

@@ -66,14 +66,18 @@ def load_trainable_class(entrypoint: str) -> type[Trainable]:
         module = importlib.import_module(module_name)
     except Exception as exc:  # ImportError, or an error raised while importing user code
         raise EntrypointError(
-            "entrypoint", entrypoint, f"module {module_name!r} cannot be imported ({type(exc).__name__}: {exc})"
+            "entrypoint",
+            entrypoint,
+            f"module {module_name!r} cannot be imported ({type(exc).__name__}: {exc})",
         ) from exc
     cls = getattr(module, attr, None)
     if cls is None:
         raise EntrypointError("entrypoint", entrypoint, f"module {module_name!r} has no attribute {attr!r}")
     if not (isinstance(cls, type) and issubclass(cls, Trainable)):
         raise EntrypointError(
-            "entrypoint", entrypoint, "must name a subclass of elastic_ops.runtime.Trainable",
+            "entrypoint",
+            entrypoint,
+            "must name a subclass of elastic_ops.runtime.Trainable",
             hint=f"{attr} is {type(cls).__name__}",
         )
     return cls
@@ -90,7 +94,9 @@ def to_device(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, Mapping):
         return {k: to_device(v, device) for k, v in batch.items()}
     if isinstance(batch, Sequence) and not isinstance(batch, str):
-        return type(batch)(to_device(v, device) for v in batch) if isinstance(batch, tuple) else [
-            to_device(v, device) for v in batch
-        ]
+        return (
+            type(batch)(to_device(v, device) for v in batch)
+            if isinstance(batch, tuple)
+            else [to_device(v, device) for v in batch]
+        )
     return batch

@@ -47,9 +47,17 @@ class TrainableWorker:
         if self.scaled:
             self._ramp_to(seg.workers)
         self.engine = GradientEngine(
-            mode=spec.consistency.value, model=self.model, loss_fn=self._loss, fetch=self._fetch,
-            rank=seg.rank, workers=seg.workers, virtual_shards=spec.virtual_shards,
-            micro_batch=spec.micro_batch, data_seed=spec.data_seed, device=self.device, guard=user_code,
+            mode=spec.consistency.value,
+            model=self.model,
+            loss_fn=self._loss,
+            fetch=self._fetch,
+            rank=seg.rank,
+            workers=seg.workers,
+            virtual_shards=spec.virtual_shards,
+            micro_batch=spec.micro_batch,
+            data_seed=spec.data_seed,
+            device=self.device,
+            guard=user_code,
         )
 
     def _restore(self, state: dict[str, Any] | None) -> None:
@@ -83,8 +91,13 @@ class TrainableWorker:
 
     def state(self) -> dict[str, Any]:
         return build_state(
-            iteration=self.iteration, cursor=self.cursor, model=self.model, optimizer=self.optimizer,
-            scheduler=self.scheduler, metrics=self.metrics, lr_ramp=self.lr_ramp,
+            iteration=self.iteration,
+            cursor=self.cursor,
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            metrics=self.metrics,
+            lr_ramp=self.lr_ramp,
         )
 
     def _optimizer_step(self) -> None:
@@ -97,7 +110,7 @@ class TrainableWorker:
         with user_code():
             self.optimizer.step()
         if factor != 1.0:
-            for g, lr in zip(groups, base):
+            for g, lr in zip(groups, base, strict=True):
                 g["lr"] = lr
         if self.scheduler is not None:
             with user_code():
@@ -140,8 +153,14 @@ class TrainableWorker:
             self.model.train(was_training)
             self.metrics["eval"].append([self.iteration, evaluation])
         seg.write_result(
-            self.iteration, self.state(), cursor=self.cursor, next_workers=next_workers, loss=loss,
-            evaluation=evaluation, train_seconds=train_s, samples=self.cursor - c0,
+            self.iteration,
+            self.state(),
+            cursor=self.cursor,
+            next_workers=next_workers,
+            loss=loss,
+            evaluation=evaluation,
+            train_seconds=train_s,
+            samples=self.cursor - c0,
         )
 
 
@@ -162,7 +181,16 @@ def run_script(path: str) -> int:
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except Exception as exc:
         seg = Segment.from_env()
-        kind = "nonfinite" if isinstance(exc, NonFiniteLoss) else "user"
+        import torch.distributed as dist
+
+        # A collective failing because a peer died is a lost worker, not a bug in the script.
+        kind = (
+            "nonfinite"
+            if isinstance(exc, NonFiniteLoss)
+            else "comm"
+            if isinstance(exc, dist.DistError)
+            else "user"
+        )
         seg.write_error(kind, f"{type(exc).__name__}: {exc}", traceback.format_exc(), None)
         return 1
     return 0

@@ -38,11 +38,10 @@ class TinyMLP(Trainable):
     def __init__(self, **params: Any) -> None:
         super().__init__(**params)
         self.n = int(params.get("samples", 96))
-        self.calls = 0
-        self._seen_iteration: int | None = None
 
     def build_model(self) -> nn.Module:
-        return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.1), nn.Linear(16, 3))
+        drop = float(self.params.get("dropout", 0.1))
+        return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(drop), nn.Linear(16, 3))
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         return torch.optim.SGD(model.parameters(), lr=float(self.params.get("lr", 0.1)), momentum=0.9)
@@ -55,13 +54,13 @@ class TinyMLP(Trainable):
 
     def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
         x, y, ids = batch
-        it = int(os.environ.get("_TINY_IT", "-1"))
         p = self.params
         if p.get("record_dir"):
             rank = os.environ["RANK"]
             with open(Path(p["record_dir"]) / f"rank{rank}-pid{os.getpid()}.txt", "a") as fh:
                 fh.write(" ".join(str(int(i)) for i in ids) + "\n")
-        if p.get("kill_at") is not None and self._at(p["kill_at"]) and os.environ["RANK"] == str(p["kill_rank"]):
+        kill = p.get("kill_at") is not None and os.environ["RANK"] == str(p["kill_rank"])
+        if kill and self._at(p["kill_at"]):
             marker = Path(p["marker"])
             if not marker.exists():
                 marker.write_text("killed")
@@ -71,7 +70,6 @@ class TinyMLP(Trainable):
         out = F.cross_entropy(model(x), y)
         if p.get("nan_at") is not None and self._at(p["nan_at"]):
             return out * float("nan")
-        del it
         return out
 
     def _at(self, iteration: int) -> bool:
@@ -95,9 +93,18 @@ def _current_iteration() -> int:
 
 def make_spec(tmp_path: Path, **overrides: Any) -> JobSpec:
     fields: dict[str, Any] = dict(
-        name="tiny", entrypoint=ENTRY, total_iterations=30, global_batch=12, min_workers=1, max_workers=3,
-        consistency="bitwise", virtual_shards=6, checkpoint=f"file://{tmp_path}/ckpt", checkpoint_interval=10,
-        data_seed=7, params={},
+        name="tiny",
+        entrypoint=ENTRY,
+        total_iterations=30,
+        global_batch=12,
+        min_workers=1,
+        max_workers=3,
+        consistency="bitwise",
+        virtual_shards=6,
+        checkpoint=f"file://{tmp_path}/ckpt",
+        checkpoint_interval=10,
+        data_seed=7,
+        params={},
     )
     fields.update(overrides)
     return JobSpec(**fields)

@@ -1,0 +1,136 @@
+"""Script mode: keep an existing DDP-style training script and add a few lines.
+
+Point the spec's ``entrypoint`` at the script (``train.py``); the runner starts it on every
+worker with the usual environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
+``MASTER_PORT``, ``LEARNER_ID``, ``NUM_LEARNERS``) and rescales it at iteration boundaries::
+
+    import elastic_ops.runtime.script as elastic
+
+    ctx = elastic.init(num_samples=len(dataset))    # joins the process group (gloo / NCCL)
+    model = DDP(build_model())                      # the script keeps its own gradient sync
+    optimizer = ...
+    ctx.restore(model, optimizer)                   # resume where the job stands
+    for it in ctx.iterations():                     # stops at the chunk end or a rescale
+        idx = ctx.my_samples(it)                    # this worker's share of the global batch
+        loss = train_step(model, optimizer, dataset[idx])
+        ctx.commit(it, loss)                        # iteration done (loss for progress/NaN)
+
+The script owns the gradient reduction (normally DDP, which averages over workers: give each
+worker its ``my_samples`` share, a near-equal split of ``global_batch``). Only
+``consistency: fast`` applies. Exceptions in the script are reported as ``UserCodeError``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from elastic_ops.runtime.data_order import even_split, stream_slice
+from elastic_ops.runtime.segment import NonFiniteLoss, Segment
+from elastic_ops.runtime.state import build_state, restore_rng, unwrap
+
+
+class ScriptContext:
+    def __init__(self, seg: Segment, num_samples: int) -> None:
+        self.seg = seg
+        self.num_samples = int(num_samples)
+        self.rank, self.workers = seg.rank, seg.workers
+        self.iteration, self.cursor = seg.start, 0
+        self.metrics: dict[str, list] = {"loss": [], "eval": []}
+        self.model: Any = None
+        self.optimizer: Any = None
+        self.scheduler: Any = None
+        self._loss = math.nan
+
+    @property
+    def device(self) -> torch.device:
+        """The device this worker trains on (its one visible GPU, or the CPU)."""
+        return self.seg.device()
+
+    def restore(self, model: torch.nn.Module, optimizer: Any, scheduler: Any = None) -> int:
+        """Load the job's state into ``model``/``optimizer``/``scheduler``; return the first iteration."""
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        state = self.seg.load_state()
+        if state is not None:
+            unwrap(model).load_state_dict(state["model"])
+            if not state.get("warm"):
+                optimizer.load_state_dict(state["optimizer"])
+                if scheduler is not None and state.get("scheduler"):
+                    scheduler.load_state_dict(state["scheduler"])
+                self.iteration, self.cursor = int(state["iteration"]), int(state["cursor"])
+                self.metrics = {
+                    "loss": list(state["metrics"]["loss"]),
+                    "eval": list(state["metrics"]["eval"]),
+                }
+                restore_rng(state["rng"])
+        return self.iteration
+
+    def my_samples(self, iteration: int) -> torch.Tensor:
+        """Sample indices of this worker for ``iteration`` (same data order as Trainables)."""
+        if iteration != self.iteration:
+            raise ValueError(f"my_samples({iteration}) called while iteration {self.iteration} runs")
+        spec = self.seg.spec
+        batch = stream_slice(spec.data_seed, self.num_samples, self.cursor, spec.global_batch)
+        lo, hi = even_split(len(batch), self.workers)[self.rank]
+        return batch[lo:hi]
+
+    def iterations(self) -> Iterator[int]:
+        if self.model is None:
+            raise RuntimeError("call ctx.restore(model, optimizer) before ctx.iterations()")
+        seg, next_workers, t0, c0 = self.seg, self.workers, time.time(), self.cursor
+        while self.iteration < seg.end:
+            it = self.iteration
+            next_workers = seg.target(it)
+            if next_workers != self.workers:
+                break
+            if self.rank == 0 and seg.checkpoint_due(it):
+                seg.write_checkpoint(it, self._state())
+            seg.publish(it, self._loss, self.cursor)
+            yield it
+            if self.iteration != it + 1:
+                raise RuntimeError(f"call ctx.commit({it}, loss) at the end of every iteration")
+        seg.publish(self.iteration, self._loss, self.cursor)
+        if self.rank == 0:
+            seg.write_result(
+                self.iteration,
+                self._state(),
+                cursor=self.cursor,
+                next_workers=next_workers,
+                loss=self._loss,
+                evaluation={},
+                train_seconds=time.time() - t0,
+                samples=self.cursor - c0,
+            )
+
+    def commit(self, iteration: int, loss: float | torch.Tensor | None = None) -> None:
+        """Mark ``iteration`` done. A non-finite ``loss`` stops the job (``NonFiniteLossError``)."""
+        if iteration != self.iteration:
+            raise ValueError(f"commit({iteration}) but iteration {self.iteration} is running")
+        value = float(loss) if loss is not None else math.nan
+        if loss is not None and not math.isfinite(value):
+            raise NonFiniteLoss(f"loss is {value} at iteration {iteration}")
+        self._loss = value
+        self.metrics["loss"].append([iteration, value])
+        self.cursor += self.seg.spec.global_batch
+        self.iteration = iteration + 1
+
+    def _state(self) -> dict[str, Any]:
+        return build_state(
+            iteration=self.iteration,
+            cursor=self.cursor,
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            metrics=self.metrics,
+        )
+
+
+def init(num_samples: int) -> ScriptContext:
+    """Join the job: threads, the process group (``env://`` on the runner's store), the context."""
+    seg = Segment.from_env()
+    seg.setup(always_group=True)
+    return ScriptContext(seg, num_samples)
