@@ -18,7 +18,8 @@ def set_conn(monkeypatch, conn_id: str, **conn) -> None:
 def test_without_a_connection_the_ledger_is_sqlite_beside_airflow_home(monkeypatch, tmp_path):
     monkeypatch.setenv("AIRFLOW_HOME", str(tmp_path))
     monkeypatch.delenv("AIRFLOW_CONN_ELASTIC_OPS_POOL_DEFAULT", raising=False)
-    assert ElasticOpsHook().ledger_url() == f"sqlite:///{tmp_path}/elastic_ops_pool.db" == default_ledger_url()
+    expected = f"sqlite:///{tmp_path}/elastic_ops_pool.db"
+    assert ElasticOpsHook().ledger_url() == expected == default_ledger_url()
 
 
 def test_connection_extra_url_wins(monkeypatch):

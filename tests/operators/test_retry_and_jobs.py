@@ -70,7 +70,8 @@ def test_rendered_strings_become_typed_values():
 
 
 def test_each_run_trains_under_its_own_checkpoint_prefix():
-    a = runtime_spec(FIELDS, name="j", checkpoint_root="file:///ck/d/g", run_id="manual__2024-01-01T00:00:00+00:00")
+    a = runtime_spec(FIELDS, name="j", checkpoint_root="file:///ck/d/g",
+                     run_id="manual__2024-01-01T00:00:00+00:00")
     b = runtime_spec(FIELDS | {"checkpoint": "s3://models/digits/"}, name="j", checkpoint_root="file:///x",
                      run_id="scheduled__1")
     assert a.checkpoint == "file:///ck/d/g/manual__2024-01-01T00_00_00_00_00"
