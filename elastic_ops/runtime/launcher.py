@@ -93,8 +93,7 @@ def visible_gpus() -> list[str]:
     return [str(i) for i in range(torch.cuda.device_count())]
 
 
-# torch._inductor.config: torch.use_deterministic_algorithms imports it (~4 s of CPU) in bitwise mode.
-_PRELOAD = ["torch", "torch.distributed", "torch._inductor.config", "elastic_ops.runtime.worker"]
+_PRELOAD = ["torch", "torch.distributed", "elastic_ops.runtime.worker"]
 
 
 class LocalLauncher:

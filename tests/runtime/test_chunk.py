@@ -172,3 +172,31 @@ def test_progress_reports_every_iteration_with_an_eta(tmp_path):
     assert [p.iteration for p in seen] == list(range(1, 31))
     assert {p.workers for p in seen} == {1, 2} and seen[-1].eta_s == 0
     assert all(p.loss == p.loss for p in seen)  # finite losses reported
+
+
+def test_linear_lr_scaling_grows_the_batch_with_the_workers(tmp_path):
+    spec = make_spec(
+        tmp_path,
+        consistency="fast",
+        virtual_shards=None,
+        scaling="linear_lr",
+        warmup_iterations=4,
+        params={"dropout": 0.0},
+    )
+    result = run_job(spec, schedule=Schedule.parse("1@0,3@10", spec, 0, 30))
+    assert result.status is ChunkStatus.COMPLETED
+    state = final_state(spec)
+    assert state["cursor"] == 10 * 12 + 20 * 36  # 12 samples per worker per iteration
+    assert state["lr_ramp"] == {"from": 1.0, "to": 3.0, "start": 10}  # warmup toward 3x from iteration 10
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_workers_with_nccl_are_bitwise_equal_to_one_worker(tmp_path, reference):
+    spec = make_spec(tmp_path, device="cuda")
+    one = run_job(spec, schedule=Schedule.constant(1))
+    assert one.status is ChunkStatus.COMPLETED
+    if torch.cuda.device_count() >= 2:
+        spec2 = make_spec(tmp_path / "two", device="cuda", max_workers=2)
+        two = run_job(spec2, schedule=Schedule.parse("1,2", spec2, 0, 30))
+        assert two.param_sha256 == one.param_sha256

@@ -1,0 +1,100 @@
+"""`elastic-ops run`: end to end in a real subprocess, and clear errors for bad flags."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from elastic_ops.cli import main
+from elastic_ops.runtime.job import Schedule
+from tests.runtime.builders import ENTRY, make_spec
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def write_spec(tmp_path: Path, **kw) -> Path:
+    data = dict(
+        name="tiny-cli",
+        entrypoint=ENTRY,
+        total_iterations=20,
+        global_batch=12,
+        max_workers=2,
+        consistency="bitwise",
+        virtual_shards=6,
+        checkpoint_interval=10,
+        data_seed=3,
+    )
+    data.update(kw)
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.mark.slow
+def test_run_prints_progress_and_ends_with_one_json_line(tmp_path):
+    spec = write_spec(tmp_path)
+    uri = f"file://{tmp_path}/ckpt"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "elastic_ops.cli",
+            "run",
+            "--spec",
+            str(spec),
+            "--workers-schedule",
+            "1,2",
+            "--checkpoint",
+            uri,
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["iterations"] == 20 and out["status"] == "completed"
+    assert [w[:2] for w in out["workers_timeline"]] == [[0, 1], [10, 2]]
+    assert out["checkpoint"].startswith(uri) and len(out["param_sha256"]) == 64
+    assert out["loss"] > 0 and 0 <= out["metrics"]["accuracy"] <= 1 and out["samples_per_sec"] > 0
+    assert "iteration 20/20" in proc.stderr and "ETA" in proc.stderr
+    # the same job in Python gives the same parameters (bitwise, any schedule)
+    from elastic_ops.runtime import run_job
+
+    same = run_job(
+        make_spec(tmp_path / "py", name="tiny-cli", total_iterations=20, max_workers=2, data_seed=3),
+        schedule=Schedule.constant(1),
+    )
+    assert same.param_sha256 == out["param_sha256"]
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "needle"),
+    [
+        ("--workers-schedule", "1,x", "not an integer"),
+        ("--workers-schedule", "1,5", "max_workers"),
+        ("--workers-schedule", "1@0,2", "one form"),
+        ("--workers-schedule", "2@10,1@5", "ascending"),
+        ("--iterations", "15:5", "START:END"),
+        ("--iterations", "0:99", "START:END"),
+        ("--checkpoint", "ftp://host/x", "file:///path"),
+    ],
+)
+def test_bad_flag_values_name_the_flag(tmp_path, capsys, flag, value, needle):
+    rc = main(["run", "--spec", str(write_spec(tmp_path)), flag, value, "--quiet"])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"invalid {flag}=" in err and needle in err
+
+
+def test_equal_parts_schedule_splits_the_run_range():
+    spec = make_spec(Path("/tmp"), total_iterations=90)
+    s = Schedule.parse("1,3,2", spec, 0, 90)
+    assert [s(i) for i in (0, 29, 30, 59, 60, 89)] == [1, 1, 3, 3, 2, 2]
+    s = Schedule.parse("1,3", spec, 40, 90)
+    assert [s(i) for i in (40, 64, 65, 89)] == [1, 1, 3, 3]

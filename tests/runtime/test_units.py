@@ -1,0 +1,94 @@
+"""Pure pieces of the runtime: entrypoints, LR scaling, the control channel, the state hash."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from elastic_ops.errors import EntrypointError
+from elastic_ops.runtime import load_trainable_class, param_sha256
+from elastic_ops.runtime.consistency import lr_factor, target_factor
+from elastic_ops.runtime.control import ControlChannel
+from elastic_ops.runtime.launcher import LaunchRequest, worker_env
+from elastic_ops.runtime.state import load_state, save_atomic
+from tests.runtime.builders import TinyMLP
+
+
+@pytest.mark.parametrize(
+    ("entry", "needle"),
+    [
+        ("no_such_pkg.mod:Model", "cannot be imported"),
+        ("tests.runtime.builders:Missing", "has no attribute 'Missing'"),
+        ("tests.runtime.builders:make_spec", "subclass of elastic_ops.runtime.Trainable"),
+        ("not-an-entrypoint", "package.module:TrainableClass"),
+    ],
+)
+def test_bad_entrypoints_raise_entrypoint_errors_naming_the_field(entry, needle):
+    with pytest.raises(EntrypointError) as err:
+        load_trainable_class(entry)
+    assert err.value.field == "entrypoint" and needle in str(err.value)
+
+
+def test_a_trainable_entrypoint_loads():
+    assert load_trainable_class("tests.runtime.builders:TinyMLP") is TinyMLP
+
+
+@given(workers=st.integers(1, 64), lo=st.integers(1, 8))
+def test_scaling_factors_follow_linear_and_sqrt_rules(workers, lo):
+    assert target_factor("linear_lr", workers, lo) == pytest.approx(workers / lo)
+    assert target_factor("sqrt_lr", workers, lo) == pytest.approx(math.sqrt(workers / lo))
+    assert target_factor("fixed", workers, lo) == 1.0
+
+
+@given(
+    f0=st.floats(0.1, 8),
+    f1=st.floats(0.1, 8),
+    start=st.integers(0, 100),
+    warmup=st.integers(0, 50),
+    it=st.integers(0, 300),
+)
+def test_lr_ramp_is_monotone_between_its_ends(f0, f1, start, warmup, it):
+    ramp = {"from": f0, "to": f1, "start": start}
+    f = lr_factor(ramp, it, warmup)
+    assert min(f0, f1) - 1e-12 <= f <= max(f0, f1) + 1e-12
+    if it >= start + warmup:
+        assert f == f1
+    if warmup and it <= start:
+        assert f == pytest.approx(f0)
+
+
+def test_control_channel_targets_are_seen_by_readers(tmp_path):
+    parent = ControlChannel(tmp_path, 5, create=True)
+    worker = ControlChannel(tmp_path, 5, create=False)
+    assert not parent.decided(1) and parent.decided(4)  # the last boundary is the end: no decision
+    parent.decide(1, 3)
+    assert worker.target(1) == 3
+    worker.publish(2, 0.5, 24)
+    assert parent.reached() == 2 and parent.row(2)[0] == 0.5 and parent.row(2)[2] == 24
+
+
+def test_worker_environment_has_pytorch_and_wml_names(tmp_path):
+    req = LaunchRequest(
+        workers=3, script=None, master_addr="127.0.0.1", master_port=1234, segment=2, log_dir=tmp_path, env={}
+    )
+    env = worker_env(req, 2)
+    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"]) == ("2", "3", "2")
+    assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("127.0.0.1", "1234")
+    assert (env["LEARNER_ID"], env["NUM_LEARNERS"]) == ("3", "3")  # WML is 1-based
+    cuda = worker_env(LaunchRequest(**{**req.__dict__, "device": "cuda"}), 1, ["4", "6"])
+    assert cuda["CUDA_VISIBLE_DEVICES"] == "6"
+
+
+def test_state_round_trips_safely_and_the_hash_sees_every_bit(tmp_path):
+    model = torch.nn.Linear(3, 2)
+    state = {"model": model.state_dict(), "iteration": 4}
+    save_atomic(state, tmp_path / "s.pt")
+    loaded = load_state(tmp_path / "s.pt")
+    assert param_sha256(loaded["model"]) == param_sha256(model.state_dict())
+    bumped = {k: v.clone() for k, v in loaded["model"].items()}
+    bumped["bias"].view(torch.int32)[0] ^= 1  # flip the lowest mantissa bit
+    assert param_sha256(bumped) != param_sha256(loaded["model"])
