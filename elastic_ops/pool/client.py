@@ -217,6 +217,7 @@ class PoolClient:
         for attempt in range(self.retries + 1):
             try:
                 with self.engine.begin() as conn:
+                    conn.info.pop("pool_settings", None)
                     if lock and conn.dialect.name == "postgresql":
                         conn.execute(select(s.pool.c.id).where(s.pool.c.id == 1).with_for_update())
                     return fn(conn, self.clock())
@@ -244,6 +245,7 @@ class PoolClient:
         def op(conn, now):
             if changes:
                 conn.execute(update(s.pool).where(s.pool.c.id == 1).values(**changes))
+                conn.info.pop("pool_settings", None)
                 self._event(conn, now, "config", reason=json.dumps(changes, sort_keys=True))
             self._replan(conn, now)
             return self._settings(conn)
@@ -594,8 +596,12 @@ class PoolClient:
     # --- internals -----------------------------------------------------------------------
 
     def _settings(self, conn: Connection) -> dict[str, Any]:
-        row = conn.execute(select(s.pool).where(s.pool.c.id == 1)).mappings().one()
-        return {k: row[k] for k in CONFIG_FIELDS}
+        """Pool settings, read once per transaction (``_tx`` clears the cache)."""
+        cached = conn.info.get("pool_settings")
+        if cached is None:
+            row = conn.execute(select(s.pool).where(s.pool.c.id == 1)).mappings().one()
+            cached = conn.info["pool_settings"] = {k: row[k] for k in CONFIG_FIELDS}
+        return cached
 
     def _job_row(self, conn: Connection, job: str):
         row = conn.execute(select(s.jobs).where(s.jobs.c.name == job)).first()
@@ -753,7 +759,9 @@ class PoolClient:
             held.setdefault(r.job, []).append((r.host, r.slot))
         idle_before = now - cfg["job_idle_s"]
         jobs = []
-        for r in conn.execute(select(s.jobs).where(s.jobs.c.state != JobState.FINISHED.value)):
+        rows = conn.execute(select(s.jobs).where(s.jobs.c.state != JobState.FINISHED.value)).all()
+        conn.info["pool_job_rows"] = {r.name: r for r in rows}
+        for r in rows:
             mine = held.get(r.name, ())
             if not mine and r.last_seen < idle_before:
                 continue  # a waiting job that stopped asking does not block others
@@ -791,12 +799,7 @@ class PoolClient:
         snap = self._snapshot(conn, now, cfg)
         plan = get_policy(cfg["policy"])(snap)
         jobs_by_name = {j.name: j for j in snap.jobs}
-        rows = {
-            r.name: r
-            for r in conn.execute(
-                select(s.jobs.c.name, s.jobs.c.target, s.jobs.c.reason, s.jobs.c.state, s.jobs.c.epoch)
-            )
-        }
+        rows = conn.info.pop("pool_job_rows")  # read by _snapshot in this transaction
         out = {}
         for d in plan.decisions:
             out[d.job] = d

@@ -92,27 +92,27 @@ def _cap(job: Job, up: dict[str, int], capacity: int) -> int:
 
 def _share_round(
     jobs: list[Job], caps: list[int], capacity: int, snap: Snapshot, share: ShareFn
-) -> tuple[list[int], list[str]]:
-    """Admit in order (gang), then share among the admitted. ``jobs`` is already ordered."""
+) -> tuple[list[int], dict[int, str]]:
+    """Admit in order (gang), then share among the admitted. ``jobs`` is already ordered.
+    Returns the targets and the reasons of the jobs left out (admitted ones get their share)."""
     admitted: list[int] = []
-    reasons = [""] * len(jobs)
+    left_out: dict[int, str] = {}
     need = 0
     for i, job in enumerate(jobs):
         if caps[i] < job.min_workers:
-            reasons[i] = f"min {job.min_workers} exceeds the {max(caps[i], 0)} usable slots it may use"
+            left_out[i] = f"min {job.min_workers} exceeds the {max(caps[i], 0)} usable slots it may use"
         elif need + job.min_workers <= capacity:
             admitted.append(i)
             need += job.min_workers
         else:
-            reasons[i] = (
+            left_out[i] = (
                 f"min {job.min_workers} does not fit: {capacity - need} slots left after higher-ranked jobs"
             )
     targets = [0] * len(jobs)
     part = share([jobs[i] for i in admitted], [caps[i] for i in admitted], capacity, snap)
     for i, t in zip(admitted, part, strict=True):
         targets[i] = t
-        reasons[i] = f"share {t} of {capacity}"
-    return targets, reasons
+    return targets, left_out
 
 
 def _freeze_reason(job: Job, held_up: int, target: int, snap: Snapshot) -> str | None:
@@ -132,54 +132,83 @@ def _freeze_reason(job: Job, held_up: int, target: int, snap: Snapshot) -> str |
     return None
 
 
-def _targets(snap: Snapshot, share: ShareFn, ordered: list[Job], up: dict[str, int], capacity: int):
+def _scan(jobs: Iterable[Job], up: dict[str, int]) -> tuple[dict[str, list[int]], dict[str, int]]:
+    """The one pass over every held slot: taken slot indices per host, held-on-up count per job."""
+    taken: dict[str, list[int]] = {}
+    held_up: dict[str, int] = {}
+    for job in jobs:
+        n = 0
+        for h, sl in job.held:
+            lst = taken.get(h)
+            if lst is None:
+                taken[h] = [sl]
+            else:
+                lst.append(sl)
+            if h in up:
+                n += 1
+        held_up[job.name] = n
+    return taken, held_up
+
+
+def _targets(snap, share: ShareFn, ordered: list[Job], up: dict[str, int], capacity: int, held_up: list[int]):
     caps = [_cap(j, up, capacity) for j in ordered]
-    held_up = [sum(1 for h, _ in j.held if h in up) for j in ordered]
     frozen: dict[int, str] = {}
     # Freezing only ever grows the frozen set, so this reaches a fixed point; the bound keeps the
     # worst case cheap (what is still unfrozen after it simply follows the last round).
     for _ in range(6):
         free_idx = [i for i in range(len(ordered)) if i not in frozen]
         cap_left = capacity - sum(held_up[i] for i in frozen)
-        part, why = _share_round(
+        part, left_out = _share_round(
             [ordered[i] for i in free_idx], [caps[i] for i in free_idx], cap_left, snap, share
         )
-        targets = [0] * len(ordered)
-        reasons = [""] * len(ordered)
-        for i in frozen:
-            targets[i], reasons[i] = held_up[i], f"keeps {held_up[i]}: {frozen[i]}"
+        targets = list(held_up)  # frozen jobs keep what they hold
         for k, i in enumerate(free_idx):
-            targets[i], reasons[i] = part[k], why[k]
+            targets[i] = part[k]
         new = {}
         for i in free_idx:
-            r = _freeze_reason(ordered[i], held_up[i], targets[i], snap)
-            if r:
-                new[i] = r
+            if held_up[i] and targets[i] != held_up[i]:
+                r = _freeze_reason(ordered[i], held_up[i], targets[i], snap)
+                if r:
+                    new[i] = r
         if not new:
             break
         frozen.update(new)
+    reasons = [f"share {t} of {cap_left}" for t in targets]
+    for k, why in left_out.items():
+        reasons[free_idx[k]] = why
+    for i, why in frozen.items():
+        reasons[i] = f"keeps {held_up[i]}: {why}"
     return targets, reasons
 
 
 class _FreeSlots:
-    """Free slots on up hosts, handed out first-fit in host-name order with a moving cursor."""
+    """Free slots on up hosts, handed out first-fit in host-name order with a moving cursor.
+    A host's free list is built only when something is taken from it."""
 
-    def __init__(self, snap: Snapshot, up: dict[str, int]) -> None:
-        taken: dict[str, set[int]] = {}
-        for job in snap.jobs:
-            for h, s in job.held:
-                taken.setdefault(h, set()).add(s)
-        self.hosts = sorted(up)
+    def __init__(self, up: dict[str, int], taken: dict[str, list[int]]) -> None:
+        self.up = up
+        self.taken = taken
+        self.hosts = sorted(h for h in up if len(taken.get(h, ())) < up[h])
         self.free: dict[str, list[int]] = {}
-        for h in self.hosts:
-            t = taken.get(h)
-            # Lists are popped from the end, so store them descending to hand out low indices first.
-            self.free[h] = [s for s in range(up[h] - 1, -1, -1) if not t or s not in t]
         self.cursor = 0
-        self.total = sum(len(v) for v in self.free.values())
+        self.total = sum(up.values()) - sum(len(taken.get(h, ())) for h in up)
+
+    def _free(self, h: str) -> list[int]:
+        lst = self.free.get(h)
+        if lst is None:
+            t = set(self.taken.get(h, ()))
+            # Popped from the end, so stored descending to hand out low indices first.
+            lst = self.free[h] = [x for x in range(self.up[h] - 1, -1, -1) if x not in t]
+        return lst
+
+    def free_on(self, h: str) -> int:
+        lst = self.free.get(h)
+        if lst is not None:
+            return len(lst)
+        return max(0, self.up.get(h, 0) - len(self.taken.get(h, ()))) if h in self.up else 0
 
     def count_for(self, avoid: frozenset[str]) -> int:
-        return self.total - sum(len(self.free.get(h, ())) for h in avoid)
+        return self.total - sum(self.free_on(h) for h in avoid)
 
     def take(self, n: int, prefer: Iterable[str], avoid: frozenset[str]) -> list[Slot]:
         out: list[Slot] = []
@@ -194,14 +223,16 @@ class _FreeSlots:
             h = self.hosts[i]
             if h not in avoid:
                 out.extend(self._take_from(h, n - len(out)))
-            if not self.free[h] and i == self.cursor:
+            if i == self.cursor and not self._free(h):
                 self.cursor += 1
             i += 1
         return out
 
     def _take_from(self, h: str, n: int) -> list[Slot]:
-        lst = self.free.get(h)
-        if not lst or n <= 0:
+        if n <= 0 or h not in self.up:
+            return []
+        lst = self._free(h)
+        if not lst:
             return []
         k = min(n, len(lst))
         got = [(h, lst.pop()) for _ in range(k)]
@@ -209,8 +240,10 @@ class _FreeSlots:
         return got
 
 
-def _keep(job: Job, target: int, up: dict[str, int]) -> tuple[list[Slot], list[Slot]]:
+def _keep(job: Job, target: int, up: dict[str, int], held_up: int) -> tuple[list[Slot], list[Slot]]:
     """Which held slots to keep (on up hosts, most-used hosts first) and which to release."""
+    if held_up == len(job.held) and target >= held_up:
+        return list(job.held), []  # the common case: keeps everything
     per_host: dict[str, list[int]] = {}
     for h, s in job.held:
         per_host.setdefault(h, []).append(s)
@@ -228,33 +261,36 @@ def _keep(job: Job, target: int, up: dict[str, int]) -> tuple[list[Slot], list[S
 def make_policy(share: ShareFn) -> Policy:
     def decide(snap: Snapshot) -> Plan:
         up, capacity = _usable(snap)
-        ordered = sorted((j for j in snap.jobs), key=lambda j: order_key(j, snap))
-        targets, reasons = _targets(snap, share, ordered, up, capacity)
-        kept = [_keep(j, t, up) for j, t in zip(ordered, targets, strict=True)]
+        ordered = sorted(snap.jobs, key=lambda j: order_key(j, snap))
+        taken, held_up_by = _scan(ordered, up)
+        held_up = [held_up_by[j.name] for j in ordered]
+        targets, reasons = _targets(snap, share, ordered, up, capacity, held_up)
+        kept = [_keep(j, t, up, n) for j, t, n in zip(ordered, targets, held_up, strict=True)]
         pending = sum(1 for _, rel in kept for h, _ in rel if h in up)
-        free = _FreeSlots(snap, up)
+        free = _FreeSlots(up, taken)
         decisions = []
-        for job, target, reason, (keep, release) in zip(ordered, targets, reasons, kept, strict=True):
-            decisions.append(_place(job, target, reason, keep, release, free, pending, up))
+        for job, target, reason, (keep, release), n in zip(
+            ordered, targets, reasons, kept, held_up, strict=True
+        ):
+            decisions.append(_place(job, target, reason, keep, release, free, pending, n != len(job.held)))
         return Plan(tuple(decisions))
 
     return decide
 
 
-def _place(job, target, reason, keep, release, free: _FreeSlots, pending, up) -> Decision:
+def _place(job, target, reason, keep, release, free: _FreeSlots, pending, moved: bool) -> Decision:
     need = target - len(keep)
     new: list[Slot] = []
     if need > 0:
         avail = free.count_for(job.avoid_hosts)
         if avail >= need:
-            new = free.take(need, (h for h, _ in keep), job.avoid_hosts)
+            new = free.take(need, dict.fromkeys(h for h, _ in keep), job.avoid_hosts)
         elif pending == 0 and len(keep) + avail >= max(job.min_workers, 1):
-            new = free.take(avail, (h for h, _ in keep), job.avoid_hosts)
+            new = free.take(avail, dict.fromkeys(h for h, _ in keep), job.avoid_hosts)
             reason += f"; only {avail} more free"
         else:
             reason += f"; waiting for {need - avail} slots to be released"
-    placements = tuple(keep + new)
-    moved = any(h not in up for h, _ in job.held)
+    placements = job.held if (not new and not release) else tuple(keep + new)
     if job.held and target == 0:
         action: TargetAction | None = TargetAction.PREEMPT
         reason = "preempted: " + reason

@@ -8,6 +8,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import numpy as np
+
 
 def weighted_fill(
     mins: Sequence[int], caps: Sequence[int], weights: Sequence[float], capacity: int
@@ -26,21 +28,11 @@ def weighted_fill(
         return list(mins)
     if sum(caps) <= capacity:
         return list(caps)
-    breaks: list[tuple[float, float]] = []
-    for lo, hi, w in zip(mins, caps, weights, strict=True):
-        if hi > lo:
-            breaks.append((lo / w, w))
-            breaks.append((hi / w, -w))
-    breaks.sort()
-    total, slope, lam_prev = float(sum(mins)), 0.0, 0.0
-    lam = breaks[-1][0] if breaks else 0.0
-    for lam_b, delta in breaks:
-        at_b = total + slope * (lam_b - lam_prev)
-        if at_b >= capacity and slope > 0:
-            lam = lam_prev + (capacity - total) / slope
-            break
-        total, lam_prev, slope = at_b, lam_b, slope + delta
-    exact = [min(max(w * lam, lo), hi) for lo, hi, w in zip(mins, caps, weights, strict=True)]
+    lo = np.asarray(mins, dtype=np.float64)
+    hi = np.asarray(caps, dtype=np.float64)
+    w = np.asarray(weights, dtype=np.float64)
+    lam = _solve_lambda(lo, hi, w, float(capacity))
+    exact = np.clip(w * lam, lo, hi).tolist()
     out = [max(lo, min(hi, math.floor(x + 1e-9))) for x, lo, hi in zip(exact, mins, caps, strict=True)]
     left = capacity - sum(out)
     if left > 0:
@@ -48,6 +40,31 @@ def weighted_fill(
         for i in order[:left]:
             out[i] += 1
     return out
+
+
+def _solve_lambda(lo: np.ndarray, hi: np.ndarray, w: np.ndarray, capacity: float) -> float:
+    """The λ with ``sum(clip(w λ, lo, hi)) == capacity``: the total is piecewise linear and
+    nondecreasing in λ, so sort the breakpoints, find the segment by cumulative sums, and solve
+    that segment exactly (vectorised: O(n log n))."""
+    starts, ends = lo / w, hi / w
+    by_start, by_end = np.argsort(starts, kind="stable"), np.argsort(ends, kind="stable")
+    s_sorted, e_sorted = starts[by_start], ends[by_end]
+    zero = np.zeros(1)
+    lo_cum = np.concatenate([zero, np.cumsum(lo[by_start])])
+    ws_cum = np.concatenate([zero, np.cumsum(w[by_start])])
+    hi_cum = np.concatenate([zero, np.cumsum(hi[by_end])])
+    we_cum = np.concatenate([zero, np.cumsum(w[by_end])])
+    points = np.unique(np.concatenate([starts, ends]))
+    i_s = np.searchsorted(s_sorted, points, side="right")  # jobs whose share has started growing
+    i_e = np.searchsorted(e_sorted, points, side="right")  # jobs already at their cap
+    totals = (lo_cum[-1] - lo_cum[i_s]) + (ws_cum[i_s] - we_cum[i_e]) * points + hi_cum[i_e]
+    k = int(np.searchsorted(totals, capacity))
+    if k == 0:
+        return float(points[0])
+    if k >= len(points):
+        return float(points[-1])
+    p0, p1, t0, t1 = points[k - 1], points[k], totals[k - 1], totals[k]
+    return float(p0 + (p1 - p0) * (capacity - t0) / (t1 - t0)) if t1 > t0 else float(p1)
 
 
 def strict_fill(mins: Sequence[int], caps: Sequence[int], classes: Sequence[int], capacity: int) -> list[int]:

@@ -1,0 +1,133 @@
+"""Decision latency of each pool policy as jobs and slots grow.
+
+    .venv/bin/python -m benchmarks.pool_decision [--repeats 5] [--out benchmarks/results/pool_decision.json]
+
+For each (jobs, slots) cell a snapshot is built once (8-slot hosts, 2% of them draining; half
+the jobs running and holding slots, the rest waiting; mixed min/max/priorities; some avoided
+hosts) and ``policy(snapshot)`` is timed ``--repeats`` times per policy: median wall time, and the
+least CPU time of the process (less sensitive to other load on a shared machine). The
+target is <= 50 ms at 10,000 jobs x 100,000 slots. ``growth`` gives the time ratio of each cell
+to the smallest one, next to the ratio of J log J + H + S, the work the policy is designed to do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from elastic_ops.pool.model import Host, HostState, Job, PolicyConfig, Snapshot
+from elastic_ops.pool.policies import POLICIES
+
+CELLS = [(100, 1_000), (1_000, 10_000), (1_000, 100_000), (10_000, 10_000), (10_000, 100_000)]
+
+
+def build(n_jobs: int, n_slots: int, seed: int = 0) -> Snapshot:
+    rng = random.Random(seed)
+    per_host = 8
+    hosts = tuple(
+        Host(f"h{i:06d}", per_host, HostState.DRAINING if rng.random() < 0.02 else HostState.UP)
+        for i in range(n_slots // per_host)
+    )
+    free = [(h.name, s) for h in hosts for s in range(h.slots)]
+    rng.shuffle(free)
+    budget = int(0.9 * n_slots)
+    jobs = []
+    for i in range(n_jobs):
+        lo = rng.randint(1, 4)
+        hi = lo + rng.randint(0, 28)
+        running = i % 2 == 0 and budget > 0
+        n_held = min(rng.randint(lo, hi), budget) if running else 0
+        held = tuple(sorted(free[:n_held]))
+        del free[:n_held]
+        budget -= n_held
+        jobs.append(
+            Job(
+                name=f"job{i:06d}",
+                min_workers=lo,
+                max_workers=hi,
+                priority=rng.randint(1, 10),
+                preemptible=rng.random() < 0.9,
+                avoid_hosts=frozenset({hosts[rng.randrange(len(hosts))].name})
+                if rng.random() < 0.05
+                else frozenset(),
+                submitted=float(i),
+                waiting_since=None if held else float(i),
+                last_rescale=float(i) if held else None,
+                held=held,
+            )
+        )
+    return Snapshot(
+        hosts, tuple(jobs), now=float(n_jobs + 100), config=PolicyConfig(min_rescale_interval_s=30.0)
+    )
+
+
+def measure(repeats: int) -> dict:
+    rows = []
+    for n_jobs, n_slots in CELLS:
+        snap = build(n_jobs, n_slots)
+        for name, policy in sorted(POLICIES.items()):
+            times, cpu = [], []
+            for _ in range(repeats):
+                t0, c0 = time.perf_counter(), time.process_time()
+                policy(snap)
+                times.append(time.perf_counter() - t0)
+                cpu.append(time.process_time() - c0)
+            rows.append(
+                {
+                    "policy": name,
+                    "jobs": n_jobs,
+                    "slots": n_slots,
+                    "median_ms": round(1000 * statistics.median(times), 2),
+                    "min_ms": round(1000 * min(times), 2),
+                    "min_cpu_ms": round(1000 * min(cpu), 2),
+                }
+            )
+            print(
+                f"{name:<10} jobs {n_jobs:>6} slots {n_slots:>7}: {rows[-1]['median_ms']:>8.2f} ms",
+                flush=True,
+            )
+
+    def work(j: int, s: int) -> float:
+        return j * math.log2(max(j, 2)) + s / 8 + s
+
+    base = CELLS[0]
+    for r in rows:
+        first = next(x for x in rows if x["policy"] == r["policy"] and (x["jobs"], x["slots"]) == base)
+        r["growth"] = round(r["min_cpu_ms"] / first["min_cpu_ms"], 1)
+        r["work_growth"] = round(work(r["jobs"], r["slots"]) / work(*base), 1)
+    big = [r for r in rows if (r["jobs"], r["slots"]) == CELLS[-1]]
+    return {
+        "benchmark": "pool_decision",
+        "command": "python -m benchmarks.pool_decision " + " ".join(sys.argv[1:]),
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "repeats": repeats,
+        "cpus": os.cpu_count(),
+        "load_avg_at_start": os.getloadavg()[0],
+        "target_ms_at_10k_jobs_100k_slots": 50,
+        "meets_target": all(r["min_cpu_ms"] <= 50 for r in big),
+        "rows": rows,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--out", default="benchmarks/results/pool_decision.json")
+    args = ap.parse_args()
+    result = measure(args.repeats)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({k: v for k, v in result.items() if k != "rows"}))
+
+
+if __name__ == "__main__":
+    main()
