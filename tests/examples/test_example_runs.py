@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
-import pytest
+from pathlib import Path
 
+import pytest
+import torch
+
+from elastic_ops.checkpoint import open_store
 from elastic_ops.examples import load_spec
+from elastic_ops.examples.digits import DigitsMLP
 from elastic_ops.runtime import ChunkStatus, Schedule, run_job
+from elastic_ops.spec import JobSpec
+
+REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.slow
 
@@ -27,3 +35,29 @@ def test_digits_bitwise_rescaled_run_equals_single_worker_run(tmp_path):
     assert rescaled.metrics == single.metrics
     assert set(single.metrics) == {"test_accuracy", "test_loss"}
     assert single.metrics["test_accuracy"] > 0.85  # 40 of the spec's 300 iterations
+
+
+def _final_model(uri: str) -> dict:
+    store = open_store(uri)
+    return store.load(store.latest())["model"]
+
+
+def test_ddp_script_trains_the_same_model_as_the_trainable(tmp_path):
+    """Script mode (examples/ddp_script.py, rescaled 2 -> 1) follows the Trainable's trajectory."""
+    script = JobSpec.from_yaml(REPO / "examples" / "ddp_script.yaml").replace(
+        entrypoint=str(REPO / "examples" / "ddp_script.py"), total_iterations=30, chunk_iterations=30,
+        checkpoint_interval=30, checkpoint=f"file://{tmp_path / 'script'}",
+    )
+    trainable = load_spec("digits-fast").replace(
+        total_iterations=30, chunk_iterations=30, checkpoint_interval=30,
+        checkpoint=f"file://{tmp_path / 'trainable'}",
+    )
+    assert run_job(script, schedule=Schedule((0, 15), (2, 1))).status is ChunkStatus.COMPLETED
+    assert run_job(trainable, schedule=Schedule.constant(1)).status is ChunkStatus.COMPLETED
+    a, b = _final_model(script.checkpoint), _final_model(trainable.checkpoint)
+    assert a.keys() == b.keys()
+    assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
+    digits = DigitsMLP()
+    model = digits.build_model()
+    model.load_state_dict(a)
+    assert digits.evaluate(model)["test_accuracy"] > 0.85

@@ -9,6 +9,7 @@ import pytest
 
 from elastic_ops.errors import SpecError
 from elastic_ops.examples import EXAMPLES, load_spec, spec_path
+from elastic_ops.runtime import Trainable
 from elastic_ops.spec import Consistency, JobSpec
 
 REPO = Path(__file__).resolve().parents[2]
@@ -34,7 +35,15 @@ def test_entrypoint_builds_with_the_spec_params(name):
     spec = load_spec(name)
     module, _, cls = spec.entrypoint.partition(":")
     trainable = getattr(importlib.import_module(module), cls)(**spec.params)
+    assert isinstance(trainable, Trainable)
     assert len(trainable.train_dataset()) >= spec.global_batch
+
+
+def test_script_mode_spec_names_the_checkout_script():
+    spec = JobSpec.from_yaml(REPO / "examples" / "ddp_script.yaml")
+    assert (REPO / spec.entrypoint).is_file()  # relative to the repository root, where you run it
+    assert spec.consistency is Consistency.FAST  # the only mode script mode supports
+    assert all(spec.global_batch % n == 0 for n in (1, 2, 4))  # the documented schedule splits evenly
 
 
 def test_at_least_one_bitwise_example():
