@@ -19,13 +19,15 @@ Extras that a plain moto server lacks:
   ``kind="drop"`` closes the connection without an answer (a dropped connection);
   ``method=`` / ``path_contains=`` restrict which requests are hit. ``server.requests`` logs
   ``(method, path, query, status)`` of every request.
-* Requests are served one at a time. Moto checks ``If-None-Match: *`` and then writes, without
-  a lock between; serialising requests gives the atomic conditional write that real S3
-  guarantees, so two-writer races test our protocol and not a moto race.
+* Mutating requests (PUT, POST, DELETE) are served one at a time. Moto checks
+  ``If-None-Match: *`` and then writes, without a lock between; serialising writes gives the
+  atomic conditional write that real S3 guarantees, so two-writer races test our protocol and
+  not a moto race. Reads (GET, HEAD) run concurrently.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import socket
 import threading
@@ -93,7 +95,7 @@ class S3Endpoint:
 
 
 class _FaultApp:
-    """WSGI middleware: serialise requests, log them, and answer some with injected faults."""
+    """WSGI middleware: serialise writes, log requests, and answer some with injected faults."""
 
     def __init__(self, app: Any, server: S3Server) -> None:
         self.app = app
@@ -102,34 +104,42 @@ class _FaultApp:
     def __call__(self, environ: dict[str, Any], start_response: Any) -> Any:
         method, path = environ["REQUEST_METHOD"], environ.get("PATH_INFO", "")
         query = environ.get("QUERY_STRING", "")
-        with self.server.lock:
+        with self.server.fault_lock:
             fault = next((f for f in self.server.faults if f.matches(method, path)), None)
             if fault is not None:
                 fault.remaining -= 1
                 label = "fault:drop" if fault.kind == "drop" else f"fault:{fault.status}:{fault.code}"
                 self.server.requests.append((method, path, query, label))
-                if fault.kind == "drop":
-                    sock = environ.get("werkzeug.socket")
-                    if sock is not None:
-                        sock.shutdown(socket.SHUT_RDWR)
-                    # werkzeug treats ConnectionError as "client went away" and stays quiet
-                    raise ConnectionResetError("injected connection drop")
-                body = (
-                    f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{fault.code}</Code>'
-                    "<Message>injected fault</Message><RequestId>fault</RequestId></Error>"
-                ).encode()
-                start_response(f"{fault.status} Injected", [("Content-Type", "application/xml"),
-                                                            ("Content-Length", str(len(body)))])
-                return [body]
-            status: list[str] = []
+        if fault is not None:
+            if fault.kind == "drop":
+                sock = environ.get("werkzeug.socket")
+                if sock is not None:
+                    sock.shutdown(socket.SHUT_RDWR)
+                # werkzeug treats ConnectionError as "client went away" and stays quiet
+                raise ConnectionResetError("injected connection drop")
+            body = (
+                f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{fault.code}</Code>'
+                "<Message>injected fault</Message><RequestId>fault</RequestId></Error>"
+            ).encode()
+            start_response(
+                f"{fault.status} Injected",
+                [("Content-Type", "application/xml"), ("Content-Length", str(len(body)))],
+            )
+            return [body]
 
-            def recording_start_response(st: str, headers: Any, exc_info: Any = None) -> Any:
-                status.append(st.split(" ", 1)[0])
-                return start_response(st, headers, exc_info)
+        status: list[str] = []
 
-            result = list(self.app(environ, recording_start_response))  # consume inside the lock
+        def recording_start_response(st: str, headers: Any, exc_info: Any = None) -> Any:
+            status.append(st.split(" ", 1)[0])
+            return start_response(st, headers, exc_info)
+
+        # mutating requests run one at a time (see the module doc); reads run concurrently
+        lock = self.server.write_lock if method in ("PUT", "POST", "DELETE") else contextlib.nullcontext()
+        with lock:
+            result = list(self.app(environ, recording_start_response))  # consumed inside the lock
+        with self.server.fault_lock:
             self.server.requests.append((method, path, query, status[0] if status else "?"))
-            return result
+        return result
 
 
 class S3Server:
@@ -137,7 +147,8 @@ class S3Server:
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
         self.host, self.port = host, port
-        self.lock = threading.Lock()
+        self.write_lock = threading.Lock()
+        self.fault_lock = threading.Lock()
         self.faults: list[Fault] = []
         self.requests: list[tuple[str, str, str, str]] = []
         self._server: Any = None
@@ -201,12 +212,12 @@ class S3Server:
         if kind not in ("error", "drop"):
             raise ValueError(f"kind={kind!r}: must be 'error' or 'drop'")
         fault = Fault(count, status, code, kind, method, path_contains)
-        with self.lock:
+        with self.fault_lock:
             self.faults.append(fault)
         return fault
 
     def clear_faults(self) -> None:
-        with self.lock:
+        with self.fault_lock:
             self.faults.clear()
 
 

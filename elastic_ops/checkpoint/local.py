@@ -73,9 +73,12 @@ class LocalBackend:
                 return None
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
-        out = []
+        out: list[ObjectInfo] = []
+        base = self.root.joinpath(*prefix.split("/")[:-1])  # walk only below the prefix's directory
+        if not base.is_dir():
+            return out
         with _os_errors(self.uri, prefix):
-            for dirpath, dirnames, filenames in os.walk(self.root):
+            for dirpath, dirnames, filenames in os.walk(base):
                 dirnames[:] = [d for d in dirnames if not d.startswith(_TMP_PREFIX)]
                 rel = os.path.relpath(dirpath, self.root)
                 for name in filenames:

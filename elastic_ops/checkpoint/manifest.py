@@ -63,8 +63,16 @@ class Manifest:
         return json.dumps(doc, sort_keys=True, indent=1).encode()
 
     def same_content(self, other: Manifest) -> bool:
-        """True when ``other`` commits the same bytes for the same job (an idempotent retry)."""
-        return (self.iteration, self.spec_hash, self.files) == (other.iteration, other.spec_hash, other.files)
+        """True when ``other`` commits the same bytes for the same job (an idempotent retry).
+
+        Data directories are writer-unique, so files compare by base name, checksum and size.
+        """
+
+        def content(m: Manifest) -> tuple:
+            files = sorted((f.name.rsplit("/", 1)[-1], f.sha256, f.size) for f in m.files)
+            return m.iteration, m.spec_hash, files
+
+        return content(self) == content(other)
 
 
 def check_metrics(metrics: Mapping[str, Any] | None) -> dict[str, Any]:

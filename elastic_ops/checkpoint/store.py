@@ -18,9 +18,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import os
 import re
 import threading
 import time
+import uuid
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -48,6 +50,29 @@ log = logging.getLogger("elastic_ops.checkpoint")
 _IT_RE = re.compile(r"^it-(\d+)$")
 _FENCE_DIR = "_fence"
 _FENCE_RE = re.compile(r"^_fence/epoch-(\d+)$")
+
+
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _pool() -> ThreadPoolExecutor:
+    """Threads for hashing next to I/O and decoding (hashlib releases the GIL on large data)."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="elastic-ops-hash")
+        return _POOL
+
+
+def _forget_pool_after_fork() -> None:
+    # a forked child has none of the parent's threads but would inherit an executor that
+    # believes it has idle ones, and wait forever for them
+    global _POOL, _POOL_LOCK
+    _POOL, _POOL_LOCK = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pool_after_fork)
 
 
 def iteration_dir(iteration: int) -> str:
@@ -96,8 +121,9 @@ class CheckpointStore:
         self.keep_every = keep_every
         self._clock = clock
         self._lock = threading.Lock()
-        self._verified: tuple[CheckpointRef, dict[str, bytes]] | None = None
+        self._loaded: tuple[CheckpointRef, Any] | None = None  # what latest() verified and decoded
         self._executor: ThreadPoolExecutor | None = None
+        self._executor_pid = os.getpid()
 
     def __repr__(self) -> str:
         return f"CheckpointStore({self.uri!r}, keep_last={self.keep_last}, keep_every={self.keep_every})"
@@ -179,8 +205,9 @@ class CheckpointStore:
         files = {STATE_NAME: encode_state(state)}
         metrics = check_metrics(metrics)
         with self._lock:
-            if self._executor is None:
+            if self._executor is None or self._executor_pid != os.getpid():  # none, or a fork's copy
                 self._executor = ThreadPoolExecutor(1, thread_name_prefix="elastic-ops-ckpt")
+                self._executor_pid = os.getpid()
             return self._executor.submit(self._commit, iteration, files, epoch, spec_hash, metrics)
 
     def close(self) -> None:
@@ -208,30 +235,34 @@ class CheckpointStore:
         metrics: Mapping[str, Any] | None,
     ) -> CheckpointRef:
         it_dir = iteration_dir(iteration)
-        digest = hashlib.sha256(b"".join(hashlib.sha256(d).digest() for d in payload.values()))
-        data_dir = f"d-{digest.hexdigest()[:16]}"
+        # a writer-unique data directory: racing writers never overwrite each other's bytes
+        data_dir = f"d-{uuid.uuid4().hex[:16]}"
         files = {f"{data_dir}/{name}": data for name, data in payload.items()}
-        manifest = Manifest(
-            iteration=iteration,
-            epoch=epoch,
-            spec_hash=spec_hash,
-            created=float(self._clock()),
-            files=tuple(FileEntry.of(name, data) for name, data in files.items()),
-            metrics=check_metrics(metrics),
-        )
+        hashing = [_pool().submit(FileEntry.of, name, data) for name, data in files.items()]  # overlaps I/O
         manifest_key = f"{it_dir}/{MANIFEST_NAME}"
+
+        def manifest() -> Manifest:
+            return Manifest(
+                iteration=iteration,
+                epoch=epoch,
+                spec_hash=spec_hash,
+                created=float(self._clock()),
+                files=tuple(h.result() for h in hashing),
+                metrics=check_metrics(metrics),
+            )
 
         self._check_epoch(epoch)
         existing = self.backend.get(manifest_key)
         if existing is not None:  # committed already: skip the upload
-            return self._resolve_existing(manifest, existing, manifest_key, uploaded=False)
+            return self._resolve_existing(manifest(), existing, manifest_key, uploaded=False)
         for name, data in files.items():
             self.backend.put(f"{it_dir}/{name}", data)
+        ours = manifest()
         self._check_epoch(epoch)  # again right before the commit point: the window is one request
-        if not self.backend.put_if_absent(manifest_key, manifest.to_json()):
+        if not self.backend.put_if_absent(manifest_key, ours.to_json()):
             existing = self.backend.get(manifest_key) or b""
-            return self._resolve_existing(manifest, existing, manifest_key, uploaded=True)
-        ref = self._ref(manifest)
+            return self._resolve_existing(ours, existing, manifest_key, uploaded=True)
+        ref = self._ref(ours)
         log.info("committed checkpoint %s (epoch %d, %d bytes)", ref.uri, epoch, ref.size)
         self._retain(committed=iteration)
         return ref
@@ -334,29 +365,50 @@ class CheckpointStore:
                 )
                 continue
             try:
-                payload = self._read_files(ref)
+                loaded = self._read_verified(ref)
             except CheckpointCorruptError as exc:
                 log.warning("skipping damaged checkpoint %s, using an older one: %s", ref.uri, exc)
                 continue
             with self._lock:
-                self._verified = (ref, payload)  # load(ref) right after latest() reads once
+                self._loaded = (ref, loaded)  # load(ref) right after latest() reads nothing again
             return ref
         return None
 
-    def _read_files(self, ref: CheckpointRef) -> dict[str, bytes]:
+    def _read_verified(self, ref: CheckpointRef) -> Any:
+        """Read ref's files, check sizes and sha256, and decode the state while hashing.
+
+        Returns the state, or the :class:`CheckpointCorruptError` decoding raised (for load() to
+        raise). Raises :class:`CheckpointCorruptError` when a file is missing or fails its
+        checksum. Decoding before the checksum is known adds no risk: the safe loader is what
+        keeps code from running (a checksum is integrity, not authenticity).
+        """
         it_dir = iteration_dir(ref.iteration)
-        out = {}
+        payload = {}
         for f in ref.files:
             data = self.backend.get(f"{it_dir}/{f.name}", size_hint=f.size)
             if data is None:
                 raise CheckpointCorruptError(f"{ref.uri}/{f.name} is missing")
-            if len(data) != f.size or hashlib.sha256(data).hexdigest() != f.sha256:
+            if len(data) != f.size:
                 raise CheckpointCorruptError(
-                    f"{ref.uri}/{f.name} fails verification: expected sha256 {f.sha256[:12]}… "
-                    f"size {f.size}, got sha256 {hashlib.sha256(data).hexdigest()[:12]}… size {len(data)}"
+                    f"{ref.uri}/{f.name} fails verification: size {len(data)} instead of {f.size}"
                 )
-            out[f.name] = data
-        return out
+            payload[f.name] = data
+        checks = [_pool().submit(hashlib.sha256, payload[f.name]) for f in ref.files]
+        states = [f.name for f in ref.files if f.name.rsplit("/", 1)[-1] == STATE_NAME]
+        result: Any
+        try:
+            if len(states) != 1:
+                raise CheckpointCorruptError(f"{ref.uri} has no single {STATE_NAME}")
+            result = decode_state(payload[states[0]], name=f"{ref.uri}/{states[0]}")
+        except CheckpointCorruptError as exc:
+            result = exc
+        for f, check in zip(ref.files, checks, strict=True):
+            got = check.result().hexdigest()
+            if got != f.sha256:
+                raise CheckpointCorruptError(
+                    f"{ref.uri}/{f.name} fails verification: sha256 {got[:12]}… instead of {f.sha256[:12]}…"
+                )
+        return result
 
     def load(self, ref: CheckpointRef) -> Any:
         """The state saved in ``ref``, after verifying every checksum. Never executes code.
@@ -365,12 +417,11 @@ class CheckpointStore:
         (content the safe loader refuses).
         """
         with self._lock:
-            cached, self._verified = self._verified, None
-        payload = cached[1] if cached is not None and cached[0] == ref else self._read_files(ref)
-        states = [name for name in payload if name.rsplit("/", 1)[-1] == STATE_NAME]
-        if len(states) != 1:
-            raise CheckpointCorruptError(f"{ref.uri} has no single {STATE_NAME}")
-        return decode_state(payload[states[0]], name=f"{ref.uri}/{states[0]}")
+            cached, self._loaded = self._loaded, None
+        result = cached[1] if cached is not None and cached[0] == ref else self._read_verified(ref)
+        if isinstance(result, CheckpointCorruptError):
+            raise result
+        return result
 
     # --- retention -------------------------------------------------------------------------
 

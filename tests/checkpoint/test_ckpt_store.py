@@ -164,7 +164,8 @@ def _racer(uri: str, endpoint_url: str | None, barrier, iteration: int, value: f
 
 
 def test_concurrent_commit_from_two_processes_exactly_one_wins(target: StoreTarget) -> None:
-    target.open()  # create the root
+    # a save in the parent first: its hashing threads must not leave forked children hanging
+    target.open(keep_last=100).save(1000, small_state(0), epoch=1, spec_hash="h")
     ctx = mp.get_context("fork")
     out = ctx.Queue()
     rounds = 4
@@ -176,7 +177,7 @@ def test_concurrent_commit_from_two_processes_exactly_one_wins(target: StoreTarg
         for p in procs:
             p.start()
         for p in procs:
-            p.join(60)
+            p.join(120)
             assert p.exitcode == 0
     results = [out.get(timeout=10) for _ in range(2 * rounds)]
     store = target.open(keep_last=100)
@@ -189,3 +190,19 @@ def test_concurrent_commit_from_two_processes_exactly_one_wins(target: StoreTarg
         # the loser cleaned up: only the winner's data remains under the iteration
         data_keys = [k for k in target.keys() if k.startswith(f"it-{it:08d}/d-")]
         assert data_keys == [f"it-{it:08d}/{ref.files[0].name}"]
+
+
+def test_save_async_blocks_only_for_encoding_and_commits_a_snapshot(target: StoreTarget) -> None:
+    store = target.open()
+    state = small_state(1)
+    future = store.save_async(10, state, epoch=2, spec_hash="h")
+    state["w"].fill_(99.0)  # training goes on and changes the tensors right away
+    assert future.result(timeout=60).iteration == 10
+    store.close()
+    assert target.open().load(target.open().latest())["w"].eq(1.0).all()
+
+    stale = store.save_async(20, small_state(2), epoch=1, spec_hash="h")
+    with pytest.raises(StaleEpochError):
+        stale.result(timeout=60)
+    store.close()
+    assert [r.iteration for r in target.open().list()] == [10]

@@ -1,0 +1,1 @@
+"""Side-by-side measurements; each writes benchmarks/results/<name>.json."""
