@@ -1,0 +1,24 @@
+"""E2E: a bitwise elastic job whose worker the test SIGKILLs mid-chunk."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pendulum
+from airflow.sdk import DAG
+
+from elastic_ops.taskgroup import elastic_training
+
+SPEC = {
+    "trainable": "elastic_ops.examples.digits:DigitsMLP", "total_iterations": 240, "chunk_iterations": 120,
+    "global_batch": 64, "consistency": "bitwise", "virtual_shards": 2, "data_seed": 3,
+    "params": {"hidden": 32, "depth": 1},
+}
+
+with DAG(dag_id="e2e_sigkill", schedule=None, start_date=pendulum.datetime(2024, 1, 1, tz="UTC"),
+         catchup=False):
+    elastic_training(
+        task_id="train", min_workers=1, max_workers=2, priority=1, checkpoint_interval=20,
+        chunk_kwargs={"retries": 2, "retry_delay": timedelta(seconds=1), "retry_exponential_backoff": 0},
+        **SPEC,
+    )

@@ -1,0 +1,174 @@
+"""End to end against a real Airflow: scheduler, dag-processor, triggerer and api-server as
+separate processes (LocalExecutor, SQLite), one deployment shared by the tests of this module.
+
+Order matters (module-scoped deployment and pool): competing jobs, S3 checkpoints, then the
+SIGKILL test, whose failure cools a host down.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from elastic_ops.airflow_env import AirflowDeployment
+from elastic_ops.demo import held, setup_pool
+from elastic_ops.operators.jobs import job_id
+from elastic_ops.timeline import allocation_sequence, is_subsequence, max_concurrent_holders
+from tests.s3_server import s3_endpoint, s3_server  # noqa: F401  (fixtures)
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+
+REPO = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory):
+    """Airflow with the example DAGs + the e2e DAGs, and an 8-slot pool on 2 logical hosts."""
+    root = tmp_path_factory.mktemp("e2e")
+    dags = root / "dags"
+    dags.mkdir()
+    for src in [*(REPO / "dags").glob("*.py"), *(HERE / "dags").glob("*.py")]:
+        shutil.copy(src, dags / src.name)
+    af = AirflowDeployment(home=root / "airflow", dags_folder=dags, plugins_folder=REPO / "plugins",
+                           parallelism=4)
+    with af:
+        pool = setup_pool(f"sqlite:///{af.home / 'elastic_ops_pool.db'}", slots=8, hosts=2)
+        yield af, pool
+
+
+def wait_until(what: str, check, af: AirflowDeployment, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        af.check_alive()
+        if check():
+            return
+        time.sleep(0.3)
+    raise AssertionError(f"not reached within {timeout:.0f}s: {what}")
+
+
+def test_example_dags_parse_without_import_errors(deployment):
+    af, _ = deployment
+    for dag_id in ("elastic_seed_job1", "elastic_seed_job2", "elastic_train_from_form",
+                   "elastic_scheduled_retraining", "digits_prepare_data", "digits_train_on_new_data",
+                   "digits_evaluate_and_promote", "e2e_sigkill"):
+        af.wait_dag(dag_id, timeout=180)
+    assert af.api("GET", "/importErrors")["total_entries"] == 0
+
+
+def test_competing_jobs_follow_the_priority_sequence(deployment):
+    af, pool = deployment
+    dags = ("elastic_seed_job1", "elastic_seed_job2")
+    runs = ("compete_1", "compete_2")
+    jobs = [job_id(d, "train_digits", r) for d, r in zip(dags, runs, strict=True)]
+    af.trigger(dags[0], {"iterations": 150, "priority": 3}, run_id=runs[0])
+    wait_until("job 1 on 8", lambda: held(pool).get(jobs[0]) == 8, af)
+    af.trigger(dags[1], {"iterations": 240, "priority": 3}, run_id=runs[1])
+    wait_until("4 / 4", lambda: [held(pool).get(j) for j in jobs] == [4, 4], af)
+
+    # Raise job 2's priority through the plugin's authenticated REST route.
+    url = f"{af.url}/elastic-ops/jobs/{jobs[1]}/priority"
+    assert httpx.post(url, json={"priority": 5}, timeout=30).status_code == 401
+    r = httpx.post(url, json={"priority": 5}, headers={"Authorization": f"Bearer {af.token()}"}, timeout=30)
+    assert r.status_code == 200, r.text
+
+    wait_until("3 / 5", lambda: [held(pool).get(j) for j in jobs] == [3, 5], af)
+    assert af.wait_run(dags[0], runs[0], timeout=400) == "success"
+    assert af.wait_run(dags[1], runs[1], timeout=400) == "success"
+    events = pool.events()
+    seq = allocation_sequence(events, jobs)
+    assert is_subsequence([(8, 0), (4, 4), (3, 5), (0, 8)], seq), seq
+    assert max_concurrent_holders(events) == 1
+
+
+def test_form_params_reject_bad_values_and_s3_checkpoints_use_the_aws_connection(deployment, s3_endpoint):  # noqa: F811
+    af, _ = deployment
+    with pytest.raises(RuntimeError, match="400"):
+        af.trigger("elastic_train_from_form", {"max_workers": 99})
+    with pytest.raises(RuntimeError, match="400"):
+        af.trigger("elastic_train_from_form", {"checkpoint": "ftp://nope"})
+
+    creds = s3_endpoint.credentials
+    af.api("POST", "/connections", json={
+        "connection_id": "aws_default", "conn_type": "aws", "login": creds["aws_access_key_id"],
+        "password": creds["aws_secret_access_key"],
+        "extra": json.dumps({"endpoint_url": s3_endpoint.endpoint_url, "region_name": s3_endpoint.region}),
+    })
+    uri = s3_endpoint.uri("form")
+    run = af.trigger("elastic_train_from_form", {"iterations": 4, "max_workers": 1, "checkpoint": uri},
+                     run_id="s3_run")
+    assert af.wait_run("elastic_train_from_form", run, timeout=400) == "success"
+    summary = af.xcom("elastic_train_from_form", run, "train.finalize")
+    assert summary["checkpoint_uri"].startswith(f"{uri}/s3_run/") and summary["iteration"] == 4
+    keys = [o["Key"] for o in s3_endpoint.client().list_objects_v2(Bucket=s3_endpoint.bucket)["Contents"]]
+    assert any(k.startswith("form/s3_run/") for k in keys)
+
+
+def kill_one_worker(home: Path) -> int | None:
+    """SIGKILL rank 1 of a training segment started under this Airflow home."""
+    for proc in psutil.process_iter(["pid"]):
+        try:
+            env = proc.environ()
+        except (psutil.Error, OSError):
+            continue
+        if env.get("AIRFLOW_HOME") == str(home) and env.get("RANK") == "1" and "LEARNER_ID" in env:
+            os.kill(proc.pid, signal.SIGKILL)
+            return proc.pid
+    return None
+
+
+REFERENCE = """
+import sys
+from elastic_ops.runtime import run_chunk
+from elastic_ops.spec import JobSpec
+spec = JobSpec(name="ref", entrypoint="elastic_ops.examples.digits:DigitsMLP", total_iterations=240,
+               chunk_iterations=240, global_batch=64, max_workers=2, consistency="bitwise",
+               virtual_shards=2, data_seed=3, params={"hidden": 32, "depth": 1},
+               checkpoint="file://" + sys.argv[1])
+print("SHA", run_chunk(spec, 0, 240, target=lambda i: 1).param_sha256)
+"""
+
+
+def start_reference(tmp_path: Path) -> subprocess.Popen:
+    """The same job trained without Airflow, in one uninterrupted run on one worker."""
+    return subprocess.Popen([sys.executable, "-c", REFERENCE, str(tmp_path / "ref")], stdout=subprocess.PIPE,
+                            text=True)
+
+
+def test_killed_worker_is_retried_on_another_host_from_the_latest_checkpoint(deployment, tmp_path):
+    af, pool = deployment
+    reference = start_reference(tmp_path)
+    from elastic_ops.checkpoint import open_store
+
+    run = af.trigger("e2e_sigkill", run_id="kill_run")
+    job = job_id("e2e_sigkill", "train", run)
+    store = open_store(f"file://{af.home}/elastic_ops/checkpoints/e2e_sigkill/train/{run}")
+    wait_until("first checkpoint of chunk 1", lambda: (r := store.latest()) is not None and r.iteration >= 20,
+               af)
+    killed_at = store.latest().iteration
+    assert killed_at < 120, "chunk 1 ended before the kill; make it longer"
+    assert kill_one_worker(af.home) is not None
+
+    assert af.wait_run("e2e_sigkill", run, timeout=500) == "success"
+    out, _ = reference.communicate(timeout=300)
+    ref_sha = out.split("SHA ")[-1].strip()
+    tis = {t["task_id"]: t for t in af.task_instances("e2e_sigkill", run)}
+    assert tis["train.chunk_01_of_02"]["try_number"] == 2  # exactly one retry
+    failures = [e for e in pool.events(job=job) if e["kind"] == "failure"]
+    assert len(failures) == 1
+    failed_host = failures[0]["host"]
+    result = af.xcom("e2e_sigkill", run, "train.chunk_01_of_02")
+    assert failed_host not in result["hosts"]  # the retry's grant avoided the failed host
+    assert result["workers_timeline"][0][0] >= killed_at  # resumed from a committed checkpoint
+    summary = af.xcom("e2e_sigkill", run, "train.finalize")
+    assert summary["param_sha256"] == ref_sha  # bitwise identical to an uninterrupted run
