@@ -1,7 +1,9 @@
 """A discrete-event cluster simulator that drives the same policy code as the ledger.
 
 Time advances from event to event: job arrivals, job completions and re-plan ticks (every
-``replan_interval`` seconds). At a tick the simulator builds a
+``replan_interval`` seconds). The policy runs at every tick and, as in the ledger (which
+decides on every request and release), at every arrival and completion
+(``replan_on_events=False`` re-plans at ticks only, like the artifact). At a tick the simulator builds a
 :class:`~elastic_ops.pool.model.Snapshot` of its cluster (hosts of ``slots_per_host`` slots,
 jobs with the slots they hold) and calls the policy; slots a plan releases are given back at
 once (a job reaches an iteration boundary within seconds, far below the tick), and the policy
@@ -95,6 +97,9 @@ class SimConfig:
     min_rescale_interval_s: float = 0.0
     min_gain: float = 0.0
     aging_s: float = 600.0
+    # Like the ledger, which decides on every request and release: re-plan at arrivals and
+    # completions too, not only at ticks. False = the artifact's tick-only re-planning.
+    replan_on_events: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.slots, int) or self.slots < 1:
@@ -153,14 +158,16 @@ class Simulation:
             for j in running:
                 j.advance(t_next - self.now)
             self.now = t_next
+            changed = False
             for j in running:
                 if j.time_to_finish() <= EPS * max(1.0, self.now):
-                    j.finished, j.held = self.now, ()
+                    j.finished, j.held, changed = self.now, (), True
             while pending and pending[0].spec.submit <= self.now + EPS:
                 arrived.append(pending.pop(0))
+                changed = True
             if self.policy == STATIC:
                 self._static(arrived)
-            elif self.now >= next_tick - EPS:
+            elif self.now >= next_tick - EPS or (changed and self.cfg.replan_on_events):
                 self._replan(arrived)
                 next_tick = self.now + self.cfg.replan_interval
         return self._metrics()

@@ -5,9 +5,11 @@ from __future__ import annotations
 import random
 
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from elastic_ops.pool.model import HostState, Preemption, Snapshot, TargetAction
 from elastic_ops.pool.policies import POLICIES, order_key
+from elastic_ops.pool.shares import weighted_fill
 
 from .builders import snapshots
 
@@ -96,7 +98,7 @@ def _check_preemption_only_takes_from_lower_ranked_or_over_share_jobs(name, snap
 
 
 @PROPS
-@given(snap=snapshots(), seed=__import__("hypothesis").strategies.integers(0, 2**16))
+@given(snap=snapshots(), seed=st.integers(0, 2**16))
 def test_same_snapshot_same_plan_in_any_order(snap, seed):
     for name in sorted(POLICIES):
         _check_same_snapshot_same_plan_in_any_order(name, snap, seed)
@@ -123,3 +125,21 @@ def test_preemption_none_never_shrinks_a_running_job(snap):
             held_up = sum(1 for h, _ in j.held if h in up)
             if j.min_workers <= held_up <= j.max_workers:
                 assert by[j.name].target >= held_up, by[j.name]
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_weighted_fill_is_weighted_max_min_fair(data):
+    n = data.draw(st.integers(1, 8))
+    mins = data.draw(st.lists(st.integers(1, 4), min_size=n, max_size=n))
+    caps = [m + data.draw(st.integers(0, 6)) for m in mins]
+    w = data.draw(st.lists(st.integers(1, 5), min_size=n, max_size=n))
+    capacity = data.draw(st.integers(sum(mins), sum(caps) + 3))
+    out = weighted_fill(mins, caps, w, capacity)
+    assert sum(out) == min(capacity, sum(caps))
+    assert all(lo <= o <= hi for lo, o, hi in zip(mins, out, caps, strict=True))
+    # No unit could move from one job to another and make the smaller weighted share larger.
+    for j in range(n):
+        for k in range(n):
+            if out[j] < caps[j] and out[k] > mins[k]:
+                assert (out[k] - 1) / w[k] <= (out[j] + 1) / w[j] + 1e-9
