@@ -61,3 +61,20 @@ def test_ddp_script_trains_the_same_model_as_the_trainable(tmp_path):
     model = digits.build_model()
     model.load_state_dict(a)
     assert digits.evaluate(model)["test_accuracy"] > 0.85
+
+
+def test_chartransformer_with_dropout_is_bitwise_across_worker_counts(tmp_path):
+    """A real transformer (LayerNorm, attention, embeddings, dropout) under bitwise consistency."""
+
+    def spec(name):
+        return load_spec("chartransformer").replace(
+            name=name, total_iterations=6, chunk_iterations=6, checkpoint_interval=6,
+            global_batch=8, consistency="bitwise", virtual_shards=4, max_workers=2,
+            params={"context": 16, "stride": 16, "d_model": 32, "heads": 2, "layers": 1, "dropout": 0.2},
+            checkpoint=f"file://{tmp_path / name}",
+        )
+
+    one = run_job(spec("one"), schedule=Schedule.constant(1))
+    two = run_job(spec("two"), schedule=Schedule((0, 3), (2, 1)))
+    assert one.param_sha256 == two.param_sha256
+    assert one.metrics == two.metrics and set(one.metrics) == {"val_loss", "val_bpc"}
