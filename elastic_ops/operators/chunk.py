@@ -239,4 +239,5 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
             checkpoint_uri=checkpoint_uri, param_sha256=getattr(result, "param_sha256", None),
             epochs=state["epochs"], hosts=state["hosts"], preemptions=int(state["preemptions"]),
             waited_s=float(state["waited_s"]), duration_s=time.time() - float(state["started_at"]),
+            train_samples_per_sec=float(getattr(result, "train_samples_per_sec", 0.0) or 0.0),
         )

@@ -27,6 +27,7 @@ class ChunkTaskResult:
     preemptions: int
     waited_s: float
     duration_s: float
+    train_samples_per_sec: float = 0.0  # samples / time inside the training loops (last grant)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

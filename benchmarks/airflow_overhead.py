@@ -1,0 +1,173 @@
+"""Elasticity overhead under real Airflow, side by side with one ``elastic-ops run``.
+
+The same job (digits MLP, fixed 2 workers) runs (a) as one ``elastic-ops run`` and (b) as 10
+chunk tasks under a real scheduler (LocalExecutor, SQLite; separate scheduler, dag-processor,
+triggerer, api-server). Reports the total ratio, a per-chunk breakdown of the gap:
+
+* ``scheduling_s``: previous task's end → this task's start (scheduler + executor);
+* ``task_start_s``: task start → first training segment start (task process start, imports,
+  DAG parse, pool request);
+* ``runtime_fixed_s``: chunk time not spent in training loops (worker start, rendezvous,
+  restore, commit — the runtime's own fixed cost, measured by the runner);
+
+and the time from a preemption decision (pool event) to the preempting job's first segment.
+
+    .venv/bin/python -m benchmarks.airflow_overhead [--iterations 400] [--out FILE.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from datetime import datetime
+from pathlib import Path
+
+import yaml
+
+from elastic_ops.airflow_env import AirflowDeployment
+from elastic_ops.demo import setup_pool
+
+REPO = Path(__file__).resolve().parent.parent
+CHUNKS = 10
+SPEC = {"entrypoint": "elastic_ops.examples.digits:DigitsMLP", "global_batch": 64, "min_workers": 2,
+        "max_workers": 2, "consistency": "fast", "data_seed": 0, "params": {"hidden": 128, "depth": 2}}
+
+DAG = """
+import pendulum
+from airflow.sdk import DAG
+from elastic_ops.taskgroup import elastic_training
+SPEC = {spec!r}
+with DAG(dag_id="bench_overhead", schedule=None, start_date=pendulum.datetime(2024, 1, 1, tz="UTC")):
+    elastic_training(task_id="train", trainable=SPEC["entrypoint"], total_iterations={total},
+                     chunk_iterations={chunk}, priority=1,
+                     **{{k: v for k, v in SPEC.items() if k != "entrypoint"}})
+for name, prio in (("bench_low", 1), ("bench_high", 900)):
+    with DAG(dag_id=name, schedule=None, start_date=pendulum.datetime(2024, 1, 1, tz="UTC")):
+        elastic_training(task_id="train", trainable=SPEC["entrypoint"], total_iterations={total},
+                         chunk_iterations={total}, priority=prio,
+                         **{{k: v for k, v in SPEC.items() if k != "entrypoint"}})
+"""
+
+
+def ts(iso: str) -> float:
+    return datetime.fromisoformat(iso.replace("Z", "+00:00")).timestamp()
+
+
+def direct_run(work: Path, total: int) -> dict:
+    spec = dict(SPEC, name="bench_direct", total_iterations=total, chunk_iterations=total,
+                checkpoint=f"file://{work / 'direct'}")
+    path = work / "direct.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    t0 = time.time()
+    out = subprocess.run([sys.executable, "-m", "elastic_ops.cli", "run", "--spec", str(path), "--quiet"],
+                         capture_output=True, text=True, check=True, cwd=work)
+    wall = time.time() - t0
+    return {"wall_s": round(wall, 2), "result": json.loads(out.stdout.strip().splitlines()[-1])}
+
+
+def chunk_breakdown(af: AirflowDeployment, run: str) -> list[dict]:
+    tis = sorted((t for t in af.task_instances("bench_overhead", run) if ".chunk_" in t["task_id"]),
+                 key=lambda t: t["task_id"])
+    rows, prev_end = [], None
+    for ti in tis:
+        res = af.xcom("bench_overhead", run, ti["task_id"])
+        start, end = ts(ti["start_date"]), ts(ti["end_date"])
+        seg = res["workers_timeline"][0][2] if res["workers_timeline"] else start
+        iters = res["end"] - res["start"]
+        train = iters * SPEC["global_batch"] / res["train_samples_per_sec"] if res.get(
+            "train_samples_per_sec") else None
+        rows.append({
+            "task_id": ti["task_id"], "iterations": iters,
+            "scheduling_s": round(start - prev_end, 2) if prev_end else None,
+            "task_start_s": round(seg - start, 2), "task_s": round(end - start, 2),
+            "runtime_fixed_s": round(end - seg - train, 2) if train else None,
+            "train_s": round(train, 2) if train else None,
+        })
+        prev_end = end
+    return rows
+
+
+def preemption_latency(af: AirflowDeployment, pool) -> dict:
+    """Low-priority job on both slots; a high-priority job arrives and preempts it."""
+    from elastic_ops.operators.jobs import job_id
+
+    low = af.trigger("bench_low", run_id="low")
+    low_job = job_id("bench_low", "train", low)
+    deadline = time.monotonic() + 600
+    while not any(j["name"] == low_job and j["workers"] == 2 for j in pool.status()["jobs"]):
+        af.check_alive()
+        if time.monotonic() > deadline:
+            raise TimeoutError("low job never started")
+        time.sleep(0.3)
+    high = af.trigger("bench_high", run_id="high")
+    high_job = job_id("bench_high", "train", high)
+    af.wait_run("bench_high", high, timeout=900)
+    af.wait_run("bench_low", low, timeout=900)
+    events = pool.events()
+    arrived = min(x["ts"] for x in events if x["job"] == high_job)
+    decision = next(e["ts"] for e in events if e["job"] == low_job and e["ts"] >= arrived
+                    and e["kind"] in ("preempt", "shrink", "target"))
+    res = af.xcom("bench_high", high, "train.chunk_01_of_01")
+    first = res["workers_timeline"][0][2]
+    return {"decision_to_first_segment_s": round(first - decision, 2),
+            "high_job_waited_s": round(res["waited_s"], 2)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--iterations", type=int, default=400)
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "airflow_overhead.json"))
+    args = ap.parse_args(argv)
+    total = args.iterations
+    work = Path(tempfile.mkdtemp(prefix="bench_airflow_"))
+    try:
+        direct = direct_run(work, total)
+        print("direct:", direct["wall_s"], "s", flush=True)
+        dags = work / "dags"
+        dags.mkdir()
+        dag_text = DAG.format(spec=SPEC, total=total, chunk=total // CHUNKS)
+        (dags / "bench.py").write_text(textwrap.dedent(dag_text))
+        with AirflowDeployment(home=work / "airflow", dags_folder=dags, parallelism=4) as af:
+            pool = setup_pool(f"sqlite:///{af.home / 'elastic_ops_pool.db'}", slots=2)
+            pool.configure(policy="strict")
+            af.wait_dag("bench_overhead", timeout=300)
+            run = af.trigger("bench_overhead", run_id="chunked")
+            assert af.wait_run("bench_overhead", run, timeout=1800) == "success"
+            rows = chunk_breakdown(af, run)
+            tis = [t for t in af.task_instances("bench_overhead", run) if ".chunk_" in t["task_id"]]
+            chunked_wall = max(ts(t["end_date"]) for t in tis) - min(ts(t["start_date"]) for t in tis)
+            preempt = preemption_latency(af, pool)
+        mean = lambda k: round(sum(r[k] for r in rows if r[k] is not None) / max(1, sum(  # noqa: E731
+            r[k] is not None for r in rows)), 2)
+        fixed = mean("scheduling_s") + mean("task_start_s") + mean("runtime_fixed_s")
+        report = {
+            "command": "python -m benchmarks.airflow_overhead " + " ".join(argv or sys.argv[1:]),
+            "machine": "2 shared CPU cores (other jobs running), CPU only",
+            "job": dict(SPEC, total_iterations=total, chunks=CHUNKS),
+            "direct_elastic_ops_run_s": direct["wall_s"],
+            "airflow_10_chunks_s": round(chunked_wall, 2),
+            "total_ratio": round(chunked_wall / direct["wall_s"], 3),
+            "per_chunk_mean": {k: mean(k) for k in ("scheduling_s", "task_start_s", "runtime_fixed_s",
+                                                    "train_s")},
+            "per_chunk_fixed_overhead_s": round(fixed, 2),
+            "overhead_for_2min_chunks_pct": round(100 * fixed / 120, 1),
+            "chunks": rows,
+            "preemption": preempt,
+        }
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2))
+        print(json.dumps({k: v for k, v in report.items() if k != "chunks"}, indent=2))
+        return 0
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
