@@ -7,11 +7,12 @@ data cursor: ~22 MB) and two stores (a local directory, and a real S3 HTTP endpo
 server on 127.0.0.1), it measures side by side, in one run, medians over ``--repeats``:
 
 * save: ``store.save(...)`` (encode + sha256 + fence check + data upload + conditional manifest
-  + retention) vs ``raw``: the already-encoded bytes written once (local: write + fsync; S3: one
-  ``put_object``) and vs ``torch.save`` straight to the file (local) — what a user would write
-  without the store;
-* load: ``store.latest()`` + ``store.load(ref)`` (list + manifest + verified read + safe decode)
-  vs ``raw``: reading the bytes once (local ``read_bytes``; S3 one ``get_object``);
+  + retention) vs ``raw``: ``torch.save`` to memory and the bytes written once (local: write +
+  fsync; S3: one ``put_object``);
+* load: ``store.latest()`` + ``store.load(ref)`` (list + manifest + read + sha256 + safe decode)
+  vs ``raw``: the bytes read once (local ``read_bytes``; S3 one ``get_object``) and
+  ``torch.load(weights_only=True)``;
+* the same without serialisation (``raw_bytes_only``: pure I/O of the encoded bytes);
 * training stall: how long the training loop is blocked per checkpoint with ``save`` and with
   ``save_async`` (only encoding blocks), plus the loop's slowdown per checkpoint.
 
@@ -90,33 +91,58 @@ def bench_io(
     repeats: int,
     raw_write: Callable[[int, bytes], None],
     raw_read: Callable[[int], bytes],
-    plain_torch_save: Callable[[int], None] | None,
 ) -> dict[str, Any]:
+    """Our save/load vs the same bytes written/read raw, side by side, medians of ``repeats``.
+
+    ``raw`` = serialise with ``torch.save`` and write the bytes in one go / read them in one go
+    and ``torch.load(weights_only=True)``: what checkpointing costs without the store.
+    ``raw_bytes_only`` leaves serialisation out (pure I/O of the encoded bytes).
+    """
     data = encode_state(state)
-    base = 1000
-    save_s = median_time(lambda i: store.save(base + i, state, epoch=1, spec_hash="bench"), repeats)
-    raw_write_s = median_time(lambda i: raw_write(i, data), repeats)
+
+    def ours_save(i: int) -> None:
+        store.save(1000 + i, state, epoch=1, spec_hash="bench")
+
+    def raw_save(i: int) -> None:
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        raw_write(i, buf.getvalue())
 
     def ours_load(_i: int) -> None:
         store.load(store.latest(spec_hash="bench"))
 
-    load_s = median_time(ours_load, repeats)
-    raw_read_s = median_time(lambda i: raw_read(i % repeats), repeats)
-    out = {
-        "bytes": len(data),
-        "save_s": save_s,
-        "raw_write_s": raw_write_s,
-        "save_ratio_raw_over_ours": raw_write_s / save_s,
-        "load_s": load_s,
-        "raw_read_s": raw_read_s,
-        "load_ratio_raw_over_ours": raw_read_s / load_s,
-        "save_MBps": len(data) / save_s / 1e6,
-        "load_MBps": len(data) / load_s / 1e6,
+    def raw_load(i: int) -> None:
+        torch.load(io.BytesIO(raw_read(i)), weights_only=True, map_location="cpu")
+
+    # interleaved rounds, so drift in machine load hits both sides alike
+    steps: dict[str, Callable[[int], Any]] = {
+        "save": ours_save, "raw_save": raw_save, "raw_write": lambda i: raw_write(i, data),
+        "load": ours_load, "raw_load": raw_load, "raw_read": raw_read,
     }
-    if plain_torch_save is not None:
-        out["plain_torch_save_s"] = median_time(plain_torch_save, repeats)
-        out["save_ratio_plain_torch_save_over_ours"] = out["plain_torch_save_s"] / save_s
-    return out
+    t: dict[str, list[float]] = {k: [] for k in steps}
+    for i in range(repeats):
+        for name, fn in steps.items():
+            t0 = time.perf_counter()
+            fn(i)
+            t[name].append(time.perf_counter() - t0)
+    med = {k: statistics.median(v) for k, v in t.items()}
+    return {
+        "bytes": len(data),
+        "save_s": med["save"],
+        "raw_save_s": med["raw_save"],
+        "save_ratio_raw_over_ours": med["raw_save"] / med["save"],
+        "load_s": med["load"],
+        "raw_load_s": med["raw_load"],
+        "load_ratio_raw_over_ours": med["raw_load"] / med["load"],
+        "raw_bytes_only": {
+            "write_s": med["raw_write"],
+            "read_s": med["raw_read"],
+            "save_ratio": med["raw_write"] / med["save"],
+            "load_ratio": med["raw_read"] / med["load"],
+        },
+        "save_MBps": len(data) / med["save"] / 1e6,
+        "load_MBps": len(data) / med["load"] / 1e6,
+    }
 
 
 def bench_stall(store: CheckpointStore, every: int, checkpoints: int) -> dict[str, Any]:
@@ -179,7 +205,6 @@ def run(repeats: int) -> dict[str, Any]:
             store, state, repeats,
             raw_write=lambda i, data: fsync_write(root / "raw" / f"{i}.pt", data),
             raw_read=lambda i: (root / "raw" / f"{i}.pt").read_bytes(),
-            plain_torch_save=lambda i: _torch_save_fsync(state, root / "raw" / f"plain-{i}.pt"),
         )
         results["local"]["stall"] = bench_stall(open_store(f"file://{root}/stall", keep_last=2), 20, 5)
 
@@ -196,19 +221,13 @@ def run(repeats: int) -> dict[str, Any]:
         def raw_get(i: int) -> bytes:
             return client.get_object(Bucket=ep.bucket, Key=f"raw/{i}.pt")["Body"].read()
 
-        results["s3"] = bench_io(store, state, repeats, raw_put, raw_get, None)
+        results["s3"] = bench_io(store, state, repeats, raw_put, raw_get)
         results["s3"]["endpoint"] = "moto server on 127.0.0.1 (in-process thread)"
         stall_store = open_store(
             ep.uri("stall"), s3_client=client, keep_last=2, retry=RetryPolicy(attempts=3)
         )
         results["s3"]["stall"] = bench_stall(stall_store, 20, 5)
     return results
-
-
-def _torch_save_fsync(state: dict[str, Any], path: Path) -> None:
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    fsync_write(path, buf.getvalue())
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -222,9 +241,9 @@ def main(argv: list[str] | None = None) -> None:
     for where in ("local", "s3"):
         r = results[where]
         print(
-            f"{where:5s} save {r['save_s'] * 1e3:7.1f} ms (raw {r['raw_write_s'] * 1e3:7.1f} ms, ratio "
+            f"{where:5s} save {r['save_s'] * 1e3:7.1f} ms (raw {r['raw_save_s'] * 1e3:7.1f} ms, ratio "
             f"{r['save_ratio_raw_over_ours']:.2f})  load {r['load_s'] * 1e3:7.1f} ms (raw "
-            f"{r['raw_read_s'] * 1e3:7.1f} ms, ratio {r['load_ratio_raw_over_ours']:.2f})  stall/ckpt sync "
+            f"{r['raw_load_s'] * 1e3:7.1f} ms, ratio {r['load_ratio_raw_over_ours']:.2f})  stall/ckpt sync "
             f"{r['stall']['sync_blocked_per_checkpoint_s'] * 1e3:.0f} ms, async "
             f"{r['stall']['async_blocked_per_checkpoint_s'] * 1e3:.0f} ms"
         )

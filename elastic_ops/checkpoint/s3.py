@@ -25,7 +25,7 @@ from elastic_ops.checkpoint.retry import RetryPolicy, call_with_retry, error_cod
 
 MiB = 1024 * 1024
 DEFAULT_TRANSFER = TransferConfig(
-    multipart_threshold=16 * MiB, multipart_chunksize=16 * MiB, max_concurrency=8, use_threads=True
+    multipart_threshold=64 * MiB, multipart_chunksize=16 * MiB, max_concurrency=8, use_threads=True
 )
 
 

@@ -134,9 +134,9 @@ class CheckpointStore:
         """The highest fencing epoch recorded for this store (0 when never fenced)."""
         return max(self._fence_markers(), default=0)
 
-    def _fence_markers(self) -> list[int]:
+    def _fence_markers(self, objects: list[ObjectInfo] | None = None) -> list[int]:
         out = []
-        for obj in self.backend.list(f"{_FENCE_DIR}/"):
+        for obj in self.backend.list(f"{_FENCE_DIR}/") if objects is None else objects:
             m = _FENCE_RE.match(obj.key)
             if m:
                 out.append(int(m.group(1)))
@@ -159,8 +159,8 @@ class CheckpointStore:
             self.backend.delete([f"{_FENCE_DIR}/epoch-{e:020d}" for e in lower])
         return max(markers)
 
-    def _check_epoch(self, epoch: int) -> None:
-        current = self.current_epoch()
+    def _check_epoch(self, epoch: int, objects: list[ObjectInfo]) -> None:
+        current = max(self._fence_markers(objects), default=0)
         if epoch < current:
             raise StaleEpochError(epoch, current)
         if epoch > current:
@@ -251,36 +251,35 @@ class CheckpointStore:
                 metrics=check_metrics(metrics),
             )
 
-        self._check_epoch(epoch)
-        existing = self.backend.get(manifest_key)
-        if existing is not None:  # committed already: skip the upload
-            return self._resolve_existing(manifest(), existing, manifest_key, uploaded=False)
         for name, data in files.items():
             self.backend.put(f"{it_dir}/{name}", data)
         ours = manifest()
-        self._check_epoch(epoch)  # again right before the commit point: the window is one request
+        # one listing right before the commit point serves the fence check (the window between
+        # it and the commit is one request) and the retention plan (other writers are fenced)
+        objects = self.backend.list("")
+        try:
+            self._check_epoch(epoch, objects)
+        except StaleEpochError:
+            self.backend.delete([f"{it_dir}/{name}" for name in files])  # a zombie leaves nothing
+            raise
         if not self.backend.put_if_absent(manifest_key, ours.to_json()):
             existing = self.backend.get(manifest_key) or b""
-            return self._resolve_existing(ours, existing, manifest_key, uploaded=True)
+            return self._resolve_existing(ours, existing, manifest_key)
         ref = self._ref(ours)
         log.info("committed checkpoint %s (epoch %d, %d bytes)", ref.uri, epoch, ref.size)
-        self._retain(committed=iteration)
+        self._retain(committed=iteration, objects=objects)
         return ref
 
-    def _resolve_existing(
-        self, ours: Manifest, existing: bytes, key: str, *, uploaded: bool
-    ) -> CheckpointRef:
+    def _resolve_existing(self, ours: Manifest, existing: bytes, key: str) -> CheckpointRef:
         try:
             theirs = parse_manifest(existing, where=f"{self.uri}/{key}")
         except CheckpointCorruptError:
             theirs = None
+        # our upload lost (or repeats) a commit: remove it (data directories are writer-unique)
+        self.backend.delete([f"{iteration_dir(ours.iteration)}/{f.name}" for f in ours.files])
         if theirs is not None and theirs.same_content(ours):
             log.info("checkpoint %s/%s already committed with identical content", self.uri, key)
             return self._ref(theirs)
-        if uploaded:  # our upload lost the race: remove it unless theirs uses it too
-            it_dir = iteration_dir(ours.iteration)
-            theirs_names = {f.name for f in theirs.files} if theirs else set()
-            self.backend.delete([f"{it_dir}/{f.name}" for f in ours.files if f.name not in theirs_names])
         who = f"epoch {theirs.epoch}" if theirs else "an unreadable manifest"
         raise CommitConflictError(
             f"iteration {ours.iteration} is already committed at {self.uri}/{key} by {who} "
@@ -301,22 +300,22 @@ class CheckpointStore:
 
     # --- read ------------------------------------------------------------------------------
 
-    def _scan(self) -> tuple[dict[int, dict[str, int]], list[ObjectInfo]]:
+    def _scan(self, objects: list[ObjectInfo] | None = None) -> dict[int, dict[str, int]]:
         """Objects grouped by iteration: {iteration: {key-in-iteration: size}}."""
-        objects = self.backend.list("it-")
+        objects = self.backend.list("it-") if objects is None else objects
         by_it: dict[int, dict[str, int]] = {}
         for obj in objects:
             head, _, rest = obj.key.partition("/")
             m = _IT_RE.match(head)
             if m and rest:
                 by_it.setdefault(int(m.group(1)), {})[rest] = obj.size
-        return by_it, objects
+        return by_it
 
     def list(self) -> list[CheckpointRef]:
         """Committed checkpoints, oldest first: the manifest parses and every listed file is
         present with its recorded size. (Checksums are verified by :meth:`latest` and :meth:`load`.)
         """
-        by_it, _ = self._scan()
+        by_it = self._scan()
         refs = []
         for iteration in sorted(by_it):
             m = self._read_manifest(iteration, by_it[iteration], quiet=True)
@@ -352,7 +351,7 @@ class CheckpointStore:
         ``spec_hash`` when given), or ``None``. Damaged or foreign checkpoints are skipped with
         a warning naming the checkpoint and the reason.
         """
-        by_it, _ = self._scan()
+        by_it = self._scan()
         for iteration in sorted(by_it, reverse=True):
             m = self._read_manifest(iteration, by_it[iteration], quiet=False)
             if m is None:
@@ -425,7 +424,7 @@ class CheckpointStore:
 
     # --- retention -------------------------------------------------------------------------
 
-    def _retain(self, *, committed: int) -> None:
+    def _retain(self, *, committed: int, objects: list[ObjectInfo]) -> None:
         """Delete checkpoints outside the keep set, and orphaned data, older than ``committed``.
 
         Only iterations below the one just committed are candidates, so that checkpoint (whose
@@ -434,19 +433,19 @@ class CheckpointStore:
         interrupted cleanup leaves an invisible orphan, never a checkpoint with missing files.
         """
         try:
-            by_it, _ = self._scan()
-            committed_its = sorted(i for i, keys in by_it.items() if MANIFEST_NAME in keys)
+            by_it = self._scan(objects)  # listed just before our commit
+            committed_its = sorted({i for i, keys in by_it.items() if MANIFEST_NAME in keys} | {committed})
             keep = set(committed_its[-self.keep_last:]) | {committed}
             if self.keep_every:
                 keep |= {i for i in committed_its if i % self.keep_every == 0}
-            for iteration in sorted(by_it):
-                if iteration >= committed or iteration in keep:
-                    continue
-                keys = by_it[iteration]
-                it_dir = iteration_dir(iteration)
-                if MANIFEST_NAME in keys:
-                    self.backend.delete([f"{it_dir}/{MANIFEST_NAME}"])
-                self.backend.delete([f"{it_dir}/{k}" for k in keys if k != MANIFEST_NAME])
-                log.info("retention: removed %s/%s", self.uri, it_dir)
+            doomed = [i for i in sorted(by_it) if i < committed and i not in keep]
+            if not doomed:
+                return
+            manifests = [f"{iteration_dir(i)}/{MANIFEST_NAME}" for i in doomed if MANIFEST_NAME in by_it[i]]
+            self.backend.delete(manifests)  # first: each checkpoint disappears at once
+            self.backend.delete(
+                [f"{iteration_dir(i)}/{k}" for i in doomed for k in by_it[i] if k != MANIFEST_NAME]
+            )
+            log.info("retention: removed iterations %s from %s", doomed, self.uri)
         except CheckpointError as exc:  # the commit itself succeeded; cleanup is retried next time
             log.warning("retention after committing iteration %d failed: %s", committed, exc)
