@@ -244,17 +244,16 @@ def _keep(job: Job, target: int, up: dict[str, int], held_up: int) -> tuple[list
     """Which held slots to keep (on up hosts, most-used hosts first) and which to release."""
     if held_up == len(job.held) and target >= held_up:
         return list(job.held), []  # the common case: keeps everything
-    per_host: dict[str, list[int]] = {}
-    for h, s in job.held:
-        per_host.setdefault(h, []).append(s)
+    per_host: dict[str, list[Slot]] = {}
+    for slot in sorted(job.held):  # canonical order, whatever order the snapshot used
+        per_host.setdefault(slot[0], []).append(slot)
     keep: list[Slot] = []
     release: list[Slot] = []
     for h in sorted(per_host, key=lambda h: (h not in up, -len(per_host[h]), h)):
-        for s in sorted(per_host[h]):
-            if h in up and len(keep) < target:
-                keep.append((h, s))
-            else:
-                release.append((h, s))
+        block = per_host[h]
+        k = min(len(block), target - len(keep)) if h in up else 0
+        keep.extend(block[:k])
+        release.extend(block[k:])
     return keep, release
 
 
