@@ -64,9 +64,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_events)
 
     sim = sub.add_parser("simulate", help="replay a workload trace through the pool policies")
-    sim.add_argument(
-        "--workload", required=True, help="workload CSV (name,time,application,num_replicas,batch_size)"
-    )
+    src = sim.add_mutually_exclusive_group(required=True)
+    src.add_argument("--workload", help="workload CSV (name,time,application,num_replicas,batch_size)")
+    src.add_argument("--synthetic", type=int, metavar="N", help="sample N jobs from the Philly trace instead")
+    sim.add_argument("--seed", type=int, default=0, help="with --synthetic: which window and sample")
     sim.add_argument("--slots", type=int, default=64)
     sim.add_argument("--slots-per-host", type=int, default=4)
     sim.add_argument("--policy", default="all", help="a registered policy, 'static', or 'all'")

@@ -37,6 +37,7 @@ from elastic_ops.pool.workload import (
     default_traces_dir,
     load_application,
     read_workload,
+    synthetic_workload,
 )
 
 STATIC = "static"
@@ -273,9 +274,16 @@ def main_simulate(args) -> int:
         min_rescale_interval_s=args.min_rescale_interval,
         min_gain=args.min_gain,
     )
+    traces = Path(args.traces) if args.traces else default_traces_dir()
+    if args.synthetic is not None:
+        workload: str | list[WorkloadJob] = synthetic_workload(
+            traces / "philly.csv", traces, jobs=args.synthetic, seed=args.seed, max_gpus=args.slots
+        )
+    else:
+        workload = args.workload
     results = {}
     for name in policy_names(args.policy):
-        results[name] = simulate(args.workload, name, cfg, args.traces)
+        results[name] = simulate(workload, name, cfg, traces)
         r = results[name]
         print(
             f"{name:<10} avg_jct {r['avg_jct']:>10.1f}s  p99_jct {r['p99_jct']:>10.1f}s  "

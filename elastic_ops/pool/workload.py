@@ -185,3 +185,73 @@ class Application:
 @functools.cache
 def load_application(traces: str, name: str) -> Application:
     return Application(Path(traces) / name)
+
+
+# Global batch a synthetic job of each application uses (the most common choice in the
+# artifact's workloads).
+SYNTHETIC_BATCH = {
+    "cifar10": 2048,
+    "ncf": 32768,
+    "yolov3": 64,
+    "deepspeech2": 320,
+    "bert": 384,
+    "imagenet": 6400,
+}
+
+
+def synthetic_workload(
+    philly_csv: str | Path,
+    traces: str | Path,
+    *,
+    jobs: int,
+    seed: int,
+    window_h: float = 8.0,
+    max_gpus: int = 64,
+) -> list[WorkloadJob]:
+    """A workload sampled from the Philly trace, like the artifact's: ``jobs`` jobs from a random
+    ``window_h``-hour window (``seed`` picks the window and the sample). Each job keeps its
+    arrival offset and GPU request, and runs the application whose single-GPU run time at its
+    default batch is closest (log scale) to the Philly job's GPU time."""
+    import datetime as dt
+    import random
+
+    if not isinstance(jobs, int) or jobs < 1:
+        raise SpecError("jobs", jobs, "must be an integer >= 1")
+    rng = random.Random(seed)
+    rows = []
+    with Path(philly_csv).open() as f:
+        for r in csv.DictReader(f):
+            ts = dt.datetime.strptime(r["timestamp"], "%Y-%m-%d %H:%M:%S").timestamp()
+            rows.append((ts, float(r["gpu_time"]), int(float(r["num_gpus"]))))
+    rows.sort()
+    apps = {a: load_application(str(traces), a) for a in SYNTHETIC_BATCH}
+    one_gpu = {
+        a: app.iterations(SYNTHETIC_BATCH[a]) * app.step_time(1, SYNTHETIC_BATCH[a])
+        for a, app in apps.items()
+    }
+    width = window_h * 3600
+    for _ in range(100):
+        start = rng.uniform(rows[0][0], rows[-1][0] - width)
+        inside = [r for r in rows if start <= r[0] < start + width]
+        if len(inside) >= jobs:
+            break
+    else:
+        raise SpecError("jobs", jobs, f"no {window_h:g}-hour window of the Philly trace has that many jobs")
+    picked = sorted(rng.sample(inside, jobs))
+    out = []
+    for i, (ts, gpu_time, gpus) in enumerate(picked):
+        app = min(one_gpu, key=lambda a: (abs(math.log(max(gpu_time, 1.0) / one_gpu[a])), a))
+        out.append(
+            WorkloadJob(
+                f"{app}-{i}", round(ts - start, 1), app, max(1, min(gpus, max_gpus)), SYNTHETIC_BATCH[app]
+            )
+        )
+    return out
+
+
+def write_workload(jobs: list[WorkloadJob], path: str | Path) -> None:
+    with Path(path).open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["name", "time", "application", "num_replicas", "batch_size"])
+        for j in jobs:
+            w.writerow([j.name, j.submit, j.application, j.num_replicas, j.batch_size])

@@ -10,7 +10,14 @@ import pytest
 from elastic_ops.errors import SpecError, UnknownPolicyError
 from elastic_ops.pool import policies
 from elastic_ops.pool.simulator import SimConfig, simulate, tuned_max_workers
-from elastic_ops.pool.workload import default_traces_dir, load_application, placement_for, read_workload
+from elastic_ops.pool.workload import (
+    SYNTHETIC_BATCH,
+    default_traces_dir,
+    load_application,
+    placement_for,
+    read_workload,
+    synthetic_workload,
+)
 
 from .cli_helper import run
 
@@ -72,3 +79,13 @@ def test_simulate_cli_json_last_line(capsys):
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(last) == {"static", "fairshare", "priority", "strict"}
     assert {"avg_jct", "p99_jct", "makespan", "utilization", "rescales"} <= set(last["fairshare"])
+
+
+def test_synthetic_workloads_sample_the_philly_trace_reproducibly():
+    a = synthetic_workload(TRACES / "philly.csv", TRACES, jobs=20, seed=3)
+    assert a == synthetic_workload(TRACES / "philly.csv", TRACES, jobs=20, seed=3)
+    assert a != synthetic_workload(TRACES / "philly.csv", TRACES, jobs=20, seed=4)
+    assert len(a) == 20 and all(0 <= j.submit < 8 * 3600 for j in a)
+    assert all(j.application in SYNTHETIC_BATCH and 1 <= j.num_replicas <= 64 for j in a)
+    r = simulate(a, "fairshare", SimConfig(slots=32), TRACES)
+    assert r["jobs"] == 20
