@@ -3,14 +3,16 @@
 Layout under the store's root (a directory or an S3 prefix)::
 
     it-00000040/manifest.json                 written LAST, create-if-absent: the commit point
-    it-00000040/d-<sha256[:16]>/state.pt      data, under a content-named directory
+    it-00000040/d-<writer-unique>/state.pt    data, in a directory only its writer uses
     _fence/epoch-00000000000000000007         one marker per fencing epoch seen; fence = max
 
-A checkpoint exists only when its manifest exists, so a save interrupted before the manifest
-is invisible. Data lives under a directory named by its content hash: two writers racing for one
-iteration never overwrite each other's bytes, and an identical retry rewrites identical bytes.
-The fence only grows: markers are created (never changed) and only markers below one a writer
-itself created are ever pruned, so the maximum is never lost.
+Save: upload the data (hashing it meanwhile), list the root once (fence check + retention
+plan), create the manifest if absent, delete what retention drops. A checkpoint exists only
+when its manifest exists, so a save interrupted before the manifest is invisible. Data
+directories are writer-unique, so two writers racing for one iteration never overwrite each
+other's bytes; the loser (or an identical retry) deletes its own copy. The fence only grows:
+markers are created, never changed, and only markers below one the caller made sure exists
+are pruned, so the maximum is never lost.
 """
 
 from __future__ import annotations
