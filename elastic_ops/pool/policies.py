@@ -279,6 +279,8 @@ def make_policy(share: ShareFn) -> Policy:
 
 def _place(job, target, reason, keep, release, free: _FreeSlots, pending, moved: bool) -> Decision:
     need = target - len(keep)
+    if need <= 0 and not release and job.held:  # the steady state: nothing changes
+        return Decision(job.name, target, job.held, (), TargetAction.KEEP, reason)
     new: list[Slot] = []
     if need > 0:
         avail = free.count_for(job.avoid_hosts)

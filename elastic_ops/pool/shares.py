@@ -5,7 +5,6 @@ All functions are pure and run in O(n log n) for n jobs.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -32,14 +31,15 @@ def weighted_fill(
     hi = np.asarray(caps, dtype=np.float64)
     w = np.asarray(weights, dtype=np.float64)
     lam = _solve_lambda(lo, hi, w, float(capacity))
-    exact = np.clip(w * lam, lo, hi).tolist()
-    out = [max(lo, min(hi, math.floor(x + 1e-9))) for x, lo, hi in zip(exact, mins, caps, strict=True)]
-    left = capacity - sum(out)
+    exact = np.clip(w * lam, lo, hi)
+    out = np.clip(np.floor(exact + 1e-9), lo, hi)
+    left = capacity - int(out.sum())
     if left > 0:
-        order = sorted((i for i in range(n) if out[i] < caps[i]), key=lambda i: (-(exact[i] - out[i]), i))
-        for i in order[:left]:
-            out[i] += 1
-    return out
+        room = np.flatnonzero(out < hi)
+        # Largest remainder first, lower index on ties (lexsort: last key is primary).
+        order = room[np.lexsort((room, -(exact[room] - out[room])))]
+        out[order[:left]] += 1
+    return [int(x) for x in out]
 
 
 def _solve_lambda(lo: np.ndarray, hi: np.ndarray, w: np.ndarray, capacity: float) -> float:
