@@ -181,12 +181,16 @@ class CheckpointStore:
     ) -> CheckpointRef:
         """Commit ``state`` as the checkpoint of ``iteration``; see the module doc for the protocol.
 
+        Returns once the checkpoint is committed; retention then runs on the background
+        thread (:meth:`wait` waits for it).
+
         Raises :class:`StaleEpochError` when ``epoch`` is below the fence, and
         :class:`CommitConflictError` when another writer committed different bytes for this
         iteration first (an identical retry returns the existing checkpoint).
         """
         self._check_args(iteration, epoch, spec_hash)
-        return self._commit(iteration, {STATE_NAME: encode_state(state)}, epoch, spec_hash, metrics)
+        return self._commit(iteration, {STATE_NAME: encode_state(state)}, epoch, spec_hash, metrics,
+                            in_background=False)
 
     def save_async(
         self,
@@ -206,17 +210,28 @@ class CheckpointStore:
         self._check_args(iteration, epoch, spec_hash)
         files = {STATE_NAME: encode_state(state)}
         metrics = check_metrics(metrics)
+        return self._submit(self._commit, iteration, files, epoch, spec_hash, metrics, in_background=True)
+
+    def _submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future[Any]:
+        """Run ``fn`` on the store's one background thread (FIFO: work runs in call order)."""
         with self._lock:
             if self._executor is None or self._executor_pid != os.getpid():  # none, or a fork's copy
                 self._executor = ThreadPoolExecutor(1, thread_name_prefix="elastic-ops-ckpt")
                 self._executor_pid = os.getpid()
-            return self._executor.submit(self._commit, iteration, files, epoch, spec_hash, metrics)
+            return self._executor.submit(fn, *args, **kwargs)
+
+    def wait(self) -> None:
+        """Wait until background work (async saves, retention after sync saves) is done."""
+        with self._lock:
+            idle = self._executor is None or self._executor_pid != os.getpid()
+        if not idle:
+            self._submit(lambda: None).result()
 
     def close(self) -> None:
-        """Wait for background saves to finish."""
+        """Wait for background work, then stop the background thread (restarted on demand)."""
         with self._lock:
             executor, self._executor = self._executor, None
-        if executor is not None:
+        if executor is not None and self._executor_pid == os.getpid():
             executor.shutdown(wait=True)
 
     @staticmethod
@@ -235,6 +250,8 @@ class CheckpointStore:
         epoch: int,
         spec_hash: str,
         metrics: Mapping[str, Any] | None,
+        *,
+        in_background: bool,
     ) -> CheckpointRef:
         it_dir = iteration_dir(iteration)
         # a writer-unique data directory: racing writers never overwrite each other's bytes
@@ -269,7 +286,10 @@ class CheckpointStore:
             return self._resolve_existing(ours, existing, manifest_key)
         ref = self._ref(ours)
         log.info("committed checkpoint %s (epoch %d, %d bytes)", ref.uri, epoch, ref.size)
-        self._retain(committed=iteration, objects=objects)
+        if in_background:
+            self._retain(committed=iteration, objects=objects)
+        else:  # the caller need not wait for deletions: retention runs on the background thread
+            self._submit(self._retain, committed=iteration, objects=objects)
         return ref
 
     def _resolve_existing(self, ours: Manifest, existing: bytes, key: str) -> CheckpointRef:

@@ -143,6 +143,7 @@ def test_retention_keeps_last_k_and_every_mth(target: StoreTarget, keep_last: in
     saved = []
     for it in range(10, 71, 10):
         store.save(it, small_state(it), epoch=1, spec_hash="h")
+        store.wait()  # retention runs on the store's background thread
         saved.append(it)
         expected = set(saved[-keep_last:]) | {i for i in saved if keep_every and i % keep_every == 0}
         assert [r.iteration for r in store.list()] == sorted(expected)
