@@ -8,7 +8,7 @@ count; target ``0`` commits a checkpoint and returns ``PREEMPTED``.
 
 A background *controller* thread follows rank 0 through the shared control channel
 (:mod:`elastic_ops.runtime.control`): it asks ``target(i)`` for boundaries up to
-``LOOKAHEAD`` iterations ahead of rank 0 (so the poll never stalls training), commits the
+a short time ahead of rank 0 (so the poll never stalls training), commits the
 checkpoints rank 0 leaves at ``checkpoint_interval`` boundaries (in the background, in order)
 and reports progress.
 """
@@ -46,7 +46,9 @@ from elastic_ops.spec import JobSpec
 
 log = logging.getLogger("elastic_ops.runtime")
 
-LOOKAHEAD = 2  # target(i) is asked while rank 0 runs iteration i - LOOKAHEAD
+LOOKAHEAD = 2  # boundaries decided ahead of rank 0, at least
+POLL_S = 0.005  # the controller's poll interval: few wake-ups, whatever the iteration rate
+HORIZON_S = 0.02  # ...and it decides the boundaries expected within this time (>= LOOKAHEAD)
 
 
 class ChunkStatus(enum.StrEnum):
@@ -255,7 +257,7 @@ class _Runner:
         errors: list[BaseException],
         segdir: Path,
     ) -> None:
-        seen = 0
+        seen, ahead = 0, LOOKAHEAD
         row0 = None
         try:
             while True:
@@ -265,13 +267,19 @@ class _Runner:
                     if row0 is None:
                         row0 = chan.row(0)
                     self._boundary(chan, start, j, workers, row0, segdir)
+                if reached > seen and row0 is not None:
+                    # Look as far ahead as rank 0 will get before the next poll (and then some).
+                    per_it = max(chan.row(reached)[1] - row0[1], 1e-6) / reached
+                    ahead = max(LOOKAHEAD, math.ceil(HORIZON_S / per_it))
                 seen = max(seen, reached)
-                for j in range(max(reached, 0) + 1, max(reached, 0) + LOOKAHEAD + 1):
-                    if not chan.decided(j):
-                        chan.decide(j, self.target(start + j))
+                base = max(reached, 0)
+                for j in range(base + 1, min(base + ahead, chan.length - 2) + 1):
+                    if chan.decided(j):
+                        continue
+                    chan.decide(j, self.target(start + j))
                 if finished:
                     return
-                time.sleep(0.001)
+                time.sleep(POLL_S)
         except BaseException as exc:  # surfaced by the main thread
             errors.append(exc)
 
@@ -454,7 +462,8 @@ def run_chunk(
     """Train iterations ``[start, end)`` from the latest committed checkpoint; see the module doc.
 
     ``target(i)`` is called for every boundary ``i`` of the chunk, from a background thread, up
-    to ``LOOKAHEAD`` iterations before ``i`` runs; it must be cheap (cache a pool heartbeat).
+    to ~``HORIZON_S`` (at least ``LOOKAHEAD`` iterations) before ``i`` runs; it must be cheap
+    (cache a pool heartbeat).
     ``workdir`` holds the staging files (a temporary directory by default, removed afterwards).
     """
     _check_range(spec, start, end)

@@ -22,6 +22,7 @@ loss travels with the gradients and costs no extra collective.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -54,7 +55,11 @@ class FlatGrads:
 
     def bind(self, row: int) -> None:
         for p, v in zip(self.params, self._views[row], strict=True):
-            p.grad = v
+            if p.grad is not v:  # re-point only what user code (or another row) replaced
+                p.grad = v
+
+
+_split = functools.lru_cache(maxsize=256)(lambda total, parts: tuple(even_split(total, parts)))
 
 
 def _chunks(indices: torch.Tensor, size: int | None) -> list[torch.Tensor]:
@@ -102,40 +107,46 @@ class GradientEngine:
         else:
             self.grads = FlatGrads(params, 1, device)
 
+    def _seed(self, seed: int) -> None:
+        # Not torch.manual_seed: it also queues lazy CUDA/XPU/MTIA seeding, formatting a stack
+        # trace each time (~3 ms per call), which is a large share of a small model's iteration.
+        torch.default_generator.manual_seed(seed)
+        if self.device.type == "cuda":
+            torch.cuda.default_generators[self.device.index or 0].manual_seed(seed)
+
     def step(self, iteration: int, batch: torch.Tensor) -> float:
         if self.mode == "bitwise":
             return self._bitwise(iteration, batch)
         return self._fast(iteration, batch)
 
-    def _accumulate(self, indices: torch.Tensor, total: int) -> torch.Tensor:
-        loss_sum = torch.zeros((), device=self.device, dtype=self.grads.buf.dtype)
+    def _accumulate(self, indices: torch.Tensor, total: int, loss_out: torch.Tensor) -> None:
+        """Backward of every micro-batch into the bound grads; losses summed into ``loss_out``."""
         for micro in _chunks(indices, self.micro_batch):
             loss = self.loss_fn(self.fetch(micro)) * (len(micro) / total)
             loss.backward()
-            loss_sum = loss_sum + loss.detach()
-        return loss_sum
+            loss_out.add_(loss.detach())
 
     def _fast(self, iteration: int, batch: torch.Tensor) -> float:
-        lo, hi = even_split(len(batch), self.workers)[self.rank]
+        lo, hi = _split(len(batch), self.workers)[self.rank]
         buf = self.grads.buf[0]
         buf.zero_()
         self.grads.bind(0)
-        torch.manual_seed(iteration_seed(self.data_seed, iteration, self.rank))
+        self._seed(iteration_seed(self.data_seed, iteration, self.rank))
         if hi > lo:
             with self.guard():
-                buf[-1] = self._accumulate(batch[lo:hi], len(batch))
+                self._accumulate(batch[lo:hi], len(batch), buf[-1])
         if self.workers > 1:
             dist.all_reduce(buf)
-        return float(buf[-1])
+        return buf[-1].item()
 
     def _bitwise(self, iteration: int, batch: torch.Tensor) -> float:
         size = len(batch) // self.shards
         self.grads.buf.zero_()
         for row, k in enumerate(self.my_shards):
             self.grads.bind(row)
-            torch.manual_seed(iteration_seed(self.data_seed, iteration, k))
+            self._seed(iteration_seed(self.data_seed, iteration, k))
             with self.guard():
-                self.grads.buf[row, -1] = self._accumulate(batch[k * size : (k + 1) * size], len(batch))
+                self._accumulate(batch[k * size : (k + 1) * size], len(batch), self.grads.buf[row, -1])
         if self.workers > 1:
             dist.all_gather(self._gathered, self.grads.buf)
             rows = self._gathered
@@ -150,7 +161,7 @@ class GradientEngine:
                 out.add_(rows[r][j])
         for p, v in zip(self.grads.params, self._out_views, strict=True):
             p.grad = v
-        return float(out[-1])
+        return out[-1].item()
 
 
 def lr_factor(ramp: dict[str, float], iteration: int, warmup: int) -> float:
