@@ -25,6 +25,9 @@ class Backend(Protocol):
     def put(self, key: str, data: bytes) -> None:
         """Write ``data`` at ``key``, replacing it atomically."""
 
+    # Optional: ``put_stream(key, write: Callable[[BinaryIO], T]) -> T`` publishes atomically what
+    # ``write(file)`` writes (LocalBackend has it: the state is encoded straight into the file).
+
     def put_if_absent(self, key: str, data: bytes) -> bool:
         """Create ``key`` with ``data`` unless it exists. True if this call created it."""
 

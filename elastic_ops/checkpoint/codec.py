@@ -14,11 +14,12 @@ back is refused at save time (naming the offending path), not discovered at resu
 
 from __future__ import annotations
 
+import hashlib
 import io
 import pickle
 import random
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
@@ -74,6 +75,32 @@ def encode_state(state: Any) -> bytes:
     buf = io.BytesIO()
     torch.save(state, buf)
     return buf.getvalue()
+
+
+class _HashingWriter(io.RawIOBase):
+    """A write-only file that hashes and counts what passes through it."""
+
+    def __init__(self, out: BinaryIO) -> None:
+        self.out = out
+        self.sha = hashlib.sha256()
+        self.size = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        self.sha.update(data)
+        self.size += len(data)
+        self.out.write(data)
+        return len(data)
+
+
+def encode_state_into(state: Any, out: BinaryIO) -> tuple[str, int]:
+    """Serialise ``state`` (checked first) into ``out``; returns its (sha256 hex, size)."""
+    check_state(state)
+    writer = _HashingWriter(out)
+    torch.save(state, writer)
+    return writer.sha.hexdigest(), writer.size
 
 
 def decode_state(data: bytes, *, name: str = "state.pt") -> Any:

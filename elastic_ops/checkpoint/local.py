@@ -11,12 +11,15 @@ from __future__ import annotations
 import errno
 import os
 import uuid
+from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO, TypeVar
 
 from elastic_ops.checkpoint.backend import ObjectInfo
 from elastic_ops.errors import StoragePermanentError, StorageTransientError
 
 _TMP_PREFIX = ".tmp-"
+T = TypeVar("T")
 
 
 class LocalBackend:
@@ -51,6 +54,24 @@ class LocalBackend:
             tmp = self._write_tmp(path, data)
             os.replace(tmp, path)
             _fsync_dir(path.parent)
+
+    def put_stream(self, key: str, write: Callable[[BinaryIO], T]) -> T:
+        """Atomically publish what ``write(file)`` writes at ``key``; returns its result."""
+        path = self._path(key)
+        with _os_errors(self.uri, key):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.parent / f"{_TMP_PREFIX}{uuid.uuid4().hex}"
+            try:
+                with open(tmp, "wb") as f:
+                    result = write(f)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, path)
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
+            _fsync_dir(path.parent)
+            return result
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
         path = self._path(key)

@@ -30,7 +30,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from elastic_ops.checkpoint.backend import Backend, ObjectInfo
-from elastic_ops.checkpoint.codec import decode_state, encode_state
+from elastic_ops.checkpoint.codec import check_state, decode_state, encode_state, encode_state_into
 from elastic_ops.checkpoint.manifest import (
     MANIFEST_NAME,
     STATE_NAME,
@@ -189,8 +189,18 @@ class CheckpointStore:
         iteration first (an identical retry returns the existing checkpoint).
         """
         self._check_args(iteration, epoch, spec_hash)
-        return self._commit(iteration, {STATE_NAME: encode_state(state)}, epoch, spec_hash, metrics,
-                            in_background=False)
+        put_stream = getattr(self.backend, "put_stream", None)
+        if put_stream is None:
+            upload = self._bytes_uploader({STATE_NAME: encode_state(state)})
+        else:  # encode straight into the file, hashing inline: no in-memory copy of the state
+            check_state(state)
+
+            def upload(prefix: str) -> tuple[FileEntry, ...]:
+                name = f"{prefix}/{STATE_NAME}"
+                sha, size = put_stream(name, lambda f: encode_state_into(state, f))
+                return (FileEntry(name.split("/", 1)[1], sha, size),)
+
+        return self._commit(iteration, upload, epoch, spec_hash, metrics, in_background=False)
 
     def save_async(
         self,
@@ -210,7 +220,20 @@ class CheckpointStore:
         self._check_args(iteration, epoch, spec_hash)
         files = {STATE_NAME: encode_state(state)}
         metrics = check_metrics(metrics)
-        return self._submit(self._commit, iteration, files, epoch, spec_hash, metrics, in_background=True)
+        upload = self._bytes_uploader(files)
+        return self._submit(self._commit, iteration, upload, epoch, spec_hash, metrics, in_background=True)
+
+    def _bytes_uploader(self, payload: dict[str, bytes]) -> Callable[[str], tuple[FileEntry, ...]]:
+        """Upload encoded files under a prefix, hashing them meanwhile (hashlib frees the GIL)."""
+
+        def upload(prefix: str) -> tuple[FileEntry, ...]:
+            rel = prefix.split("/", 1)[1]
+            hashing = [_pool().submit(FileEntry.of, f"{rel}/{name}", data) for name, data in payload.items()]
+            for name, data in payload.items():
+                self.backend.put(f"{prefix}/{name}", data)
+            return tuple(h.result() for h in hashing)
+
+        return upload
 
     def _submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future[Any]:
         """Run ``fn`` on the store's one background thread (FIFO: work runs in call order)."""
@@ -246,7 +269,7 @@ class CheckpointStore:
     def _commit(
         self,
         iteration: int,
-        payload: dict[str, bytes],
+        upload: Callable[[str], tuple[FileEntry, ...]],
         epoch: int,
         spec_hash: str,
         metrics: Mapping[str, Any] | None,
@@ -254,32 +277,24 @@ class CheckpointStore:
         in_background: bool,
     ) -> CheckpointRef:
         it_dir = iteration_dir(iteration)
-        # a writer-unique data directory: racing writers never overwrite each other's bytes
-        data_dir = f"d-{uuid.uuid4().hex[:16]}"
-        files = {f"{data_dir}/{name}": data for name, data in payload.items()}
-        hashing = [_pool().submit(FileEntry.of, name, data) for name, data in files.items()]  # overlaps I/O
         manifest_key = f"{it_dir}/{MANIFEST_NAME}"
-
-        def manifest() -> Manifest:
-            return Manifest(
-                iteration=iteration,
-                epoch=epoch,
-                spec_hash=spec_hash,
-                created=float(self._clock()),
-                files=tuple(h.result() for h in hashing),
-                metrics=check_metrics(metrics),
-            )
-
-        for name, data in files.items():
-            self.backend.put(f"{it_dir}/{name}", data)
-        ours = manifest()
+        # a writer-unique data directory: racing writers never overwrite each other's bytes
+        entries = upload(f"{it_dir}/d-{uuid.uuid4().hex[:16]}")
+        ours = Manifest(
+            iteration=iteration,
+            epoch=epoch,
+            spec_hash=spec_hash,
+            created=float(self._clock()),
+            files=entries,
+            metrics=check_metrics(metrics),
+        )
         # one listing right before the commit point serves the fence check (the window between
         # it and the commit is one request) and the retention plan (other writers are fenced)
         objects = self.backend.list("")
         try:
             self._check_epoch(epoch, objects)
         except StaleEpochError:
-            self.backend.delete([f"{it_dir}/{name}" for name in files])  # a zombie leaves nothing
+            self.backend.delete([f"{it_dir}/{f.name}" for f in entries])  # a zombie leaves nothing
             raise
         if not self.backend.put_if_absent(manifest_key, ours.to_json()):
             existing = self.backend.get(manifest_key) or b""
