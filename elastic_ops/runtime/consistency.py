@@ -120,9 +120,15 @@ class GradientEngine:
         return self._fast(iteration, batch)
 
     def _accumulate(self, indices: torch.Tensor, total: int, loss_out: torch.Tensor) -> None:
-        """Backward of every micro-batch into the bound grads; losses summed into ``loss_out``."""
+        """Backward of every micro-batch into the bound grads; losses summed into ``loss_out``.
+
+        Each micro-batch's mean loss is scaled by its share of the global batch, so the sum
+        over all micro-batches of all workers is the gradient of the global mean.
+        """
         for micro in _chunks(indices, self.micro_batch):
-            loss = self.loss_fn(self.fetch(micro)) * (len(micro) / total)
+            loss = self.loss_fn(self.fetch(micro))
+            if len(micro) != total:  # a share of 1 needs no extra autograd node
+                loss = loss * (len(micro) / total)
             loss.backward()
             loss_out.add_(loss.detach())
 

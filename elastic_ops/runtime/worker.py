@@ -86,7 +86,8 @@ class TrainableWorker:
         self.lr_ramp = {"from": now, "to": goal, "start": self.iteration}
 
     def _fetch(self, indices: torch.Tensor) -> Any:
-        return to_device(self.trainable.fetch(self.dataset, indices), self.device)
+        batch = self.trainable.fetch(self.dataset, indices)
+        return batch if self.device.type == "cpu" else to_device(batch, self.device)
 
     def _loss(self, batch: Any) -> torch.Tensor:
         return self.trainable.loss(self.model, batch)
