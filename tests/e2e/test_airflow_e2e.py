@@ -177,6 +177,6 @@ def test_killed_worker_is_retried_on_another_host_from_the_latest_checkpoint(dep
     failed_host = failures[0]["host"]
     result = af.xcom("e2e_sigkill", run, retried[0])
     assert failed_host not in result["hosts"]  # the retry's grant avoided the failed host
-    assert result["workers_timeline"][0][0] >= killed_at  # resumed from a committed checkpoint
+    assert 0 < killed_at <= result["workers_timeline"][0][0] < 240  # resumed mid-chunk from a checkpoint
     summary = af.xcom("e2e_sigkill", run, "train.finalize")
     assert summary["param_sha256"] == ref_sha  # bitwise identical to an uninterrupted run

@@ -1,4 +1,5 @@
-"""E2E: a bitwise elastic job whose worker the test SIGKILLs mid-chunk."""
+"""E2E: a bitwise elastic job (one 240-iteration chunk, checkpoints every 20) whose worker the
+test SIGKILLs mid-chunk."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from airflow.sdk import DAG
 from elastic_ops.taskgroup import elastic_training
 
 SPEC = {
-    "trainable": "elastic_ops.examples.digits:DigitsMLP", "total_iterations": 240, "chunk_iterations": 120,
+    "trainable": "elastic_ops.examples.digits:DigitsMLP", "total_iterations": 240, "chunk_iterations": 240,
     "global_batch": 64, "consistency": "bitwise", "virtual_shards": 2, "data_seed": 3,
     "params": {"hidden": 32, "depth": 1},
 }
