@@ -47,8 +47,8 @@ from elastic_ops.spec import JobSpec
 log = logging.getLogger("elastic_ops.runtime")
 
 LOOKAHEAD = 2  # boundaries decided ahead of rank 0, at least
-POLL_S = 0.005  # the controller's poll interval: few wake-ups, whatever the iteration rate
-HORIZON_S = 0.02  # ...and it decides the boundaries expected within this time (>= LOOKAHEAD)
+POLL_S = 0.01  # the controller's poll interval: few wake-ups, whatever the iteration rate
+HORIZON_S = 0.05  # ...and it decides the boundaries expected within this time (>= LOOKAHEAD)
 
 
 class ChunkStatus(enum.StrEnum):
@@ -222,7 +222,7 @@ class _Runner:
         try:
             result = None
             while result is None:
-                result = pc.wait(timeout=0.5, period=0.01)
+                result = pc.wait(timeout=0.5, period=0.05)
                 self.committer.check()
                 if errors:
                     raise errors[0]
