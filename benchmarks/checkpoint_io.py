@@ -17,7 +17,9 @@ server on 127.0.0.1), it measures side by side, in one run, medians over ``--rep
 * training stall: how long the training loop is blocked per checkpoint with ``save`` and with
   ``save_async`` (only encoding blocks), plus the loop's slowdown per checkpoint.
 
-Ratios are ``raw_time / store_time`` (1.0 = no overhead; target >= 0.8).
+Ratios are ``raw_time / store_time`` (1.0 = no overhead; target >= 0.8), from medians and from
+the best of the repeats (the latter is less sensitive to other work on a shared machine). Ours
+and raw run interleaved, round by round, so drifting machine load hits both alike.
 """
 
 from __future__ import annotations
@@ -128,6 +130,7 @@ def bench_io(
             t[name].append(time.perf_counter() - t0)
             store.wait()  # retention runs in the background after save; keep it out of the next timing
     med = {k: statistics.median(v) for k, v in t.items()}
+    best = {k: min(v) for k, v in t.items()}
     return {
         "bytes": len(data),
         "save_s": med["save"],
@@ -141,6 +144,12 @@ def bench_io(
             "read_s": med["raw_read"],
             "save_ratio": med["raw_write"] / med["save"],
             "load_ratio": med["raw_read"] / med["load"],
+        },
+        "best_of_repeats": {  # less sensitive to other load on a shared machine
+            "save_s": best["save"], "raw_save_s": best["raw_save"],
+            "save_ratio_raw_over_ours": best["raw_save"] / best["save"],
+            "load_s": best["load"], "raw_load_s": best["raw_load"],
+            "load_ratio_raw_over_ours": best["raw_load"] / best["load"],
         },
         "save_MBps": len(data) / med["save"] / 1e6,
         "load_MBps": len(data) / med["load"] / 1e6,
@@ -234,7 +243,7 @@ def run(repeats: int) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     results = run(args.repeats)
@@ -249,6 +258,10 @@ def main(argv: list[str] | None = None) -> None:
             f"{r['stall']['sync_blocked_per_checkpoint_s'] * 1e3:.0f} ms, async "
             f"{r['stall']['async_blocked_per_checkpoint_s'] * 1e3:.0f} ms"
         )
+    for where in ("local", "s3"):
+        b = results[where]["best_of_repeats"]
+        print(f"{where:5s} best-of-{args.repeats} ratios: save {b['save_ratio_raw_over_ours']:.2f}, "
+              f"load {b['load_ratio_raw_over_ours']:.2f}")
     print(f"wrote {args.out}")
 
 

@@ -189,6 +189,7 @@ class CheckpointStore:
         iteration first (an identical retry returns the existing checkpoint).
         """
         self._check_args(iteration, epoch, spec_hash)
+        metrics = check_metrics(metrics)  # before any upload: a bad value leaves nothing behind
         put_stream = getattr(self.backend, "put_stream", None)
         if put_stream is None:
             upload = self._bytes_uploader({STATE_NAME: encode_state(state)})

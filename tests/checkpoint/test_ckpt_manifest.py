@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from elastic_ops.checkpoint import open_store
+from elastic_ops.checkpoint import InvalidStateError, open_store
 from elastic_ops.checkpoint.manifest import FileEntry, Manifest, parse_manifest
-from elastic_ops.errors import CheckpointCorruptError, SpecError
+from elastic_ops.errors import CheckpointCorruptError, CheckpointError, SpecError
 from tests.checkpoint.builders import small_state
 
 SHA = "a" * 64
@@ -83,3 +83,12 @@ def test_bad_retention_settings_are_refused(tmp_path) -> None:
         open_store(f"file://{tmp_path}", keep_last=0)
     with pytest.raises(SpecError, match="keep_every=-1"):
         open_store(f"file://{tmp_path}", keep_every=-1)
+
+
+def test_bad_metrics_or_state_are_refused_before_anything_is_written(tmp_path) -> None:
+    store = open_store(f"file://{tmp_path}")
+    with pytest.raises(CheckpointError, match="metrics"):
+        store.save(10, small_state(1), epoch=1, spec_hash="h", metrics={"loss": object()})
+    with pytest.raises(InvalidStateError):
+        store.save(10, {"w": {1, 2}}, epoch=1, spec_hash="h")
+    assert not any(p.is_file() for p in tmp_path.rglob("*"))
