@@ -25,7 +25,7 @@ from airflow.sdk import DAG, task
 from elastic_ops.pool import PoolClient
 from elastic_ops.taskgroup import elastic_training
 
-OUT = sys.argv[1]
+OUT = sys.argv[1] if len(sys.argv) > 1 else None
 POOL = PoolClient("sqlite:///" + os.environ["AIRFLOW_HOME"] + "/elastic_ops_pool.db", policy="priority",
                   aging_s=0.0)
 DIGITS = "elastic_ops.examples.digits:DigitsMLP"
@@ -86,11 +86,13 @@ def run_dag_file(migrated_db: Path, tmp_path: Path, body: str) -> dict:
 
 def test_a_whole_elastic_job_runs_and_emits_the_model_asset(migrated_db, tmp_path):
     result = run_dag_file(migrated_db, tmp_path, """
-        POOL.add_host("h1", 2)
         with DAG(dag_id="whole", schedule=None, start_date=START) as dag:
             elastic_training(task_id="train", trainable=DIGITS, total_iterations=6, chunk_iterations=3,
                              min_workers=1, max_workers=2, **TINY)
-        finish(dag, ["train.chunk_01_of_02", "train.chunk_02_of_02"])
+
+        if __name__ == "__main__":  # dag.test() parses this file again: set up and run only once
+            POOL.add_host("h1", 2)
+            finish(dag, ["train.chunk_01_of_02", "train.chunk_02_of_02"])
     """)
     assert result["state"] == "success"
     c1, c2 = result["chunks"]
@@ -110,27 +112,31 @@ def test_a_whole_elastic_job_runs_and_emits_the_model_asset(migrated_db, tmp_pat
 
 def test_a_chunk_defers_while_the_pool_is_full_then_runs_when_slots_free(migrated_db, tmp_path):
     result = run_dag_file(migrated_db, tmp_path, """
-        POOL.add_host("h1", 1)
-        POOL.submit("blocker", min_workers=1, max_workers=1, priority=1, preemptible=False)
-        blocker = POOL.request("blocker")
-
-        import elastic_ops.triggers.pool as trig
-        polls = []
-        original = trig.GrantTrigger._request_once
-
-        def spy(self, client):  # the trigger runs inline under dag.test(): free the slot after 1 poll
-            outcome = original(self, client)
-            polls.append(type(outcome).__name__)
-            if len(polls) == 1:
-                POOL.release("blocker", blocker.epoch, finished=True)
-            return outcome
-
-        trig.GrantTrigger._request_once = spy
         with DAG(dag_id="deferring", schedule=None, start_date=START) as dag:
             elastic_training(task_id="train", trainable=DIGITS, total_iterations=2, min_workers=1,
                              max_workers=1, **TINY)
-        finish(dag, ["train.chunk_01_of_01"])
-        out = json.load(open(OUT)); out["polls"] = polls; json.dump(out, open(OUT, "w"), default=str)
+
+        if __name__ == "__main__":  # dag.test() parses this file again: set up and run only once
+            POOL.add_host("h1", 1)
+            POOL.submit("blocker", min_workers=1, max_workers=1, priority=1, preemptible=False)
+            blocker = POOL.request("blocker")
+
+            import elastic_ops.triggers.pool as trig
+            polls = []
+            original = trig.GrantTrigger._request_once
+
+            def spy(self, client):  # the trigger runs inline under dag.test(): free the slot after 1 poll
+                outcome = original(self, client)
+                polls.append(type(outcome).__name__)
+                if len(polls) == 1:
+                    POOL.release("blocker", blocker.epoch, finished=True)
+                return outcome
+
+            trig.GrantTrigger._request_once = spy
+            finish(dag, ["train.chunk_01_of_01"])
+            out = json.load(open(OUT))
+            out["polls"] = polls
+            json.dump(out, open(OUT, "w"), default=str)
     """)
     assert result["state"] == "success"
     assert result["polls"][0] == "Wait" and result["polls"][-1] == "Grant"
