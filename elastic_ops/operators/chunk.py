@@ -16,7 +16,7 @@ from typing import Any
 
 from airflow.sdk import BaseOperator
 
-from elastic_ops.errors import WorkerLostError
+from elastic_ops.errors import UnknownJobError, WorkerLostError
 from elastic_ops.hooks.elastic_ops import DEFAULT_CONN_ID, ElasticOpsHook, default_checkpoint_root
 from elastic_ops.operators.jobs import chunk_range, job_id, runtime_spec, safe_name
 from elastic_ops.operators.lease import LeaseKeeper
@@ -153,7 +153,13 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
         avoid = failed_hosts(client, job)
         if avoid:
             self.log.info("job %s avoids hosts that failed it: %s", job, ", ".join(avoid))
-        outcome = client.request(job, avoid_hosts=tuple(avoid))
+        try:
+            outcome = client.request(job, avoid_hosts=tuple(avoid))
+        except UnknownJobError:  # register was skipped or the ledger was reset: register again
+            spec = JobSpec.from_dict(state["spec"])
+            client.submit(job, min_workers=spec.min_workers, max_workers=spec.max_workers,
+                          priority=spec.priority, preemptible=spec.preemptible)
+            outcome = client.request(job, avoid_hosts=tuple(avoid))
         if hasattr(outcome, "epoch"):
             return self._run_granted(context, state, GrantEvent.from_grant(outcome, state), hook)
         self.log.info("job %s waits for workers (%s); deferring", job, getattr(outcome, "reason", ""))
