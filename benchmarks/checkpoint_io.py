@@ -4,7 +4,7 @@
 
 For a realistic state (an MLP with ~1.9 M parameters plus its Adam state, RNG states and a
 data cursor: ~22 MB) and two stores (a local directory, and a real S3 HTTP endpoint: moto's
-server on 127.0.0.1), it measures side by side, in one run, medians over ``--repeats``:
+server in a child process on 127.0.0.1), it measures side by side, in one run, medians over ``--repeats``:
 
 * save: ``store.save(...)`` until it returns (encode + sha256 + data upload + one listing for
   the fence check + conditional manifest; retention then runs on the store's background thread)
@@ -219,9 +219,9 @@ def run(repeats: int) -> dict[str, Any]:
         )
         results["local"]["stall"] = bench_stall(open_store(f"file://{root}/stall", keep_last=2), 20, 5)
 
-    from tests.s3_server import S3Server
+    from tests.s3_server import S3ServerProcess
 
-    with S3Server() as server:
+    with S3ServerProcess() as server:  # S3 as a separate process, as it would be
         ep = server.endpoint("bench")
         client = ep.client()
         store = open_store(ep.uri("store"), s3_client=client, keep_last=2, retry=RetryPolicy(attempts=3))
@@ -233,7 +233,7 @@ def run(repeats: int) -> dict[str, Any]:
             return client.get_object(Bucket=ep.bucket, Key=f"raw/{i}.pt")["Body"].read()
 
         results["s3"] = bench_io(store, state, repeats, raw_put, raw_get)
-        results["s3"]["endpoint"] = "moto server on 127.0.0.1 (in-process thread)"
+        results["s3"]["endpoint"] = "moto server (child process) on 127.0.0.1"
         stall_store = open_store(
             ep.uri("stall"), s3_client=client, keep_last=2, retry=RetryPolicy(attempts=3)
         )

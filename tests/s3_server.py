@@ -11,6 +11,8 @@ Use it as a context manager or through the pytest fixtures::
 
     with S3Server() as server:                     # outside pytest
         ep = server.endpoint("my-bucket")
+    with S3ServerProcess() as server:              # moto in a child process (no fault injection)
+        ep = server.endpoint("my-bucket")
 
 Extras that a plain moto server lacks:
 
@@ -30,7 +32,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import socket
+import subprocess
+import sys
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -219,6 +224,70 @@ class S3Server:
     def clear_faults(self) -> None:
         with self.fault_lock:
             self.faults.clear()
+
+
+class S3ServerProcess:
+    """moto's server in a child process: S3 as a separate service (no fault injection).
+
+    For benchmarks, and for tests whose S3 endpoint must outlive or be independent of the test
+    process's GIL. Same ``endpoint()`` API as :class:`S3Server`.
+    """
+
+    def __init__(self, host: str = "127.0.0.1") -> None:
+        self.host = host
+        self.port = 0
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def endpoint_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout_s: float = 30.0) -> S3ServerProcess:
+        with socket.socket() as sock:
+            sock.bind((self.host, 0))
+            self.port = sock.getsockname()[1]
+        self._proc = subprocess.Popen(
+            [sys.executable, "-c", "from moto.server import main; main()",
+             "-H", self.host, "-p", str(self.port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise RuntimeError(f"moto server exited with code {self._proc.returncode}")
+            try:
+                with socket.create_connection((self.host, self.port), timeout=0.5):
+                    return self
+            except OSError:
+                time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"moto server did not listen on {self.endpoint_url} within {timeout_s} s")
+
+    def stop(self) -> None:
+        if self._proc is not None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait(10)
+            self._proc = None
+
+    def __enter__(self) -> S3ServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def endpoint(self, bucket: str | None = None) -> S3Endpoint:
+        bucket = bucket or f"test-{uuid.uuid4().hex[:12]}"
+        ep = S3Endpoint(self, self.endpoint_url, bucket)  # type: ignore[arg-type]
+        ep.client().create_bucket(Bucket=bucket)
+        return ep
+
+    def inject(self, count: int, **fault: Any) -> Fault:
+        raise NotImplementedError("fault injection needs the in-process S3Server")
 
 
 @contextmanager

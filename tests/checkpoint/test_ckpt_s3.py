@@ -8,7 +8,7 @@ from boto3.s3.transfer import TransferConfig
 
 from elastic_ops.checkpoint import open_store
 from elastic_ops.checkpoint.retry import RetryPolicy, is_transient
-from elastic_ops.errors import StoragePermanentError, StorageTransientError
+from elastic_ops.errors import CommitConflictError, StoragePermanentError, StorageTransientError
 from tests.checkpoint.builders import small_state
 from tests.s3_server import SECRET_KEY, S3Endpoint
 
@@ -156,3 +156,15 @@ def test_backoff_is_bounded_exponential_with_jitter() -> None:
     top = RetryPolicy(initial_s=0.5, max_s=4.0, rng=lambda: 1.0)
     assert [top.wait(a) for a in range(1, 7)] == [0.5, 1.0, 2.0, 4.0, 4.0, 4.0]
     assert RetryPolicy(rng=lambda: 0.0).wait(3) == 0.0
+
+
+def test_store_against_s3_in_a_separate_process() -> None:
+    from tests.s3_server import S3ServerProcess
+
+    with S3ServerProcess() as server:
+        ep = server.endpoint()
+        store = open_store(ep.uri("job"), s3_client=ep.client())
+        store.save(10, small_state(4), epoch=1, spec_hash="h")
+        with pytest.raises(CommitConflictError):
+            open_store(ep.uri("job"), s3_client=ep.client()).save(10, small_state(5), epoch=1, spec_hash="h")
+        assert open_store(ep.uri("job"), s3_client=ep.client()).load(store.latest())["step"] == 4
