@@ -1,0 +1,88 @@
+"""``ElasticChunkOperator``'s first entry: defer while the pool says wait (with everything the
+resumed try needs in the trigger), skip finished ranges, re-register an unknown job."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+from airflow.sdk.exceptions import TaskDeferred
+
+from elastic_ops.checkpoint import open_store
+from elastic_ops.errors import PoolError
+from elastic_ops.operators import ElasticChunkOperator, ElasticRegisterOperator
+from elastic_ops.operators.jobs import job_id
+from elastic_ops.pool import PoolClient
+from elastic_ops.spec import JobSpec
+from elastic_ops.triggers import GrantTrigger
+from elastic_ops.triggers.events import TriggerFailure
+
+FIELDS = {"entrypoint": "elastic_ops.examples.digits:DigitsMLP", "total_iterations": 40,
+          "chunk_iterations": 20, "global_batch": 64, "min_workers": 1, "max_workers": "{{ x }}",
+          "priority": 2}
+
+
+@pytest.fixture
+def pool(monkeypatch, tmp_path) -> PoolClient:
+    url = f"sqlite:///{tmp_path / 'pool.db'}"
+    monkeypatch.setenv("AIRFLOW_HOME", str(tmp_path))
+    monkeypatch.setenv("AIRFLOW_CONN_ELASTIC_OPS_POOL_DEFAULT",
+                       json.dumps({"conn_type": "elastic_ops_pool", "extra": {"url": url}}))
+    client = PoolClient(url, aging_s=0.0)
+    client.add_host("h1", 2)
+    return client
+
+
+def make_chunk(index: int = 1, **fields) -> ElasticChunkOperator:
+    """A chunk task whose templated fields are already rendered (max_workers=2)."""
+    op = ElasticChunkOperator(task_id=f"chunk_{index}", spec_fields=FIELDS | {"max_workers": "2"} | fields,
+                              chunk_index=index, group_id="train")
+    return op
+
+
+def context(run_id: str = "run1") -> dict:
+    return {"dag": SimpleNamespace(dag_id="d"), "run_id": run_id}
+
+
+def test_register_submits_the_rendered_demand(pool):
+    op = ElasticRegisterOperator(task_id="register", spec_fields=FIELDS | {"max_workers": "2"},
+                                 group_id="train")
+    out = op.execute(context())
+    (job,) = pool.status()["jobs"]
+    assert job["name"] == out["job"] == job_id("d", "train", "run1")
+    assert (job["min_workers"], job["max_workers"], job["priority"]) == (1, 2, 2)
+    assert out["checkpoint"].endswith("/elastic_ops/checkpoints/d/train/run1")
+
+
+def test_a_full_pool_defers_with_everything_the_resumed_try_needs(pool):
+    pool.submit("other", min_workers=2, max_workers=2, priority=5, preemptible=False)
+    pool.request("other")
+    op = make_chunk(1)
+    with pytest.raises(TaskDeferred) as deferred:
+        op.execute(context())
+    trig = deferred.value.trigger
+    assert isinstance(trig, GrantTrigger) and deferred.value.method_name == "execute_granted"
+    assert trig.job == job_id("d", "train", "run1") and trig.ledger_url == pool.url
+    state = trig.state
+    assert (state["start"], state["end"], state["chunk_index"]) == (20, 40, 1)
+    spec = JobSpec.from_dict(state["spec"])  # the whole rendered spec travels with the trigger
+    assert spec.max_workers == 2 and spec.name == trig.job
+    assert pool.status()["jobs"][0]["name"] == trig.job  # registered on the way (no register task ran)
+
+
+def test_a_range_already_in_the_latest_checkpoint_succeeds_without_a_grant(pool, tmp_path):
+    op = make_chunk(0)
+    spec = op._spec(context())
+    open_store(spec.checkpoint_uri()).save(20, {"model": {}, "iteration": 20}, epoch=1,
+                                            spec_hash=spec.spec_hash())
+    result = op.execute(context())
+    assert result["status"] == "already_done" and result["iterations"] == 0
+    assert not [e for e in pool.events() if e["kind"] == "grant"]
+
+
+def test_a_trigger_failure_fails_the_task_without_retry(pool):
+    with pytest.raises(PoolError, match="UnknownJobError") as err:
+        failure = TriggerFailure("gone", "UnknownJobError", False)
+        make_chunk(0).execute_granted(context(), failure.to_payload())
+    assert not err.value.retryable
