@@ -14,21 +14,35 @@ A decision has three steps, all deterministic and free of I/O:
    and the rest is re-shared around them.
 3. **Place.** Each job keeps its held slots on ``up`` hosts (most-used hosts first) up to its
    target and releases the rest at its next boundary; growth takes free slots on ``up`` hosts
-   it does not avoid, its own hosts first, then hosts in name order. A grow (or a new grant)
-   waits for its full increment while other jobs still have slots to release, so a job
-   rescales once rather than in steps.
+   it does not avoid, its own hosts first, then hosts in name order (lowest slot index first).
+   A grow (or a new grant) waits for its full increment while other jobs still have slots to
+   release, so a job rescales once rather than in steps.
 
 **Aging** (no starvation): a job holding no slots has effective priority
 ``priority + (now - waiting_since) / aging_s``; a running job's is its priority. Aging changes
 the admission order and the ``strict`` class, never the ``priority`` weights.
 
-Cost: O(J log J + H + S) for J jobs, H hosts and S held slots.
+**Representation (why it is fast).** Steps 1-2 run on numpy arrays with one entry per job
+(ordering by ``lexsort``, admission by cumulative sums, shares by vectorised water-filling).
+Free capacity is a bitmap over the slots of ``up`` hosts, built in one vectorised pass over the
+held slots; the free slots then form one list in (host name, slot index) order, and each host
+keeps a cursor into it, because every take (own hosts first, then in name order) consumes a
+host's lowest free indices. Python-level work per decision is one pass over the jobs plus the
+slots that change hands. Cost: O(J log J + H + S) for J jobs, H hosts and S slots, with only
+O(J + changed slots) of it interpreted.
+
+``tests/pool/reference_policies.py`` keeps the plain per-slot implementation; a property test
+checks that both give the same plan.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Iterable
+import gc
+from collections.abc import Callable
+from itertools import chain
+from operator import attrgetter, itemgetter
+
+import numpy as np
 
 from elastic_ops.errors import UnknownPolicyError
 from elastic_ops.pool.model import (
@@ -40,11 +54,16 @@ from elastic_ops.pool.model import (
     Slot,
     Snapshot,
     TargetAction,
+    make_decision,
 )
-from elastic_ops.pool.shares import strict_fill, weighted_fill
+from elastic_ops.pool.shares import strict_fill_array, weighted_fill_array
 
 Policy = Callable[[Snapshot], Plan]
-ShareFn = Callable[[list[Job], list[int], int, Snapshot], list[int]]
+# (mins, caps, priorities, effective priorities, capacity) -> targets, all arrays over the
+# admitted jobs in rank order.
+ShareFn = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int], np.ndarray]
+
+_host = itemgetter(0)
 
 
 def effective_priority(job: Job, now: float, aging_s: float) -> float:
@@ -63,20 +82,165 @@ def order_key(job: Job, snap: Snapshot) -> tuple:
 # --- share functions (step 2) ---------------------------------------------------------------
 
 
-def _fair(jobs: list[Job], caps: list[int], capacity: int, snap: Snapshot) -> list[int]:
-    return weighted_fill([j.min_workers for j in jobs], caps, [1.0] * len(jobs), capacity)
+def _fair(mins, caps, prio, eff, capacity: int) -> np.ndarray:
+    return weighted_fill_array(mins, caps, np.ones(len(mins)), capacity)
 
 
-def _priority(jobs: list[Job], caps: list[int], capacity: int, snap: Snapshot) -> list[int]:
-    return weighted_fill([j.min_workers for j in jobs], caps, [float(j.priority) for j in jobs], capacity)
+def _priority(mins, caps, prio, eff, capacity: int) -> np.ndarray:
+    return weighted_fill_array(mins, caps, prio, capacity)
 
 
-def _strict(jobs: list[Job], caps: list[int], capacity: int, snap: Snapshot) -> list[int]:
-    classes = [math.floor(effective_priority(j, snap.now, snap.config.aging_s)) for j in jobs]
-    return strict_fill([j.min_workers for j in jobs], caps, classes, capacity)
+def _strict(mins, caps, prio, eff, capacity: int) -> np.ndarray:
+    return strict_fill_array(mins, caps, np.floor(eff), capacity)
 
 
-# --- decide -------------------------------------------------------------------------------
+# --- step 1: the job table ------------------------------------------------------------------
+
+_fields = attrgetter("held", "priority", "submitted", "waiting_since", "min_workers", "max_workers", "name")
+
+
+class _Table:
+    """The snapshot's jobs as arrays, in rank order (see :func:`order_key`)."""
+
+    def __init__(self, snap: Snapshot) -> None:
+        jobs = snap.jobs
+        n = len(jobs)
+        cols = list(zip(*map(_fields, jobs), strict=True)) if n else [()] * 7
+        helds, prio_l, sub_l, ws_l, min_l, max_l, names = cols
+        hl = np.fromiter(map(len, helds), np.int64, n)
+        prio = np.array(prio_l, dtype=np.float64)
+        eff = prio.copy()
+        aging = snap.config.aging_s
+        if aging > 0:
+            waiting = [i for i, (h, w) in enumerate(zip(helds, ws_l, strict=True)) if not h and w is not None]
+            if waiting:
+                ws = np.array([ws_l[i] for i in waiting], dtype=np.float64)
+                eff[waiting] = prio[waiting] + np.maximum(0.0, snap.now - ws) / aging
+        submitted = np.array(sub_l, dtype=np.float64)
+        order = _rank(-eff, hl == 0, submitted, names)
+        ol = order.tolist()
+        self.jobs: list[Job] = list(map(jobs.__getitem__, ol))
+        self.held: list[tuple[Slot, ...]] = list(map(helds.__getitem__, ol))
+        self.n_held = hl[order]
+        self.prio = prio[order]
+        self.eff = eff[order]
+        self.mins = np.array(min_l, dtype=np.int64)[order]
+        self.maxs = np.array(max_l, dtype=np.int64)[order]
+
+
+def _rank(neg_eff: np.ndarray, waiting: np.ndarray, submitted: np.ndarray, names) -> np.ndarray:
+    """Indices in :func:`order_key` order. The numeric keys are sorted by numpy; names only
+    break the ties that remain (usually none), so strings are compared only among tied jobs."""
+    order = np.lexsort((submitted, waiting, neg_eff))
+    if len(order) < 2:
+        return order
+    a, w, s = neg_eff[order], waiting[order], submitted[order]
+    tied = (a[1:] == a[:-1]) & (w[1:] == w[:-1]) & (s[1:] == s[:-1])
+    if not tied.any():
+        return order
+    starts = np.flatnonzero(np.concatenate([[True], ~tied]))
+    ends = np.concatenate([starts[1:], [len(order)]])
+    out = order.tolist()
+    for b, e in zip(starts.tolist(), ends.tolist(), strict=True):
+        if e - b > 1:
+            out[b:e] = sorted(out[b:e], key=names.__getitem__)
+    return np.array(out, dtype=np.int64)
+
+
+# --- free capacity --------------------------------------------------------------------------
+
+
+class _Free:
+    """Every held slot as arrays (``owner`` job, ``host`` id in name order, ``index``, on an up
+    host or not; in the order of ``flat``) and the free slots on ``up`` hosts, from one pass over
+    the held slots. ``slots`` lists the free slots in (host name, index) order; host ``h`` owns
+    ``slots[pos[h]:end[h]]`` and gives them out from the front."""
+
+    def __init__(self, snap: Snapshot, up: dict[str, int], helds: list[tuple[Slot, ...]], n_held) -> None:
+        self.flat: list[Slot] = list(chain.from_iterable(helds))
+        names, host = self._host_ids(snap)
+        up_size = np.fromiter((up.get(h, 0) for h in names), np.int64, len(names))
+        self.is_up_host = np.fromiter((h in up for h in names), bool, len(names))
+        self.host = host
+        self.index = np.fromiter(map(_index, self.flat), np.int64, len(self.flat))
+        self.owner = np.repeat(np.arange(len(helds)), n_held)
+        self.on_up = self.is_up_host[host]
+        self.held_up = n_held - np.bincount(self.owner[~self.on_up], minlength=len(helds))
+        off = np.zeros(len(names) + 1, dtype=np.int64)
+        np.cumsum(up_size, out=off[1:])
+        ok = (self.index >= 0) & (self.index < up_size[host])  # on an up host, within its slots
+        taken = np.zeros(int(off[-1]), dtype=bool)
+        taken[off[host[ok]] + self.index[ok]] = True
+        free = np.flatnonzero(~taken)
+        host_of = np.searchsorted(off, free, side="right") - 1
+        idx = (free - off[host_of]).tolist()
+        self.slots: list[Slot] = list(zip(map(names.__getitem__, host_of.tolist()), idx, strict=True))
+        counts = np.bincount(host_of, minlength=len(names))
+        ends = np.cumsum(counts)
+        with_free = np.flatnonzero(counts)
+        self.hosts: list[str] = [names[i] for i in with_free.tolist()]  # name order
+        self.pos: dict[str, int] = dict(zip(self.hosts, (ends - counts)[with_free].tolist(), strict=True))
+        self.end: dict[str, int] = dict(zip(self.hosts, ends[with_free].tolist(), strict=True))
+        self.has_free: set[str] = set(self.hosts)
+        self.total = len(self.slots)
+        self.cursor = 0
+
+    def _host_ids(self, snap: Snapshot) -> tuple[list[str], np.ndarray]:
+        """Host names in name order (the snapshot's, plus any held slot's unknown host) and the
+        id of each held slot's host in that order."""
+        names = sorted({h.name for h in snap.hosts})
+        for _ in range(2):
+            ids = dict(zip(names, range(len(names)), strict=True))
+            try:
+                return names, np.fromiter(
+                    map(ids.__getitem__, map(_host, self.flat)), np.int64, len(self.flat)
+                )
+            except KeyError:  # a slot on a host the snapshot does not list: not up, not free
+                names = sorted(set(names).union(map(_host, self.flat)))
+        raise AssertionError("unreachable")
+
+    def count_for(self, avoid: frozenset[str]) -> int:
+        if not avoid:
+            return self.total
+        return self.total - sum(self.end[h] - self.pos[h] for h in avoid if h in self.pos)
+
+    def take(self, n: int, held, avoid: frozenset[str]) -> list[Slot]:
+        """``n`` free slots: on the hosts of ``held`` first (in their order), then in host-name
+        order, skipping ``avoid``; lowest slot indices first on each host. Callers check that
+        ``count_for(avoid) >= n``."""
+        out: list[Slot] = []
+        pos, end, slots = self.pos, self.end, self.slots
+        for h in dict.fromkeys(filter(self.has_free.__contains__, map(_host, held))):
+            if h not in avoid:
+                p, e = pos[h], end[h]
+                k = min(n - len(out), e - p)
+                out += slots[p : p + k]
+                pos[h] = p + k
+                if p + k == e:
+                    self.has_free.discard(h)
+                if len(out) == n:
+                    break
+        hosts, i = self.hosts, self.cursor
+        while len(out) < n and i < len(hosts):
+            h = hosts[i]
+            p, e = pos[h], end[h]
+            if h not in avoid and p < e:
+                k = min(n - len(out), e - p)
+                out += slots[p : p + k]
+                p = pos[h] = p + k
+                if p == e:
+                    self.has_free.discard(h)
+            if i == self.cursor and p == e:
+                self.cursor += 1  # hosts before the cursor are full
+            i += 1
+        self.total -= len(out)
+        return out
+
+
+_index = itemgetter(1)
+
+
+# --- step 2: targets ------------------------------------------------------------------------
 
 
 def _usable(snap: Snapshot) -> tuple[dict[str, int], int]:
@@ -84,213 +248,222 @@ def _usable(snap: Snapshot) -> tuple[dict[str, int], int]:
     return up, sum(up.values())
 
 
-def _cap(job: Job, up: dict[str, int], capacity: int) -> int:
-    """The most workers a job can use: its max, limited by slots on up hosts it does not avoid."""
-    avoided = sum(up.get(h, 0) for h in job.avoid_hosts)
-    return min(job.max_workers, capacity - avoided)
+def _caps(t: _Table, up: dict[str, int], capacity: int) -> np.ndarray:
+    """The most workers each job can use: its max, limited by slots on up hosts it does not avoid."""
+    usable = np.full(len(t.jobs), capacity, dtype=np.int64)
+    for i, avoid in enumerate(map(attrgetter("avoid_hosts"), t.jobs)):
+        if avoid:
+            usable[i] -= sum(up.get(h, 0) for h in avoid)
+    return np.minimum(t.maxs, usable)
 
 
-def _share_round(
-    jobs: list[Job], caps: list[int], capacity: int, snap: Snapshot, share: ShareFn
-) -> tuple[list[int], dict[int, str]]:
-    """Admit in order (gang), then share among the admitted. ``jobs`` is already ordered.
-    Returns the targets and the reasons of the jobs left out (admitted ones get their share)."""
-    admitted: list[int] = []
-    left_out: dict[int, str] = {}
-    need = 0
-    for i, job in enumerate(jobs):
-        if caps[i] < job.min_workers:
-            left_out[i] = f"min {job.min_workers} exceeds the {max(caps[i], 0)} usable slots it may use"
-        elif need + job.min_workers <= capacity:
-            admitted.append(i)
-            need += job.min_workers
-        else:
-            left_out[i] = (
-                f"min {job.min_workers} does not fit: {capacity - need} slots left after higher-ranked jobs"
-            )
-    targets = [0] * len(jobs)
-    part = share([jobs[i] for i in admitted], [caps[i] for i in admitted], capacity, snap)
-    for i, t in zip(admitted, part, strict=True):
-        targets[i] = t
-    return targets, left_out
+def _admit(mins: np.ndarray, caps: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray]:
+    """Gang admission in rank order: a job is admitted if ``cap >= min`` and its min fits after
+    the mins admitted before it. Returns (usable, admitted) masks. Vectorised up to the first
+    job that does not fit; after it only jobs with a min no larger than what is left can fit."""
+    usable = caps >= mins
+    m = np.where(usable, mins, 0)
+    cum = np.cumsum(m)
+    over = np.flatnonzero(usable & (cum > capacity))
+    if len(over) == 0:
+        return usable, usable
+    p = int(over[0])
+    admitted = usable.copy()
+    admitted[p:] = False
+    left = capacity - int(cum[p] - m[p])
+    rest = p + 1 + np.flatnonzero(usable[p + 1 :] & (mins[p + 1 :] <= left))
+    for i, need in zip(rest.tolist(), mins[rest].tolist(), strict=True):
+        if need <= left:
+            admitted[i] = True
+            left -= need
+    return usable, admitted
 
 
-def _freeze_reason(job: Job, held_up: int, target: int, snap: Snapshot) -> str | None:
-    """Why a running job must stay at ``held_up`` rather than move to ``target`` (None: it may)."""
-    if held_up == 0 or target == held_up or held_up > job.max_workers or held_up < job.min_workers:
-        return None
+class _Movable:
+    """What :func:`_freeze` needs per job, as arrays (rank order)."""
+
+    def __init__(self, t: _Table) -> None:
+        self.preemptible = np.fromiter(map(attrgetter("preemptible"), t.jobs), bool, len(t.jobs))
+        last = [j.last_rescale for j in t.jobs]
+        self.last = np.array([np.nan if x is None else x for x in last], dtype=np.float64)
+
+
+def _freeze(t: _Table, mv: _Movable, held_up, targets, free, snap: Snapshot) -> dict[int, str]:
+    """Jobs (among ``free``) that must stay at what they hold, with why (see module docstring)."""
     cfg = snap.config
-    if target < held_up:
-        if cfg.preemption == Preemption.NONE:
-            return "preemption is 'none': running jobs are not shrunk"
-        if not job.preemptible:
-            return "job is not preemptible"
-    if job.last_rescale is not None and snap.now - job.last_rescale < cfg.min_rescale_interval_s:
-        return f"rescaled {snap.now - job.last_rescale:.0f}s ago (< {cfg.min_rescale_interval_s:.0f}s)"
-    if target > 0 and abs(target - held_up) / held_up < cfg.min_gain:
-        return f"gain {abs(target - held_up) / held_up:.2f} below min_gain {cfg.min_gain:.2f}"
-    return None
+    cand = free & (held_up > 0) & (targets != held_up) & (held_up <= t.maxs) & (held_up >= t.mins)
+    if not cand.any():
+        return {}
+    shrink = cand & (targets < held_up)
+    if cfg.preemption == Preemption.NONE:
+        a, b = shrink, np.zeros_like(shrink)
+    else:
+        a, b = np.zeros_like(shrink), shrink & ~mv.preemptible
+    rest = cand & ~a & ~b
+    with np.errstate(invalid="ignore"):
+        c = rest & ~np.isnan(mv.last) & (snap.now - mv.last < cfg.min_rescale_interval_s)
+        gain = np.abs(targets - held_up) / np.maximum(held_up, 1)
+    d = rest & ~c & (targets > 0) & (gain < cfg.min_gain)
+    out: dict[int, str] = {}
+    for i in np.flatnonzero(a).tolist():
+        out[i] = "preemption is 'none': running jobs are not shrunk"
+    for i in np.flatnonzero(b).tolist():
+        out[i] = "job is not preemptible"
+    for i in np.flatnonzero(c).tolist():
+        ago = snap.now - t.jobs[i].last_rescale
+        out[i] = f"rescaled {ago:.0f}s ago (< {cfg.min_rescale_interval_s:.0f}s)"
+    for i in np.flatnonzero(d).tolist():
+        h, tgt = int(held_up[i]), int(targets[i])
+        out[i] = f"gain {abs(tgt - h) / h:.2f} below min_gain {cfg.min_gain:.2f}"
+    return out
 
 
-def _scan(jobs: Iterable[Job], up: dict[str, int]) -> tuple[dict[str, list[int]], dict[str, int]]:
-    """The one pass over every held slot: taken slot indices per host, held-on-up count per job."""
-    taken: dict[str, list[int]] = {}
-    held_up: dict[str, int] = {}
-    for job in jobs:
-        n = 0
-        for h, sl in job.held:
-            lst = taken.get(h)
-            if lst is None:
-                taken[h] = [sl]
-            else:
-                lst.append(sl)
-            if h in up:
-                n += 1
-        held_up[job.name] = n
-    return taken, held_up
-
-
-def _targets(snap, share: ShareFn, ordered: list[Job], up: dict[str, int], capacity: int, held_up: list[int]):
-    caps = [_cap(j, up, capacity) for j in ordered]
+def _targets(t: _Table, share: ShareFn, held_up, up: dict[str, int], capacity: int, snap: Snapshot):
+    caps = _caps(t, up, capacity)
+    mv = _Movable(t)
+    n = len(t.jobs)
     frozen: dict[int, str] = {}
+    is_free = np.ones(n, dtype=bool)
     # Freezing only ever grows the frozen set, so this reaches a fixed point; the bound keeps the
     # worst case cheap (what is still unfrozen after it simply follows the last round).
     for _ in range(6):
-        free_idx = [i for i in range(len(ordered)) if i not in frozen]
-        cap_left = capacity - sum(held_up[i] for i in frozen)
-        part, left_out = _share_round(
-            [ordered[i] for i in free_idx], [caps[i] for i in free_idx], cap_left, snap, share
-        )
-        targets = list(held_up)  # frozen jobs keep what they hold
-        for k, i in enumerate(free_idx):
-            targets[i] = part[k]
-        new = {}
-        for i in free_idx:
-            if held_up[i] and targets[i] != held_up[i]:
-                r = _freeze_reason(ordered[i], held_up[i], targets[i], snap)
-                if r:
-                    new[i] = r
+        free_idx = np.flatnonzero(is_free)
+        cap_left = capacity - int(held_up[~is_free].sum())
+        mins, fcaps = t.mins[free_idx], caps[free_idx]
+        usable, admitted = _admit(mins, fcaps, cap_left)
+        targets = held_up.copy()  # frozen jobs keep what they hold
+        targets[free_idx] = 0
+        a = free_idx[admitted]
+        targets[a] = share(mins[admitted], fcaps[admitted], t.prio[a], t.eff[a], cap_left)
+        new = _freeze(t, mv, held_up, targets, is_free, snap)
         if not new:
             break
         frozen.update(new)
-    reasons = [f"share {t} of {cap_left}" for t in targets]
-    for k, why in left_out.items():
-        reasons[free_idx[k]] = why
+        is_free[list(new)] = False
+    return targets, _reasons(targets, cap_left, free_idx, mins, fcaps, usable, admitted, frozen, held_up)
+
+
+def _reasons(targets, cap_left, free_idx, mins, fcaps, usable, admitted, frozen, held_up) -> list[str]:
+    """Why each job gets its target. Texts are built once per distinct value, not per job."""
+    tl = targets.tolist()
+    text = {v: f"share {v} of {cap_left}" for v in set(tl)}
+    reasons = np.array(list(map(text.__getitem__, tl)), dtype=object)
+    out = ~admitted
+    if out.any():
+        m_adm = np.where(admitted, mins, 0)
+        left = cap_left - (np.cumsum(m_adm) - m_adm)
+        # Not usable: "min exceeds cap"; usable but not admitted: "does not fit in what is left".
+        key_a = np.where(usable, 1, 0)[out]
+        key_b = mins[out]
+        key_c = np.where(usable, left, np.maximum(fcaps, 0))[out]
+        keys = np.stack([key_a, key_b, key_c], axis=1)
+        uniq, inv = np.unique(keys, axis=0, return_inverse=True)
+        texts = np.array(
+            [
+                f"min {lo} does not fit: {c} slots left after higher-ranked jobs"
+                if fits
+                else f"min {lo} exceeds the {c} usable slots it may use"
+                for fits, lo, c in uniq.tolist()
+            ],
+            dtype=object,
+        )
+        reasons[free_idx[out]] = texts[inv.reshape(-1)]
+    result = reasons.tolist()
     for i, why in frozen.items():
-        reasons[i] = f"keeps {held_up[i]}: {why}"
-    return targets, reasons
+        result[i] = f"keeps {int(held_up[i])}: {why}"
+    return result
 
 
-class _FreeSlots:
-    """Free slots on up hosts, handed out first-fit in host-name order with a moving cursor.
-    A host's free list is built only when something is taken from it."""
-
-    def __init__(self, up: dict[str, int], taken: dict[str, list[int]]) -> None:
-        self.up = up
-        self.taken = taken
-        self.hosts = sorted(h for h in up if len(taken.get(h, ())) < up[h])
-        self.free: dict[str, list[int]] = {}
-        self.cursor = 0
-        self.total = sum(up.values()) - sum(len(taken.get(h, ())) for h in up)
-
-    def _free(self, h: str) -> list[int]:
-        lst = self.free.get(h)
-        if lst is None:
-            t = set(self.taken.get(h, ()))
-            # Popped from the end, so stored descending to hand out low indices first.
-            lst = self.free[h] = [x for x in range(self.up[h] - 1, -1, -1) if x not in t]
-        return lst
-
-    def free_on(self, h: str) -> int:
-        lst = self.free.get(h)
-        if lst is not None:
-            return len(lst)
-        return max(0, self.up.get(h, 0) - len(self.taken.get(h, ()))) if h in self.up else 0
-
-    def count_for(self, avoid: frozenset[str]) -> int:
-        return self.total - sum(self.free_on(h) for h in avoid)
-
-    def take(self, n: int, prefer: Iterable[str], avoid: frozenset[str]) -> list[Slot]:
-        out: list[Slot] = []
-        for h in prefer:
-            if h in avoid:
-                continue
-            out.extend(self._take_from(h, n - len(out)))
-            if len(out) == n:
-                return out
-        i = self.cursor
-        while len(out) < n and i < len(self.hosts):
-            h = self.hosts[i]
-            if h not in avoid:
-                out.extend(self._take_from(h, n - len(out)))
-            if i == self.cursor and not self._free(h):
-                self.cursor += 1
-            i += 1
-        return out
-
-    def _take_from(self, h: str, n: int) -> list[Slot]:
-        if n <= 0 or h not in self.up:
-            return []
-        lst = self._free(h)
-        if not lst:
-            return []
-        k = min(n, len(lst))
-        got = [(h, lst.pop()) for _ in range(k)]
-        self.total -= k
-        return got
+# --- step 3: placement ----------------------------------------------------------------------
 
 
-def _keep(job: Job, target: int, up: dict[str, int], held_up: int) -> tuple[list[Slot], list[Slot]]:
-    """Which held slots to keep (on up hosts, most-used hosts first) and which to release."""
-    if held_up == len(job.held) and target >= held_up:
-        return list(job.held), []  # the common case: keeps everything
-    per_host: dict[str, list[Slot]] = {}
-    for slot in sorted(job.held):  # canonical order, whatever order the snapshot used
-        per_host.setdefault(slot[0], []).append(slot)
-    keep: list[Slot] = []
-    release: list[Slot] = []
-    for h in sorted(per_host, key=lambda h: (h not in up, -len(per_host[h]), h)):
-        block = per_host[h]
-        k = min(len(block), target - len(keep)) if h in up else 0
-        keep.extend(block[:k])
-        release.extend(block[k:])
-    return keep, release
+def _keep_all(free: _Free, jobs: np.ndarray, targets: np.ndarray, n: int):
+    """For the jobs in ``jobs`` (those that shrink or hold slots on hosts that are not up):
+    which held slots to keep (on up hosts, most-used hosts first, then by host name and slot
+    index) and which to release. One lexsort over their slots. Returns ``{job: (keep,
+    release)}`` and the number of released slots on up hosts."""
+    pick = np.zeros(n, dtype=bool)
+    pick[jobs] = True
+    sel = np.flatnonzero(pick[free.owner])
+    o, h, x, u = free.owner[sel], free.host[sel], free.index[sel], free.on_up[sel]
+    _, inv, cnt = np.unique(o * (int(h.max(initial=0)) + 1) + h, return_inverse=True, return_counts=True)
+    order = np.lexsort((x, h, -cnt[inv.reshape(-1)], ~u, o))
+    o, u = o[order], u[order]
+    start = np.searchsorted(o, o, side="left")
+    keep = u & (np.arange(len(o)) - start < targets[o])
+    slots = list(map(free.flat.__getitem__, sel[order].tolist()))
+    n_keep = np.bincount(o[keep], minlength=n)[jobs].tolist()
+    bounds = np.searchsorted(o, jobs).tolist() + [len(o)]
+    out = {}
+    for k, i in enumerate(jobs.tolist()):
+        b, m, e = bounds[k], bounds[k] + n_keep[k], bounds[k + 1]
+        out[i] = (slots[b:m], slots[m:e])
+    return out, int((u & ~keep).sum())
 
 
 def make_policy(share: ShareFn) -> Policy:
     def decide(snap: Snapshot) -> Plan:
-        up, capacity = _usable(snap)
-        ordered = sorted(snap.jobs, key=lambda j: order_key(j, snap))
-        taken, held_up_by = _scan(ordered, up)
-        held_up = [held_up_by[j.name] for j in ordered]
-        targets, reasons = _targets(snap, share, ordered, up, capacity, held_up)
-        kept = [_keep(j, t, up, n) for j, t, n in zip(ordered, targets, held_up, strict=True)]
-        pending = sum(1 for _, rel in kept for h, _ in rel if h in up)
-        free = _FreeSlots(up, taken)
-        decisions = []
-        for job, target, reason, (keep, release), n in zip(
-            ordered, targets, reasons, kept, held_up, strict=True
-        ):
-            decisions.append(_place(job, target, reason, keep, release, free, pending, n != len(job.held)))
-        return Plan(tuple(decisions))
+        # A decision allocates O(jobs + changed slots) short-lived objects that refcounting
+        # frees, no cycles. Left on, the cyclic collector would walk the whole snapshot (every
+        # held slot) several times per decision at 10,000 jobs for no garbage: pause it for the
+        # call (restored on return or error; left alone if the caller had disabled it).
+        if not gc.isenabled():
+            return _decide(snap, share)
+        gc.disable()
+        try:
+            return _decide(snap, share)
+        finally:
+            gc.enable()
 
     return decide
 
 
-def _place(job, target, reason, keep, release, free: _FreeSlots, pending, moved: bool) -> Decision:
+def _decide(snap: Snapshot, share: ShareFn) -> Plan:
+    up, capacity = _usable(snap)
+    t = _Table(snap)
+    free = _Free(snap, up, t.held, t.n_held)
+    held_up = free.held_up
+    targets, reasons = _targets(t, share, held_up, up, capacity, snap)
+    # Jobs that keep all they hold (on up hosts); the others keep part and release the rest.
+    simple = (held_up == t.n_held) & (targets >= held_up)
+    kept, pending = _keep_all(free, np.flatnonzero(~simple), targets, len(t.jobs))
+    tl = targets.tolist()
+    need = (targets - t.n_held).tolist()
+    moved = (held_up != t.n_held).tolist()
+    decisions: list[Decision] = []
+    append = decisions.append
+    keep_action, grow = TargetAction.KEEP, TargetAction.GROW
+    for i, (job, held, target, reason) in enumerate(zip(t.jobs, t.held, tl, reasons, strict=True)):
+        if i in kept:
+            keep, release = kept[i]
+            append(_place(job, target, reason, keep, release, free, pending, moved[i]))
+        elif need[i] <= 0:  # the steady state (holds and keeps it) or a job that waits
+            append(make_decision(job.name, target, held, (), keep_action if held else None, reason))
+        else:
+            new, reason = _grow(job, need[i], len(held), held, reason, free, pending)
+            action = grow if new else (keep_action if held else None)
+            append(make_decision(job.name, target, held + tuple(new) if new else held, (), action, reason))
+    return Plan(tuple(decisions))
+
+
+def _grow(job: Job, need: int, have: int, keep, reason: str, free: _Free, pending: int):
+    """The free slots for ``need`` more workers: all of them, or (when no slots are being
+    released that could make up the rest) what is free if that reaches the job's minimum."""
+    avail = free.count_for(job.avoid_hosts)
+    if avail >= need:
+        return free.take(need, keep, job.avoid_hosts), reason
+    if pending == 0 and have + avail >= max(job.min_workers, 1):
+        return free.take(avail, keep, job.avoid_hosts), reason + f"; only {avail} more free"
+    return [], reason + f"; waiting for {need - avail} slots to be released"
+
+
+def _place(job, target, reason, keep, release, free: _Free, pending, moved: bool) -> Decision:
     need = target - len(keep)
-    if need <= 0 and not release and job.held:  # the steady state: nothing changes
-        return Decision(job.name, target, job.held, (), TargetAction.KEEP, reason)
+    if need <= 0 and not release and job.held:
+        return make_decision(job.name, target, job.held, (), TargetAction.KEEP, reason)
     new: list[Slot] = []
     if need > 0:
-        avail = free.count_for(job.avoid_hosts)
-        if avail >= need:
-            new = free.take(need, dict.fromkeys(h for h, _ in keep), job.avoid_hosts)
-        elif pending == 0 and len(keep) + avail >= max(job.min_workers, 1):
-            new = free.take(avail, dict.fromkeys(h for h, _ in keep), job.avoid_hosts)
-            reason += f"; only {avail} more free"
-        else:
-            reason += f"; waiting for {need - avail} slots to be released"
+        new, reason = _grow(job, need, len(keep), keep, reason, free, pending)
     placements = job.held if (not new and not release) else tuple(keep + new)
     if job.held and target == 0:
         action: TargetAction | None = TargetAction.PREEMPT
@@ -305,7 +478,7 @@ def _place(job, target, reason, keep, release, free: _FreeSlots, pending, moved:
         action = None
     if moved:
         reason += "; moving off unhealthy hosts"
-    return Decision(job.name, target, placements, tuple(release), action, reason)
+    return make_decision(job.name, target, placements, tuple(release), action, reason)
 
 
 POLICIES: dict[str, Policy] = {

@@ -1,6 +1,7 @@
 """Integer share computations: weighted max-min fairness within bounds.
 
-All functions are pure and run in O(n log n) for n jobs.
+All functions are pure, vectorised with numpy, and run in O(n log n) for n jobs. The ``*_array``
+forms take and return int64 arrays (what the policies use); the list forms wrap them.
 """
 
 from __future__ import annotations
@@ -20,26 +21,32 @@ def weighted_fill(
     fractional parts (ties: lower index first), so the result is deterministic. Callers make sure
     ``sum(mins) <= capacity`` (gang admission); if ``sum(caps) <= capacity`` every job gets its cap.
     """
-    n = len(mins)
-    if n == 0:
-        return []
-    if sum(mins) >= capacity:
-        return list(mins)
-    if sum(caps) <= capacity:
-        return list(caps)
-    lo = np.asarray(mins, dtype=np.float64)
-    hi = np.asarray(caps, dtype=np.float64)
-    w = np.asarray(weights, dtype=np.float64)
-    lam = _solve_lambda(lo, hi, w, float(capacity))
-    exact = np.clip(w * lam, lo, hi)
-    out = np.clip(np.floor(exact + 1e-9), lo, hi)
+    lo = np.asarray(mins, dtype=np.int64).reshape(-1)
+    hi = np.asarray(caps, dtype=np.int64).reshape(-1)
+    return weighted_fill_array(lo, hi, np.asarray(weights, dtype=np.float64), capacity).tolist()
+
+
+def weighted_fill_array(lo: np.ndarray, hi: np.ndarray, w: np.ndarray, capacity: int) -> np.ndarray:
+    """:func:`weighted_fill` on int64 arrays ``lo``/``hi`` and float weights ``w``."""
+    if len(lo) == 0:
+        return np.zeros(0, dtype=np.int64)
+    if int(lo.sum()) >= capacity:
+        return lo.copy()
+    if int(hi.sum()) <= capacity:
+        return hi.copy()
+    lo_f = lo.astype(np.float64)
+    hi_f = hi.astype(np.float64)
+    w = np.asarray(w, dtype=np.float64)
+    lam = _solve_lambda(lo_f, hi_f, w, float(capacity))
+    exact = np.clip(w * lam, lo_f, hi_f)
+    out = np.clip(np.floor(exact + 1e-9), lo_f, hi_f)
     left = capacity - int(out.sum())
     if left > 0:
-        room = np.flatnonzero(out < hi)
+        room = np.flatnonzero(out < hi_f)
         # Largest remainder first, lower index on ties (lexsort: last key is primary).
         order = room[np.lexsort((room, -(exact[room] - out[room])))]
         out[order[:left]] += 1
-    return [int(x) for x in out]
+    return out.astype(np.int64)
 
 
 def _solve_lambda(lo: np.ndarray, hi: np.ndarray, w: np.ndarray, capacity: float) -> float:
@@ -69,24 +76,30 @@ def _solve_lambda(lo: np.ndarray, hi: np.ndarray, w: np.ndarray, capacity: float
 
 def strict_fill(mins: Sequence[int], caps: Sequence[int], classes: Sequence[int], capacity: int) -> list[int]:
     """Everyone gets its min; the rest goes to higher classes first, max-min fair within a class."""
-    out = list(mins)
-    left = capacity - sum(mins)
-    by_class: dict[int, list[int]] = {}
-    for i, c in enumerate(classes):
-        by_class.setdefault(c, []).append(i)
-    for c in sorted(by_class, reverse=True):
-        if left <= 0:
-            break
-        idx = by_class[c]
-        room = sum(caps[i] - mins[i] for i in idx)
-        extra = min(left, room)
-        part = weighted_fill(
-            [mins[i] for i in idx],
-            [caps[i] for i in idx],
-            [1.0] * len(idx),
-            sum(mins[i] for i in idx) + extra,
-        )
-        for i, v in zip(idx, part, strict=True):
-            out[i] = v
-        left -= extra
+    lo = np.asarray(mins, dtype=np.int64).reshape(-1)
+    hi = np.asarray(caps, dtype=np.int64).reshape(-1)
+    return strict_fill_array(lo, hi, np.asarray(classes, dtype=np.float64), capacity).tolist()
+
+
+def strict_fill_array(lo: np.ndarray, hi: np.ndarray, classes: np.ndarray, capacity: int) -> np.ndarray:
+    """:func:`strict_fill` on arrays. Classes, highest first, are filled to their caps while the
+    leftover lasts; the one class where it runs out is shared max-min fairly (ties: lower index);
+    classes below it keep their mins."""
+    out = lo.copy()
+    left = capacity - int(lo.sum())
+    if left <= 0 or len(lo) == 0:
+        return out
+    order = np.argsort(-np.asarray(classes, dtype=np.float64), kind="stable")  # index order within a class
+    cls = np.asarray(classes)[order]
+    starts = np.flatnonzero(np.concatenate([[True], cls[1:] != cls[:-1]]))
+    room = np.add.reduceat((hi - lo)[order], starts)
+    full = np.cumsum(room) <= left
+    n_full = int(np.argmin(full)) if not full.all() else len(starts)
+    stop = starts[n_full] if n_full < len(starts) else len(order)
+    out[order[:stop]] = hi[order[:stop]]  # classes served in full
+    if n_full < len(starts):
+        extra = left - int(room[:n_full].sum())
+        end = starts[n_full + 1] if n_full + 1 < len(starts) else len(order)
+        idx = order[stop:end]
+        out[idx] = weighted_fill_array(lo[idx], hi[idx], np.ones(len(idx)), int(lo[idx].sum()) + extra)
     return out

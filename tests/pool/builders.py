@@ -59,3 +59,46 @@ def snapshots(draw, preemption=None) -> Snapshot:
         aging_s=draw(st.sampled_from([0.0, 600.0])),
     )
     return Snapshot(tuple(hosts), tuple(jobs), now, config)
+
+
+@st.composite
+def shuffled_snapshots(draw) -> Snapshot:
+    """Like :func:`snapshots`, but with ties (coarse priorities and submission times), hosts,
+    jobs and each job's held slots in arbitrary order, and up to 16 jobs on up to 6 hosts, so
+    the rank and placement tie-breaks are exercised."""
+    n_hosts = draw(st.integers(1, 6))
+    names = draw(st.permutations([f"h{i}" for i in range(n_hosts)]))
+    hosts = [
+        Host(name, draw(st.integers(1, 8)), draw(st.sampled_from([HostState.UP] * 5 + list(HostState))))
+        for name in names
+    ]
+    free = draw(st.permutations([(h.name, s) for h in hosts for s in range(h.slots)]))
+    now = 1_000.0
+    jobs, cursor = [], 0
+    for i in range(draw(st.integers(0, 16))):
+        lo = draw(st.integers(0, 4))
+        hi = draw(st.integers(max(lo, 1), lo + 10))
+        n_held = draw(st.integers(0, max(0, min(hi + 2, len(free) - cursor))))
+        held = tuple(free[cursor : cursor + n_held])  # unsorted on purpose
+        cursor += n_held
+        jobs.append(
+            Job(
+                name=f"job{draw(st.integers(0, 99)):02d}-{i}",
+                min_workers=lo,
+                max_workers=hi,
+                priority=draw(st.integers(1, 3)),  # the ledger allows 1..1000
+                preemptible=draw(st.booleans()),
+                avoid_hosts=frozenset(draw(st.sets(st.sampled_from(list(names) + ["gone"]), max_size=2))),
+                submitted=float(draw(st.integers(0, 3))),
+                waiting_since=None if held else float(draw(st.integers(0, 2_000))),
+                last_rescale=draw(st.none() | st.sampled_from([now - 100, now - 10])),
+                held=held,
+            )
+        )
+    config = PolicyConfig(
+        preemption=draw(st.sampled_from(list(Preemption))),
+        min_rescale_interval_s=draw(st.sampled_from([0.0, 60.0])),
+        min_gain=draw(st.sampled_from([0.0, 0.25])),
+        aging_s=draw(st.sampled_from([0.0, 600.0])),
+    )
+    return Snapshot(tuple(hosts), tuple(draw(st.permutations(jobs))), now, config)

@@ -1,0 +1,366 @@
+"""The simple reference implementation of the pool policies, kept for tests.
+
+This is the straightforward per-slot version that the fast policies in
+:mod:`elastic_ops.pool.policies` replaced (same semantics, same tie-breaks). The equivalence
+test checks that both give the same plan on random small snapshots. Not used by the pool.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+
+import numpy as np
+
+from elastic_ops.pool.model import (
+    Decision,
+    HostState,
+    Job,
+    Plan,
+    Preemption,
+    Slot,
+    Snapshot,
+    TargetAction,
+)
+from elastic_ops.pool.policies import effective_priority, order_key
+
+
+def weighted_fill(
+    mins: Sequence[int], caps: Sequence[int], weights: Sequence[float], capacity: int
+) -> list[int]:
+    """Split ``capacity`` so each job gets ``clamp(weight * λ, min, cap)``, summing to capacity.
+
+    The common λ is found by sweeping the sorted breakpoints ``min/w`` and ``cap/w`` of the
+    piecewise-linear total. Fractions are rounded down and the leftover units go to the largest
+    fractional parts (ties: lower index first), so the result is deterministic. Callers make sure
+    ``sum(mins) <= capacity`` (gang admission); if ``sum(caps) <= capacity`` every job gets its cap.
+    """
+    n = len(mins)
+    if n == 0:
+        return []
+    if sum(mins) >= capacity:
+        return list(mins)
+    if sum(caps) <= capacity:
+        return list(caps)
+    lo = np.asarray(mins, dtype=np.float64)
+    hi = np.asarray(caps, dtype=np.float64)
+    w = np.asarray(weights, dtype=np.float64)
+    lam = _solve_lambda(lo, hi, w, float(capacity))
+    exact = np.clip(w * lam, lo, hi)
+    out = np.clip(np.floor(exact + 1e-9), lo, hi)
+    left = capacity - int(out.sum())
+    if left > 0:
+        room = np.flatnonzero(out < hi)
+        # Largest remainder first, lower index on ties (lexsort: last key is primary).
+        order = room[np.lexsort((room, -(exact[room] - out[room])))]
+        out[order[:left]] += 1
+    return [int(x) for x in out]
+
+
+def _solve_lambda(lo: np.ndarray, hi: np.ndarray, w: np.ndarray, capacity: float) -> float:
+    """The λ with ``sum(clip(w λ, lo, hi)) == capacity``: the total is piecewise linear and
+    nondecreasing in λ, so sort the breakpoints, find the segment by cumulative sums, and solve
+    that segment exactly (vectorised: O(n log n))."""
+    starts, ends = lo / w, hi / w
+    by_start, by_end = np.argsort(starts, kind="stable"), np.argsort(ends, kind="stable")
+    s_sorted, e_sorted = starts[by_start], ends[by_end]
+    zero = np.zeros(1)
+    lo_cum = np.concatenate([zero, np.cumsum(lo[by_start])])
+    ws_cum = np.concatenate([zero, np.cumsum(w[by_start])])
+    hi_cum = np.concatenate([zero, np.cumsum(hi[by_end])])
+    we_cum = np.concatenate([zero, np.cumsum(w[by_end])])
+    points = np.unique(np.concatenate([starts, ends]))
+    i_s = np.searchsorted(s_sorted, points, side="right")  # jobs whose share has started growing
+    i_e = np.searchsorted(e_sorted, points, side="right")  # jobs already at their cap
+    totals = (lo_cum[-1] - lo_cum[i_s]) + (ws_cum[i_s] - we_cum[i_e]) * points + hi_cum[i_e]
+    k = int(np.searchsorted(totals, capacity))
+    if k == 0:
+        return float(points[0])
+    if k >= len(points):
+        return float(points[-1])
+    p0, p1, t0, t1 = points[k - 1], points[k], totals[k - 1], totals[k]
+    return float(p0 + (p1 - p0) * (capacity - t0) / (t1 - t0)) if t1 > t0 else float(p1)
+
+
+def strict_fill(mins: Sequence[int], caps: Sequence[int], classes: Sequence[int], capacity: int) -> list[int]:
+    """Everyone gets its min; the rest goes to higher classes first, max-min fair within a class."""
+    out = list(mins)
+    left = capacity - sum(mins)
+    by_class: dict[int, list[int]] = {}
+    for i, c in enumerate(classes):
+        by_class.setdefault(c, []).append(i)
+    for c in sorted(by_class, reverse=True):
+        if left <= 0:
+            break
+        idx = by_class[c]
+        room = sum(caps[i] - mins[i] for i in idx)
+        extra = min(left, room)
+        part = weighted_fill(
+            [mins[i] for i in idx],
+            [caps[i] for i in idx],
+            [1.0] * len(idx),
+            sum(mins[i] for i in idx) + extra,
+        )
+        for i, v in zip(idx, part, strict=True):
+            out[i] = v
+        left -= extra
+    return out
+
+
+Policy = Callable[[Snapshot], Plan]
+ShareFn = Callable[[list[Job], list[int], int, Snapshot], list[int]]
+
+
+# --- share functions (step 2) ---------------------------------------------------------------
+
+
+def _fair(jobs: list[Job], caps: list[int], capacity: int, snap: Snapshot) -> list[int]:
+    return weighted_fill([j.min_workers for j in jobs], caps, [1.0] * len(jobs), capacity)
+
+
+def _priority(jobs: list[Job], caps: list[int], capacity: int, snap: Snapshot) -> list[int]:
+    return weighted_fill([j.min_workers for j in jobs], caps, [float(j.priority) for j in jobs], capacity)
+
+
+def _strict(jobs: list[Job], caps: list[int], capacity: int, snap: Snapshot) -> list[int]:
+    classes = [math.floor(effective_priority(j, snap.now, snap.config.aging_s)) for j in jobs]
+    return strict_fill([j.min_workers for j in jobs], caps, classes, capacity)
+
+
+# --- decide -------------------------------------------------------------------------------
+
+
+def _usable(snap: Snapshot) -> tuple[dict[str, int], int]:
+    up = {h.name: h.slots for h in snap.hosts if h.state == HostState.UP}
+    return up, sum(up.values())
+
+
+def _cap(job: Job, up: dict[str, int], capacity: int) -> int:
+    """The most workers a job can use: its max, limited by slots on up hosts it does not avoid."""
+    avoided = sum(up.get(h, 0) for h in job.avoid_hosts)
+    return min(job.max_workers, capacity - avoided)
+
+
+def _share_round(
+    jobs: list[Job], caps: list[int], capacity: int, snap: Snapshot, share: ShareFn
+) -> tuple[list[int], dict[int, str]]:
+    """Admit in order (gang), then share among the admitted. ``jobs`` is already ordered.
+    Returns the targets and the reasons of the jobs left out (admitted ones get their share)."""
+    admitted: list[int] = []
+    left_out: dict[int, str] = {}
+    need = 0
+    for i, job in enumerate(jobs):
+        if caps[i] < job.min_workers:
+            left_out[i] = f"min {job.min_workers} exceeds the {max(caps[i], 0)} usable slots it may use"
+        elif need + job.min_workers <= capacity:
+            admitted.append(i)
+            need += job.min_workers
+        else:
+            left_out[i] = (
+                f"min {job.min_workers} does not fit: {capacity - need} slots left after higher-ranked jobs"
+            )
+    targets = [0] * len(jobs)
+    part = share([jobs[i] for i in admitted], [caps[i] for i in admitted], capacity, snap)
+    for i, t in zip(admitted, part, strict=True):
+        targets[i] = t
+    return targets, left_out
+
+
+def _freeze_reason(job: Job, held_up: int, target: int, snap: Snapshot) -> str | None:
+    """Why a running job must stay at ``held_up`` rather than move to ``target`` (None: it may)."""
+    if held_up == 0 or target == held_up or held_up > job.max_workers or held_up < job.min_workers:
+        return None
+    cfg = snap.config
+    if target < held_up:
+        if cfg.preemption == Preemption.NONE:
+            return "preemption is 'none': running jobs are not shrunk"
+        if not job.preemptible:
+            return "job is not preemptible"
+    if job.last_rescale is not None and snap.now - job.last_rescale < cfg.min_rescale_interval_s:
+        return f"rescaled {snap.now - job.last_rescale:.0f}s ago (< {cfg.min_rescale_interval_s:.0f}s)"
+    if target > 0 and abs(target - held_up) / held_up < cfg.min_gain:
+        return f"gain {abs(target - held_up) / held_up:.2f} below min_gain {cfg.min_gain:.2f}"
+    return None
+
+
+def _scan(jobs: Iterable[Job], up: dict[str, int]) -> tuple[dict[str, list[int]], dict[str, int]]:
+    """The one pass over every held slot: taken slot indices per host, held-on-up count per job."""
+    taken: dict[str, list[int]] = {}
+    held_up: dict[str, int] = {}
+    for job in jobs:
+        n = 0
+        for h, sl in job.held:
+            lst = taken.get(h)
+            if lst is None:
+                taken[h] = [sl]
+            else:
+                lst.append(sl)
+            if h in up:
+                n += 1
+        held_up[job.name] = n
+    return taken, held_up
+
+
+def _targets(snap, share: ShareFn, ordered: list[Job], up: dict[str, int], capacity: int, held_up: list[int]):
+    caps = [_cap(j, up, capacity) for j in ordered]
+    frozen: dict[int, str] = {}
+    # Freezing only ever grows the frozen set, so this reaches a fixed point; the bound keeps the
+    # worst case cheap (what is still unfrozen after it simply follows the last round).
+    for _ in range(6):
+        free_idx = [i for i in range(len(ordered)) if i not in frozen]
+        cap_left = capacity - sum(held_up[i] for i in frozen)
+        part, left_out = _share_round(
+            [ordered[i] for i in free_idx], [caps[i] for i in free_idx], cap_left, snap, share
+        )
+        targets = list(held_up)  # frozen jobs keep what they hold
+        for k, i in enumerate(free_idx):
+            targets[i] = part[k]
+        new = {}
+        for i in free_idx:
+            if held_up[i] and targets[i] != held_up[i]:
+                r = _freeze_reason(ordered[i], held_up[i], targets[i], snap)
+                if r:
+                    new[i] = r
+        if not new:
+            break
+        frozen.update(new)
+    reasons = [f"share {t} of {cap_left}" for t in targets]
+    for k, why in left_out.items():
+        reasons[free_idx[k]] = why
+    for i, why in frozen.items():
+        reasons[i] = f"keeps {held_up[i]}: {why}"
+    return targets, reasons
+
+
+class _FreeSlots:
+    """Free slots on up hosts, handed out first-fit in host-name order with a moving cursor.
+    A host's free list is built only when something is taken from it."""
+
+    def __init__(self, up: dict[str, int], taken: dict[str, list[int]]) -> None:
+        self.up = up
+        self.taken = taken
+        self.hosts = sorted(h for h in up if len(taken.get(h, ())) < up[h])
+        self.free: dict[str, list[int]] = {}
+        self.cursor = 0
+        self.total = sum(up.values()) - sum(len(taken.get(h, ())) for h in up)
+
+    def _free(self, h: str) -> list[int]:
+        lst = self.free.get(h)
+        if lst is None:
+            t = set(self.taken.get(h, ()))
+            # Popped from the end, so stored descending to hand out low indices first.
+            lst = self.free[h] = [x for x in range(self.up[h] - 1, -1, -1) if x not in t]
+        return lst
+
+    def free_on(self, h: str) -> int:
+        lst = self.free.get(h)
+        if lst is not None:
+            return len(lst)
+        return max(0, self.up.get(h, 0) - len(self.taken.get(h, ()))) if h in self.up else 0
+
+    def count_for(self, avoid: frozenset[str]) -> int:
+        return self.total - sum(self.free_on(h) for h in avoid)
+
+    def take(self, n: int, prefer: Iterable[str], avoid: frozenset[str]) -> list[Slot]:
+        out: list[Slot] = []
+        for h in prefer:
+            if h in avoid:
+                continue
+            out.extend(self._take_from(h, n - len(out)))
+            if len(out) == n:
+                return out
+        i = self.cursor
+        while len(out) < n and i < len(self.hosts):
+            h = self.hosts[i]
+            if h not in avoid:
+                out.extend(self._take_from(h, n - len(out)))
+            if i == self.cursor and not self._free(h):
+                self.cursor += 1
+            i += 1
+        return out
+
+    def _take_from(self, h: str, n: int) -> list[Slot]:
+        if n <= 0 or h not in self.up:
+            return []
+        lst = self._free(h)
+        if not lst:
+            return []
+        k = min(n, len(lst))
+        got = [(h, lst.pop()) for _ in range(k)]
+        self.total -= k
+        return got
+
+
+def _keep(job: Job, target: int, up: dict[str, int], held_up: int) -> tuple[list[Slot], list[Slot]]:
+    """Which held slots to keep (on up hosts, most-used hosts first) and which to release."""
+    if held_up == len(job.held) and target >= held_up:
+        return list(job.held), []  # the common case: keeps everything
+    per_host: dict[str, list[Slot]] = {}
+    for slot in sorted(job.held):  # canonical order, whatever order the snapshot used
+        per_host.setdefault(slot[0], []).append(slot)
+    keep: list[Slot] = []
+    release: list[Slot] = []
+    for h in sorted(per_host, key=lambda h: (h not in up, -len(per_host[h]), h)):
+        block = per_host[h]
+        k = min(len(block), target - len(keep)) if h in up else 0
+        keep.extend(block[:k])
+        release.extend(block[k:])
+    return keep, release
+
+
+def make_policy(share: ShareFn) -> Policy:
+    def decide(snap: Snapshot) -> Plan:
+        up, capacity = _usable(snap)
+        ordered = sorted(snap.jobs, key=lambda j: order_key(j, snap))
+        taken, held_up_by = _scan(ordered, up)
+        held_up = [held_up_by[j.name] for j in ordered]
+        targets, reasons = _targets(snap, share, ordered, up, capacity, held_up)
+        kept = [_keep(j, t, up, n) for j, t, n in zip(ordered, targets, held_up, strict=True)]
+        pending = sum(1 for _, rel in kept for h, _ in rel if h in up)
+        free = _FreeSlots(up, taken)
+        decisions = []
+        for job, target, reason, (keep, release), n in zip(
+            ordered, targets, reasons, kept, held_up, strict=True
+        ):
+            decisions.append(_place(job, target, reason, keep, release, free, pending, n != len(job.held)))
+        return Plan(tuple(decisions))
+
+    return decide
+
+
+def _place(job, target, reason, keep, release, free: _FreeSlots, pending, moved: bool) -> Decision:
+    need = target - len(keep)
+    if need <= 0 and not release and job.held:  # the steady state: nothing changes
+        return Decision(job.name, target, job.held, (), TargetAction.KEEP, reason)
+    new: list[Slot] = []
+    if need > 0:
+        avail = free.count_for(job.avoid_hosts)
+        if avail >= need:
+            new = free.take(need, dict.fromkeys(h for h, _ in keep), job.avoid_hosts)
+        elif pending == 0 and len(keep) + avail >= max(job.min_workers, 1):
+            new = free.take(avail, dict.fromkeys(h for h, _ in keep), job.avoid_hosts)
+            reason += f"; only {avail} more free"
+        else:
+            reason += f"; waiting for {need - avail} slots to be released"
+    placements = job.held if (not new and not release) else tuple(keep + new)
+    if job.held and target == 0:
+        action: TargetAction | None = TargetAction.PREEMPT
+        reason = "preempted: " + reason
+    elif new:
+        action = TargetAction.GROW
+    elif release:
+        action = TargetAction.SHRINK
+    elif job.held:
+        action = TargetAction.KEEP
+    else:
+        action = None
+    if moved:
+        reason += "; moving off unhealthy hosts"
+    return Decision(job.name, target, placements, tuple(release), action, reason)
+
+
+REFERENCE: dict[str, Policy] = {
+    "fairshare": make_policy(_fair),
+    "priority": make_policy(_priority),
+    "strict": make_policy(_strict),
+}
