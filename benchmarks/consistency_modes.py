@@ -37,7 +37,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--shards", type=int, default=8)
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args(argv)
-    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "elastic_ops.runtime.worker"])
+    from elastic_ops.runtime.launcher import PRELOAD
+
+    multiprocessing.set_forkserver_preload(PRELOAD)  # the bare loop forks from the same warm server
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for n in (int(w) for w in args.workers.split(",")):

@@ -135,7 +135,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = ap.parse_args(argv)
     import multiprocessing
 
-    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "elastic_ops.runtime.worker"])
+    from elastic_ops.runtime.launcher import PRELOAD
+
+    multiprocessing.set_forkserver_preload(PRELOAD)  # the bare loop forks from the same warm server
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for n in (int(w) for w in args.workers.split(",")):

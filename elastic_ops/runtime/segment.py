@@ -17,7 +17,6 @@ import contextlib
 import datetime
 import json
 import os
-import sys
 import time
 import traceback
 from collections.abc import Iterator
@@ -56,19 +55,6 @@ def user_code() -> Iterator[None]:
         raise
     except Exception as exc:
         raise UserFailure(exc) from exc
-
-
-def deterministic() -> None:
-    """``torch.use_deterministic_algorithms(True)`` without its ~4 s import of torch._inductor.
-
-    The public call also sets ``torch._inductor.config.deterministic``, which only matters to
-    ``torch.compile``; when user code has loaded inductor, the public call is used (call this
-    again after building the model).
-    """
-    if "torch._inductor" in sys.modules:
-        torch.use_deterministic_algorithms(True)
-    else:
-        torch._C._set_deterministic_algorithms(True)
 
 
 @dataclass
@@ -121,7 +107,7 @@ class Segment:
         """
         torch.set_num_threads(self.spec.threads_per_worker)
         if self.spec.consistency.value == "bitwise":
-            deterministic()
+            torch.use_deterministic_algorithms(True)
         if self.device().type == "cuda":
             torch.cuda.set_device(0)
         if (self.workers > 1 or always_group) and not dist.is_initialized():

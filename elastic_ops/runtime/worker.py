@@ -18,7 +18,7 @@ import torch
 
 from elastic_ops.runtime.consistency import GradientEngine, lr_factor, target_factor
 from elastic_ops.runtime.data_order import batch_size, stream_slice
-from elastic_ops.runtime.segment import NonFiniteLoss, Segment, UserFailure, deterministic, user_code
+from elastic_ops.runtime.segment import NonFiniteLoss, Segment, UserFailure, user_code
 from elastic_ops.runtime.state import build_state, restore_rng
 from elastic_ops.runtime.trainable import load_trainable, to_device
 
@@ -39,8 +39,6 @@ class TrainableWorker:
             self.scheduler = self.trainable.build_scheduler(self.optimizer)
             self.dataset = self.trainable.train_dataset()
             self.num_samples = len(self.dataset)
-        if spec.consistency.value == "bitwise":
-            deterministic()  # again: user code may have loaded torch.compile's inductor
         self.iteration, self.cursor = seg.start, 0
         self.metrics: dict[str, list] = {"loss": [], "eval": []}
         self.scaled = spec.scaling.value != "fixed"
