@@ -96,36 +96,49 @@ def _strict(mins, caps, prio, eff, capacity: int) -> np.ndarray:
 
 # --- step 1: the job table ------------------------------------------------------------------
 
-_fields = attrgetter("held", "priority", "submitted", "waiting_since", "min_workers", "max_workers", "name")
+_FIELDS = (
+    "held",
+    "priority",
+    "submitted",
+    "waiting_since",
+    "min_workers",
+    "max_workers",
+    "name",
+    "avoid_hosts",
+    "preemptible",
+    "last_rescale",
+)
+_fields = attrgetter(*_FIELDS)
 
 
 class _Table:
-    """The snapshot's jobs as arrays, in rank order (see :func:`order_key`)."""
+    """The snapshot's jobs as arrays, in rank order (see :func:`order_key`), read in one pass."""
 
     def __init__(self, snap: Snapshot) -> None:
         jobs = snap.jobs
         n = len(jobs)
-        cols = list(zip(*map(_fields, jobs), strict=True)) if n else [()] * 7
-        helds, prio_l, sub_l, ws_l, min_l, max_l, names = cols
+        cols = list(zip(*map(_fields, jobs), strict=True)) if n else [()] * len(_FIELDS)
+        helds, prio_l, sub_l, ws_l, min_l, max_l, names, avoid_l, pre_l, last_l = cols
         hl = np.fromiter(map(len, helds), np.int64, n)
         prio = np.array(prio_l, dtype=np.float64)
         eff = prio.copy()
         aging = snap.config.aging_s
-        if aging > 0:
-            waiting = [i for i, (h, w) in enumerate(zip(helds, ws_l, strict=True)) if not h and w is not None]
-            if waiting:
-                ws = np.array([ws_l[i] for i in waiting], dtype=np.float64)
-                eff[waiting] = prio[waiting] + np.maximum(0.0, snap.now - ws) / aging
-        submitted = np.array(sub_l, dtype=np.float64)
-        order = _rank(-eff, hl == 0, submitted, names)
+        if aging > 0 and n:
+            ws = np.array(ws_l, dtype=np.float64)  # None -> nan
+            waiting = (hl == 0) & ~np.isnan(ws)
+            eff[waiting] = prio[waiting] + np.maximum(0.0, snap.now - ws[waiting]) / aging
+        order = _rank(-eff, hl == 0, np.array(sub_l, dtype=np.float64), names)
         ol = order.tolist()
         self.jobs: list[Job] = list(map(jobs.__getitem__, ol))
         self.held: list[tuple[Slot, ...]] = list(map(helds.__getitem__, ol))
+        self.avoid: list[frozenset[str]] = list(map(avoid_l.__getitem__, ol))
         self.n_held = hl[order]
         self.prio = prio[order]
         self.eff = eff[order]
         self.mins = np.array(min_l, dtype=np.int64)[order]
         self.maxs = np.array(max_l, dtype=np.int64)[order]
+        self.preemptible = np.array(pre_l, dtype=bool)[order]
+        self.last_rescale = np.array(last_l, dtype=np.float64)[order]  # None -> nan
 
 
 def _rank(neg_eff: np.ndarray, waiting: np.ndarray, submitted: np.ndarray, names) -> np.ndarray:
@@ -151,20 +164,23 @@ def _rank(neg_eff: np.ndarray, waiting: np.ndarray, submitted: np.ndarray, names
 
 
 class _Free:
-    """Every held slot as arrays (``owner`` job, ``host`` id in name order, ``index``, on an up
-    host or not; in the order of ``flat``) and the free slots on ``up`` hosts, from one pass over
-    the held slots. ``slots`` lists the free slots in (host name, index) order; host ``h`` owns
-    ``slots[pos[h]:end[h]]`` and gives them out from the front."""
+    """Every held slot as arrays (``owner`` job, ``host`` id, ``index``, on an up host or not;
+    in the order of ``flat``, i.e. job by job in rank order) and the free slots on ``up`` hosts,
+    from one pass over the held slots. Host ids number the hosts in name order. ``slots`` lists
+    the free slots in (host name, index) order; host ``h`` owns ``slots[pos[h]:end[h]]`` and
+    gives them out from the front."""
 
     def __init__(self, snap: Snapshot, up: dict[str, int], helds: list[tuple[Slot, ...]], n_held) -> None:
         self.flat: list[Slot] = list(chain.from_iterable(helds))
         names, host = self._host_ids(snap)
+        self.ids = dict(zip(names, range(len(names)), strict=True))
         up_size = np.fromiter((up.get(h, 0) for h in names), np.int64, len(names))
-        self.is_up_host = np.fromiter((h in up for h in names), bool, len(names))
         self.host = host
+        self.host_list: list[int] = host.tolist()
+        self.first = np.concatenate([[0], np.cumsum(n_held)]).tolist()  # job i: flat[first[i]:first[i+1]]
         self.index = np.fromiter(map(_index, self.flat), np.int64, len(self.flat))
         self.owner = np.repeat(np.arange(len(helds)), n_held)
-        self.on_up = self.is_up_host[host]
+        self.on_up = np.fromiter((h in up for h in names), bool, len(names))[host]
         self.held_up = n_held - np.bincount(self.owner[~self.on_up], minlength=len(helds))
         off = np.zeros(len(names) + 1, dtype=np.int64)
         np.cumsum(up_size, out=off[1:])
@@ -177,11 +193,10 @@ class _Free:
         self.slots: list[Slot] = list(zip(map(names.__getitem__, host_of.tolist()), idx, strict=True))
         counts = np.bincount(host_of, minlength=len(names))
         ends = np.cumsum(counts)
-        with_free = np.flatnonzero(counts)
-        self.hosts: list[str] = [names[i] for i in with_free.tolist()]  # name order
-        self.pos: dict[str, int] = dict(zip(self.hosts, (ends - counts)[with_free].tolist(), strict=True))
-        self.end: dict[str, int] = dict(zip(self.hosts, ends[with_free].tolist(), strict=True))
-        self.has_free: set[str] = set(self.hosts)
+        self.pos: list[int] = (ends - counts).tolist()
+        self.end: list[int] = ends.tolist()
+        self.hosts: list[int] = np.flatnonzero(counts).tolist()  # ids with free slots, name order
+        self.has_free: set[int] = set(self.hosts)
         self.total = len(self.slots)
         self.cursor = 0
 
@@ -192,25 +207,31 @@ class _Free:
         for _ in range(2):
             ids = dict(zip(names, range(len(names)), strict=True))
             try:
-                return names, np.fromiter(
-                    map(ids.__getitem__, map(_host, self.flat)), np.int64, len(self.flat)
-                )
+                host = np.fromiter(map(ids.__getitem__, map(_host, self.flat)), np.int64, len(self.flat))
+                return names, host
             except KeyError:  # a slot on a host the snapshot does not list: not up, not free
                 names = sorted(set(names).union(map(_host, self.flat)))
         raise AssertionError("unreachable")
 
-    def count_for(self, avoid: frozenset[str]) -> int:
+    def held_hosts(self, i: int) -> list[int]:
+        """Host ids of job ``i``'s held slots, in its order."""
+        return self.host_list[self.first[i] : self.first[i + 1]]
+
+    def avoid_ids(self, avoid: frozenset[str]) -> frozenset[int]:
+        return frozenset(self.ids[h] for h in avoid if h in self.ids) if avoid else _NONE
+
+    def count_for(self, avoid: frozenset[int]) -> int:
         if not avoid:
             return self.total
-        return self.total - sum(self.end[h] - self.pos[h] for h in avoid if h in self.pos)
+        return self.total - sum(self.end[h] - self.pos[h] for h in avoid)
 
-    def take(self, n: int, held, avoid: frozenset[str]) -> list[Slot]:
-        """``n`` free slots: on the hosts of ``held`` first (in their order), then in host-name
+    def take(self, n: int, own: list[int], avoid: frozenset[int]) -> list[Slot]:
+        """``n`` free slots: on the ``own`` hosts first (in their order), then in host-name
         order, skipping ``avoid``; lowest slot indices first on each host. Callers check that
         ``count_for(avoid) >= n``."""
         out: list[Slot] = []
         pos, end, slots = self.pos, self.end, self.slots
-        for h in dict.fromkeys(filter(self.has_free.__contains__, map(_host, held))):
+        for h in dict.fromkeys(filter(self.has_free.__contains__, own)):
             if h not in avoid:
                 p, e = pos[h], end[h]
                 k = min(n - len(out), e - p)
@@ -237,6 +258,8 @@ class _Free:
         return out
 
 
+_NONE: frozenset[int] = frozenset()
+
 _index = itemgetter(1)
 
 
@@ -251,9 +274,8 @@ def _usable(snap: Snapshot) -> tuple[dict[str, int], int]:
 def _caps(t: _Table, up: dict[str, int], capacity: int) -> np.ndarray:
     """The most workers each job can use: its max, limited by slots on up hosts it does not avoid."""
     usable = np.full(len(t.jobs), capacity, dtype=np.int64)
-    for i, avoid in enumerate(map(attrgetter("avoid_hosts"), t.jobs)):
-        if avoid:
-            usable[i] -= sum(up.get(h, 0) for h in avoid)
+    for i in np.flatnonzero(np.fromiter(map(bool, t.avoid), bool, len(t.avoid))).tolist():
+        usable[i] -= sum(up.get(h, 0) for h in t.avoid[i])
     return np.minimum(t.maxs, usable)
 
 
@@ -279,16 +301,7 @@ def _admit(mins: np.ndarray, caps: np.ndarray, capacity: int) -> tuple[np.ndarra
     return usable, admitted
 
 
-class _Movable:
-    """What :func:`_freeze` needs per job, as arrays (rank order)."""
-
-    def __init__(self, t: _Table) -> None:
-        self.preemptible = np.fromiter(map(attrgetter("preemptible"), t.jobs), bool, len(t.jobs))
-        last = [j.last_rescale for j in t.jobs]
-        self.last = np.array([np.nan if x is None else x for x in last], dtype=np.float64)
-
-
-def _freeze(t: _Table, mv: _Movable, held_up, targets, free, snap: Snapshot) -> dict[int, str]:
+def _freeze(t: _Table, held_up, targets, free, snap: Snapshot) -> dict[int, str]:
     """Jobs (among ``free``) that must stay at what they hold, with why (see module docstring)."""
     cfg = snap.config
     cand = free & (held_up > 0) & (targets != held_up) & (held_up <= t.maxs) & (held_up >= t.mins)
@@ -298,10 +311,10 @@ def _freeze(t: _Table, mv: _Movable, held_up, targets, free, snap: Snapshot) -> 
     if cfg.preemption == Preemption.NONE:
         a, b = shrink, np.zeros_like(shrink)
     else:
-        a, b = np.zeros_like(shrink), shrink & ~mv.preemptible
+        a, b = np.zeros_like(shrink), shrink & ~t.preemptible
     rest = cand & ~a & ~b
     with np.errstate(invalid="ignore"):
-        c = rest & ~np.isnan(mv.last) & (snap.now - mv.last < cfg.min_rescale_interval_s)
+        c = rest & ~np.isnan(t.last_rescale) & (snap.now - t.last_rescale < cfg.min_rescale_interval_s)
         gain = np.abs(targets - held_up) / np.maximum(held_up, 1)
     d = rest & ~c & (targets > 0) & (gain < cfg.min_gain)
     out: dict[int, str] = {}
@@ -320,7 +333,6 @@ def _freeze(t: _Table, mv: _Movable, held_up, targets, free, snap: Snapshot) -> 
 
 def _targets(t: _Table, share: ShareFn, held_up, up: dict[str, int], capacity: int, snap: Snapshot):
     caps = _caps(t, up, capacity)
-    mv = _Movable(t)
     n = len(t.jobs)
     frozen: dict[int, str] = {}
     is_free = np.ones(n, dtype=bool)
@@ -335,7 +347,7 @@ def _targets(t: _Table, share: ShareFn, held_up, up: dict[str, int], capacity: i
         targets[free_idx] = 0
         a = free_idx[admitted]
         targets[a] = share(mins[admitted], fcaps[admitted], t.prio[a], t.eff[a], cap_left)
-        new = _freeze(t, mv, held_up, targets, is_free, snap)
+        new = _freeze(t, held_up, targets, is_free, snap)
         if not new:
             break
         frozen.update(new)
@@ -347,31 +359,26 @@ def _reasons(targets, cap_left, free_idx, mins, fcaps, usable, admitted, frozen,
     """Why each job gets its target. Texts are built once per distinct value, not per job."""
     tl = targets.tolist()
     text = {v: f"share {v} of {cap_left}" for v in set(tl)}
-    reasons = np.array(list(map(text.__getitem__, tl)), dtype=object)
-    out = ~admitted
-    if out.any():
+    reasons = list(map(text.__getitem__, tl))
+    if not admitted.all():
         m_adm = np.where(admitted, mins, 0)
         left = cap_left - (np.cumsum(m_adm) - m_adm)
-        # Not usable: "min exceeds cap"; usable but not admitted: "does not fit in what is left".
-        key_a = np.where(usable, 1, 0)[out]
-        key_b = mins[out]
-        key_c = np.where(usable, left, np.maximum(fcaps, 0))[out]
-        keys = np.stack([key_a, key_b, key_c], axis=1)
-        uniq, inv = np.unique(keys, axis=0, return_inverse=True)
-        texts = np.array(
-            [
-                f"min {lo} does not fit: {c} slots left after higher-ranked jobs"
-                if fits
-                else f"min {lo} exceeds the {c} usable slots it may use"
-                for fits, lo, c in uniq.tolist()
-            ],
-            dtype=object,
-        )
-        reasons[free_idx[out]] = texts[inv.reshape(-1)]
-    result = reasons.tolist()
+        for fits, template in (
+            (False, "min {} exceeds the {} usable slots it may use"),  # cap < min
+            (True, "min {} does not fit: {} slots left after higher-ranked jobs"),  # gang
+        ):
+            k = np.flatnonzero(~admitted & (usable == fits))
+            if len(k) == 0:
+                continue
+            lo, c = mins[k], (left[k] if fits else np.maximum(fcaps[k], 0))
+            width = int(c.max()) + 1
+            uniq, inv = np.unique(lo * width + c, return_inverse=True)
+            texts = [template.format(u // width, u % width) for u in uniq.tolist()]
+            for i, j in zip(free_idx[k].tolist(), inv.reshape(-1).tolist(), strict=True):
+                reasons[i] = texts[j]
     for i, why in frozen.items():
-        result[i] = f"keeps {int(held_up[i])}: {why}"
-    return result
+        reasons[i] = f"keeps {int(held_up[i])}: {why}"
+    return reasons
 
 
 # --- step 3: placement ----------------------------------------------------------------------
@@ -392,12 +399,13 @@ def _keep_all(free: _Free, jobs: np.ndarray, targets: np.ndarray, n: int):
     start = np.searchsorted(o, o, side="left")
     keep = u & (np.arange(len(o)) - start < targets[o])
     slots = list(map(free.flat.__getitem__, sel[order].tolist()))
+    hosts = h[order].tolist()
     n_keep = np.bincount(o[keep], minlength=n)[jobs].tolist()
     bounds = np.searchsorted(o, jobs).tolist() + [len(o)]
     out = {}
     for k, i in enumerate(jobs.tolist()):
         b, m, e = bounds[k], bounds[k] + n_keep[k], bounds[k + 1]
-        out[i] = (slots[b:m], slots[m:e])
+        out[i] = (slots[b:m], slots[m:e], hosts[b:m])
     return out, int((u & ~keep).sum())
 
 
@@ -435,35 +443,39 @@ def _decide(snap: Snapshot, share: ShareFn) -> Plan:
     keep_action, grow = TargetAction.KEEP, TargetAction.GROW
     for i, (job, held, target, reason) in enumerate(zip(t.jobs, t.held, tl, reasons, strict=True)):
         if i in kept:
-            keep, release = kept[i]
-            append(_place(job, target, reason, keep, release, free, pending, moved[i]))
+            keep, release, own = kept[i]
+            append(_place(job, target, reason, keep, release, own, free, pending, moved[i]))
         elif need[i] <= 0:  # the steady state (holds and keeps it) or a job that waits
             append(make_decision(job.name, target, held, (), keep_action if held else None, reason))
         else:
-            new, reason = _grow(job, need[i], len(held), held, reason, free, pending)
+            new, reason = _grow(job, need[i], len(held), free.held_hosts(i), reason, free, pending)
             action = grow if new else (keep_action if held else None)
             append(make_decision(job.name, target, held + tuple(new) if new else held, (), action, reason))
     return Plan(tuple(decisions))
 
 
-def _grow(job: Job, need: int, have: int, keep, reason: str, free: _Free, pending: int):
+def _grow(job: Job, need: int, have: int, own: list[int], reason: str, free: _Free, pending: int):
     """The free slots for ``need`` more workers: all of them, or (when no slots are being
     released that could make up the rest) what is free if that reaches the job's minimum."""
-    avail = free.count_for(job.avoid_hosts)
+    if job.avoid_hosts:
+        avoid = free.avoid_ids(job.avoid_hosts)
+        avail = free.count_for(avoid)
+    else:
+        avoid, avail = _NONE, free.total
     if avail >= need:
-        return free.take(need, keep, job.avoid_hosts), reason
+        return free.take(need, own, avoid), reason
     if pending == 0 and have + avail >= max(job.min_workers, 1):
-        return free.take(avail, keep, job.avoid_hosts), reason + f"; only {avail} more free"
+        return free.take(avail, own, avoid), reason + f"; only {avail} more free"
     return [], reason + f"; waiting for {need - avail} slots to be released"
 
 
-def _place(job, target, reason, keep, release, free: _Free, pending, moved: bool) -> Decision:
+def _place(job, target, reason, keep, release, own, free: _Free, pending, moved: bool) -> Decision:
     need = target - len(keep)
     if need <= 0 and not release and job.held:
         return make_decision(job.name, target, job.held, (), TargetAction.KEEP, reason)
     new: list[Slot] = []
     if need > 0:
-        new, reason = _grow(job, need, len(keep), keep, reason, free, pending)
+        new, reason = _grow(job, need, len(keep), own, reason, free, pending)
     placements = job.held if (not new and not release) else tuple(keep + new)
     if job.held and target == 0:
         action: TargetAction | None = TargetAction.PREEMPT
