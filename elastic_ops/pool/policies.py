@@ -267,8 +267,11 @@ _index = itemgetter(1)
 
 
 def _usable(snap: Snapshot) -> tuple[dict[str, int], int]:
-    up = {h.name: h.slots for h in snap.hosts if h.state == HostState.UP}
+    up = {name: n for name, n, state in map(_host_fields, snap.hosts) if state == HostState.UP}
     return up, sum(up.values())
+
+
+_host_fields = attrgetter("name", "slots", "state")
 
 
 def _caps(t: _Table, up: dict[str, int], capacity: int) -> np.ndarray:

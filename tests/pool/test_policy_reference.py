@@ -8,11 +8,13 @@ tie-breaks, not just the invariants the other property tests check.
 
 from __future__ import annotations
 
+import gc
+
 from hypothesis import HealthCheck, given, settings
 
 from elastic_ops.pool.policies import POLICIES
 
-from .builders import shuffled_snapshots, snapshots
+from .builders import make_job, make_snapshot, shuffled_snapshots, snapshots
 from .reference_policies import REFERENCE
 
 SAME = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -36,3 +38,18 @@ def test_fast_policies_match_the_reference_with_ties_and_odd_orders(snap):
 @given(snap=snapshots())
 def test_fast_policies_match_the_reference(snap):
     _assert_same_plan(snap)
+
+
+def test_a_decision_leaves_the_garbage_collector_as_it_found_it():
+    """Policies pause the cyclic GC while they run (see policies.make_policy); they must
+    restore it, and must not turn it on for a caller that had it off."""
+    snap = make_snapshot(hosts=(("h0", 4),), jobs=[make_job("a", held=[("h0", 0)]), make_job("b")])
+    was = gc.isenabled()
+    try:
+        for enabled in (True, False):
+            (gc.enable if enabled else gc.disable)()
+            for name in sorted(POLICIES):
+                POLICIES[name](snap)
+                assert gc.isenabled() is enabled, name
+    finally:
+        (gc.enable if was else gc.disable)()
