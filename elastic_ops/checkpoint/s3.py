@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import io
 from typing import Any
 
@@ -105,29 +104,6 @@ class S3Backend:
                 if status == 404 and code in ("NoSuchKey", "404", "NotFound"):
                     return None
                 raise
-
-        return self._call("get", key, attempt)
-
-    def get_hashed(self, key: str, *, size_hint: int | None = None) -> tuple[bytes | None, str | None]:
-        """Like :meth:`get`, plus the SHA-256 hex computed while the bytes arrive (hidden behind
-        the transfer); ``None`` for the digest when a parallel ranged download was used."""
-        if size_hint is not None and size_hint >= self.transfer.multipart_threshold:
-            return self.get(key, size_hint=size_hint), None
-        full = self._key(key)
-
-        def attempt() -> tuple[bytes | None, str | None]:
-            try:
-                body = self.client.get_object(Bucket=self.bucket, Key=full)["Body"]
-            except bce.ClientError as exc:
-                code, status = error_code(exc)
-                if status == 404 and code in ("NoSuchKey", "404", "NotFound"):
-                    return None, None
-                raise
-            sha, chunks = hashlib.sha256(), []
-            for chunk in body.iter_chunks(chunk_size=1024 * 1024):
-                sha.update(chunk)
-                chunks.append(chunk)
-            return b"".join(chunks), sha.hexdigest()
 
         return self._call("get", key, attempt)
 

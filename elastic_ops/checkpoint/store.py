@@ -67,16 +67,6 @@ def _pool() -> ThreadPoolExecutor:
         return _POOL
 
 
-def _sha256_hex(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def _done(value: Any) -> Future[Any]:
-    fut: Future[Any] = Future()
-    fut.set_result(value)
-    return fut
-
-
 def _forget_pool_after_fork() -> None:
     # a forked child has none of the parent's threads but would inherit an executor that
     # believes it has idle ones, and wait forever for them
@@ -422,7 +412,7 @@ class CheckpointStore:
             return ref
         return None
 
-    def _prefetch(self, iteration: int, sizes: dict[str, int]) -> dict[str, Future[Any]]:
+    def _prefetch(self, iteration: int, sizes: dict[str, int]) -> dict[str, Future[bytes | None]]:
         """Start reading the data of ``iteration`` while its manifest is read (saves a round trip).
 
         Only when the iteration holds exactly one data directory (the usual case): with
@@ -432,18 +422,10 @@ class CheckpointStore:
         if MANIFEST_NAME not in sizes or not data or len({k.split("/", 1)[0] for k in data}) != 1:
             return {}
         it_dir = iteration_dir(iteration)
-        return {k: _pool().submit(self._fetch, f"{it_dir}/{k}", sizes[k]) for k in data}
-
-    def _fetch(self, key: str, size: int) -> tuple[bytes | None, Future[Any] | None]:
-        """The bytes at ``key`` and their SHA-256 (computed as they arrive, where the backend can)."""
-        get_hashed = getattr(self.backend, "get_hashed", None)
-        if get_hashed is not None:
-            data, sha = get_hashed(key, size_hint=size)
-            return data, (_done(sha) if sha is not None else None)
-        return self.backend.get(key, size_hint=size), None
+        return {k: _pool().submit(self.backend.get, f"{it_dir}/{k}", size_hint=sizes[k]) for k in data}
 
     def _read_verified(
-        self, ref: CheckpointRef, prefetched: dict[str, Future[Any]] | None = None
+        self, ref: CheckpointRef, prefetched: dict[str, Future[bytes | None]] | None = None
     ) -> Any:
         """Read ref's files, check sizes and sha256, and decode the state while hashing.
 
@@ -453,11 +435,11 @@ class CheckpointStore:
         keeps code from running (a checksum is integrity, not authenticity).
         """
         it_dir = iteration_dir(ref.iteration)
-        payload, checks = {}, []
+        payload = {}
         prefetched = prefetched or {}
         for f in ref.files:
             pending = prefetched.get(f.name)
-            data, sha = pending.result() if pending else self._fetch(f"{it_dir}/{f.name}", f.size)
+            data = pending.result() if pending else self.backend.get(f"{it_dir}/{f.name}", size_hint=f.size)
             if data is None:
                 raise CheckpointCorruptError(f"{ref.uri}/{f.name} is missing")
             if len(data) != f.size:
@@ -465,7 +447,7 @@ class CheckpointStore:
                     f"{ref.uri}/{f.name} fails verification: size {len(data)} instead of {f.size}"
                 )
             payload[f.name] = data
-            checks.append(sha or _pool().submit(_sha256_hex, data))
+        checks = [_pool().submit(hashlib.sha256, payload[f.name]) for f in ref.files]
         states = [f.name for f in ref.files if f.name.rsplit("/", 1)[-1] == STATE_NAME]
         result: Any
         try:
@@ -475,7 +457,7 @@ class CheckpointStore:
         except CheckpointCorruptError as exc:
             result = exc
         for f, check in zip(ref.files, checks, strict=True):
-            got = check.result()
+            got = check.result().hexdigest()
             if got != f.sha256:
                 raise CheckpointCorruptError(
                     f"{ref.uri}/{f.name} fails verification: sha256 {got[:12]}… instead of {f.sha256[:12]}…"
