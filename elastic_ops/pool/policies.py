@@ -25,11 +25,12 @@ the admission order and the ``strict`` class, never the ``priority`` weights.
 **Representation (why it is fast).** Steps 1-2 run on numpy arrays with one entry per job
 (ordering by ``lexsort``, admission by cumulative sums, shares by vectorised water-filling).
 Free capacity is a bitmap over the slots of ``up`` hosts, built in one vectorised pass over the
-held slots; the free slots then form one list in (host name, slot index) order, and each host
-keeps a cursor into it, because every take (own hosts first, then in name order) consumes a
-host's lowest free indices. Python-level work per decision is one pass over the jobs plus the
-slots that change hands. Cost: O(J log J + H + S) for J jobs, H hosts and S slots, with only
-O(J + changed slots) of it interpreted.
+held slots; the free slot indices then form one list in (host name, slot index) order, and each
+host keeps a cursor into it, because every take (own hosts first, then in name order) consumes
+a host's lowest free indices; slot tuples are made only for the slots handed out. Python-level
+work per decision is a few passes over the jobs and the hosts, one C-level read of every held
+slot, and the slots that change hands. Cost: O(J log J + H + S) for J jobs, H hosts and S
+slots, with only O(J + H + changed slots) of it interpreted.
 
 ``tests/pool/reference_policies.py`` keeps the plain per-slot implementation; a property test
 checks that both give the same plan.
@@ -39,7 +40,7 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Callable
-from itertools import chain
+from itertools import chain, repeat
 from operator import attrgetter, itemgetter
 
 import numpy as np
@@ -166,21 +167,21 @@ def _rank(neg_eff: np.ndarray, waiting: np.ndarray, submitted: np.ndarray, names
 class _Free:
     """Every held slot as arrays (``owner`` job, ``host`` id, ``index``, on an up host or not;
     in the order of ``flat``, i.e. job by job in rank order) and the free slots on ``up`` hosts,
-    from one pass over the held slots. Host ids number the hosts in name order. ``slots`` lists
-    the free slots in (host name, index) order; host ``h`` owns ``slots[pos[h]:end[h]]`` and
-    gives them out from the front."""
+    from one pass over the held slots. Host ids number the hosts in name order. ``free_index``
+    lists the free slot indices in (host name, index) order; host ``h`` owns
+    ``free_index[pos[h]:end[h]]`` and gives them out from the front."""
 
     def __init__(self, snap: Snapshot, up: dict[str, int], helds: list[tuple[Slot, ...]], n_held) -> None:
         self.flat: list[Slot] = list(chain.from_iterable(helds))
         names, host = self._host_ids(snap)
         self.ids = dict(zip(names, range(len(names)), strict=True))
-        up_size = np.fromiter((up.get(h, 0) for h in names), np.int64, len(names))
+        up_size = np.fromiter(map(up.get, names, repeat(0)), np.int64, len(names))
         self.host = host
         self.host_list: list[int] = host.tolist()
         self.first = np.concatenate([[0], np.cumsum(n_held)]).tolist()  # job i: flat[first[i]:first[i+1]]
         self.index = np.fromiter(map(_index, self.flat), np.int64, len(self.flat))
         self.owner = np.repeat(np.arange(len(helds)), n_held)
-        self.on_up = np.fromiter((h in up for h in names), bool, len(names))[host]
+        self.on_up = np.fromiter(map(up.__contains__, names), bool, len(names))[host]
         self.held_up = n_held - np.bincount(self.owner[~self.on_up], minlength=len(helds))
         off = np.zeros(len(names) + 1, dtype=np.int64)
         np.cumsum(up_size, out=off[1:])
@@ -188,22 +189,22 @@ class _Free:
         taken = np.zeros(int(off[-1]), dtype=bool)
         taken[off[host[ok]] + self.index[ok]] = True
         free = np.flatnonzero(~taken)
-        host_of = np.searchsorted(off, free, side="right") - 1
-        idx = (free - off[host_of]).tolist()
-        self.slots: list[Slot] = list(zip(map(names.__getitem__, host_of.tolist()), idx, strict=True))
+        host_of = np.repeat(np.arange(len(names)), up_size)[free]
+        self.names = names
+        self.free_index: list[int] = (free - off[host_of]).tolist()  # slot tuples are made when taken
         counts = np.bincount(host_of, minlength=len(names))
         ends = np.cumsum(counts)
         self.pos: list[int] = (ends - counts).tolist()
         self.end: list[int] = ends.tolist()
         self.hosts: list[int] = np.flatnonzero(counts).tolist()  # ids with free slots, name order
         self.has_free: set[int] = set(self.hosts)
-        self.total = len(self.slots)
+        self.total = len(free)
         self.cursor = 0
 
     def _host_ids(self, snap: Snapshot) -> tuple[list[str], np.ndarray]:
         """Host names in name order (the snapshot's, plus any held slot's unknown host) and the
         id of each held slot's host in that order."""
-        names = sorted({h.name for h in snap.hosts})
+        names = sorted(set(map(_name, snap.hosts)))
         for _ in range(2):
             ids = dict(zip(names, range(len(names)), strict=True))
             try:
@@ -230,12 +231,12 @@ class _Free:
         order, skipping ``avoid``; lowest slot indices first on each host. Callers check that
         ``count_for(avoid) >= n``."""
         out: list[Slot] = []
-        pos, end, slots = self.pos, self.end, self.slots
+        pos, end, index, names = self.pos, self.end, self.free_index, self.names
         for h in dict.fromkeys(filter(self.has_free.__contains__, own)):
             if h not in avoid:
                 p, e = pos[h], end[h]
                 k = min(n - len(out), e - p)
-                out += slots[p : p + k]
+                out += zip(repeat(names[h], k), index[p : p + k], strict=False)
                 pos[h] = p + k
                 if p + k == e:
                     self.has_free.discard(h)
@@ -247,7 +248,7 @@ class _Free:
             p, e = pos[h], end[h]
             if h not in avoid and p < e:
                 k = min(n - len(out), e - p)
-                out += slots[p : p + k]
+                out += zip(repeat(names[h], k), index[p : p + k], strict=False)
                 p = pos[h] = p + k
                 if p == e:
                     self.has_free.discard(h)
@@ -259,6 +260,7 @@ class _Free:
 
 
 _NONE: frozenset[int] = frozenset()
+_name = attrgetter("name")
 
 _index = itemgetter(1)
 
@@ -391,7 +393,7 @@ def _keep_all(free: _Free, jobs: np.ndarray, targets: np.ndarray, n: int):
     """For the jobs in ``jobs`` (those that shrink or hold slots on hosts that are not up):
     which held slots to keep (on up hosts, most-used hosts first, then by host name and slot
     index) and which to release. One lexsort over their slots. Returns ``{job: (keep,
-    release)}`` and the number of released slots on up hosts."""
+    release, host ids of keep)}`` and the number of released slots on up hosts."""
     pick = np.zeros(n, dtype=bool)
     pick[jobs] = True
     sel = np.flatnonzero(pick[free.owner])
