@@ -9,9 +9,10 @@ the complete :class:`Plan` (every job's decision with its slots and reason); bui
 snapshot is not timed (the ledger builds it from its tables, the simulator from its state).
 Each call is timed ``--repeats`` times per policy: the least CPU time of the process
 (``min_cpu_ms``, less sensitive to other load on a shared machine), and the median and least
-wall time. ``reference_min_cpu_ms`` times the plain per-slot implementation kept in
-``tests/pool/reference_policies.py`` (the code before the vectorised rewrite, same plans) on the
-same snapshot in the same run, so ``speedup`` is a like-for-like ratio. ``calibration_ms`` is
+wall time. ``reference_min_cpu_ms`` times the plain per-slot implementation
+(``elastic_ops.pool.plain_policies``: the code before the vectorised rewrite, same plans; the
+registered policies still use it for snapshots of at most 48 jobs) on the same snapshot in the
+same run, so ``speedup`` is a like-for-like ratio. ``calibration_ms`` is
 the CPU time of ``sum(range(10**7))`` at the start, to compare machines (about 100-150 ms on an
 idle current x86 core). The target is <= 50 ms at 10,000 jobs x 100,000 slots. ``growth`` gives
 the time ratio of each cell to the smallest one, next to the ratio of J log J + H + S, the work
@@ -101,7 +102,7 @@ def measure(repeats: int, reference: bool) -> dict:
     calibration = _calibrate()
     ref_policies = {}
     if reference:
-        from tests.pool.reference_policies import REFERENCE as ref_policies
+        from elastic_ops.pool.plain_policies import PLAIN as ref_policies
     rows = []
     for n_jobs, n_slots in CELLS:
         snap = build(n_jobs, n_slots)

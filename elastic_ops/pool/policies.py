@@ -57,7 +57,10 @@ from elastic_ops.pool.model import (
     TargetAction,
     make_decision,
 )
+from elastic_ops.pool.plain_policies import PLAIN, effective_priority, order_key
 from elastic_ops.pool.shares import strict_fill_array, weighted_fill_array
+
+__all__ = ["POLICIES", "VECTORISED", "decide", "effective_priority", "get_policy", "make_policy", "order_key"]
 
 Policy = Callable[[Snapshot], Plan]
 # (mins, caps, priorities, effective priorities, capacity) -> targets, all arrays over the
@@ -65,19 +68,6 @@ Policy = Callable[[Snapshot], Plan]
 ShareFn = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int], np.ndarray]
 
 _host = itemgetter(0)
-
-
-def effective_priority(job: Job, now: float, aging_s: float) -> float:
-    """Priority plus one unit per ``aging_s`` seconds spent waiting (jobs holding no slots)."""
-    if job.held or aging_s <= 0 or job.waiting_since is None:
-        return float(job.priority)
-    return job.priority + max(0.0, now - job.waiting_since) / aging_s
-
-
-def order_key(job: Job, snap: Snapshot) -> tuple:
-    """Deterministic rank: higher effective priority, then running jobs, then FIFO, then name."""
-    eff = effective_priority(job, snap.now, snap.config.aging_s)
-    return (-eff, 0 if job.held else 1, job.submitted, job.name)
 
 
 # --- share functions (step 2) ---------------------------------------------------------------
@@ -414,8 +404,18 @@ def _keep_all(free: _Free, jobs: np.ndarray, targets: np.ndarray, n: int):
     return out, int((u & ~keep).sum())
 
 
-def make_policy(share: ShareFn) -> Policy:
+# Below this many jobs the plain per-slot implementation is faster (no numpy call overhead):
+# measured crossover about 40-60 jobs. Both give the same plans (tests/pool/test_policy_reference.py).
+SMALL_SNAPSHOT_JOBS = 48
+
+
+def make_policy(share: ShareFn, plain: Policy | None = None) -> Policy:
+    """The policy for ``share``: the plain implementation ``plain`` for snapshots of at most
+    :data:`SMALL_SNAPSHOT_JOBS` jobs, the vectorised one above (or always, without ``plain``)."""
+
     def decide(snap: Snapshot) -> Plan:
+        if plain is not None and len(snap.jobs) <= SMALL_SNAPSHOT_JOBS:
+            return plain(snap)
         # A decision allocates O(jobs + changed slots) short-lived objects that refcounting
         # frees, no cycles. Left on, the cyclic collector would walk the whole snapshot (every
         # held slot) several times per decision at 10,000 jobs for no garbage: pause it for the
@@ -498,11 +498,10 @@ def _place(job, target, reason, keep, release, own, free: _Free, pending, moved:
     return make_decision(job.name, target, placements, tuple(release), action, reason)
 
 
-POLICIES: dict[str, Policy] = {
-    "fairshare": make_policy(_fair),
-    "priority": make_policy(_priority),
-    "strict": make_policy(_strict),
-}
+_SHARES: dict[str, ShareFn] = {"fairshare": _fair, "priority": _priority, "strict": _strict}
+POLICIES: dict[str, Policy] = {name: make_policy(fn, PLAIN[name]) for name, fn in _SHARES.items()}
+# The vectorised path at every size (tests and benchmarks compare it with PLAIN).
+VECTORISED: dict[str, Policy] = {name: make_policy(fn) for name, fn in _SHARES.items()}
 
 
 def get_policy(name: str) -> Policy:

@@ -1,7 +1,8 @@
-"""The fast policies agree with the plain per-slot reference implementation, plan for plan.
+"""The vectorised policies agree with the plain per-slot implementation, plan for plan.
 
-The fast path changes the representation (job arrays, a free-slot bitmap, per-host cursors);
-the reference walks every slot. Equal plans on random small snapshots, including ties, odd
+The vectorised path changes the representation (job arrays, a free-slot bitmap, per-host
+cursors); the plain one walks every slot. ``POLICIES`` uses the plain one for small snapshots,
+so these tests call both paths directly. Equal plans on random small snapshots, including ties, odd
 orderings, unhealthy hosts and avoided hosts, mean the rewrite kept the semantics and the
 tie-breaks, not just the invariants the other property tests check.
 """
@@ -12,17 +13,18 @@ import gc
 
 from hypothesis import HealthCheck, given, settings
 
-from elastic_ops.pool.policies import POLICIES
+from elastic_ops.pool import policies
+from elastic_ops.pool.plain_policies import PLAIN
+from elastic_ops.pool.policies import SMALL_SNAPSHOT_JOBS, VECTORISED, make_policy
 
 from .builders import make_job, make_snapshot, shuffled_snapshots, snapshots
-from .reference_policies import REFERENCE
 
 SAME = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def _assert_same_plan(snap):
-    for name in sorted(POLICIES):
-        fast, ref = POLICIES[name](snap), REFERENCE[name](snap)
+    for name in sorted(VECTORISED):
+        fast, ref = VECTORISED[name](snap), PLAIN[name](snap)
         assert [d.job for d in fast.decisions] == [d.job for d in ref.decisions], name
         for got, want in zip(fast.decisions, ref.decisions, strict=True):
             assert got == want, f"{name}: {got} != {want}"
@@ -48,8 +50,23 @@ def test_a_decision_leaves_the_garbage_collector_as_it_found_it():
     try:
         for enabled in (True, False):
             (gc.enable if enabled else gc.disable)()
-            for name in sorted(POLICIES):
-                POLICIES[name](snap)
+            for name in sorted(VECTORISED):
+                VECTORISED[name](snap)
                 assert gc.isenabled() is enabled, name
     finally:
         (gc.enable if was else gc.disable)()
+
+
+def test_small_snapshots_take_the_plain_path_and_large_ones_the_vectorised_one():
+    calls = []
+
+    def plain(snap):
+        calls.append(len(snap.jobs))
+        return PLAIN["fairshare"](snap)
+
+    policy = make_policy(policies._SHARES["fairshare"], plain)
+    hosts = tuple((f"h{i}", 8) for i in range(8))
+    for n in (SMALL_SNAPSHOT_JOBS, SMALL_SNAPSHOT_JOBS + 1):
+        snap = make_snapshot(hosts=hosts, jobs=[make_job(f"j{i:03d}", max_workers=2) for i in range(n)])
+        assert policy(snap) == VECTORISED["fairshare"](snap)
+    assert calls == [SMALL_SNAPSHOT_JOBS]

@@ -1,8 +1,9 @@
-"""The simple reference implementation of the pool policies, kept for tests.
+"""The plain per-slot implementation of the pool policies (see :mod:`elastic_ops.pool.policies`
+for the semantics): the one used for small snapshots, and the reference for the vectorised one.
 
-This is the straightforward per-slot version that the fast policies in
-:mod:`elastic_ops.pool.policies` replaced (same semantics, same tie-breaks). The equivalence
-test checks that both give the same plan on random small snapshots. Not used by the pool.
+It walks every held and free slot in Python, which is cheapest for a few dozen jobs (no numpy
+call overhead) and slow at thousands. ``tests/pool/test_policy_reference.py`` checks that both
+implementations give the same plan, decision for decision.
 """
 
 from __future__ import annotations
@@ -22,7 +23,19 @@ from elastic_ops.pool.model import (
     Snapshot,
     TargetAction,
 )
-from elastic_ops.pool.policies import effective_priority, order_key
+
+
+def effective_priority(job: Job, now: float, aging_s: float) -> float:
+    """Priority plus one unit per ``aging_s`` seconds spent waiting (jobs holding no slots)."""
+    if job.held or aging_s <= 0 or job.waiting_since is None:
+        return float(job.priority)
+    return job.priority + max(0.0, now - job.waiting_since) / aging_s
+
+
+def order_key(job: Job, snap: Snapshot) -> tuple:
+    """Deterministic rank: higher effective priority, then running jobs, then FIFO, then name."""
+    eff = effective_priority(job, snap.now, snap.config.aging_s)
+    return (-eff, 0 if job.held else 1, job.submitted, job.name)
 
 
 def weighted_fill(
@@ -359,7 +372,7 @@ def _place(job, target, reason, keep, release, free: _FreeSlots, pending, moved:
     return Decision(job.name, target, placements, tuple(release), action, reason)
 
 
-REFERENCE: dict[str, Policy] = {
+PLAIN: dict[str, Policy] = {
     "fairshare": make_policy(_fair),
     "priority": make_policy(_priority),
     "strict": make_policy(_strict),
