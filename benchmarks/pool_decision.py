@@ -11,10 +11,10 @@ Each call is timed ``--repeats`` times per policy: the least CPU time of the pro
 (``min_cpu_ms``, less sensitive to other load on a shared machine), and the median and least
 wall time. ``reference_min_cpu_ms`` times the plain per-slot implementation
 (``elastic_ops.pool.plain_policies``: the code before the vectorised rewrite, same plans; the
-registered policies still use it for snapshots of at most 48 jobs) on the same snapshot in the
-same run, so ``speedup`` is a like-for-like ratio. ``calibration_ms`` is
-the CPU time of ``sum(range(10**7))`` at the start, to compare machines (about 100-150 ms on an
-idle current x86 core). The target is <= 50 ms at 10,000 jobs x 100,000 slots. ``growth`` gives
+registered policies still use it for small snapshots, see ``policies._small``) on the same
+snapshot in the same run, so ``speedup`` is a like-for-like ratio. ``calibration_ms`` is the
+CPU time of ``sum(range(10**7))`` at the start, a yardstick to compare machines and loads.
+The target is <= 50 ms at 10,000 jobs x 100,000 slots. ``growth`` gives
 the time ratio of each cell to the smallest one, next to the ratio of J log J + H + S, the work
 the policy is designed to do.
 """

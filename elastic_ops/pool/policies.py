@@ -404,17 +404,24 @@ def _keep_all(free: _Free, jobs: np.ndarray, targets: np.ndarray, n: int):
     return out, int((u & ~keep).sum())
 
 
-# Below this many jobs the plain per-slot implementation is faster (no numpy call overhead):
-# measured crossover about 40-60 jobs. Both give the same plans (tests/pool/test_policy_reference.py).
+# Where the plain per-slot implementation is faster (no numpy call overhead): up to 48 jobs,
+# or up to 256 jobs on at most 64 hosts (measured crossovers on the benchmark's snapshots).
+# Both give the same plans (tests/pool/test_policy_reference.py).
 SMALL_SNAPSHOT_JOBS = 48
+SMALL_CLUSTER = (256, 64)  # (jobs, hosts)
+
+
+def _small(snap: Snapshot) -> bool:
+    n = len(snap.jobs)
+    return n <= SMALL_SNAPSHOT_JOBS or (n <= SMALL_CLUSTER[0] and len(snap.hosts) <= SMALL_CLUSTER[1])
 
 
 def make_policy(share: ShareFn, plain: Policy | None = None) -> Policy:
-    """The policy for ``share``: the plain implementation ``plain`` for snapshots of at most
-    :data:`SMALL_SNAPSHOT_JOBS` jobs, the vectorised one above (or always, without ``plain``)."""
+    """The policy for ``share``: the plain implementation ``plain`` for small snapshots (see
+    :data:`SMALL_SNAPSHOT_JOBS`), the vectorised one otherwise (or always, without ``plain``)."""
 
     def decide(snap: Snapshot) -> Plan:
-        if plain is not None and len(snap.jobs) <= SMALL_SNAPSHOT_JOBS:
+        if plain is not None and _small(snap):
             return plain(snap)
         # A decision allocates O(jobs + changed slots) short-lived objects that refcounting
         # frees, no cycles. Left on, the cyclic collector would walk the whole snapshot (every

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 
 from elastic_ops.pool import policies
 from elastic_ops.pool.plain_policies import PLAIN
-from elastic_ops.pool.policies import SMALL_SNAPSHOT_JOBS, VECTORISED, make_policy
+from elastic_ops.pool.policies import SMALL_CLUSTER, SMALL_SNAPSHOT_JOBS, VECTORISED, make_policy
 
 from .builders import make_job, make_snapshot, shuffled_snapshots, snapshots
 
@@ -65,8 +65,14 @@ def test_small_snapshots_take_the_plain_path_and_large_ones_the_vectorised_one()
         return PLAIN["fairshare"](snap)
 
     policy = make_policy(policies._SHARES["fairshare"], plain)
-    hosts = tuple((f"h{i}", 8) for i in range(8))
-    for n in (SMALL_SNAPSHOT_JOBS, SMALL_SNAPSHOT_JOBS + 1):
+    cluster = tuple((f"h{i:03d}", 8) for i in range(SMALL_CLUSTER[1] + 1))
+    rack = tuple((f"h{i}", 8) for i in range(8))
+    for hosts, n in (
+        (cluster, SMALL_SNAPSHOT_JOBS),  # few jobs: plain
+        (cluster, SMALL_SNAPSHOT_JOBS + 1),  # more jobs on many hosts: vectorised
+        (rack, SMALL_CLUSTER[0]),  # many jobs on a few hosts: plain
+        (rack, SMALL_CLUSTER[0] + 1),  # vectorised
+    ):
         snap = make_snapshot(hosts=hosts, jobs=[make_job(f"j{i:03d}", max_workers=2) for i in range(n)])
         assert policy(snap) == VECTORISED["fairshare"](snap)
-    assert calls == [SMALL_SNAPSHOT_JOBS]
+    assert calls == [SMALL_SNAPSHOT_JOBS, SMALL_CLUSTER[0]]
