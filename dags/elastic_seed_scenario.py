@@ -39,7 +39,7 @@ for number in (1, 2):
             global_batch=64,
             consistency="bitwise",
             virtual_shards=8,
-            checkpoint_interval=20,
+            checkpoint_interval=50,
             params={"lr": 0.002, "hidden": 128, "depth": 2},
             chunk_kwargs={"retries": 3},
         )
