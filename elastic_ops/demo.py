@@ -149,7 +149,7 @@ def summary(af: AirflowDeployment, client: Any, sc: dict, png: Path) -> tuple[st
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--home", default=str(REPO / ".demo"), help="demo directory (default .demo/)")
-    ap.add_argument("--iterations", type=int, nargs=2, default=(450, 600), metavar=("JOB1", "JOB2"))
+    ap.add_argument("--iterations", type=int, nargs=2, default=(450, 750), metavar=("JOB1", "JOB2"))
     ap.add_argument("--timeout", type=float, default=600, help="seconds allowed for each phase")
     ap.add_argument("--port", type=int, default=0, help="api-server port (default: a free one)")
     args = ap.parse_args(argv)
