@@ -181,7 +181,9 @@ class _Free:
         free = np.flatnonzero(~taken)
         host_of = np.repeat(np.arange(len(names)), up_size)[free]
         self.names = names
-        self.free_index: list[int] = (free - off[host_of]).tolist()  # slot tuples are made when taken
+        self.free_index: list[int] = (free - off[host_of]).tolist()
+        self._host_of = host_of
+        self.slots: list[Slot] | None = None  # see expect()
         counts = np.bincount(host_of, minlength=len(names))
         ends = np.cumsum(counts)
         self.pos: list[int] = (ends - counts).tolist()
@@ -204,6 +206,17 @@ class _Free:
                 names = sorted(set(names).union(map(_host, self.flat)))
         raise AssertionError("unreachable")
 
+    def expect(self, demand: int) -> None:
+        """Prepare to hand out about ``demand`` slots. If that is a good part of what is free,
+        make every free slot's tuple now in one C-level pass (cheaper per slot); otherwise make
+        them host by host as they are taken, so a nearly empty cluster costs O(taken), not
+        O(free)."""
+        if demand * 4 >= self.total:
+            names = self.names
+            self.slots = list(
+                zip(map(names.__getitem__, self._host_of.tolist()), self.free_index, strict=True)
+            )
+
     def held_hosts(self, i: int) -> list[int]:
         """Host ids of job ``i``'s held slots, in its order."""
         return self.host_list[self.first[i] : self.first[i + 1]]
@@ -221,12 +234,15 @@ class _Free:
         order, skipping ``avoid``; lowest slot indices first on each host. Callers check that
         ``count_for(avoid) >= n``."""
         out: list[Slot] = []
-        pos, end, index, names = self.pos, self.end, self.free_index, self.names
+        pos, end, index, names, slots = self.pos, self.end, self.free_index, self.names, self.slots
         for h in dict.fromkeys(filter(self.has_free.__contains__, own)):
             if h not in avoid:
                 p, e = pos[h], end[h]
                 k = min(n - len(out), e - p)
-                out += zip(repeat(names[h], k), index[p : p + k], strict=False)
+                if slots is not None:
+                    out += slots[p : p + k]
+                else:
+                    out += zip(repeat(names[h], k), index[p : p + k], strict=False)
                 pos[h] = p + k
                 if p + k == e:
                     self.has_free.discard(h)
@@ -238,7 +254,10 @@ class _Free:
             p, e = pos[h], end[h]
             if h not in avoid and p < e:
                 k = min(n - len(out), e - p)
-                out += zip(repeat(names[h], k), index[p : p + k], strict=False)
+                if slots is not None:
+                    out += slots[p : p + k]
+                else:
+                    out += zip(repeat(names[h], k), index[p : p + k], strict=False)
                 p = pos[h] = p + k
                 if p == e:
                     self.has_free.discard(h)
@@ -447,6 +466,7 @@ def _decide(snap: Snapshot, share: ShareFn) -> Plan:
     # Jobs that keep all they hold (on up hosts); the others keep part and release the rest.
     simple = (held_up == t.n_held) & (targets >= held_up)
     kept, pending = _keep_all(free, np.flatnonzero(~simple), targets, len(t.jobs))
+    free.expect(int(np.maximum(targets - held_up, 0).sum()))
     tl = targets.tolist()
     need = (targets - t.n_held).tolist()
     moved = (held_up != t.n_held).tolist()
