@@ -102,7 +102,7 @@ def _bare_worker(rank: int, workers: int, port: int, iterations: int, batch: int
     elapsed = time.perf_counter() - t0
     if rank == 0:
         Path(out).write_text(json.dumps({"loop": iterations * batch / elapsed, "loss": loss.item()}))
-    dist.destroy_process_group()
+    dist.barrier()  # then just exit: an explicit destroy_process_group once hung a run here
 
 
 def run_bare(iterations: int, workers: int, batch: int) -> dict[str, float]:
