@@ -237,6 +237,11 @@ class _Runner:
             raise errors[0]
         if result.failures:
             raise self._failure(segdir, result.failures)
+        if not (segdir / "result.json").exists():
+            raise TrainingError(
+                f"the workers exited without handing over their state (iterations {it}..{self.end})",
+                hint="a script must run `for it in ctx.iterations(): ... ctx.commit(it, loss)` to the end",
+            )
         info = json.loads((segdir / "result.json").read_text())
         return _Segment(
             iteration=info["iteration"],

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from elastic_ops.checkpoint import open_store
-from elastic_ops.errors import SpecError
+from elastic_ops.errors import SpecError, TrainingError
 from elastic_ops.runtime import ChunkStatus, Schedule, run_chunk
 from elastic_ops.spec import JobSpec
 
@@ -49,3 +49,11 @@ def test_a_ddp_script_trains_across_rescales_and_learns(tmp_path):
 def test_script_mode_refuses_bitwise_consistency(tmp_path):
     with pytest.raises(SpecError, match="consistency"):
         run_chunk(script_spec(tmp_path, consistency="bitwise", virtual_shards=3), 0, 4, target=lambda i: 1)
+
+
+def test_a_script_that_skips_the_loop_gets_a_clear_error(tmp_path):
+    script = tmp_path / "lazy.py"
+    script.write_text("print('I do not train')\n")
+    spec = script_spec(tmp_path, entrypoint=str(script))
+    with pytest.raises(TrainingError, match="without handing over"):
+        run_chunk(spec, 0, 4, target=lambda i: 1)
