@@ -28,7 +28,7 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run_all
 
 lint: $(STAMP)
-	$(BIN)/ruff check elastic_ops tests benchmarks dags plugins
+	$(BIN)/ruff check elastic_ops tests benchmarks dags plugins examples
 
 clean:
 	rm -rf $(VENV) .demo .pytest_cache

@@ -1,0 +1,31 @@
+"""Run every benchmark in turn (``make bench``); each writes its JSON to benchmarks/results/."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+BENCHMARKS = (
+    ["benchmarks.runtime_overhead"],
+    ["benchmarks.consistency_modes"],
+    ["benchmarks.checkpoint_io"],
+    ["benchmarks.pool_decision", "--repeats", "5"],
+    ["benchmarks.pool_ledger", "--seconds", "3"],
+    ["benchmarks.pool_simulator"],
+    ["benchmarks.airflow_overhead", "--iterations", "400"],
+)
+
+
+def main() -> int:
+    failed = []
+    for module, *args in BENCHMARKS:
+        print(f"== {module} {' '.join(args)}", flush=True)
+        if subprocess.call([sys.executable, "-m", module, *args]) != 0:
+            failed.append(module)
+    if failed:
+        print(f"failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
