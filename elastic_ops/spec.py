@@ -12,8 +12,9 @@ import enum
 import hashlib
 import json
 import re
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from elastic_ops.errors import SpecError
 
@@ -24,7 +25,7 @@ _URI_RE = re.compile(r"^(file://.+|s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/.*)?)
 MAX_WORKERS_LIMIT = 4096
 
 
-class Consistency(str, enum.Enum):
+class Consistency(enum.StrEnum):
     """How results may depend on the worker count.
 
     ``bitwise``: fixed virtual shards reduced in a fixed order; identical to a 1-worker run.
@@ -35,7 +36,7 @@ class Consistency(str, enum.Enum):
     FAST = "fast"
 
 
-class Scaling(str, enum.Enum):
+class Scaling(enum.StrEnum):
     """How the batch reacts to the worker count. ``fixed`` (default) keeps the global batch."""
 
     FIXED = "fixed"
@@ -43,7 +44,7 @@ class Scaling(str, enum.Enum):
     SQRT_LR = "sqrt_lr"
 
 
-class Device(str, enum.Enum):
+class Device(enum.StrEnum):
     CPU = "cpu"
     CUDA = "cuda"
     AUTO = "auto"
@@ -227,13 +228,13 @@ class JobSpec:
     def to_dict(self) -> dict[str, Any]:
         return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
-    def replace(self, **changes: Any) -> "JobSpec":
+    def replace(self, **changes: Any) -> JobSpec:
         return dataclasses.replace(self, **changes)
 
     # --- constructors -------------------------------------------------------------------
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "JobSpec":
+    def from_dict(cls, data: Mapping[str, Any]) -> JobSpec:
         if not isinstance(data, Mapping):
             raise SpecError("spec", data, "must be a mapping of field names to values")
         known = {f.name for f in dataclasses.fields(cls)}
@@ -246,7 +247,7 @@ class JobSpec:
         return cls(**dict(data))
 
     @classmethod
-    def from_yaml(cls, path: str | Path) -> "JobSpec":
+    def from_yaml(cls, path: str | Path) -> JobSpec:
         import yaml
 
         p = Path(path)

@@ -1,0 +1,105 @@
+"""JobSpec validation: every bad value names the field, the value and what is allowed."""
+
+from __future__ import annotations
+
+import pytest
+
+from elastic_ops.errors import ElasticOpsError, SpecError
+from elastic_ops.spec import Consistency, JobSpec
+
+
+def make_spec(**overrides) -> JobSpec:
+    fields = dict(name="job", entrypoint="pkg.mod:Model", total_iterations=100, global_batch=32)
+    fields.update(overrides)
+    return JobSpec(**fields)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field", "allowed"),
+    [
+        ({"min_workers": 5, "max_workers": 4}, "min_workers", "<= max_workers (4)"),
+        ({"chunk_iterations": 101}, "chunk_iterations", "<= total_iterations (100)"),
+        ({"total_iterations": 0}, "total_iterations", ">= 1"),
+        ({"consistency": "exact"}, "consistency", "'bitwise', 'fast'"),
+        ({"scaling": "cubic"}, "scaling", "'fixed'"),
+        ({"checkpoint": "ftp://host/x"}, "checkpoint", "file:///path"),
+        ({"checkpoint": "s3://B/x"}, "checkpoint", "s3://bucket/prefix"),
+        ({"entrypoint": "not an entrypoint"}, "entrypoint", "package.module:TrainableClass"),
+        ({"priority": 0}, "priority", "between 1 and 1000"),
+        ({"priority": -3}, "priority", "between 1 and 1000"),
+        ({"max_workers": 8, "global_batch": 4}, "global_batch", ">= max_workers (8)"),
+        (
+            {"consistency": "bitwise", "max_workers": 3, "global_batch": 32},
+            "global_batch",
+            "divisible by virtual_shards (3)",
+        ),
+        (
+            {"consistency": "bitwise", "max_workers": 4, "virtual_shards": 2},
+            "virtual_shards",
+            ">= max_workers",
+        ),
+        ({"virtual_shards": 4}, "virtual_shards", "only applies to consistency 'bitwise'"),
+        ({"consistency": "bitwise", "scaling": "linear_lr"}, "scaling", "must be 'fixed'"),
+        ({"name": "bad name!"}, "name", "letters, digits"),
+        ({"min_workers": True}, "min_workers", "integer"),
+        ({"params": {"lr": object()}}, "params", "JSON-serialisable"),
+        ({"keep_last": 0}, "keep_last", ">= 1"),
+    ],
+)
+def test_bad_values_name_field_value_and_allowed(overrides, field, allowed):
+    with pytest.raises(SpecError) as info:
+        make_spec(**overrides)
+    err = info.value
+    assert err.field == field
+    assert allowed in str(err)
+    assert f"{field}=" in str(err)
+    assert not err.retryable  # a bad spec never gets better by retrying
+
+
+def test_spec_error_is_an_elastic_ops_error_and_a_value_error():
+    with pytest.raises(ValueError):
+        make_spec(min_workers=0)
+    assert issubclass(SpecError, ElasticOpsError)
+
+
+def test_defaults_are_derived_from_other_fields():
+    spec = make_spec(consistency="bitwise", max_workers=4)
+    assert spec.consistency is Consistency.BITWISE
+    assert spec.virtual_shards == 4
+    assert spec.chunk_iterations == 100 and spec.checkpoint_interval == 100
+
+
+def test_chunk_ranges_cover_the_job_without_gaps_or_overlap():
+    spec = make_spec(total_iterations=95, chunk_iterations=30)
+    ranges = spec.chunk_ranges()
+    assert ranges == [(0, 30), (30, 60), (60, 90), (90, 95)]
+    assert spec.num_chunks == len(ranges)
+
+
+def test_spec_hash_ignores_workers_and_priority_but_not_the_trajectory():
+    base = make_spec(max_workers=2)
+    assert base.spec_hash() == make_spec(max_workers=8, priority=7).spec_hash()
+    assert base.spec_hash() != make_spec(max_workers=2, data_seed=1).spec_hash()
+    assert base.spec_hash() != make_spec(max_workers=2, params={"lr": 0.1}).spec_hash()
+
+
+def test_from_dict_rejects_unknown_and_missing_fields():
+    with pytest.raises(SpecError, match="unknown field"):
+        JobSpec.from_dict(
+            {"name": "j", "entrypoint": "a:B", "total_iterations": 1, "global_batch": 1, "lr": 1}
+        )
+    with pytest.raises(SpecError) as info:
+        JobSpec.from_dict({"name": "j", "entrypoint": "a:B", "total_iterations": 1})
+    assert info.value.field == "global_batch"
+
+
+def test_from_yaml_reports_unreadable_and_invalid_files(tmp_path):
+    with pytest.raises(SpecError, match="cannot be read"):
+        JobSpec.from_yaml(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: [unclosed\n")
+    with pytest.raises(SpecError, match="not valid YAML"):
+        JobSpec.from_yaml(bad)
+    good = tmp_path / "good.yaml"
+    good.write_text("name: j\nentrypoint: a.b:C\ntotal_iterations: 10\nglobal_batch: 8\nmax_workers: 2\n")
+    assert JobSpec.from_yaml(good).to_dict()["max_workers"] == 2
