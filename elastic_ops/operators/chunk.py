@@ -180,13 +180,16 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
         self.log.info("job %s: chunk [%d, %d) on %d workers on %s (epoch %d)", spec.name,
                       state["start"], state["end"], grant.workers, ", ".join(grant.hosts), grant.epoch)
         store = hook.store(spec.checkpoint_uri(), keep_last=spec.keep_last, keep_every=spec.keep_every)
+        warm_start = state.get("warm_start")
+        # the warm-start model is read with the same Airflow connection (credentials, endpoint)
+        warm_store = hook.store(warm_start) if warm_start else None
         keeper = LeaseKeeper(client, spec.name, grant.epoch, grant.workers,
                              interval_s=min(self.heartbeat_interval, grant.ttl_s / 3)).start()
         try:
             result = run_chunk(
                 spec, state["start"], state["end"], target=keeper.target, store=store,
                 epoch=grant.epoch, on_progress=progress_logger(self.log, spec.name), host=host,
-                warm_start=state.get("warm_start"),
+                warm_start=warm_start, warm_start_store=warm_store,
             )
         except WorkerLostError as exc:
             keeper.stop()

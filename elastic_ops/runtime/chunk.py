@@ -463,6 +463,7 @@ def run_chunk(
     warm_start: str | None = None,
     launcher: Any = None,
     workdir: str | Path | None = None,
+    warm_start_store: Any = None,
 ) -> ChunkResult:
     """Train iterations ``[start, end)`` from the latest committed checkpoint; see the module doc.
 
@@ -470,6 +471,8 @@ def run_chunk(
     to ~``HORIZON_S`` (at least ``LOOKAHEAD`` iterations) before ``i`` runs; it must be cheap
     (cache a pool heartbeat).
     ``workdir`` holds the staging files (a temporary directory by default, removed afterwards).
+    ``warm_start_store`` is the already-open store at ``warm_start`` (e.g. built with the caller's
+    S3 client and endpoint); without it ``open_store(warm_start)`` and boto3's default chain apply.
     """
     _check_range(spec, start, end)
     _check_entrypoint(spec)
@@ -514,9 +517,9 @@ def run_chunk(
             state_path = str(work / f"restore-{it}.pt")
             save_atomic(store.load(ref), state_path)
             log.info("resuming from checkpoint at iteration %d (%s)", it, ref.uri)
-        elif warm_start:
+        elif warm_start or warm_start_store is not None:
             state_path = str(work / "warm-start.pt")
-            save_atomic(_warm_state(warm_start), state_path)
+            save_atomic(_warm_state(warm_start, warm_start_store), state_path)
         try:
             return runner.run(it, state_path, runner.target(it))
         finally:
@@ -526,12 +529,17 @@ def run_chunk(
             shutil.rmtree(work, ignore_errors=True)
 
 
-def _warm_state(uri: str) -> dict[str, Any]:
-    """Model weights of the latest checkpoint at ``uri`` (any job), to initialise a fresh job."""
-    from elastic_ops.checkpoint import open_store
+def _warm_state(uri: str | None, store: Any = None) -> dict[str, Any]:
+    """Model weights of the latest checkpoint at ``uri`` (any job), to initialise a fresh job.
 
-    ws = open_store(uri)
-    ref = ws.latest()
+    ``store`` is that checkpoint store already open (with the caller's credentials); else
+    ``open_store(uri)``.
+    """
+    if store is None:
+        from elastic_ops.checkpoint import open_store
+
+        store = open_store(uri)
+    ref = store.latest()
     if ref is None:
         raise CheckpointNotFoundError(f"warm_start {uri!r} holds no committed checkpoint")
-    return {"model": ws.load(ref)["model"], "warm": True}
+    return {"model": store.load(ref)["model"], "warm": True}
