@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import default_collate
@@ -111,3 +112,15 @@ def test_reaches_95_percent_with_the_shipped_spec_budget(plain_train, seed):
     )
     assert len(losses) == 300
     assert trainable.evaluate(model)["test_accuracy"] >= 0.95
+
+
+def test_digits_data_read_without_scikit_learn_matches_load_digits():
+    """The fast CSV path must give exactly the arrays ``load_digits`` gives."""
+    from sklearn.datasets import load_digits
+
+    from elastic_ops.examples.digits import _load_digits_arrays
+
+    x, y = _load_digits_arrays()
+    reference = load_digits()
+    assert np.array_equal(x, reference.data.astype(np.float64))
+    assert np.array_equal(y, reference.target.astype(np.int64))
