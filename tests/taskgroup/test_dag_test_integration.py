@@ -7,7 +7,6 @@ metadata database), because Airflow reads its configuration once per process.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -15,6 +14,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
+
+from tests.taskgroup.airflow_home import airflow_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -52,23 +53,6 @@ def finish(dag, chunk_ids):
                "pool_jobs": POOL.status()["jobs"], "pool_events": POOL.events()}
     json.dump(out, open(OUT, "w"), default=str)
 """
-
-
-@pytest.fixture(scope="session")
-def migrated_db(tmp_path_factory) -> Path:
-    home = tmp_path_factory.mktemp("airflow_template")
-    env = airflow_env(home)
-    subprocess.run([sys.executable, "-m", "airflow", "db", "migrate"], env=env, check=True,
-                   capture_output=True, timeout=300, cwd=home)
-    return home / "airflow.db"
-
-
-def airflow_env(home: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW__")}
-    env.update(AIRFLOW_HOME=str(home), AIRFLOW__CORE__LOAD_EXAMPLES="False",
-               AIRFLOW__DATABASE__SQL_ALCHEMY_CONN=f"sqlite:///{home / 'airflow.db'}",
-               AIRFLOW__CORE__DAGS_FOLDER=str(home / "dags"))
-    return env
 
 
 def run_dag_file(migrated_db: Path, tmp_path: Path, body: str) -> dict:

@@ -16,9 +16,11 @@ depends on how fast this machine trains.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -30,13 +32,13 @@ import pytest
 from elastic_ops.demo import setup_pool
 from elastic_ops.timeline import allocation_sequence, is_subsequence, max_concurrent_holders
 from tests.pool.timeline import replay
-from tests.taskgroup.test_dag_test_integration import airflow_env, migrated_db  # noqa: F401 (fixture)
+from tests.taskgroup.airflow_home import airflow_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
 REPO = Path(__file__).resolve().parents[2]
 EXPECTED = [(8, 0), (4, 4), (3, 5), (0, 8)]
-ITERATIONS = 300  # enough to rescale 3 times while paced; the rest runs once released
+ITERATIONS = 60  # enough to rescale a few times while paced; the rest runs once released
 
 DAG_FILE = """
 import pendulum
@@ -53,6 +55,14 @@ with DAG(dag_id="{dag_id}", schedule=None, start_date=pendulum.datetime(2024, 1,
     )
 
 if __name__ == "__main__":  # dag.test() parses this file again: run only once
+    import os, time
+    # Start up before the job "arrives" (imports, dag.test()'s in-process execution API), so that
+    # the DAG run starts promptly on "go".
+    import elastic_ops.runtime
+    from airflow.sdk.execution_time.supervisor import in_process_api_server
+    in_process_api_server().transport
+    while not os.path.exists("{go}"):
+        time.sleep(0.1)
     dr = dag.test()
     open("{out}", "w").write(str(dr.state))
 """
@@ -68,12 +78,13 @@ class Job:
         shutil.copy(migrated, home / "airflow.db")
         self.gate = tmp / f"gate{number}"
         self.out = tmp / f"state{number}"
+        self.go = tmp / f"go{number}"
         self.log = tmp / f"job{number}.log"
         self.held = True
         self.set_gate("0")
         self.dag_file = home / "dags" / f"{self.dag_id}.py"
         self.dag_file.write_text(textwrap.dedent(DAG_FILE.format(
-            dag_id=self.dag_id, iterations=ITERATIONS, gate=self.gate, out=self.out)))
+            dag_id=self.dag_id, iterations=ITERATIONS, gate=self.gate, out=self.out, go=self.go)))
         self.env = airflow_env(home) | {
             "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
             "AIRFLOW_CONN_ELASTIC_OPS_POOL_DEFAULT": json.dumps(
@@ -82,10 +93,14 @@ class Job:
         self.home = home
         self.proc: subprocess.Popen | None = None
 
-    def start(self) -> None:
+    def spawn(self) -> None:
         with open(self.log, "w") as log:
-            self.proc = subprocess.Popen([sys.executable, str(self.dag_file)], env=self.env,
-                                         cwd=self.home, stdout=log, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen([sys.executable, str(self.dag_file)], env=self.env, cwd=self.home,
+                                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def start(self) -> None:
+        """Start the DAG run (the job arrives)."""
+        self.go.touch()
 
     def set_gate(self, value: str) -> None:
         tmp = self.gate.with_suffix(".tmp")
@@ -104,12 +119,15 @@ class Job:
         return self.log.read_text()[-4000:] if self.log.exists() else ""
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(30)
+        """Kill this job's process group (its task and training workers) if it is still there."""
+        if self.proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(30)
 
 
-def test_seed_scenario_allocation_sequence_under_dag_test(migrated_db, tmp_path):  # noqa: F811
+def test_seed_scenario_allocation_sequence_under_dag_test(migrated_db, tmp_path):
     ledger = f"sqlite:///{tmp_path / 'pool.db'}"
     pool = setup_pool(ledger)  # 8 slots, priority policy, graceful preemption, no aging
     jobs = [Job(1, migrated_db, tmp_path, ledger), Job(2, migrated_db, tmp_path, ledger)]
@@ -125,16 +143,20 @@ def test_seed_scenario_allocation_sequence_under_dag_test(migrated_db, tmp_path)
             for job in jobs:
                 job.follow(status)
             if check():
+                print(f"{time.monotonic() - t0:6.1f} s  {what}: held {held()}")
                 return
             for job in jobs:
                 if job.proc is not None and job.proc.poll() not in (None, 0):
                     pytest.fail(f"{job.dag_id} exited {job.proc.returncode} before {what}:\n{job.tail()}")
-            time.sleep(0.1)
+            time.sleep(0.25)
         pytest.fail(f"not reached within {timeout:.0f} s: {what}; held {held()}\n"
                     + "\n".join(f"--- {j.dag_id}\n{j.tail()}" for j in jobs))
 
     status = pool.status()
+    t0 = time.monotonic()
     try:
+        for job in jobs:
+            job.spawn()
         jobs[0].start()
         wait_for("job 1 on 8 workers", lambda: held() == (8, 0))
         jobs[1].start()
