@@ -375,7 +375,8 @@ class PoolClient:
 
         Slots the plan takes away are released when the job reports ``workers <= target``
         (and, if it passes ``placements``, no longer lists them): it has shrunk at a boundary.
-        ``workers=0`` after ``preempt`` ends the lease; the job requests again later.
+        ``workers=0`` (the job stopped at a boundary after ``preempt``) ends the lease and returns
+        all its slots, even if the plan has changed since; the job requests again later.
         """
         _check_int("workers", workers, 0, MAX_WORKERS_LIMIT)
 
@@ -383,6 +384,8 @@ class PoolClient:
             self._sync(conn, now)
             self._job_row(conn, job)
             self._require_live(conn, job, epoch)
+            if workers == 0:
+                return self._stopped(conn, now, job, epoch)
             ttl = self._settings(conn)["lease_ttl_s"]
             conn.execute(
                 update(s.leases)
@@ -392,33 +395,44 @@ class PoolClient:
             conn.execute(update(s.jobs).where(s.jobs.c.name == job).values(last_seen=now))
             d = self._replan(conn, now, synced=True)[job]
             if d.release and workers <= d.target:
-                gone = self._given_up(conn, job, d, workers, placements)
+                gone = self._given_up(conn, job, d, placements)
                 if gone:
-                    kind = "release" if d.target == 0 else "shrink"
                     self._free(
                         conn,
                         now,
                         job,
                         gone,
-                        kind,
+                        "shrink",
                         f"released at boundary: {d.reason}",
                         epoch=epoch,
                         workers=d.target,
                     )
                     d = self._replan(conn, now, synced=True)[job]
             self._mark_releasing(conn, now, job, d.release)
-            if d.target == 0 and workers == 0:
-                self._end_lease(conn, now, job, epoch, "preempted")
-                conn.execute(
-                    update(s.jobs)
-                    .where(s.jobs.c.name == job)
-                    .values(state=JobState.WAITING.value, waiting_since=now)
-                )
-                self._replan(conn, now, synced=True)
-                return Target(job, 0, TargetAction.PREEMPT, d.reason, ())
             return self._target(job, workers, d)
 
         return self._tx(op)
+
+    def _stopped(self, conn: Connection, now: float, job: str, epoch: int) -> Target:
+        """The job reports ``workers=0``: it checkpointed and stopped at a boundary (only a
+        preempted job runs nothing, ``min_workers >= 1``). All its slots return, with a
+        ``release`` event, and its lease ends, *whatever the plan says now*: the preemptor may
+        have left since the job was told ``preempt``, and a plan that lets it keep its slots
+        must not leave them (and a live lease) to a job that is no longer running."""
+        held = self._held(conn, job)
+        reason = self._job_row(conn, job).reason
+        if held:
+            self._free(
+                conn, now, job, held, "release", f"stopped at boundary: {reason}", epoch=epoch, workers=0
+            )
+        self._end_lease(conn, now, job, epoch, "preempted")
+        conn.execute(
+            update(s.jobs)
+            .where(s.jobs.c.name == job)
+            .values(state=JobState.WAITING.value, waiting_since=now, last_seen=now)
+        )
+        self._replan(conn, now, synced=True)
+        return Target(job, 0, TargetAction.PREEMPT, reason, ())
 
     def release(self, job: str, epoch: int, *, finished: bool = False) -> bool:
         """Give back every slot of the lease ``epoch``. Idempotent: a lease already ended (or
@@ -672,15 +686,13 @@ class PoolClient:
             conn.execute(update(s.jobs).where(s.jobs.c.name == job).values(last_rescale=now))
         self._event(conn, now, kind, job=job, slots=slots, epoch=epoch, workers=workers, reason=reason)
 
-    def _given_up(self, conn, job, d: Decision, workers: int, placements) -> list[Slot]:
+    def _given_up(self, conn, job, d: Decision, placements) -> list[Slot]:
         """Slots of ``d.release`` the job has certainly stopped using: it says so (``placements``),
-        it runs nothing, or it was told to release them in an earlier heartbeat and now runs
-        ``workers <= target`` (it acted at a boundary)."""
+        or it was told to release them in an earlier heartbeat and now runs ``workers <= target``
+        (it acted at a boundary). A job that runs nothing is handled by :meth:`_stopped`."""
         if placements is not None:
             still = {tuple(p) for p in placements}
             return [sl for sl in d.release if sl not in still]
-        if workers == 0:
-            return list(d.release)
         rows = conn.execute(
             select(s.allocations.c.host, s.allocations.c.slot).where(
                 s.allocations.c.job == job, s.allocations.c.releasing.is_not(None)

@@ -66,11 +66,18 @@ def _run(url: str) -> None:
     assert sum(out.get(timeout=5) for _ in procs) == PROCS * OPS
 
     events = setup.events()
-    replay(events)  # no slot ever held by two jobs; only holders release
-    assert held_now(events) == {}  # every release was recorded
     with setup.engine.connect() as conn:
-        assert conn.execute(sa.text("SELECT count(*) FROM allocations")).scalar() == 0
-        assert conn.execute(sa.text("SELECT count(*) FROM leases WHERE ended IS NULL")).scalar() == 0
+        rows = conn.execute(sa.text("SELECT host, slot, job FROM allocations")).all()
+        live = conn.execute(sa.text("SELECT job, epoch FROM leases WHERE ended IS NULL")).all()
+    allocations = {(r.host, r.slot): r.job for r in rows}
+    tables = f"allocations table: {allocations}; live leases: {[tuple(r) for r in live]}"
+    replay(events)  # no slot ever held by two jobs; only holders release
+    held = held_now(events)
+    # Both sides, so a failure says which is wrong: an unrecorded change (they disagree) or a
+    # slot never given back (they agree, both non-empty).
+    assert held == allocations, f"event log says {held} is held, but the {tables}"
+    assert held == {}, f"slots never given back; {tables}"
+    assert not live, f"leases never ended; {tables}"
     assert sum(1 for e in events if e["kind"] == "grant") >= PROCS
     assert setup.status()["slots"]["used"] == 0
 

@@ -180,3 +180,22 @@ def test_schema_is_versioned_and_reopening_keeps_data(ledger_url, clock):
     with b.engine.connect() as conn:
         assert conn.execute(sa.text("SELECT max(version) FROM schema_version")).scalar() == LATEST
     assert [h["name"] for h in b.status()["hosts"]] == ["h0"]
+
+
+def test_preempted_job_that_stopped_gives_everything_back_even_if_the_plan_changed(pool):
+    """``workers=0`` after ``preempt`` ends the lease even when, in between, the preemptor left
+    and the plan would now let the job keep its slots: the job has stopped and waits again."""
+    a = grant(pool, "a", priority=1)
+    pool.submit("b", min_workers=4, max_workers=4, priority=5)
+    assert isinstance(pool.request("b"), Wait)
+    assert pool.heartbeat("a", a.epoch, workers=4).action == TargetAction.PREEMPT
+    pool.release("b", 0, finished=True)  # the preemptor goes away before "a" reaches its boundary
+    t = pool.heartbeat("a", a.epoch, workers=0)  # "a" checkpointed and stopped
+    assert (t.action, t.workers) == (TargetAction.PREEMPT, 0)
+    with pytest.raises(LeaseExpiredError):
+        pool.check_epoch("a", a.epoch)
+    events = pool.events()
+    replay(events)
+    assert held_now(events) == {}
+    assert pool.status()["slots"]["used"] == 0
+    assert pool.request("a").epoch == a.epoch + 1
