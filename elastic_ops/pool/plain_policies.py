@@ -272,6 +272,17 @@ def _place(job, target, reason, keep, release, free: _FreeSlots, pending, moved:
             reason += f"; only {avail} more free"
         else:
             reason += f"; waiting for {need - avail} slots to be released"
+    placements, action, reason = outcome(job, target, keep, new, release, moved, reason)
+    return Decision(job.name, target, placements, tuple(release), action, reason)
+
+
+def outcome(
+    job: Job, target: int, keep: list[Slot], new: list[Slot], release: list[Slot], moved: bool, reason: str
+) -> tuple[tuple[Slot, ...], TargetAction | None, str]:
+    """A job's placements, action and final reason once its kept, new and released slots are known.
+
+    Shared by both implementations, so they name every outcome the same way.
+    """
     placements = job.held if (not new and not release) else tuple(keep + new)
     if job.held and target == 0:
         action: TargetAction | None = TargetAction.PREEMPT
@@ -286,7 +297,7 @@ def _place(job, target, reason, keep, release, free: _FreeSlots, pending, moved:
         action = None
     if moved:
         reason += "; moving off unhealthy hosts"
-    return Decision(job.name, target, placements, tuple(release), action, reason)
+    return placements, action, reason
 
 
 PLAIN: dict[str, Policy] = {

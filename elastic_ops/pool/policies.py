@@ -57,7 +57,7 @@ from elastic_ops.pool.model import (
     TargetAction,
     make_decision,
 )
-from elastic_ops.pool.plain_policies import PLAIN, effective_priority, order_key
+from elastic_ops.pool.plain_policies import PLAIN, effective_priority, order_key, outcome
 from elastic_ops.pool.shares import strict_fill_array, weighted_fill_array
 
 __all__ = ["POLICIES", "VECTORISED", "decide", "effective_priority", "get_policy", "make_policy", "order_key"]
@@ -508,20 +508,7 @@ def _place(job, target, reason, keep, release, own, free: _Free, pending, moved:
     new: list[Slot] = []
     if need > 0:
         new, reason = _grow(job, need, len(keep), own, reason, free, pending)
-    placements = job.held if (not new and not release) else tuple(keep + new)
-    if job.held and target == 0:
-        action: TargetAction | None = TargetAction.PREEMPT
-        reason = "preempted: " + reason
-    elif new:
-        action = TargetAction.GROW
-    elif release:
-        action = TargetAction.SHRINK
-    elif job.held:
-        action = TargetAction.KEEP
-    else:
-        action = None
-    if moved:
-        reason += "; moving off unhealthy hosts"
+    placements, action, reason = outcome(job, target, keep, new, release, moved, reason)
     return make_decision(job.name, target, placements, tuple(release), action, reason)
 
 
