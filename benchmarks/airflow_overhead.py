@@ -30,6 +30,7 @@ from pathlib import Path
 
 import yaml
 
+from benchmarks._results import write_json
 from elastic_ops.airflow_env import AirflowDeployment
 from elastic_ops.demo import setup_pool
 
@@ -161,8 +162,7 @@ def main(argv: list[str] | None = None) -> int:
             "preemption": preempt,
         }
         out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=2))
+        write_json(out, report)
         print(json.dumps({k: v for k, v in report.items() if k != "chunks"}, indent=2))
         return 0
     finally:

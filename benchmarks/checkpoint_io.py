@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
 import os
 import platform
 import statistics
@@ -39,6 +38,7 @@ from typing import Any
 
 import torch
 
+from benchmarks._results import write_json
 from elastic_ops.checkpoint import CheckpointStore, capture_rng, encode_state, open_store
 from elastic_ops.checkpoint.retry import RetryPolicy
 
@@ -247,8 +247,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     results = run(args.repeats)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    write_json(args.out, results)
     for where in ("local", "s3"):
         r = results[where]
         print(

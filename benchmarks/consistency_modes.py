@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from benchmarks._results import write_json
 from benchmarks.runtime_overhead import digits_spec, run_ours
 
 RESULTS = Path(__file__).resolve().parent / "results" / "consistency_modes.json"
@@ -80,8 +81,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "load_average_at_end": os.getloadavg()[0],
         "results": rows,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.out, result)
     return result
 
 

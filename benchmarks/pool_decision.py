@@ -30,8 +30,8 @@ import random
 import statistics
 import sys
 import time
-from pathlib import Path
 
+from benchmarks._results import write_json
 from elastic_ops.pool.model import Host, HostState, Job, PolicyConfig, Snapshot
 from elastic_ops.pool.policies import POLICIES
 
@@ -159,8 +159,7 @@ def main() -> None:
     ap.add_argument("--no-reference", action="store_true", help="skip timing the reference implementation")
     args = ap.parse_args()
     result = measure(args.repeats, not args.no_reference)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.out, result)
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}))
 
 

@@ -22,10 +22,10 @@ import sys
 import tempfile
 import time
 import uuid
-from pathlib import Path
 
 import sqlalchemy as sa
 
+from benchmarks._results import write_json
 from elastic_ops.pool import Grant, PoolClient
 
 PG_BASE = os.environ.get("ELASTIC_OPS_TEST_POSTGRES", "postgresql+psycopg2://postgres@127.0.0.1:5432/test")
@@ -111,8 +111,7 @@ def main() -> None:
         "note": pg_note,
         "rows": rows,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.out, result)
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}))
 
 

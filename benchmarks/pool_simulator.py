@@ -23,6 +23,7 @@ import statistics
 import sys
 from pathlib import Path
 
+from benchmarks._results import write_json
 from elastic_ops.pool.simulator import SimConfig, policy_names, simulate
 from elastic_ops.pool.workload import default_traces_dir
 
@@ -80,8 +81,7 @@ def main() -> None:
         "workload6_published": PUBLISHED_WORKLOAD6,
         "rows": rows,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.out, result)
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}))
 
 

@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from benchmarks._results import write_json
+
 RESULTS = Path(__file__).resolve().parent / "results" / "runtime_overhead.json"
 SPEC_FILE = Path(__file__).resolve().parents[1] / "elastic_ops" / "examples" / "digits-fast.yaml"
 
@@ -172,8 +174,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "results": rows,
         "note": "ratios = runner / bare DDP; medians over repeats, runs interleaved",
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.out, result)
     return result
 
 
