@@ -21,6 +21,7 @@ import json
 import logging
 import math
 import shutil
+import signal
 import tempfile
 import threading
 import time
@@ -236,7 +237,7 @@ class _Runner:
         if errors:
             raise errors[0]
         if result.failures:
-            raise self._failure(segdir, result.failures)
+            raise self._failure(segdir, result.failures, _killed_ranks(pc))
         if not (segdir / "result.json").exists():
             raise TrainingError(
                 f"the workers exited without handing over their state (iterations {it}..{self.end})",
@@ -324,7 +325,7 @@ class _Runner:
                 eta,
             )
 
-    def _failure(self, segdir: Path, failures: dict[int, Any]) -> Exception:
+    def _failure(self, segdir: Path, failures: dict[int, Any], killed: dict[int, str]) -> Exception:
         reports = []
         for path in sorted(segdir.glob("error-*.json")):
             try:
@@ -341,6 +342,7 @@ class _Runner:
                 return cls(msg)
         internal = [r for r in reports if r["kind"] == "internal"]
         signals = {rank: f.signal_name() for rank, f in failures.items() if f.exitcode < 0}
+        signals = dict(sorted({**killed, **signals}.items()))
         if internal and not signals:
             r = internal[0]
             return TrainingError(f"runtime error on rank {r['rank']}: {r['message']}\n{r['traceback']}")
@@ -543,3 +545,22 @@ def _warm_state(uri: str | None, store: Any = None) -> dict[str, Any]:
     if ref is None:
         raise CheckpointNotFoundError(f"warm_start {uri!r} holds no committed checkpoint")
     return {"model": store.load(ref)["model"], "warm": True}
+
+
+def _killed_ranks(pc: Any) -> dict[int, str]:
+    """Ranks that a signal other than our own teardown's SIGTERM ended.
+
+    ``start_processes`` reports only the first rank it saw fail, and when one worker is
+    SIGKILLed its peers often exit with 1 (their collective broke) before the poll sees the
+    kill; the dead worker is the one the error should name.
+    """
+    processes = getattr(getattr(pc, "_pc", None), "processes", None) or []
+    killed = {}
+    for rank, proc in enumerate(processes):
+        code = proc.exitcode
+        if code is not None and code < 0 and -code != signal.SIGTERM:
+            try:
+                killed[rank] = signal.Signals(-code).name
+            except ValueError:
+                killed[rank] = f"signal {-code}"
+    return killed

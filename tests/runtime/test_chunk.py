@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from elastic_ops.errors import (
     WorkerLostError,
 )
 from elastic_ops.runtime import ChunkStatus, Schedule, run_chunk, run_job
+from elastic_ops.runtime.chunk import _killed_ranks
 from elastic_ops.runtime.data_order import stream_slice
 from tests.runtime.builders import make_spec
 
@@ -106,6 +108,14 @@ def test_killed_worker_is_retryable_and_the_rerun_matches_an_uninterrupted_run(t
     result = run_chunk(spec, 0, 30, target=lambda i: 2)
     assert result.workers_timeline[0][0] == 10  # resumed, not restarted
     assert result.param_sha256 == reference["bitwise"]
+
+
+def test_the_killed_rank_is_named_even_when_a_peer_exit_was_seen_first():
+    # start_processes reports only the first failure it polls; a SIGKILLed worker's peer often
+    # exits with 1 first, and our own teardown SIGTERMs the rest.
+    procs = [SimpleNamespace(exitcode=1), SimpleNamespace(exitcode=-9), SimpleNamespace(exitcode=-15)]
+    assert _killed_ranks(SimpleNamespace(_pc=SimpleNamespace(processes=procs))) == {1: "SIGKILL"}
+    assert _killed_ranks(SimpleNamespace()) == {}
 
 
 def test_user_exception_is_a_non_retryable_user_code_error_with_the_traceback(tmp_path):
