@@ -10,6 +10,7 @@ from typing import Any
 from urllib.parse import unquote, urlparse
 
 from elastic_ops.checkpoint.backend import Backend, ObjectInfo
+from elastic_ops.checkpoint.checksum import DEFAULT_CHECKSUM, Checksum
 from elastic_ops.checkpoint.codec import (
     InvalidStateError,
     capture_rng,
@@ -27,6 +28,7 @@ __all__ = [
     "Backend",
     "CheckpointRef",
     "CheckpointStore",
+    "Checksum",
     "FileEntry",
     "InvalidStateError",
     "LocalBackend",
@@ -48,6 +50,7 @@ def open_store(
     keep_last: int = 3,
     keep_every: int | None = None,
     clock: Callable[[], float] | None = None,
+    checksum: Checksum | str = DEFAULT_CHECKSUM,
     **backend_options: Any,
 ) -> CheckpointStore:
     """Open the checkpoint store at ``uri``.
@@ -58,6 +61,8 @@ def open_store(
     without one, boto3's standard credential chain and ``AWS_ENDPOINT_URL(_S3)`` apply.
     ``backend_options`` go to :class:`~elastic_ops.checkpoint.s3.S3Backend` (``retry``,
     ``transfer_config``, ``endpoint_url``).
+    ``checksum`` — the algorithm new checkpoints record: ``"xxh3-128"`` (default, fast) or
+    ``"sha256"`` (cryptographic); checkpoints written with either are verified on load.
     """
     if not isinstance(uri, str):
         raise SpecError("checkpoint", uri, _ALLOWED_URI)
@@ -77,4 +82,4 @@ def open_store(
         backend = S3Backend(parsed.netloc, parsed.path.strip("/"), client=s3_client, **backend_options)
     else:
         raise SpecError("checkpoint", uri, _ALLOWED_URI)
-    return CheckpointStore(backend, keep_last=keep_last, keep_every=keep_every, **extra)
+    return CheckpointStore(backend, keep_last=keep_last, keep_every=keep_every, checksum=checksum, **extra)

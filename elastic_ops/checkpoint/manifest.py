@@ -1,43 +1,62 @@
 """The checkpoint manifest: the one small object whose presence makes a checkpoint exist.
 
 It is written last and only if absent. It lists every data file of the checkpoint with its
-SHA-256 and size, so a reader can tell a complete, intact checkpoint from a damaged one.
+size and checksum, so a reader can tell a complete, intact checkpoint from a damaged one.
 Parsing is strict: anything unexpected makes the manifest (and so the checkpoint) invalid.
+
+Format versions (both are read; version 2 is written)::
+
+    1  "files": [{"name": "d-…/state.pt", "sha256": "<64 hex>", "size": 123}]
+    2  "files": [{"name": "d-…/state.pt", "algorithm": "xxh3-128", "digest": "<32 hex>", "size": 123}]
+
+Version 2 names the checksum algorithm per file (see :mod:`elastic_ops.checkpoint.checksum`).
+A release that reads only version 1 skips version-2 checkpoints as invalid (with a warning).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
+from elastic_ops.checkpoint.checksum import ALLOWED, DEFAULT_CHECKSUM, Checksum
 from elastic_ops.errors import CheckpointCorruptError, CheckpointError
 
 FORMAT = "elastic-ops-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # written; READ_VERSIONS are read
+READ_VERSIONS = (1, 2)
 MANIFEST_NAME = "manifest.json"
 STATE_NAME = "state.pt"
 
 # a file name inside an iteration prefix: "d-<hex>/<name>", no "..", no absolute paths
 _FILE_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*$")
-_SHA_RE = re.compile(r"^[0-9a-f]{64}$")
+_V1_ENTRY_KEYS = {"name", "sha256", "size"}
+_V2_ENTRY_KEYS = {"name", "algorithm", "digest", "size"}
 
 
 @dataclasses.dataclass(frozen=True)
 class FileEntry:
-    """One data file of a checkpoint, relative to its iteration prefix."""
+    """One data file of a checkpoint, relative to its iteration prefix: size and checksum."""
 
     name: str
-    sha256: str
+    algorithm: Checksum
+    digest: str
     size: int
 
     @classmethod
-    def of(cls, name: str, data: bytes) -> FileEntry:
-        return cls(name, hashlib.sha256(data).hexdigest(), len(data))
+    def of(cls, name: str, data: bytes, algorithm: Checksum = DEFAULT_CHECKSUM) -> FileEntry:
+        return cls(name, algorithm, algorithm.hexdigest(data), len(data))
+
+    def to_doc(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "algorithm": self.algorithm.value,
+            "digest": self.digest,
+            "size": self.size,
+        }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +77,7 @@ class Manifest:
             "spec_hash": self.spec_hash,
             "created": self.created,
             "metrics": self.metrics,
-            "files": [dataclasses.asdict(f) for f in self.files],
+            "files": [f.to_doc() for f in self.files],
         }
         return json.dumps(doc, sort_keys=True, indent=1).encode()
 
@@ -66,10 +85,12 @@ class Manifest:
         """True when ``other`` commits the same bytes for the same job (an idempotent retry).
 
         Data directories are writer-unique, so files compare by base name, checksum and size.
+        Digests under different algorithms cannot be compared: such a pair counts as different
+        (a conflict is raised rather than a possibly different state accepted).
         """
 
         def content(m: Manifest) -> tuple:
-            files = sorted((f.name.rsplit("/", 1)[-1], f.sha256, f.size) for f in m.files)
+            files = sorted((f.name.rsplit("/", 1)[-1], f.algorithm.value, f.digest, f.size) for f in m.files)
             return m.iteration, m.spec_hash, files
 
         return content(self) == content(other)
@@ -105,8 +126,9 @@ def parse_manifest(data: bytes, *, where: str) -> Manifest:
         raise bad(f"not JSON ({exc})") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise bad(f"format must be {FORMAT!r}")
-    if doc.get("format_version") != FORMAT_VERSION:
-        raise bad(f"format_version={doc.get('format_version')!r}, this version reads {FORMAT_VERSION}")
+    version = doc.get("format_version")
+    if type(version) is not int or version not in READ_VERSIONS:
+        raise bad(f"format_version={version!r}, this version reads {' and '.join(map(str, READ_VERSIONS))}")
     for key in ("iteration", "epoch"):
         if type(doc.get(key)) is not int or doc[key] < 0:
             raise bad(f"{key}={doc.get(key)!r} must be an integer >= 0")
@@ -120,18 +142,7 @@ def parse_manifest(data: bytes, *, where: str) -> Manifest:
     files = doc.get("files")
     if not isinstance(files, list) or not files:
         raise bad("files must be a non-empty list")
-    entries = []
-    for f in files:
-        if not isinstance(f, dict) or set(f) != {"name", "sha256", "size"}:
-            raise bad(f"file entry {f!r} must have exactly name, sha256, size")
-        name, sha, size = f["name"], f["sha256"], f["size"]
-        if not isinstance(name, str) or not _FILE_NAME_RE.match(name) or ".." in name.split("/"):
-            raise bad(f"file name {name!r} is not a relative path inside the checkpoint")
-        if not isinstance(sha, str) or not _SHA_RE.match(sha):
-            raise bad(f"sha256 {sha!r} of {name} is not a hex digest")
-        if type(size) is not int or size < 0:
-            raise bad(f"size {size!r} of {name} must be an integer >= 0")
-        entries.append(FileEntry(name, sha, size))
+    entries = [_parse_entry(f, version, bad) for f in files]
     return Manifest(
         iteration=doc["iteration"],
         epoch=doc["epoch"],
@@ -140,3 +151,25 @@ def parse_manifest(data: bytes, *, where: str) -> Manifest:
         files=tuple(entries),
         metrics=doc.get("metrics", {}),
     )
+
+
+def _parse_entry(f: object, version: int, bad: Callable[[str], CheckpointCorruptError]) -> FileEntry:
+    keys = _V1_ENTRY_KEYS if version == 1 else _V2_ENTRY_KEYS
+    if not isinstance(f, dict) or set(f) != keys:
+        raise bad(f"file entry {f!r} must have exactly {', '.join(sorted(keys))}")
+    name, size = f["name"], f["size"]
+    if not isinstance(name, str) or not _FILE_NAME_RE.match(name) or ".." in name.split("/"):
+        raise bad(f"file name {name!r} is not a relative path inside the checkpoint")
+    if version == 1:
+        algorithm, digest = Checksum.SHA256, f["sha256"]
+    else:
+        try:
+            algorithm = Checksum(f["algorithm"])
+        except ValueError:
+            raise bad(f"algorithm {f['algorithm']!r} of {name} is not one of {ALLOWED}") from None
+        digest = f["digest"]
+    if not algorithm.is_digest(digest):
+        raise bad(f"{algorithm.value} {digest!r} of {name} is not a hex digest")
+    if type(size) is not int or size < 0:
+        raise bad(f"size {size!r} of {name} must be an integer >= 0")
+    return FileEntry(name, algorithm, digest, size)

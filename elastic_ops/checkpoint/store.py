@@ -18,7 +18,6 @@ are pruned, so the maximum is never lost.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import os
 import re
@@ -30,6 +29,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from elastic_ops.checkpoint.backend import Backend, ObjectInfo
+from elastic_ops.checkpoint.checksum import DEFAULT_CHECKSUM, Checksum, parse_checksum
 from elastic_ops.checkpoint.codec import check_state, decode_state, encode_state, encode_state_into
 from elastic_ops.checkpoint.manifest import (
     MANIFEST_NAME,
@@ -59,7 +59,7 @@ _POOL_LOCK = threading.Lock()
 
 
 def _pool() -> ThreadPoolExecutor:
-    """Threads for hashing next to I/O and decoding (hashlib releases the GIL on large data)."""
+    """Threads for reading data next to its manifest, and hashing next to an upload."""
     global _POOL
     with _POOL_LOCK:
         if _POOL is None:
@@ -103,6 +103,7 @@ class CheckpointStore:
 
     ``keep_last`` newest checkpoints are kept after each commit, plus every checkpoint whose
     iteration is a multiple of ``keep_every`` (when set). ``clock`` stamps manifests.
+    ``checksum`` is the algorithm new checkpoints record (any known one is verified on load).
     """
 
     def __init__(
@@ -112,6 +113,7 @@ class CheckpointStore:
         keep_last: int = 3,
         keep_every: int | None = None,
         clock: Callable[[], float] = time.time,
+        checksum: Checksum | str = DEFAULT_CHECKSUM,
     ) -> None:
         if type(keep_last) is not int or keep_last < 1:
             raise SpecError("keep_last", keep_last, "must be an integer >= 1")
@@ -121,6 +123,7 @@ class CheckpointStore:
         self.uri = backend.uri
         self.keep_last = keep_last
         self.keep_every = keep_every
+        self.checksum = parse_checksum(checksum)
         self._clock = clock
         self._lock = threading.Lock()
         self._loaded: tuple[CheckpointRef, Any] | None = None  # what latest() verified and decoded
@@ -195,11 +198,12 @@ class CheckpointStore:
             upload = self._bytes_uploader({STATE_NAME: encode_state(state)})
         else:  # encode straight into the file, hashing inline: no in-memory copy of the state
             check_state(state)
+            algorithm = self.checksum
 
             def upload(prefix: str) -> tuple[FileEntry, ...]:
                 name = f"{prefix}/{STATE_NAME}"
-                sha, size = put_stream(name, lambda f: encode_state_into(state, f))
-                return (FileEntry(name.split("/", 1)[1], sha, size),)
+                digest, size = put_stream(name, lambda f: encode_state_into(state, f, algorithm))
+                return (FileEntry(name.split("/", 1)[1], algorithm, digest, size),)
 
         return self._commit(iteration, upload, epoch, spec_hash, metrics, in_background=False)
 
@@ -229,7 +233,11 @@ class CheckpointStore:
 
         def upload(prefix: str) -> tuple[FileEntry, ...]:
             rel = prefix.split("/", 1)[1]
-            hashing = [_pool().submit(FileEntry.of, f"{rel}/{name}", data) for name, data in payload.items()]
+            algorithm = self.checksum
+            hashing = [
+                _pool().submit(FileEntry.of, f"{rel}/{name}", data, algorithm)
+                for name, data in payload.items()
+            ]
             for name, data in payload.items():
                 self.backend.put(f"{prefix}/{name}", data)
             return tuple(h.result() for h in hashing)
@@ -399,7 +407,10 @@ class CheckpointStore:
             if spec_hash is not None and m.spec_hash != spec_hash:
                 log.warning(
                     "skipping checkpoint %s: spec hash %s differs from this job's %s "
-                    "(written by a different job definition)", ref.uri, m.spec_hash, spec_hash,
+                    "(written by a different job definition)",
+                    ref.uri,
+                    m.spec_hash,
+                    spec_hash,
                 )
                 continue
             try:
@@ -427,12 +438,12 @@ class CheckpointStore:
     def _read_verified(
         self, ref: CheckpointRef, prefetched: dict[str, Future[bytes | None]] | None = None
     ) -> Any:
-        """Read ref's files, check sizes and sha256, and decode the state while hashing.
+        """Read ref's files, verify sizes and checksums, then decode the state.
 
         Returns the state, or the :class:`CheckpointCorruptError` decoding raised (for load() to
         raise). Raises :class:`CheckpointCorruptError` when a file is missing or fails its
-        checksum. Decoding before the checksum is known adds no risk: the safe loader is what
-        keeps code from running (a checksum is integrity, not authenticity).
+        checksum. Every byte is verified before any is handed to the decoder, and the decoder
+        sees exactly the verified buffer (no second read of the file).
         """
         it_dir = iteration_dir(ref.iteration)
         payload = {}
@@ -446,23 +457,20 @@ class CheckpointStore:
                 raise CheckpointCorruptError(
                     f"{ref.uri}/{f.name} fails verification: size {len(data)} instead of {f.size}"
                 )
+            got = f.algorithm.hexdigest(data)
+            if got != f.digest:
+                raise CheckpointCorruptError(
+                    f"{ref.uri}/{f.name} fails verification: {f.algorithm.value} {got[:12]}… "
+                    f"instead of {f.digest[:12]}…"
+                )
             payload[f.name] = data
-        checks = [_pool().submit(hashlib.sha256, payload[f.name]) for f in ref.files]
         states = [f.name for f in ref.files if f.name.rsplit("/", 1)[-1] == STATE_NAME]
-        result: Any
         try:
             if len(states) != 1:
                 raise CheckpointCorruptError(f"{ref.uri} has no single {STATE_NAME}")
-            result = decode_state(payload[states[0]], name=f"{ref.uri}/{states[0]}")
+            return decode_state(payload[states[0]], name=f"{ref.uri}/{states[0]}")
         except CheckpointCorruptError as exc:
-            result = exc
-        for f, check in zip(ref.files, checks, strict=True):
-            got = check.result().hexdigest()
-            if got != f.sha256:
-                raise CheckpointCorruptError(
-                    f"{ref.uri}/{f.name} fails verification: sha256 {got[:12]}… instead of {f.sha256[:12]}…"
-                )
-        return result
+            return exc
 
     def load(self, ref: CheckpointRef) -> Any:
         """The state saved in ``ref``, after verifying every checksum. Never executes code.
@@ -490,7 +498,7 @@ class CheckpointStore:
         try:
             by_it = self._scan(objects)  # listed just before our commit
             committed_its = sorted({i for i, keys in by_it.items() if MANIFEST_NAME in keys} | {committed})
-            keep = set(committed_its[-self.keep_last:]) | {committed}
+            keep = set(committed_its[-self.keep_last :]) | {committed}
             if self.keep_every:
                 keep |= {i for i in committed_its if i % self.keep_every == 0}
             doomed = [i for i in sorted(by_it) if i < committed and i not in keep]

@@ -8,16 +8,17 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from elastic_ops.checkpoint import InvalidStateError, open_store
+from elastic_ops.checkpoint import Checksum, InvalidStateError, open_store
 from elastic_ops.checkpoint.manifest import FileEntry, Manifest, parse_manifest
 from elastic_ops.errors import CheckpointCorruptError, CheckpointError, SpecError
 from tests.checkpoint.builders import small_state
 
 SHA = "a" * 64
+XXH = "b" * 32
 
 
 def make_manifest_doc(**changes) -> dict:
-    files = (FileEntry("d-x/state.pt", SHA, 10),)
+    files = (FileEntry("d-x/state.pt", Checksum.XXH3_128, XXH, 10),)
     doc = json.loads(Manifest(iteration=20, epoch=3, spec_hash="h", created=1.5, files=files).to_json())
     doc.update(changes)
     return doc
@@ -28,11 +29,26 @@ def make_manifest_doc(**changes) -> dict:
     epoch=st.integers(0, 2**62),
     size=st.integers(0, 2**40),
     metrics=st.dictionaries(st.text(max_size=5), st.floats(allow_nan=False) | st.integers() | st.none()),
+    algorithm=st.sampled_from(Checksum),
 )
-def test_manifest_round_trips(iteration: int, epoch: int, size: int, metrics: dict) -> None:
-    m = Manifest(iteration, epoch, "spec", 12.0, (FileEntry("d-1/state.pt", SHA, size),), metrics)
+def test_manifest_round_trips(
+    iteration: int, epoch: int, size: int, metrics: dict, algorithm: Checksum
+) -> None:
+    entry = FileEntry(
+        "d-1/state.pt", algorithm, {Checksum.SHA256: SHA, Checksum.XXH3_128: XXH}[algorithm], size
+    )
+    m = Manifest(iteration, epoch, "spec", 12.0, (entry,), metrics)
     back = parse_manifest(m.to_json(), where="x")
     assert back == m and back.metrics == metrics
+
+
+def test_format_version_1_manifest_is_read_as_sha256() -> None:
+    doc = make_manifest_doc(format_version=1, files=[{"name": "d-x/state.pt", "sha256": SHA, "size": 10}])
+    m = parse_manifest(json.dumps(doc).encode(), where="it-20")
+    assert m.files == (FileEntry("d-x/state.pt", Checksum.SHA256, SHA, 10),)
+
+
+V2 = {"algorithm": "xxh3-128", "digest": XXH}
 
 
 @pytest.mark.parametrize(
@@ -43,10 +59,26 @@ def test_manifest_round_trips(iteration: int, epoch: int, size: int, metrics: di
         ({"iteration": -1}, "iteration=-1"),
         ({"epoch": "3"}, "epoch='3'"),
         ({"files": []}, "non-empty"),
-        ({"files": [{"name": "../../etc/passwd", "sha256": SHA, "size": 1}]}, "not a relative path"),
-        ({"files": [{"name": "/abs/state.pt", "sha256": SHA, "size": 1}]}, "not a relative path"),
-        ({"files": [{"name": "d/state.pt", "sha256": "xyz", "size": 1}]}, "not a hex digest"),
-        ({"files": [{"name": "d/state.pt", "sha256": SHA, "size": -5}]}, "size -5"),
+        ({"format_version": True}, "format_version=True"),
+        ({"files": [{"name": "../../etc/passwd", **V2, "size": 1}]}, "not a relative path"),
+        ({"files": [{"name": "/abs/state.pt", **V2, "size": 1}]}, "not a relative path"),
+        (
+            {"files": [{"name": "d/state.pt", "algorithm": "xxh3-128", "digest": "xyz", "size": 1}]},
+            "not a hex",
+        ),
+        ({"files": [{"name": "d/state.pt", "algorithm": "xxh3-128", "digest": SHA, "size": 1}]}, "not a hex"),
+        (
+            {"files": [{"name": "d/state.pt", "algorithm": "md5", "digest": XXH, "size": 1}]},
+            "'md5' of d/state.pt",
+        ),
+        ({"files": [{"name": "d/state.pt", **V2, "size": -5}]}, "size -5"),
+        # each version has its own entry layout: no mixing
+        (
+            {"files": [{"name": "d/state.pt", "sha256": SHA, "size": 1}]},
+            "must have exactly algorithm, digest",
+        ),
+        ({"format_version": 1, "files": [{"name": "d/state.pt", **V2, "size": 1}]}, "exactly name, sha256"),
+        ({"format_version": 1, "files": [{"name": "d/state.pt", "sha256": "xyz", "size": 1}]}, "not a hex"),
     ],
 )
 def test_invalid_manifest_is_refused_with_reason(changes: dict, why: str) -> None:
@@ -58,7 +90,7 @@ def test_checkpoint_with_invalid_manifest_does_not_exist(tmp_path) -> None:
     store = open_store(f"file://{tmp_path}")
     store.save(10, small_state(1), epoch=1, spec_hash="h")
     (tmp_path / "it-00000020").mkdir()
-    (tmp_path / "it-00000020/manifest.json").write_text(json.dumps(make_manifest_doc(format_version=2)))
+    (tmp_path / "it-00000020/manifest.json").write_text(json.dumps(make_manifest_doc(format_version=99)))
     assert [r.iteration for r in store.list()] == [10]
     assert store.latest().iteration == 10
 
@@ -92,3 +124,18 @@ def test_bad_metrics_or_state_are_refused_before_anything_is_written(tmp_path) -
     with pytest.raises(InvalidStateError):
         store.save(10, {"w": {1, 2}}, epoch=1, spec_hash="h")
     assert not any(p.is_file() for p in tmp_path.rglob("*"))
+
+
+def test_unknown_checksum_is_refused_naming_what_is_allowed(tmp_path) -> None:
+    with pytest.raises(SpecError, match="invalid checksum='md5': must be one of 'xxh3-128', 'sha256'") as err:
+        open_store(f"file://{tmp_path}", checksum="md5")
+    assert err.value.field == "checksum"
+
+
+def test_checksums_under_different_algorithms_never_count_as_the_same_content() -> None:
+    data = b"the same bytes"
+    a = Manifest(20, 1, "h", 1.0, (FileEntry.of("d-1/state.pt", data, Checksum.SHA256),))
+    b = Manifest(20, 1, "h", 2.0, (FileEntry.of("d-2/state.pt", data, Checksum.XXH3_128),))
+    c = Manifest(20, 2, "h", 3.0, (FileEntry.of("d-3/state.pt", data, Checksum.XXH3_128),))
+    assert b.same_content(c), "same bytes, same algorithm: an idempotent retry"
+    assert not a.same_content(b), "digests of different algorithms cannot be compared: a conflict"

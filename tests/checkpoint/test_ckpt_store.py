@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import multiprocessing as mp
 
 import pytest
 import torch
 
-from elastic_ops.checkpoint import restore_rng
+from elastic_ops.checkpoint import Checksum, encode_state, restore_rng
+from elastic_ops.checkpoint import store as store_module
 from elastic_ops.errors import (
     CheckpointCorruptError,
     CommitConflictError,
@@ -98,6 +101,61 @@ def test_damaged_latest_falls_back_to_previous(target: StoreTarget, damage: str,
     if damage == "flip_byte":
         with pytest.raises(CheckpointCorruptError, match="fails verification"):
             target.open().load(newest)
+
+
+def test_checksum_is_verified_before_any_byte_is_decoded(target: StoreTarget, monkeypatch) -> None:
+    store = target.open()
+    store.save(10, small_state(1), epoch=1, spec_hash="h")
+    newest = store.save(20, small_state(2), epoch=1, spec_hash="h")
+    _flip_byte(target, f"it-00000020/{newest.files[0].name}")
+    decoded: list[int] = []
+    real_decode = store_module.decode_state
+
+    def recording_decode(data: bytes, *, name: str) -> object:
+        decoded.append(len(data))
+        return real_decode(data, name=name)
+
+    monkeypatch.setattr(store_module, "decode_state", recording_decode)
+    fresh = target.open()
+    with pytest.raises(CheckpointCorruptError, match="fails verification: xxh3-128"):
+        fresh.load(newest)
+    assert decoded == [], "the damaged bytes never reached the unpickler"
+    assert fresh.load(fresh.latest())["step"] == 1 and len(decoded) == 1
+
+
+def test_sha256_checkpoints_are_written_on_request_and_read_by_default(target: StoreTarget) -> None:
+    ref = target.open(checksum="sha256").save(10, small_state(1), epoch=1, spec_hash="h")
+    data = target.read(f"it-00000010/{ref.files[0].name}")
+    assert ref.files[0].algorithm is Checksum.SHA256
+    assert ref.files[0].digest == hashlib.sha256(data).hexdigest()
+    manifest = json.loads(target.read("it-00000010/manifest.json"))
+    assert (manifest["format_version"], manifest["files"][0]["algorithm"]) == (2, "sha256")
+    reader = target.open()  # default xxh3-128: verifies whatever the manifest names
+    assert reader.load(reader.latest())["step"] == 1
+
+
+def test_format_version_1_checkpoint_from_an_earlier_release_loads(target: StoreTarget) -> None:
+    """A version-1 checkpoint (sha256 per file) is verified and loaded; damage to it is caught."""
+    for iteration, step in ((10, 1), (20, 2)):
+        data = encode_state(small_state(step))
+        sha = hashlib.sha256(data).hexdigest()
+        target.write(f"it-{iteration:08d}/d-old/state.pt", data)
+        manifest = {
+            "format": "elastic-ops-checkpoint", "format_version": 1, "iteration": iteration, "epoch": 1,
+            "spec_hash": "h", "created": 1.0, "metrics": {},
+            "files": [{"name": "d-old/state.pt", "sha256": sha, "size": len(data)}],
+        }  # fmt: skip
+        target.write(f"it-{iteration:08d}/manifest.json", json.dumps(manifest).encode())
+    store = target.open()
+    ref = store.latest(spec_hash="h")
+    assert (ref.iteration, ref.files[0].algorithm) == (20, Checksum.SHA256)
+    assert store.load(ref)["step"] == 2
+    _flip_byte(target, "it-00000020/d-old/state.pt")
+    assert target.open().latest().iteration == 10, "a damaged version-1 checkpoint is skipped"
+    # a new save goes on from there in the current format
+    new = target.open().save(30, small_state(3), epoch=1, spec_hash="h")
+    assert new.files[0].algorithm is Checksum.XXH3_128
+    assert target.open().load(target.open().latest())["step"] == 3
 
 
 def test_stale_epoch_cannot_commit(target: StoreTarget) -> None:
