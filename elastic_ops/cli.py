@@ -10,6 +10,7 @@ from elastic_ops.errors import ElasticOpsError
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from elastic_ops.agent import cli as agent_cli
     from elastic_ops.pool import cli as pool_cli
     from elastic_ops.runtime import cli as runtime_cli
 
@@ -17,6 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     runtime_cli.add_commands(sub)
     pool_cli.add_commands(sub)
+    agent_cli.add_commands(sub)
     return parser
 
 

@@ -115,21 +115,25 @@ class LocalLauncher:
         envs = {r: worker_env(req, r, gpus) for r in range(req.workers)}
         args = {r: (req.script,) for r in range(req.workers)}
         logs = DefaultLogsSpecs(log_dir=str(req.log_dir), redirects=Std.NONE, tee=Std.NONE)
-        # start() installs SIGTERM/SIGINT handlers in the main thread; the host process (an
-        # Airflow task, the CLI) owns those, so put its handlers back afterwards.
-        saved = _save_handlers()
-        try:
-            with _main_not_rerun():
-                return start_processes(
-                    name="elastic-ops-worker",
-                    entrypoint=worker_entry,
-                    args=args,
-                    envs=envs,
-                    logs_specs=logs,
-                    start_method="forkserver",
-                )
-        finally:
-            _restore_handlers(saved)
+        # start() installs SIGTERM/SIGINT handlers when called from the main thread; the host
+        # process (an Airflow task, the CLI) owns those, so put its handlers back afterwards.
+        # From any other thread (the agent runs each chunk in its own) signal.signal would raise:
+        # torch then installs none and we restore none, and the agent's main thread owns the
+        # teardown. One start at a time: _main_not_rerun swaps a process-wide attribute.
+        with _START_LOCK:
+            saved = _save_handlers()
+            try:
+                with _main_not_rerun():
+                    return start_processes(
+                        name="elastic-ops-worker",
+                        entrypoint=worker_entry,
+                        args=args,
+                        envs=envs,
+                        logs_specs=logs,
+                        start_method="forkserver",
+                    )
+            finally:
+                _restore_handlers(saved)
 
 
 @contextlib.contextmanager
@@ -155,6 +159,7 @@ def _main_not_rerun() -> Iterator[None]:
 
 
 _SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+_START_LOCK = threading.Lock()
 
 
 def _save_handlers() -> dict[int, object]:
@@ -164,6 +169,8 @@ def _save_handlers() -> dict[int, object]:
 
 
 def _restore_handlers(saved: dict[int, object]) -> None:
+    if threading.current_thread() is not threading.main_thread():
+        return  # signal.signal works in the main thread only (and nothing was saved here)
     for sig, handler in saved.items():
         if handler is not None:
             signal.signal(sig, handler)

@@ -1,0 +1,208 @@
+"""The task side of the agent protocol: send a chunk, stream its target, get the outcome.
+
+Never imports torch (a task process that delegates its chunk stays light) nor Airflow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+from collections.abc import Callable
+from typing import Any
+
+from elastic_ops.agent.protocol import (
+    PROTOCOL_VERSION,
+    AgentProtocolError,
+    AgentUnavailableError,
+    MessageReader,
+    StoreConfig,
+    check_socket_path,
+    encode,
+    error_from_wire,
+)
+from elastic_ops.errors import WorkerLostError
+
+POLL_S = 0.02  # how often the client looks for a new pool target between agent messages
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentProgress:
+    """A progress report of a chunk running on the agent (fields as in the runtime's ``Progress``)."""
+
+    iteration: int
+    end: int
+    loss: float | None
+    workers: int
+    samples_per_sec: float | None
+    eta_s: float | None
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentChunkResult:
+    """A chunk's outcome as the agent reported it: the runtime's ``ChunkResult`` fields, with
+    ``status`` as its string value (``completed``, ``preempted``, ``already_done``)."""
+
+    status: str
+    start: int
+    end: int
+    iteration: int
+    checkpoint_uri: str | None
+    loss: float | None
+    metrics: dict[str, float]
+    workers_timeline: list[tuple[int, int, float]]
+    samples_per_sec: float
+    duration_s: float
+    param_sha256: str | None
+    train_samples_per_sec: float = 0.0
+
+    @classmethod
+    def from_wire(cls, d: Any) -> AgentChunkResult:
+        if not isinstance(d, dict):
+            raise AgentProtocolError(f"a result must be an object, got {type(d).__name__}")
+        names = [f.name for f in dataclasses.fields(cls)]
+        try:
+            fields = {k: d[k] for k in names if k in d}
+            fields["workers_timeline"] = [tuple(t) for t in d.get("workers_timeline") or []]
+            return cls(**fields)
+        except (TypeError, ValueError) as exc:
+            raise AgentProtocolError(f"malformed result from the agent: {exc}") from None
+
+
+class AgentClient:
+    """Talks to the agent at ``path``. One connection per operation."""
+
+    def __init__(self, path: str, *, connect_timeout_s: float = 5.0) -> None:
+        self.path = check_socket_path(path, "agent socket")
+        self.connect_timeout_s = connect_timeout_s
+
+    def __repr__(self) -> str:
+        return f"AgentClient({self.path!r})"
+
+    def _connect(self) -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.connect_timeout_s)
+        try:
+            sock.connect(self.path)
+        except (FileNotFoundError, ConnectionRefusedError, PermissionError, TimeoutError, OSError) as exc:
+            sock.close()
+            raise AgentUnavailableError(
+                f"no elastic-ops agent at {self.path}: {exc.strerror or exc}",
+                hint="start one with `elastic-ops agent --socket PATH`",
+            ) from None
+        sock.settimeout(None)
+        return sock
+
+    def _call(self, request: dict[str, Any], expect: str) -> dict[str, Any]:
+        with self._connect() as sock:
+            sock.sendall(encode({"version": PROTOCOL_VERSION, **request}))
+            reader = MessageReader(sock)
+            try:
+                msg = reader.read(timeout=60)
+            except EOFError:
+                raise AgentUnavailableError(f"the agent at {self.path} closed the connection") from None
+            if msg is None:
+                raise AgentUnavailableError(f"the agent at {self.path} did not answer within 60 s")
+            if msg.get("type") == "error":
+                raise error_from_wire(msg)
+            if msg.get("type") != expect:
+                raise AgentProtocolError(f"expected a {expect!r} message, got {msg.get('type')!r}")
+            return msg
+
+    def ping(self) -> dict[str, Any]:
+        """The agent's ``pong`` (pid, protocol version, chunks running); raises if none answers."""
+        return self._call({"op": "ping"}, "pong")
+
+    def latest(self, store: StoreConfig, spec_hash: str | None) -> tuple[int, str] | None:
+        """``(iteration, uri)`` of the latest committed checkpoint of ``spec_hash`` in ``store``."""
+        msg = self._call({"op": "latest", "store": store.to_wire(), "spec_hash": spec_hash}, "latest")
+        return None if msg.get("iteration") is None else (int(msg["iteration"]), str(msg["uri"]))
+
+    def run_chunk(
+        self,
+        spec: dict[str, Any],
+        start: int,
+        end: int,
+        *,
+        epoch: int,
+        host: str,
+        store: StoreConfig,
+        wanted: Callable[[], int],
+        warm_start: StoreConfig | None = None,
+        on_progress: Callable[[AgentProgress], None] | None = None,
+        on_applied: Callable[[int, int], None] | None = None,
+        poll_s: float = POLL_S,
+    ) -> AgentChunkResult:
+        """Run iterations ``[start, end)`` of ``spec`` on the agent; see ``run_chunk`` in the runtime.
+
+        ``wanted()`` is the pool's current target (0 = preempt); it is sent to the agent whenever
+        it changes. ``on_applied(iteration, workers)`` is called when the runner takes a new target
+        for a boundary. Raises :class:`AgentUnavailableError` if no agent accepts the connection
+        (nothing ran; the caller may run the chunk itself), the chunk's own ``elastic_ops``
+        error as the runtime raised it, or :class:`WorkerLostError` if the agent went away
+        mid-chunk (its workers went with it).
+        """
+        sock = self._connect()
+        try:
+            sent = int(wanted())
+            sock.sendall(
+                encode(
+                    {
+                        "op": "run",
+                        "version": PROTOCOL_VERSION,
+                        "spec": spec,
+                        "start": start,
+                        "end": end,
+                        "epoch": epoch,
+                        "host": host,
+                        "workers": sent,
+                        "store": store.to_wire(),
+                        "warm_start": warm_start.to_wire() if warm_start is not None else None,
+                    }
+                )
+            )
+            reader = MessageReader(sock)
+            while True:
+                try:
+                    msg = reader.read(timeout=poll_s)
+                except EOFError:
+                    raise WorkerLostError(
+                        f"the elastic-ops agent at {self.path} closed the connection mid-chunk "
+                        f"(iterations {start}..{end})",
+                        host=host,
+                        hint="the agent stopped or crashed; retry resumes from the last committed checkpoint",
+                    ) from None
+                now = int(wanted())
+                if now != sent:
+                    sock.sendall(encode({"op": "target", "workers": now}))
+                    sent = now
+                if msg is None:
+                    continue
+                kind = msg.get("type")
+                if kind == "progress":
+                    if on_progress is not None:
+                        on_progress(
+                            AgentProgress(
+                                **{
+                                    k: msg.get(k)
+                                    for k in (
+                                        "iteration",
+                                        "end",
+                                        "loss",
+                                        "workers",
+                                        "samples_per_sec",
+                                        "eta_s",
+                                    )
+                                }
+                            )
+                        )
+                elif kind == "applied":
+                    if on_applied is not None:
+                        on_applied(int(msg["iteration"]), int(msg["workers"]))
+                elif kind == "result":
+                    return AgentChunkResult.from_wire(msg.get("result"))
+                elif kind == "error":
+                    raise error_from_wire(msg)
+                else:
+                    raise AgentProtocolError(f"unexpected message type {kind!r} from the agent")
+        finally:
+            sock.close()

@@ -1,0 +1,347 @@
+"""The agent's wire protocol: one JSON object per line over a Unix stream socket.
+
+Never pickle: a message is data only, parsed with ``json`` and validated field by field, so a
+peer can make the other side do nothing but what the protocol names.
+
+Client → agent (the first message names the operation; only ``run`` takes further messages)::
+
+    {"op": "ping", "version": 1}
+    {"op": "latest", "version": 1, "store": STORE, "spec_hash": "..."}
+    {"op": "run", "version": 1, "spec": {...JobSpec.to_dict()}, "start": 0, "end": 40,
+     "epoch": 3, "host": "h1", "workers": 2, "store": STORE, "warm_start": STORE | null}
+    {"op": "target", "workers": 1}            # the pool's target changed (0 = preempt)
+
+Agent → client::
+
+    {"type": "pong", "version": 1, "pid": 123, "chunks": 0}
+    {"type": "latest", "iteration": 40 | null, "uri": "..." | null}
+    {"type": "progress", "iteration": i, "end": e, "loss": x, "workers": n,
+     "samples_per_sec": r, "eta_s": s}
+    {"type": "applied", "iteration": i, "workers": n}  # the runner took target n for boundary i
+    {"type": "result", "result": {...ChunkResult.to_dict()}}
+    {"type": "error", "class": "WorkerLostError", "message": "...", "hint": ..., "retryable": true,
+     "attrs": {"host": "h1"}, "traceback": "..."}
+
+``STORE`` is :class:`StoreConfig` on the wire: the checkpoint URI, retention, and for ``s3://``
+the endpoint, region and credentials the task resolved from its Airflow ``aws`` connection
+(:class:`S3Config`; its secrets never appear in a ``repr`` or a log line).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import select
+import socket
+from typing import Any
+
+from elastic_ops import errors
+from elastic_ops.errors import ElasticOpsError, SpecError
+
+PROTOCOL_VERSION = 1
+AGENT_SOCKET_ENV = "ELASTIC_OPS_AGENT_SOCKET"
+MAX_MESSAGE_BYTES = 1 << 20  # one line; a spec with large params still fits
+MAX_SOCKET_PATH = 107  # sun_path is 108 bytes on Linux, NUL included
+OPS = ("ping", "latest", "run")
+
+# Attributes of elastic_ops errors that travel with them (plain JSON values only).
+ERROR_ATTRS = ("host", "field", "value", "allowed", "epoch", "current", "job", "name")
+
+
+class AgentUnavailableError(ElasticOpsError):
+    """No agent answers at the configured socket (not started, gone, or refusing)."""
+
+    retryable = True
+
+
+class AgentProtocolError(ElasticOpsError):
+    """The peer broke the protocol (not JSON, too long, wrong shape). Not retryable."""
+
+
+class AgentRemoteError(RuntimeError):
+    """An exception outside the elastic_ops hierarchy raised in the agent (e.g. from torch).
+
+    Deliberately not an ``ElasticOpsError``: in a task process the same exception would reach
+    Airflow's default retry handling, and so does this one.
+    """
+
+    def __init__(self, remote_class: str, message: str, remote_traceback: str | None = None) -> None:
+        self.remote_class = remote_class
+        self.remote_traceback = remote_traceback
+        text = f"{remote_class}: {message} (raised in the elastic-ops agent)"
+        if remote_traceback:
+            text += "\n" + remote_traceback
+        super().__init__(text)
+
+
+# --- configuration ---------------------------------------------------------------------------
+
+
+def check_socket_path(value: Any, field: str = AGENT_SOCKET_ENV) -> str:
+    """``value`` as a Unix socket path, or :class:`SpecError` naming ``field``."""
+    allowed = f"an absolute path of at most {MAX_SOCKET_PATH} bytes"
+    if not isinstance(value, str) or not value.startswith("/") or "\0" in value:
+        raise SpecError(field, value, allowed)
+    if len(os.fsencode(value)) > MAX_SOCKET_PATH:
+        raise SpecError(field, value, allowed, hint="use a shorter directory, e.g. under /tmp or /run")
+    return value
+
+
+def agent_socket_from_env(environ: Any = None) -> str | None:
+    """The agent socket configured for this host (``ELASTIC_OPS_AGENT_SOCKET``), or ``None``.
+
+    Unset or empty means "no agent": chunks run in the task process. A set value must be a valid
+    socket path; a typo fails loudly instead of silently running every chunk the slow way.
+    """
+    value = (os.environ if environ is None else environ).get(AGENT_SOCKET_ENV, "")
+    return check_socket_path(value) if value else None
+
+
+def _require(
+    msg: dict[str, Any], key: str, kinds: tuple[type, ...], allowed: str, optional: bool, field: str | None
+) -> Any:
+    if key not in msg or msg[key] is None:
+        if optional:
+            return None
+        raise SpecError(field or key, None, allowed)
+    value = msg[key]
+    if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds):
+        raise SpecError(field or key, value, allowed)
+    return value
+
+
+def require_int(
+    msg: dict[str, Any], key: str, minimum: int = 0, *, optional: bool = False, field: str | None = None
+) -> int | None:
+    """``msg[key]`` as an integer >= ``minimum`` (``None`` if ``optional`` and absent); errors name
+    ``field`` (default ``key``)."""
+    value = _require(msg, key, (int,), f"an integer >= {minimum}", optional, field)
+    if value is not None and value < minimum:
+        raise SpecError(field or key, value, f"an integer >= {minimum}")
+    return value
+
+
+def require_str(
+    msg: dict[str, Any], key: str, *, optional: bool = False, field: str | None = None
+) -> str | None:
+    value = _require(msg, key, (str,), "a non-empty string", optional, field)
+    if value is not None and not value:
+        raise SpecError(field or key, value, "a non-empty string")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class S3Config:
+    """What the agent needs to build the same boto3 S3 client as the task's ``aws`` connection."""
+
+    endpoint_url: str | None = None
+    region_name: str | None = None
+    access_key_id: str | None = dataclasses.field(default=None, repr=False)
+    secret_access_key: str | None = dataclasses.field(default=None, repr=False)
+    session_token: str | None = dataclasses.field(default=None, repr=False)
+
+    FIELDS = ("endpoint_url", "region_name", "access_key_id", "secret_access_key", "session_token")
+
+    def __repr__(self) -> str:
+        secret = "***" if self.secret_access_key or self.session_token else None
+        return (
+            f"S3Config(endpoint_url={self.endpoint_url!r}, region_name={self.region_name!r}, secret={secret})"
+        )
+
+    def to_wire(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.FIELDS if getattr(self, k) is not None}
+
+    @classmethod
+    def from_wire(cls, value: Any) -> S3Config:
+        if not isinstance(value, dict):
+            raise SpecError("store.s3", type(value).__name__, f"an object with keys {', '.join(cls.FIELDS)}")
+        unknown = sorted(set(value) - set(cls.FIELDS))
+        if unknown:
+            raise SpecError("store.s3", unknown, f"known keys are {', '.join(cls.FIELDS)}")
+        return cls(**{k: require_str(value, k, optional=True, field=f"store.s3.{k}") for k in cls.FIELDS})
+
+    def client(self) -> Any:
+        """A boto3 S3 client with exactly these settings (no default credential chain mixed in
+        when keys are given)."""
+        import boto3
+
+        session = boto3.session.Session(
+            aws_access_key_id=self.access_key_id,
+            aws_secret_access_key=self.secret_access_key,
+            aws_session_token=self.session_token,
+            region_name=self.region_name,
+        )
+        return session.client("s3", endpoint_url=self.endpoint_url)
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreConfig:
+    """A checkpoint store as the task would open it: URI, retention, S3 client settings."""
+
+    uri: str
+    keep_last: int = 3
+    keep_every: int | None = None
+    s3: S3Config | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "uri": self.uri,
+            "keep_last": self.keep_last,
+            "keep_every": self.keep_every,
+            "s3": self.s3.to_wire() if self.s3 is not None else None,
+        }
+
+    @classmethod
+    def from_wire(cls, value: Any, field: str = "store") -> StoreConfig:
+        if not isinstance(value, dict):
+            raise SpecError(field, type(value).__name__, "an object with uri, keep_last, keep_every, s3")
+        unknown = sorted(set(value) - {"uri", "keep_last", "keep_every", "s3"})
+        if unknown:
+            raise SpecError(field, unknown, "known keys are uri, keep_last, keep_every, s3")
+        uri = require_str(value, "uri", field=f"{field}.uri")
+        if not uri.startswith(("file://", "s3://")):
+            raise SpecError(f"{field}.uri", uri, "must be 'file:///absolute/path' or 's3://bucket/prefix'")
+        s3 = S3Config.from_wire(value["s3"]) if value.get("s3") is not None else None
+        if s3 is not None and not uri.startswith("s3://"):
+            raise SpecError(f"{field}.s3", "...", "S3 settings only apply to s3:// URIs")
+        keep_last = require_int(value, "keep_last", 1, optional=True, field=f"{field}.keep_last")
+        keep_every = require_int(value, "keep_every", 1, optional=True, field=f"{field}.keep_every")
+        return cls(uri=uri, keep_last=3 if keep_last is None else keep_last, keep_every=keep_every, s3=s3)
+
+    def open(self) -> Any:
+        """Open the store (imports the checkpoint layer, hence torch: call it in the agent)."""
+        from elastic_ops.checkpoint import open_store
+
+        client = self.s3.client() if self.s3 is not None else None
+        return open_store(self.uri, s3_client=client, keep_last=self.keep_last, keep_every=self.keep_every)
+
+
+# --- errors on the wire ----------------------------------------------------------------------
+
+
+def _plain(value: Any) -> Any:
+    """``value`` if JSON can carry it as is, else its ``repr``."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else repr(value)
+    if isinstance(value, (list, tuple)) and all(isinstance(v, (bool, int, str)) for v in value):
+        return list(value)
+    return repr(value)
+
+
+def error_to_wire(exc: BaseException, traceback_text: str | None = None) -> dict[str, Any]:
+    msg: dict[str, Any] = {"type": "error", "class": type(exc).__name__, "traceback": traceback_text}
+    if isinstance(exc, ElasticOpsError):
+        msg.update(
+            message=exc.message,
+            hint=exc.hint,
+            retryable=bool(exc.retryable),
+            attrs={k: _plain(getattr(exc, k)) for k in ERROR_ATTRS if k in vars(exc)},
+        )
+        msg["traceback"] = None  # the message says what happened; tracebacks are for surprises
+    else:
+        msg.update(message=str(exc), hint=None, retryable=None, attrs={})
+    return msg
+
+
+def error_from_wire(msg: dict[str, Any]) -> BaseException:
+    """The exception ``msg`` describes: the same ``elastic_ops.errors`` class with the same
+    message, hint and attributes (so retry classification is unchanged), else
+    :class:`AgentRemoteError`."""
+    name = str(msg.get("class") or "Exception")
+    own = {"AgentProtocolError": AgentProtocolError, "AgentUnavailableError": AgentUnavailableError}
+    cls = own.get(name) or getattr(errors, name, None)
+    message = str(msg.get("message") or "")
+    if not (isinstance(cls, type) and issubclass(cls, ElasticOpsError)):
+        return AgentRemoteError(name, message, msg.get("traceback"))
+    exc = cls.__new__(cls)
+    ElasticOpsError.__init__(exc, message, hint=msg.get("hint"))
+    attrs = msg.get("attrs") if isinstance(msg.get("attrs"), dict) else {}
+    for key in ERROR_ATTRS:
+        if key in attrs:
+            setattr(exc, key, attrs[key])
+    if isinstance(cls, type) and issubclass(cls, errors.WorkerLostError) and not hasattr(exc, "host"):
+        exc.host = None
+    retryable = msg.get("retryable")
+    if isinstance(retryable, bool) and retryable != cls.retryable:
+        exc.retryable = retryable
+    return exc
+
+
+# --- framing ---------------------------------------------------------------------------------
+
+
+def encode(msg: dict[str, Any]) -> bytes:
+    data = json.dumps(msg, separators=(",", ":"), allow_nan=False).encode() + b"\n"
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise AgentProtocolError(f"message of {len(data)} bytes exceeds the limit of {MAX_MESSAGE_BYTES}")
+    return data
+
+
+def _finite(value: Any) -> Any:
+    """JSON has no NaN/inf; progress values (ETA before the first step, a diverging loss) may."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def progress_to_wire(p: Any) -> dict[str, Any]:
+    return {
+        "type": "progress",
+        **{
+            k: _finite(getattr(p, k))
+            for k in ("iteration", "end", "loss", "workers", "samples_per_sec", "eta_s")
+        },
+    }
+
+
+class MessageReader:
+    """Reads newline-delimited JSON objects from a stream socket, at most ``MAX_MESSAGE_BYTES`` each."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buf = bytearray()
+        self.closed = False
+
+    def read(self, timeout: float | None = None) -> dict[str, Any] | None:
+        """The next message; ``None`` if none arrived within ``timeout``; ``EOFError`` at the end."""
+        while True:
+            line = self._line()
+            if line is not None:
+                return decode(line)
+            if self.closed:
+                raise EOFError("the peer closed the connection")
+            if timeout is not None:
+                ready, _, _ = select.select([self.sock], [], [], timeout)
+                if not ready:
+                    return None
+            try:
+                data = self.sock.recv(65536)
+            except (ConnectionResetError, BrokenPipeError) as exc:
+                raise EOFError(f"the connection broke: {exc}") from None
+            if not data:
+                self.closed = True
+            self.buf += data
+
+    def _line(self) -> bytes | None:
+        nl = self.buf.find(b"\n")
+        if nl < 0:
+            if len(self.buf) > MAX_MESSAGE_BYTES:
+                raise AgentProtocolError(f"a message exceeds the limit of {MAX_MESSAGE_BYTES} bytes")
+            return None
+        line = bytes(self.buf[:nl])
+        del self.buf[: nl + 1]
+        return line
+
+
+def decode(line: bytes) -> dict[str, Any]:
+    try:
+        msg = json.loads(line)
+    except ValueError as exc:
+        raise AgentProtocolError(f"a message is not valid JSON: {exc}") from None
+    if not isinstance(msg, dict):
+        raise AgentProtocolError(f"a message must be a JSON object, got {type(msg).__name__}")
+    return msg

@@ -1,0 +1,466 @@
+"""``elastic-ops agent``: a long-lived per-host process that runs chunks for local tasks.
+
+It imports torch once, starts the launcher's fork server once (torch, ``torch._dynamo`` and the
+worker module preloaded) and keeps it warm, then serves chunk requests on a Unix socket (mode
+0600, peers of the same user only), one thread per connection, several chunks (of different
+jobs) at a time. Each chunk is the runtime's ``run_chunk``, unchanged: the connection's thread
+runs it, a reader thread feeds it the pool's target as the task forwards it, and its progress,
+target changes, result or typed error go back as JSON lines (:mod:`elastic_ops.agent.protocol`).
+
+If the task goes away (its process died or was killed: the connection closes), the agent kills
+that chunk's workers at once; the runner then fails the segment, so nothing past the last
+committed checkpoint is committed and that checkpoint stays intact. On SIGTERM/SIGINT the agent
+does the same for every chunk, removes its socket and exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import socket
+import stat
+import struct
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from elastic_ops.agent.protocol import (
+    OPS,
+    PROTOCOL_VERSION,
+    AgentProtocolError,
+    MessageReader,
+    StoreConfig,
+    check_socket_path,
+    encode,
+    error_to_wire,
+    progress_to_wire,
+    require_int,
+    require_str,
+)
+from elastic_ops.errors import SpecError, WorkerLostError
+
+log = logging.getLogger("elastic_ops.agent")
+
+PROGRESS_EVERY_S = 0.5  # progress messages per chunk, at most (the last iteration always goes)
+RUN_KEYS = {"op", "version", "spec", "start", "end", "epoch", "host", "workers", "store", "warm_start"}
+
+
+class _ChildThreadWarning(logging.Filter):
+    """Drop torch's warning that a launch from a non-main thread installs no signal handlers:
+    in the agent that is by design (the main thread's handler tears every chunk down)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "running on a child thread" not in record.getMessage()
+
+
+class AbortableLauncher:
+    """Wraps the shared launcher for one chunk, so that the chunk's workers can be killed from
+    another thread (client gone, agent stopping) while the runner waits on them."""
+
+    def __init__(self, base: Any) -> None:
+        self.base = base
+        self._lock = threading.Lock()
+        self._contexts: list[Any] = []
+        self.aborted = False
+
+    def start(self, req: Any) -> Any:
+        with self._lock:
+            if self.aborted:
+                raise WorkerLostError("chunk aborted before its workers started: the task went away")
+        pc = self.base.start(req)
+        with self._lock:
+            self._contexts.append(pc)
+            aborted = self.aborted
+        if aborted:  # aborted while they were starting
+            _kill(pc)
+        return pc
+
+    def abort(self) -> None:
+        with self._lock:
+            self.aborted = True
+            contexts = list(self._contexts)
+        for pc in contexts:
+            _kill(pc)
+
+
+def _kill(pc: Any) -> None:
+    """SIGKILL every worker of ``pc``. Only pids are read (no polling of the processes, which
+    the runner's thread is doing); the runner then sees the failure and closes the context."""
+    try:
+        pids = list(pc.pids().values())
+    except Exception:  # noqa: BLE001 - a context that never started has no pids
+        return
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+
+
+class ChunkSession:
+    """One ``run`` request: the chunk, its target stream and its replies."""
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        reader: MessageReader,
+        request: dict[str, Any],
+        launcher: Any,
+        progress_every_s: float = PROGRESS_EVERY_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.sock, self.reader, self.clock = sock, reader, clock
+        self.progress_every_s = progress_every_s
+        self._send_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self.gone = threading.Event()  # the task's connection is closed (or broken)
+        self.done = threading.Event()  # run_chunk returned or raised
+        self.launcher = AbortableLauncher(launcher)
+        self._last_progress = float("-inf")
+        self.request = self._validate(request)
+        self.wanted = self.applied = self.request["workers"]
+
+    @staticmethod
+    def _validate(req: dict[str, Any]) -> dict[str, Any]:
+        from elastic_ops.spec import JobSpec
+
+        unknown = sorted(set(req) - RUN_KEYS)
+        if unknown:
+            raise SpecError(
+                "request", unknown, f"known keys of a run request are {', '.join(sorted(RUN_KEYS))}"
+            )
+        if not isinstance(req.get("spec"), dict):
+            raise SpecError("spec", type(req.get("spec")).__name__, "an object (JobSpec.to_dict())")
+        spec = JobSpec.from_dict(req["spec"])
+        warm = req.get("warm_start")
+        return {
+            "spec": spec,
+            "start": require_int(req, "start"),
+            "end": require_int(req, "end", 1),
+            "epoch": require_int(req, "epoch"),
+            "host": require_str(req, "host"),
+            "workers": require_int(req, "workers"),
+            "store": StoreConfig.from_wire(req.get("store")),
+            "warm_start": StoreConfig.from_wire(warm, "warm_start") if warm is not None else None,
+        }
+
+    # --- called by the runner's threads ------------------------------------------------------
+
+    def send(self, msg: dict[str, Any]) -> None:
+        if self.gone.is_set():
+            return
+        data = encode(msg)
+        with self._send_lock:
+            try:
+                self.sock.sendall(data)
+            except OSError:  # the task is gone; the reader thread sees it too and aborts
+                self.gone.set()
+
+    def target(self, iteration: int) -> int:
+        with self._lock:
+            wanted = self.wanted
+            changed, self.applied = wanted != self.applied, wanted
+        if changed:
+            self.send({"type": "applied", "iteration": iteration, "workers": wanted})
+        return wanted
+
+    def progress(self, p: Any) -> None:
+        now = self.clock()
+        if now - self._last_progress < self.progress_every_s and p.iteration < p.end:
+            return
+        self._last_progress = now
+        self.send(progress_to_wire(p))
+
+    # --- the connection ----------------------------------------------------------------------
+
+    def _read_targets(self) -> None:
+        """Apply target messages until the task closes the connection; then kill the workers."""
+        try:
+            while True:
+                msg = self.reader.read()
+                if msg.get("op") != "target":
+                    raise SpecError("op", msg.get("op"), "only 'target' messages may follow a run request")
+                workers = require_int(msg, "workers")
+                with self._lock:
+                    self.wanted = workers
+        except EOFError:
+            if not self.done.is_set():
+                log.warning(
+                    "job %s: the task closed its connection mid-chunk; killing its workers",
+                    self.request["spec"].name,
+                )
+        except (AgentProtocolError, SpecError) as exc:
+            log.warning(
+                "job %s: bad message from the task (%s); aborting the chunk", self.request["spec"].name, exc
+            )
+            self.send(error_to_wire(exc))
+        self.gone.set()
+        if not self.done.is_set():
+            self.launcher.abort()
+
+    def run(self) -> None:
+        from elastic_ops.runtime.chunk import run_chunk
+
+        r = self.request
+        reader = threading.Thread(
+            target=self._read_targets, name=f"{threading.current_thread().name}-targets", daemon=True
+        )
+        reader.start()
+        spec = r["spec"]
+        log.info(
+            "job %s: chunk [%d, %d) on %d worker(s), host %s, epoch %d",
+            spec.name,
+            r["start"],
+            r["end"],
+            r["workers"],
+            r["host"],
+            r["epoch"],
+        )
+        try:
+            warm = r["warm_start"]
+            result = run_chunk(
+                spec,
+                r["start"],
+                r["end"],
+                target=self.target,
+                store=r["store"].open(),
+                epoch=r["epoch"],
+                on_progress=self.progress,
+                host=r["host"],
+                launcher=self.launcher,
+                warm_start=warm.uri if warm is not None else None,
+                warm_start_store=warm.open() if warm is not None else None,
+            )
+        except BaseException as exc:  # noqa: BLE001 - every outcome goes back to the task
+            self.done.set()
+            if self.gone.is_set():
+                log.info("job %s: chunk aborted (%s: %s)", spec.name, type(exc).__name__, exc)
+                return
+            log.info("job %s: chunk failed: %s: %s", spec.name, type(exc).__name__, exc)
+            self.send(error_to_wire(exc, traceback.format_exc()))
+            return
+        self.done.set()
+        log.info(
+            "job %s: chunk [%d, %d) %s at iteration %d",
+            spec.name,
+            r["start"],
+            r["end"],
+            result.status.value,
+            result.iteration,
+        )
+        self.send({"type": "result", "result": result.to_dict()})
+
+    def abort(self) -> None:
+        self.gone.set()
+        self.launcher.abort()
+
+
+def _peer_uid(conn: socket.socket) -> int | None:
+    try:
+        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    except (AttributeError, OSError):  # not Linux: the socket's 0600 mode is the only gate
+        return None
+    return struct.unpack("3i", creds)[1]
+
+
+class Agent:
+    """The server. :meth:`serve` runs in the main thread until :meth:`stop` or SIGTERM/SIGINT."""
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        launcher: Any = None,
+        warm: bool = True,
+        progress_every_s: float = PROGRESS_EVERY_S,
+    ) -> None:
+        self.path = check_socket_path(path, "--socket")
+        self.progress_every_s = progress_every_s
+        self.warm = warm
+        self._launcher = launcher
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self.sessions: dict[int, ChunkSession] = {}
+        self._threads: list[threading.Thread] = []
+        self._sock: socket.socket | None = None
+        self.ready = threading.Event()
+
+    # --- start-up ----------------------------------------------------------------------------
+
+    def _warm_up(self) -> None:
+        """Import the runtime (torch) and start the fork server with its preload, once."""
+        t0 = time.monotonic()
+        import multiprocessing
+
+        from elastic_ops.runtime.launcher import LocalLauncher, _main_not_rerun
+
+        if self._launcher is None:
+            self._launcher = LocalLauncher()
+        if self.warm:
+            # One throwaway process through the fork server: it returns once the server has
+            # imported its preload, so "serving" below means warm.
+            with _main_not_rerun():
+                proc = multiprocessing.get_context("forkserver").Process(target=os.getpid, daemon=True)
+                proc.start()
+            proc.join()
+        logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_ChildThreadWarning())
+        log.info("runtime loaded and fork server warm in %.1fs", time.monotonic() - t0)
+
+    def _bind(self) -> socket.socket:
+        path = Path(self.path)
+        if path.exists() or path.is_symlink():
+            if not stat.S_ISSOCK(path.lstat().st_mode):
+                raise SpecError(
+                    "--socket", self.path, "a path that is free or an old socket (this is another file)"
+                )
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                probe.connect(self.path)
+            except OSError:
+                path.unlink()  # a socket left by an agent that died
+            else:
+                raise SpecError(
+                    "--socket",
+                    self.path,
+                    "a socket no other agent is serving",
+                    hint="another elastic-ops agent is running there",
+                )
+            finally:
+                probe.close()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)  # the socket is born 0600: no window in which others may connect
+        try:
+            sock.bind(self.path)
+        finally:
+            os.umask(old)
+        os.chmod(self.path, 0o600)
+        sock.listen(64)
+        sock.settimeout(0.2)
+        return sock
+
+    # --- serving -----------------------------------------------------------------------------
+
+    def serve(self) -> None:
+        self._warm_up()
+        self._sock = self._bind()
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, lambda *_: self._stop.set())
+        log.info("elastic-ops agent (pid %d) serving on %s", os.getpid(), self.path)
+        self.ready.set()
+        n = 0
+        try:
+            while not self._stop.is_set():
+                try:
+                    conn, _ = self._sock.accept()
+                except TimeoutError:
+                    continue
+                except OSError:
+                    if self._stop.is_set():
+                        break
+                    raise
+                n += 1
+                t = threading.Thread(target=self._handle, args=(conn, n), name=f"conn-{n}", daemon=True)
+                t.start()
+                self._threads = [x for x in self._threads if x.is_alive()] + [t]
+        finally:
+            self._shutdown()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _shutdown(self) -> None:
+        with self._lock:
+            sessions = list(self.sessions.values())
+        if sessions:
+            log.info("stopping: killing the workers of %d running chunk(s)", len(sessions))
+        for s in sessions:
+            s.abort()
+        for t in self._threads:
+            t.join(timeout=60)
+        if self._sock is not None:
+            self._sock.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+        log.info("elastic-ops agent stopped")
+
+    def _handle(self, conn: socket.socket, n: int) -> None:
+        with conn:
+            uid = _peer_uid(conn)
+            if uid is not None and uid not in (os.getuid(), 0):
+                log.warning("refused a connection from uid %d", uid)
+                return
+            reader = MessageReader(conn)
+            try:
+                request = reader.read(timeout=30)
+                if request is None:
+                    raise AgentProtocolError("no request within 30 s")
+                self._dispatch(conn, reader, request, n)
+            except EOFError:
+                return
+            except Exception as exc:  # noqa: BLE001 - a bad request is answered, never fatal
+                log.warning("connection %d: rejected: %s", n, exc)
+                with contextlib.suppress(OSError):
+                    conn.sendall(encode(error_to_wire(exc)))
+
+    def _dispatch(self, conn: socket.socket, reader: MessageReader, req: dict[str, Any], n: int) -> None:
+        op = req.get("op")
+        if op not in OPS:
+            raise SpecError("op", op, f"one of {', '.join(OPS)}")
+        if req.get("version") != PROTOCOL_VERSION:
+            raise SpecError(
+                "version", req.get("version"), f"{PROTOCOL_VERSION} (this agent's protocol version)"
+            )
+        if op == "ping":
+            conn.sendall(
+                encode(
+                    {
+                        "type": "pong",
+                        "version": PROTOCOL_VERSION,
+                        "pid": os.getpid(),
+                        "chunks": len(self.sessions),
+                    }
+                )
+            )
+        elif op == "latest":
+            store = StoreConfig.from_wire(req.get("store"))
+            spec_hash = req.get("spec_hash")
+            if spec_hash is not None and not isinstance(spec_hash, str):
+                raise SpecError("spec_hash", spec_hash, "a string or null")
+            ref = store.open().latest(spec_hash=spec_hash)
+            conn.sendall(
+                encode(
+                    {
+                        "type": "latest",
+                        "iteration": ref.iteration if ref else None,
+                        "uri": ref.uri if ref else None,
+                    }
+                )
+            )
+        else:
+            session = ChunkSession(conn, reader, req, self._launcher, self.progress_every_s)
+            threading.current_thread().name = f"chunk-{session.request['spec'].name}"
+            with self._lock:
+                self.sessions[n] = session
+                stopping = self._stop.is_set()
+            try:
+                if stopping:
+                    raise WorkerLostError(
+                        "the elastic-ops agent is stopping",
+                        host=session.request["host"],
+                        hint="retry resumes from the last committed checkpoint",
+                    )
+                session.run()
+            finally:
+                with self._lock:
+                    self.sessions.pop(n, None)
+
+
+def main(socket_path: str) -> int:
+    """Run an agent in this process (the CLI's ``elastic-ops agent``)."""
+    Agent(socket_path).serve()
+    return 0

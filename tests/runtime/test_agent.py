@@ -1,0 +1,233 @@
+"""The per-host agent with real worker processes: same result as in-process, rescale through the
+socket, typed errors, client disconnect (no orphans, last checkpoint intact), bad requests."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import psutil
+import pytest
+
+from elastic_ops.agent.client import AgentClient
+from elastic_ops.agent.protocol import (
+    MAX_MESSAGE_BYTES,
+    AgentProtocolError,
+    AgentUnavailableError,
+    StoreConfig,
+    encode,
+    error_from_wire,
+)
+from elastic_ops.checkpoint import open_store
+from elastic_ops.errors import SpecError, UserCodeError, WorkerLostError
+from elastic_ops.runtime import ChunkStatus, run_chunk
+from tests.runtime.agent_helpers import line, raw_exchange, running_agent
+from tests.runtime.builders import make_spec
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def agent(tmp_path_factory):
+    with running_agent(tmp_path_factory.mktemp("agent")) as a:
+        yield a
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> str:
+    """The tiny bitwise job trained in this process on one worker, uninterrupted."""
+    spec = make_spec(tmp_path_factory.mktemp("ref"))
+    return run_chunk(spec, 0, 30, target=lambda i: 1).param_sha256
+
+
+def store_of(spec) -> StoreConfig:
+    return StoreConfig(spec.checkpoint_uri(), keep_last=spec.keep_last, keep_every=spec.keep_every)
+
+
+def test_a_chunk_on_the_agent_equals_the_same_chunk_in_process(agent, tmp_path, reference):
+    spec = make_spec(tmp_path)
+    progress = []
+    result = AgentClient(agent.path).run_chunk(
+        spec.to_dict(),
+        0,
+        30,
+        epoch=1,
+        host="h1",
+        store=store_of(spec),
+        wanted=lambda: 1,
+        on_progress=progress.append,
+    )
+    assert result.status == ChunkStatus.COMPLETED and result.iteration == 30
+    assert result.param_sha256 == reference
+    assert progress[-1].iteration == 30 and progress[-1].eta_s == 0
+    latest = AgentClient(agent.path).latest(store_of(spec), spec.spec_hash())
+    assert latest == (30, result.checkpoint_uri)
+    assert open_store(spec.checkpoint).latest().metrics["param_sha256"] == reference
+
+
+def test_a_target_change_reaches_the_workers_through_the_agent(agent, tmp_path, reference):
+    spec = make_spec(tmp_path)
+    seen: list[int] = []
+    applied: list[tuple[int, int]] = []
+
+    def wanted() -> int:  # the pool grows the job once it has trained 8 iterations
+        return 2 if seen and seen[-1] >= 8 else 1
+
+    result = AgentClient(agent.path).run_chunk(
+        spec.to_dict(),
+        0,
+        30,
+        epoch=1,
+        host="h1",
+        store=store_of(spec),
+        wanted=wanted,
+        on_progress=lambda p: seen.append(p.iteration),
+        on_applied=lambda i, n: applied.append((i, n)),
+    )
+    counts = [n for _, n, _ in result.workers_timeline]
+    assert counts[0] == 1 and counts[-1] == 2, result.workers_timeline
+    assert applied and applied[0][1] == 2 and applied[0][0] == result.workers_timeline[-1][0]
+    assert result.param_sha256 == reference  # bitwise: the rescale changes nothing
+
+
+def test_a_killed_worker_is_a_retryable_worker_lost_error_naming_the_host(agent, tmp_path):
+    params = {"kill_at": 17, "kill_rank": 1, "marker": str(tmp_path / "killed-once")}
+    spec = make_spec(tmp_path, params=params)
+    with pytest.raises(WorkerLostError) as err:
+        AgentClient(agent.path).run_chunk(
+            spec.to_dict(), 0, 30, epoch=1, host="host-a", store=store_of(spec), wanted=lambda: 2
+        )
+    assert type(err.value) is WorkerLostError and err.value.retryable
+    assert err.value.host == "host-a" and "SIGKILL" in str(err.value)
+    assert open_store(spec.checkpoint).latest().iteration == 10
+
+
+def test_a_user_error_comes_back_as_the_same_non_retryable_class(agent, tmp_path):
+    spec = make_spec(tmp_path, params={"fail_at": 3})
+    with pytest.raises(UserCodeError) as err:
+        AgentClient(agent.path).run_chunk(
+            spec.to_dict(), 0, 30, epoch=1, host="h1", store=store_of(spec), wanted=lambda: 2
+        )
+    assert not err.value.retryable and "tiny model refuses this batch" in str(err.value)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def wait_for(what: str, check, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout:.0f}s: {what}")
+        time.sleep(0.05)
+
+
+def test_a_task_that_disconnects_mid_chunk_leaves_no_workers_and_an_intact_checkpoint(agent, tmp_path):
+    spec = make_spec(tmp_path, total_iterations=100_000, checkpoint_interval=10)
+    request = {
+        "op": "run",
+        "version": 1,
+        "spec": spec.to_dict(),
+        "start": 0,
+        "end": 100_000,
+        "epoch": 1,
+        "host": "h1",
+        "workers": 2,
+        "store": store_of(spec).to_wire(),
+        "warm_start": None,
+    }
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(agent.path)
+    sock.sendall(encode(request))
+    from elastic_ops.agent.protocol import MessageReader
+
+    reader = MessageReader(sock)
+    while True:  # train past a few committed checkpoints
+        msg = reader.read(timeout=120)
+        assert msg is not None and msg["type"] == "progress", msg
+        if msg["iteration"] >= 35:
+            break
+    (session,) = agent.sessions.values()
+    pids = [pid for pc in session.launcher._contexts for pid in pc.pids().values()]
+    assert len(pids) == 2 and not any(_gone(p) for p in pids)
+    sock.close()  # the task process died
+
+    wait_for("the workers to be killed", lambda: all(_gone(p) for p in pids))
+    wait_for("the chunk to end", lambda: not agent.sessions)
+    store = open_store(spec.checkpoint)
+    ref = store.latest(spec_hash=spec.spec_hash())
+    assert 30 <= ref.iteration < 100_000 and ref.iteration % 10 == 0
+    state = store.load(ref)  # verifies the manifest's checksums
+    assert state["iteration"] == ref.iteration
+    time.sleep(0.5)
+    assert store.latest(spec_hash=spec.spec_hash()).iteration == ref.iteration  # nothing committed after
+    assert AgentClient(agent.path).ping()["chunks"] == 0  # and the agent serves on
+
+
+@pytest.mark.parametrize(
+    ("data", "cls", "text"),
+    [
+        (b"this is not json\n", AgentProtocolError, "not valid JSON"),
+        (b"[1, 2]\n", AgentProtocolError, "must be a JSON object"),
+        (line({"op": "explode", "version": 1}), SpecError, "invalid op='explode': one of ping, latest, run"),
+        (line({"op": "ping", "version": 99}), SpecError, "invalid version=99"),
+        (line({"op": "run", "version": 1, "spec": "x"}), SpecError, "invalid spec='str'"),
+        (
+            line({"op": "run", "version": 1, "spec": {}, "pickle": "..."}),
+            SpecError,
+            "invalid request=['pickle']",
+        ),
+        (
+            line({"op": "latest", "version": 1, "store": {"uri": "ftp://x"}}),
+            SpecError,
+            "invalid store.uri='ftp://x'",
+        ),
+        (b"x" * (MAX_MESSAGE_BYTES + 10), AgentProtocolError, "exceeds the limit"),
+    ],
+)
+def test_bad_requests_are_rejected_with_clear_errors(agent, data, cls, text):
+    reply = raw_exchange(agent.path, data)
+    assert reply["type"] == "error"
+    err = error_from_wire(reply)
+    assert type(err) is cls and text in str(err), str(err)
+
+
+def test_a_run_request_with_bad_fields_names_the_field(agent, tmp_path):
+    spec = make_spec(tmp_path)
+    client = AgentClient(agent.path)
+    for kwargs, field in (({"start": -1, "end": 30}, "start"), ({"start": 0, "end": 31}, "end")):
+        with pytest.raises(SpecError) as err:
+            client.run_chunk(
+                spec.to_dict(), epoch=1, host="h1", store=store_of(spec), wanted=lambda: 1, **kwargs
+            )
+        assert err.value.field == field
+    with pytest.raises(SpecError) as err:
+        client.run_chunk(
+            dict(spec.to_dict(), max_workers=0),
+            0,
+            30,
+            epoch=1,
+            host="h1",
+            store=store_of(spec),
+            wanted=lambda: 1,
+        )
+    assert err.value.field == "max_workers"
+    assert AgentClient(agent.path).ping()["chunks"] == 0
+
+
+def test_the_socket_is_private_to_its_user(agent):
+    import os
+    import stat
+
+    assert stat.S_IMODE(os.stat(agent.path).st_mode) == 0o600
+
+
+def test_no_agent_at_the_path_is_agent_unavailable(tmp_path):
+    with pytest.raises(AgentUnavailableError, match="no elastic-ops agent"):
+        AgentClient(str(tmp_path / "none.sock")).ping()
+    assert json.loads(encode({"a": 1}))["a"] == 1
