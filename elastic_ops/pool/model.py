@@ -7,9 +7,11 @@ snapshots from its own state and calls the same policies.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import enum
-from collections.abc import Mapping
+import functools
+from collections.abc import Mapping, Sequence
 
 from elastic_ops.errors import SpecError
 
@@ -178,12 +180,129 @@ def make_decision(
     return d
 
 
-@dataclasses.dataclass(frozen=True)
+class PlanSlots(abc.ABC):
+    """The slots of a plan, job by job (``k`` is the job's position in :attr:`Plan.jobs`).
+
+    Two implementations: :class:`DecisionSlots` over ready-made tuples (the plain policies) and
+    the vectorised policies' arrays (``elastic_ops.pool.policies``), which make slot tuples only
+    for the jobs a caller asks about.
+    """
+
+    @abc.abstractmethod
+    def placements(self, k: int) -> tuple[Slot, ...]:
+        """The slots job ``k`` should hold: kept ones first, then new ones."""
+
+    @abc.abstractmethod
+    def release(self, k: int) -> tuple[Slot, ...]:
+        """Held slots job ``k`` gives back at its next boundary."""
+
+    @abc.abstractmethod
+    def new(self, k: int) -> tuple[Slot, ...]:
+        """Slots job ``k`` did not hold and is given now (the tail of its placements)."""
+
+    @abc.abstractmethod
+    def changed(self) -> list[int]:
+        """The jobs (ascending positions) that are given or give back slots; every other job's
+        placements are exactly the slots it holds."""
+
+
+class DecisionSlots(PlanSlots):
+    """:class:`PlanSlots` over per-job tuples; ``kept[k]`` is how many of job ``k``'s
+    placements it already held."""
+
+    def __init__(
+        self, placements: Sequence[tuple[Slot, ...]], release: Sequence[tuple[Slot, ...]], kept: Sequence[int]
+    ) -> None:
+        self._placements, self._release, self._kept = placements, release, kept
+
+    def placements(self, k: int) -> tuple[Slot, ...]:
+        return self._placements[k]
+
+    def release(self, k: int) -> tuple[Slot, ...]:
+        return self._release[k]
+
+    def new(self, k: int) -> tuple[Slot, ...]:
+        return self._placements[k][self._kept[k] :]
+
+    def changed(self) -> list[int]:
+        return [
+            k
+            for k, (p, r, n) in enumerate(zip(self._placements, self._release, self._kept, strict=True))
+            if r or len(p) > n
+        ]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
 class Plan:
-    decisions: tuple[Decision, ...]
+    """A policy's decision for every job of a snapshot, as columns in rank order.
+
+    ``jobs``, ``target``, ``action`` and ``reason`` have one entry per job; ``slots`` holds the
+    placements and releases. :meth:`decision` (and ``plan[job]``, :meth:`get`,
+    :attr:`decisions`) builds the :class:`Decision` of a job on demand, so a caller that needs
+    a few jobs' slots (the ledger answering one request) or only the jobs whose slots change
+    (:meth:`changed`, the simulator) never pays for slot tuples of the others. Two plans are
+    equal when every decision is.
+    """
+
+    jobs: tuple[str, ...]
+    target: tuple[int, ...]
+    action: tuple[TargetAction | None, ...]
+    reason: tuple[str, ...]
+    slots: PlanSlots
+
+    @classmethod
+    def of(cls, decisions: Sequence[Decision], kept: Sequence[int]) -> Plan:
+        """A plan from ready-made decisions; ``kept[k]``: how many of decision ``k``'s
+        placements the job already held (they come first)."""
+        return cls(
+            tuple(d.job for d in decisions),
+            tuple(d.target for d in decisions),
+            tuple(d.action for d in decisions),
+            tuple(d.reason for d in decisions),
+            DecisionSlots([d.placements for d in decisions], [d.release for d in decisions], kept),
+        )
+
+    @functools.cached_property
+    def _index(self) -> dict[str, int]:
+        return dict(zip(self.jobs, range(len(self.jobs)), strict=True))
+
+    def index(self, job: str) -> int:
+        """Position of ``job`` in :attr:`jobs` (``KeyError`` if the plan does not list it)."""
+        return self._index[job]
+
+    def decision(self, k: int) -> Decision:
+        return make_decision(
+            self.jobs[k],
+            self.target[k],
+            self.slots.placements(k),
+            self.slots.release(k),
+            self.action[k],
+            self.reason[k],
+        )
+
+    def __getitem__(self, job: str) -> Decision:
+        return self.decision(self._index[job])
+
+    def get(self, job: str) -> Decision | None:
+        k = self._index.get(job)
+        return None if k is None else self.decision(k)
+
+    def changed(self) -> list[int]:
+        """Positions of the jobs that are given or give back slots (see :class:`PlanSlots`)."""
+        return self.slots.changed()
+
+    @functools.cached_property
+    def decisions(self) -> tuple[Decision, ...]:
+        """Every job's :class:`Decision`, in rank order (built on first use)."""
+        return tuple(map(self.decision, range(len(self.jobs))))
 
     def by_job(self) -> Mapping[str, Decision]:
         return {d.job: d for d in self.decisions}
 
     def targets(self) -> dict[str, int]:
-        return {d.job: d.target for d in self.decisions}
+        return dict(zip(self.jobs, self.target, strict=True))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Plan):
+            return NotImplemented
+        return self.decisions == other.decisions

@@ -253,7 +253,7 @@ def make_policy(share: ShareFn) -> Policy:
             ordered, targets, reasons, kept, held_up, strict=True
         ):
             decisions.append(_place(job, target, reason, keep, release, free, pending, n != len(job.held)))
-        return Plan(tuple(decisions))
+        return Plan.of(decisions, [len(keep) for keep, _ in kept])
 
     return decide
 

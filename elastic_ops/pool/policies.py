@@ -39,25 +39,25 @@ checks that both give the same plan.
 from __future__ import annotations
 
 import gc
+from bisect import bisect_right
 from collections.abc import Callable
-from itertools import chain, repeat
+from itertools import chain, compress, repeat
 from operator import attrgetter, itemgetter
 
 import numpy as np
 
 from elastic_ops.errors import UnknownPolicyError
 from elastic_ops.pool.model import (
-    Decision,
     HostState,
     Job,
     Plan,
+    PlanSlots,
     Preemption,
     Slot,
     Snapshot,
     TargetAction,
-    make_decision,
 )
-from elastic_ops.pool.plain_policies import PLAIN, effective_priority, order_key, outcome
+from elastic_ops.pool.plain_policies import PLAIN, effective_priority, order_key
 from elastic_ops.pool.shares import strict_fill_array, weighted_fill_array
 
 __all__ = ["POLICIES", "VECTORISED", "decide", "effective_priority", "get_policy", "make_policy", "order_key"]
@@ -87,49 +87,45 @@ def _strict(mins, caps, prio, eff, capacity: int) -> np.ndarray:
 
 # --- step 1: the job table ------------------------------------------------------------------
 
-_FIELDS = (
-    "held",
-    "priority",
-    "submitted",
-    "waiting_since",
-    "min_workers",
-    "max_workers",
-    "name",
-    "avoid_hosts",
-    "preemptible",
-    "last_rescale",
-)
-_fields = attrgetter(*_FIELDS)
+
+def _column(jobs: tuple[Job, ...], field: str) -> list:
+    return list(map(attrgetter(field), jobs))
 
 
 class _Table:
-    """The snapshot's jobs as arrays, in rank order (see :func:`order_key`), read in one pass."""
+    """The snapshot's jobs as columns in rank order (see :func:`order_key`): one C-level pass
+    per field, no per-job Python code."""
 
     def __init__(self, snap: Snapshot) -> None:
         jobs = snap.jobs
         n = len(jobs)
-        cols = list(zip(*map(_fields, jobs), strict=True)) if n else [()] * len(_FIELDS)
-        helds, prio_l, sub_l, ws_l, min_l, max_l, names, avoid_l, pre_l, last_l = cols
+        helds = _column(jobs, "held")
+        names = _column(jobs, "name")
+        avoid = _column(jobs, "avoid_hosts")
         hl = np.fromiter(map(len, helds), np.int64, n)
-        prio = np.array(prio_l, dtype=np.float64)
-        eff = prio.copy()
+        prio = np.array(_column(jobs, "priority"), dtype=np.float64)
+        eff = prio
         aging = snap.config.aging_s
         if aging > 0 and n:
-            ws = np.array(ws_l, dtype=np.float64)  # None -> nan
+            ws = np.array(_column(jobs, "waiting_since"), dtype=np.float64)  # None -> nan
             waiting = (hl == 0) & ~np.isnan(ws)
-            eff[waiting] = prio[waiting] + np.maximum(0.0, snap.now - ws[waiting]) / aging
-        order = _rank(-eff, hl == 0, np.array(sub_l, dtype=np.float64), names)
+            if waiting.any():
+                eff = prio.copy()
+                eff[waiting] = prio[waiting] + np.maximum(0.0, snap.now - ws[waiting]) / aging
+        order = _rank(-eff, hl == 0, np.array(_column(jobs, "submitted"), dtype=np.float64), names)
         ol = order.tolist()
-        self.jobs: list[Job] = list(map(jobs.__getitem__, ol))
+        self.n = n
+        self.names: list[str] = list(map(names.__getitem__, ol))
         self.held: list[tuple[Slot, ...]] = list(map(helds.__getitem__, ol))
-        self.avoid: list[frozenset[str]] = list(map(avoid_l.__getitem__, ol))
+        self.avoid: list[frozenset[str]] = list(map(avoid.__getitem__, ol))
+        self.has_avoid = np.fromiter(map(bool, self.avoid), bool, n)
         self.n_held = hl[order]
         self.prio = prio[order]
         self.eff = eff[order]
-        self.mins = np.array(min_l, dtype=np.int64)[order]
-        self.maxs = np.array(max_l, dtype=np.int64)[order]
-        self.preemptible = np.array(pre_l, dtype=bool)[order]
-        self.last_rescale = np.array(last_l, dtype=np.float64)[order]  # None -> nan
+        self.mins = np.array(_column(jobs, "min_workers"), dtype=np.int64)[order]
+        self.maxs = np.array(_column(jobs, "max_workers"), dtype=np.int64)[order]
+        self.preemptible = np.array(_column(jobs, "preemptible"), dtype=bool)[order]
+        self.last_rescale = np.array(_column(jobs, "last_rescale"), dtype=np.float64)[order]  # None -> nan
 
 
 def _rank(neg_eff: np.ndarray, waiting: np.ndarray, submitted: np.ndarray, names) -> np.ndarray:
@@ -157,9 +153,15 @@ def _rank(neg_eff: np.ndarray, waiting: np.ndarray, submitted: np.ndarray, names
 class _Free:
     """Every held slot as arrays (``owner`` job, ``host`` id, ``index``, on an up host or not;
     in the order of ``flat``, i.e. job by job in rank order) and the free slots on ``up`` hosts,
-    from one pass over the held slots. Host ids number the hosts in name order. ``free_index``
-    lists the free slot indices in (host name, index) order; host ``h`` owns
-    ``free_index[pos[h]:end[h]]`` and gives them out from the front."""
+    from one pass over the held slots. Host ids number the hosts in name order.
+
+    The free slots are positions ``0..n-1`` in (host name, index) order (``host_of``,
+    ``free_index``). The hosts that have free slots are numbered by *rank* in name order; rank
+    ``r`` owns positions ``start[r]:end[r]``. Every take consumes a host's lowest free indices,
+    so what is left on a host is always a suffix of its range: rank ``r`` has given out
+    ``start[r]:pos[r]``, and every position before ``front`` is given out (see :meth:`_pos`).
+    ``used`` marks positions given out ahead of ``front``. Taking slots records positions in
+    :attr:`taken`, never slot tuples (:class:`_Slots` makes those on demand)."""
 
     def __init__(self, snap: Snapshot, up: dict[str, int], helds: list[tuple[Slot, ...]], n_held) -> None:
         self.flat: list[Slot] = list(chain.from_iterable(helds))
@@ -167,8 +169,7 @@ class _Free:
         self.ids = dict(zip(names, range(len(names)), strict=True))
         up_size = np.fromiter(map(up.get, names, repeat(0)), np.int64, len(names))
         self.host = host
-        self.host_list: list[int] = host.tolist()
-        self.first = np.concatenate([[0], np.cumsum(n_held)]).tolist()  # job i: flat[first[i]:first[i+1]]
+        self.first = np.concatenate([[0], np.cumsum(n_held)])  # job i: flat[first[i]:first[i+1]]
         self.index = np.fromiter(map(_index, self.flat), np.int64, len(self.flat))
         self.owner = np.repeat(np.arange(len(helds)), n_held)
         self.on_up = np.fromiter(map(up.__contains__, names), bool, len(names))[host]
@@ -179,26 +180,31 @@ class _Free:
         taken = np.zeros(int(off[-1]), dtype=bool)
         taken[off[host[ok]] + self.index[ok]] = True
         free = np.flatnonzero(~taken)
-        host_of = np.repeat(np.arange(len(names)), up_size)[free]
+        self.host_of = np.repeat(np.arange(len(names)), up_size)[free]
+        self.free_index = free - off[self.host_of]
         self.names = names
-        self.free_index: list[int] = (free - off[host_of]).tolist()
-        self._host_of = host_of
-        self.slots: list[Slot] | None = None  # see expect()
-        counts = np.bincount(host_of, minlength=len(names))
-        ends = np.cumsum(counts)
-        self.pos: list[int] = (ends - counts).tolist()
+        counts = np.bincount(self.host_of, minlength=len(names))
+        with_free = np.flatnonzero(counts)
+        self.rank_of = np.full(len(names), -1, dtype=np.int64)  # host id -> rank, -1: nothing free
+        self.rank_of[with_free] = np.arange(len(with_free))
+        ends = np.cumsum(counts[with_free])
+        self.start: list[int] = (ends - counts[with_free]).tolist()
+        self.pos: list[int] = list(self.start)
         self.end: list[int] = ends.tolist()
-        self.hosts: list[int] = np.flatnonzero(counts).tolist()  # ids with free slots, name order
-        self.has_free: set[int] = set(self.hosts)
         self.total = len(free)
-        self.cursor = 0
+        self.front = 0
+        self.used = np.zeros(len(free), dtype=bool)
+        self.taken: list[int] = []  # positions handed out, job after job
 
     def _host_ids(self, snap: Snapshot) -> tuple[list[str], np.ndarray]:
         """Host names in name order (the snapshot's, plus any held slot's unknown host) and the
         id of each held slot's host in that order."""
-        names = sorted(set(map(_name, snap.hosts)))
+        names = sorted(map(_name, snap.hosts))  # linear when the snapshot lists them in order
         for _ in range(2):
             ids = dict(zip(names, range(len(names)), strict=True))
+            if len(ids) < len(names):  # a host listed twice
+                names = sorted(ids)
+                ids = dict(zip(names, range(len(names)), strict=True))
             try:
                 host = np.fromiter(map(ids.__getitem__, map(_host, self.flat)), np.int64, len(self.flat))
                 return names, host
@@ -206,66 +212,84 @@ class _Free:
                 names = sorted(set(names).union(map(_host, self.flat)))
         raise AssertionError("unreachable")
 
-    def expect(self, demand: int) -> None:
-        """Prepare to hand out about ``demand`` slots. If that is a good part of what is free,
-        make every free slot's tuple now in one C-level pass (cheaper per slot); otherwise make
-        them host by host as they are taken, so a nearly empty cluster costs O(taken), not
-        O(free)."""
-        if demand * 4 >= self.total:
-            names = self.names
-            self.slots = list(
-                zip(map(names.__getitem__, self._host_of.tolist()), self.free_index, strict=True)
-            )
+    def _pos(self, r: int) -> int:
+        """The first free position of rank ``r`` (``end[r]`` when it has none left)."""
+        p = self.pos[r]
+        if p < self.front:
+            p = min(self.front, self.end[r])
+        return p
 
-    def held_hosts(self, i: int) -> list[int]:
-        """Host ids of job ``i``'s held slots, in its order."""
-        return self.host_list[self.first[i] : self.first[i + 1]]
-
-    def avoid_ids(self, avoid: frozenset[str]) -> frozenset[int]:
-        return frozenset(self.ids[h] for h in avoid if h in self.ids) if avoid else _NONE
+    def avoid_ranks(self, avoid: frozenset[str]) -> frozenset[int]:
+        if not avoid:
+            return _NONE
+        ids = [self.ids[h] for h in avoid if h in self.ids]
+        return frozenset(r for r in self.rank_of[ids].tolist() if r >= 0)
 
     def count_for(self, avoid: frozenset[int]) -> int:
         if not avoid:
             return self.total
-        return self.total - sum(self.end[h] - self.pos[h] for h in avoid)
+        return self.total - sum(self.end[r] - self._pos(r) for r in avoid)
 
-    def take(self, n: int, own: list[int], avoid: frozenset[int]) -> list[Slot]:
-        """``n`` free slots: on the ``own`` hosts first (in their order), then in host-name
-        order, skipping ``avoid``; lowest slot indices first on each host. Callers check that
-        ``count_for(avoid) >= n``."""
-        out: list[Slot] = []
-        pos, end, index, names, slots = self.pos, self.end, self.free_index, self.names, self.slots
-        for h in dict.fromkeys(filter(self.has_free.__contains__, own)):
-            if h not in avoid:
-                p, e = pos[h], end[h]
-                k = min(n - len(out), e - p)
-                if slots is not None:
-                    out += slots[p : p + k]
+    def _give(self, r: int, p: int, k: int) -> None:
+        self.taken += range(p, p + k)
+        self.pos[r] = p + k
+        self.used[p : p + k] = True
+
+    def take(self, n: int, own: list[int], avoid: frozenset[int]) -> None:
+        """Append ``n`` free positions to :attr:`taken`: on the ``own`` ranks first (in their
+        order), then in host-name order, skipping ``avoid``; lowest slot indices first on each
+        host. Callers check that ``count_for(avoid) >= n``."""
+        if n <= 0:
+            return None
+        if not own and not avoid:
+            return self.take_next(n)
+        left = n
+        end = self.end
+        pos, front = self.pos, self.front
+        for r in dict.fromkeys(own):
+            if r >= 0 and r not in avoid:
+                p = pos[r]
+                if p < front:
+                    p = min(front, end[r])
+                k = min(left, end[r] - p)
+                if k > 0:
+                    self._give(r, p, k)
+                    left -= k
+                    if left == 0:
+                        break
+        r = bisect_right(self.start, self.front) - 1
+        gapless = True  # every rank walked so far is now used up: ``front`` may move past it
+        while left:
+            p = self._pos(r)
+            if r not in avoid:
+                k = min(left, end[r] - p)
+                if k > 0:
+                    self._give(r, p, k)
+                    left -= k
+                    p += k
+            if gapless:
+                if p == end[r]:
+                    self.front = p
                 else:
-                    out += zip(repeat(names[h], k), index[p : p + k], strict=False)
-                pos[h] = p + k
-                if p + k == e:
-                    self.has_free.discard(h)
-                if len(out) == n:
-                    break
-        hosts, i = self.hosts, self.cursor
-        while len(out) < n and i < len(hosts):
-            h = hosts[i]
-            p, e = pos[h], end[h]
-            if h not in avoid and p < e:
-                k = min(n - len(out), e - p)
-                if slots is not None:
-                    out += slots[p : p + k]
-                else:
-                    out += zip(repeat(names[h], k), index[p : p + k], strict=False)
-                p = pos[h] = p + k
-                if p == e:
-                    self.has_free.discard(h)
-            if i == self.cursor and p == e:
-                self.cursor += 1  # hosts before the cursor are full
-            i += 1
-        self.total -= len(out)
-        return out
+                    gapless = False
+            r += 1
+        self.total -= n
+        return None
+
+    def take_next(self, n: int) -> None:
+        """Append the next ``n`` free positions in host-name order (no own or avoided hosts):
+        a scan of ``used`` from ``front``, whatever the number of hosts it crosses."""
+        got: list[np.ndarray] = []
+        w, left, used = self.front, n, self.used
+        while left:
+            size = 2 * left + 64
+            got.append((np.flatnonzero(~used[w : w + size]) + w)[:left])
+            left -= len(got[-1])
+            w += size
+        taken = got[0] if len(got) == 1 else np.concatenate(got)
+        self.taken += taken.tolist()
+        self.front = int(taken[-1]) + 1
+        self.total -= n
 
 
 _NONE: frozenset[int] = frozenset()
@@ -278,17 +302,19 @@ _index = itemgetter(1)
 
 
 def _usable(snap: Snapshot) -> tuple[dict[str, int], int]:
-    up = {name: n for name, n, state in map(_host_fields, snap.hosts) if state == HostState.UP}
+    hosts = snap.hosts
+    pairs = zip(map(_name, hosts), map(_slots, hosts), strict=True)
+    up = dict(compress(pairs, map(_UP, map(_state, hosts))))
     return up, sum(up.values())
 
 
-_host_fields = attrgetter("name", "slots", "state")
+_slots, _state, _UP = attrgetter("slots"), attrgetter("state"), HostState.UP.__eq__
 
 
 def _caps(t: _Table, up: dict[str, int], capacity: int) -> np.ndarray:
     """The most workers each job can use: its max, limited by slots on up hosts it does not avoid."""
-    usable = np.full(len(t.jobs), capacity, dtype=np.int64)
-    for i in np.flatnonzero(np.fromiter(map(bool, t.avoid), bool, len(t.avoid))).tolist():
+    usable = np.full(t.n, capacity, dtype=np.int64)
+    for i in np.flatnonzero(t.has_avoid).tolist():
         usable[i] -= sum(up.get(h, 0) for h in t.avoid[i])
     return np.minimum(t.maxs, usable)
 
@@ -337,7 +363,7 @@ def _freeze(t: _Table, held_up, targets, free, snap: Snapshot) -> dict[int, str]
     for i in np.flatnonzero(b).tolist():
         out[i] = "job is not preemptible"
     for i in np.flatnonzero(c).tolist():
-        ago = snap.now - t.jobs[i].last_rescale
+        ago = snap.now - float(t.last_rescale[i])
         out[i] = f"rescaled {ago:.0f}s ago (< {cfg.min_rescale_interval_s:.0f}s)"
     for i in np.flatnonzero(d).tolist():
         h, tgt = int(held_up[i]), int(targets[i])
@@ -347,7 +373,7 @@ def _freeze(t: _Table, held_up, targets, free, snap: Snapshot) -> dict[int, str]
 
 def _targets(t: _Table, share: ShareFn, held_up, up: dict[str, int], capacity: int, snap: Snapshot):
     caps = _caps(t, up, capacity)
-    n = len(t.jobs)
+    n = t.n
     frozen: dict[int, str] = {}
     is_free = np.ones(n, dtype=bool)
     # Freezing only ever grows the frozen set, so this reaches a fixed point; the bound keeps the
@@ -398,11 +424,18 @@ def _reasons(targets, cap_left, free_idx, mins, fcaps, usable, admitted, frozen,
 # --- step 3: placement ----------------------------------------------------------------------
 
 
-def _keep_all(free: _Free, jobs: np.ndarray, targets: np.ndarray, n: int):
+def _keep(free: _Free, jobs: np.ndarray, targets: np.ndarray, n_held: np.ndarray):
     """For the jobs in ``jobs`` (those that shrink or hold slots on hosts that are not up):
     which held slots to keep (on up hosts, most-used hosts first, then by host name and slot
-    index) and which to release. One lexsort over their slots. Returns ``{job: (keep,
-    release, host ids of keep)}`` and the number of released slots on up hosts."""
+    index) and which to release, by one lexsort over their slots. Returns ``perm`` (the held
+    slots' positions in ``free.flat``, each job's kept ones first, in the order it keeps them,
+    then its released ones; the identity for every other job), ``n_keep`` per job and the
+    number of released slots on up hosts."""
+    n = len(n_held)
+    perm = np.arange(len(free.flat))
+    n_keep = n_held.copy()
+    if len(jobs) == 0:
+        return perm, n_keep, 0
     pick = np.zeros(n, dtype=bool)
     pick[jobs] = True
     sel = np.flatnonzero(pick[free.owner])
@@ -412,15 +445,50 @@ def _keep_all(free: _Free, jobs: np.ndarray, targets: np.ndarray, n: int):
     o, u = o[order], u[order]
     start = np.searchsorted(o, o, side="left")
     keep = u & (np.arange(len(o)) - start < targets[o])
-    slots = list(map(free.flat.__getitem__, sel[order].tolist()))
-    hosts = h[order].tolist()
-    n_keep = np.bincount(o[keep], minlength=n)[jobs].tolist()
-    bounds = np.searchsorted(o, jobs).tolist() + [len(o)]
-    out = {}
-    for k, i in enumerate(jobs.tolist()):
-        b, m, e = bounds[k], bounds[k] + n_keep[k], bounds[k + 1]
-        out[i] = (slots[b:m], slots[m:e], hosts[b:m])
-    return out, int((u & ~keep).sum())
+    # ``sel`` is grouped by job in rank order and so is ``order`` (job is its first key): each
+    # job's block of positions is permuted in place.
+    perm[sel] = sel[order]
+    n_keep[jobs] = np.bincount(o[keep], minlength=n)[jobs]
+    return perm, n_keep, int((u & ~keep).sum())
+
+
+class _Slots(PlanSlots):
+    """The vectorised plan's slots: job ``k`` keeps ``flat[perm[first[k]:first[k] + kept[k]]]``
+    and releases the rest of ``flat[perm[first[k]:first[k + 1]]]``; it is given the free slots
+    at ``taken[new_at[k]:new_at[k + 1]]``. Slot tuples are made only when asked for."""
+
+    def __init__(self, held: list[tuple[Slot, ...]], free: _Free, perm, n_keep, n_new) -> None:
+        self._held, self._flat, self._names = held, free.flat, free.names
+        self._perm, self._first, self._kept = perm, free.first, n_keep
+        self._new_at = np.concatenate([[0], np.cumsum(n_new)])
+        self._taken = np.array(free.taken, dtype=np.int64)
+        self._host_of, self._index = free.host_of, free.free_index
+        self._changed = (n_new > 0) | (n_keep < self._first[1:] - self._first[:-1])
+
+    def changed(self) -> list[int]:
+        return np.flatnonzero(self._changed).tolist()
+
+    def _bounds(self, k: int) -> tuple[int, int, int]:
+        a = int(self._first[k])
+        return a, a + int(self._kept[k]), int(self._first[k + 1])
+
+    def placements(self, k: int) -> tuple[Slot, ...]:
+        if not self._changed[k]:
+            return self._held[k]
+        a, m, _ = self._bounds(k)
+        kept = tuple(map(self._flat.__getitem__, self._perm[a:m].tolist()))
+        return kept + self.new(k)
+
+    def release(self, k: int) -> tuple[Slot, ...]:
+        _, m, e = self._bounds(k)
+        return tuple(map(self._flat.__getitem__, self._perm[m:e].tolist())) if m < e else ()
+
+    def new(self, k: int) -> tuple[Slot, ...]:
+        at = self._taken[self._new_at[k] : self._new_at[k + 1]]
+        if len(at) == 0:
+            return ()
+        hosts = map(self._names.__getitem__, self._host_of[at].tolist())
+        return tuple(zip(hosts, self._index[at].tolist(), strict=True))
 
 
 # Where the plain per-slot implementation is faster (no numpy call overhead): up to 48 jobs,
@@ -463,53 +531,95 @@ def _decide(snap: Snapshot, share: ShareFn) -> Plan:
     free = _Free(snap, up, t.held, t.n_held)
     held_up = free.held_up
     targets, reasons = _targets(t, share, held_up, up, capacity, snap)
-    # Jobs that keep all they hold (on up hosts); the others keep part and release the rest.
+    # Jobs that keep all they hold (on up hosts) need no sorting; the others keep part.
     simple = (held_up == t.n_held) & (targets >= held_up)
-    kept, pending = _keep_all(free, np.flatnonzero(~simple), targets, len(t.jobs))
-    free.expect(int(np.maximum(targets - held_up, 0).sum()))
-    tl = targets.tolist()
-    need = (targets - t.n_held).tolist()
-    moved = (held_up != t.n_held).tolist()
-    decisions: list[Decision] = []
-    append = decisions.append
-    keep_action, grow = TargetAction.KEEP, TargetAction.GROW
-    for i, (job, held, target, reason) in enumerate(zip(t.jobs, t.held, tl, reasons, strict=True)):
-        if i in kept:
-            keep, release, own = kept[i]
-            append(_place(job, target, reason, keep, release, own, free, pending, moved[i]))
-        elif need[i] <= 0:  # the steady state (holds and keeps it) or a job that waits
-            append(make_decision(job.name, target, held, (), keep_action if held else None, reason))
-        else:
-            new, reason = _grow(job, need[i], len(held), free.held_hosts(i), reason, free, pending)
-            action = grow if new else (keep_action if held else None)
-            append(make_decision(job.name, target, held + tuple(new) if new else held, (), action, reason))
-    return Plan(tuple(decisions))
+    perm, n_keep, pending = _keep(free, np.flatnonzero(~simple), targets, t.n_held)
+    n_new = np.zeros(t.n, dtype=np.int64)
+    growing = np.flatnonzero(targets > n_keep)
+    if len(growing):
+        _take_all(t, free, growing, (targets - n_keep)[growing], perm, n_keep, n_new, reasons, pending)
+    has_held = t.n_held > 0
+    # outcome(): preempted jobs and moves off unhealthy hosts say so.
+    for i in np.flatnonzero(has_held & (targets == 0)).tolist():
+        reasons[i] = "preempted: " + reasons[i]
+    for i in np.flatnonzero(held_up != t.n_held).tolist():
+        reasons[i] += "; moving off unhealthy hosts"
+    code = np.where(
+        has_held & (targets == 0),
+        _PREEMPT,
+        np.where(n_new > 0, _GROW, np.where(n_keep < t.n_held, _SHRINK, np.where(has_held, _KEEP, _WAIT))),
+    )
+    return Plan(
+        tuple(t.names),
+        tuple(targets.tolist()),
+        tuple(map(_ACTIONS.__getitem__, code.tolist())),
+        tuple(reasons),
+        _Slots(t.held, free, perm, n_keep, n_new),
+    )
 
 
-def _grow(job: Job, need: int, have: int, own: list[int], reason: str, free: _Free, pending: int):
-    """The free slots for ``need`` more workers: all of them, or (when no slots are being
-    released that could make up the rest) what is free if that reaches the job's minimum."""
-    if job.avoid_hosts:
-        avoid = free.avoid_ids(job.avoid_hosts)
-        avail = free.count_for(avoid)
-    else:
-        avoid, avail = _NONE, free.total
+_ACTIONS = (TargetAction.PREEMPT, TargetAction.GROW, TargetAction.SHRINK, TargetAction.KEEP, None)
+_PREEMPT, _GROW, _SHRINK, _KEEP, _WAIT = range(5)
+
+
+def _take_all(t: _Table, free: _Free, growing, need, perm, n_keep, n_new, reasons: list[str], pending: int):
+    """Hand out free slots to the ``growing`` jobs (rank order), ``need`` more each.
+
+    A job with nothing kept and no avoided host takes the next free slots in host-name order,
+    so a run of such jobs takes the next ``sum(need)`` free slots in one call and splits them in
+    rank order -- the same slots as one call per job, without the per-job work (most newcomers
+    are such jobs). The run stops at the first job that would not get all it needs; that job and
+    every other (own hosts to fill first, hosts to avoid) go through :func:`_grow` one by one."""
+    own_all = free.rank_of[free.host[perm]].tolist()  # each job's kept hosts (ranks) in its order
+    first, kept = free.first.tolist(), n_keep.tolist()
+    alone = (n_keep[growing] == 0) & ~t.has_avoid[growing]
+    stops = np.append(np.flatnonzero(~alone), len(growing))
+    run_end = stops[np.searchsorted(stops, np.arange(len(growing)))].tolist()  # next job not alone
+    cum = np.cumsum(need).tolist()
+    gl, nl = growing.tolist(), need.tolist()
+    j = 0
+    while j < len(gl):
+        r = run_end[j]
+        if r > j:
+            base = cum[j - 1] if j else 0
+            m = bisect_right(cum, base + free.total, j, r) - j  # jobs of the run that get all they need
+            if m:
+                free.take_next(cum[j + m - 1] - base)
+                n_new[growing[j : j + m]] = need[j : j + m]
+                j += m
+                if j == r:
+                    continue
+        if free.total == 0:  # nothing left to give: the rest wait (or run on what they keep)
+            _nothing_free(t, growing[j:], need[j:], n_keep, reasons, pending)
+            return
+        i, a = gl[j], first[gl[j]]
+        own = own_all[a : a + kept[i]]
+        n_new[i], reasons[i] = _grow(t, i, nl[j], kept[i], own, reasons[i], free, pending)
+        j += 1
+
+
+def _nothing_free(t: _Table, rest, need, n_keep, reasons: list[str], pending: int) -> None:
+    """:func:`_grow` for jobs that find no free slot at all, vectorised (reasons only)."""
+    only = (n_keep[rest] >= np.maximum(t.mins[rest], 1)) if pending == 0 else np.zeros(len(rest), bool)
+    text = {w: f"; waiting for {w} slots to be released" for w in set(need.tolist())}
+    text[-1] = "; only 0 more free"
+    for i, w in zip(rest.tolist(), np.where(only, -1, need).tolist(), strict=True):
+        reasons[i] += text[w]
+
+
+def _grow(t: _Table, i: int, need: int, have: int, own: list[int], reason: str, free: _Free, pending: int):
+    """Take the free slots for ``need`` more workers of job ``i``: all of them, or (when no
+    slots are being released that could make up the rest) what is free if that reaches the
+    job's minimum. Returns how many were taken and the reason."""
+    avoid = free.avoid_ranks(t.avoid[i])
+    avail = free.count_for(avoid)
     if avail >= need:
-        return free.take(need, own, avoid), reason
-    if pending == 0 and have + avail >= max(job.min_workers, 1):
-        return free.take(avail, own, avoid), reason + f"; only {avail} more free"
-    return [], reason + f"; waiting for {need - avail} slots to be released"
-
-
-def _place(job, target, reason, keep, release, own, free: _Free, pending, moved: bool) -> Decision:
-    need = target - len(keep)
-    if need <= 0 and not release and job.held:
-        return make_decision(job.name, target, job.held, (), TargetAction.KEEP, reason)
-    new: list[Slot] = []
-    if need > 0:
-        new, reason = _grow(job, need, len(keep), own, reason, free, pending)
-    placements, action, reason = outcome(job, target, keep, new, release, moved, reason)
-    return make_decision(job.name, target, placements, tuple(release), action, reason)
+        free.take(need, own, avoid)
+        return need, reason
+    if pending == 0 and have + avail >= max(int(t.mins[i]), 1):
+        free.take(avail, own, avoid)
+        return avail, reason + f"; only {avail} more free"
+    return 0, reason + f"; waiting for {need - avail} slots to be released"
 
 
 _SHARES: dict[str, ShareFn] = {"fairshare": _fair, "priority": _priority, "strict": _strict}
