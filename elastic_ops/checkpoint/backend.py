@@ -21,6 +21,9 @@ class ObjectInfo:
 class Backend(Protocol):
     #: human-readable location of the root, used in messages (``file:///…``, ``s3://…``)
     uri: str
+    #: requests pay a network round trip, so overlapping them pays off (a local disk's do not:
+    #: there, handing a read to another thread costs more than it overlaps)
+    remote: bool
 
     def put(self, key: str, data: bytes) -> None:
         """Write ``data`` at ``key``, replacing it atomically."""

@@ -27,6 +27,7 @@ from elastic_ops.checkpoint.checksum import Checksum
 from elastic_ops.errors import CheckpointCorruptError, CheckpointError, UnsafeCheckpointError
 
 _LEAF_TYPES = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device)
+_LEAF_SET = frozenset(_LEAF_TYPES)
 _KEY_TYPES = (str, int, float, bool, type(None))
 _ALLOWED = (
     "dict, list, tuple, torch.Tensor, int, float, bool, str, bytes, None, torch.Size, "
@@ -48,25 +49,40 @@ class InvalidStateError(CheckpointError, TypeError):
 
 def check_state(state: Any, path: str = "") -> None:
     """Raise :class:`InvalidStateError` naming the first value ``torch.load`` would refuse."""
-    if isinstance(state, torch.Tensor):
-        return
-    if isinstance(state, Mapping):
-        if not isinstance(state, dict):
-            raise InvalidStateError(path, state)
-        for key, value in state.items():
+    bad = _first_invalid(state)
+    if bad is not None:
+        where, value = bad
+        raise InvalidStateError(path + where, value)
+
+
+def _first_invalid(value: Any) -> tuple[str, object] | None:
+    """(path, value) of the first value the safe loader would refuse, or ``None``.
+
+    Runs on every save over every node of the state (a Python RNG state alone is 625 ints), so
+    the common case is one type lookup per node and the path text is built only on failure.
+    """
+    t = type(value)
+    if t in _LEAF_SET:  # exact type: a str/int subclass (an Enum) would pickle as its class
+        return None
+    if isinstance(value, torch.Tensor):
+        return None
+    if t is dict or isinstance(value, Mapping):
+        if not isinstance(value, dict):
+            return "", value
+        for key, item in value.items():
             if not isinstance(key, _KEY_TYPES):
-                raise InvalidStateError(f"{path}[key {key!r}]", key)
-            check_state(value, f"{path}[{key!r}]")
-        return
-    if isinstance(state, list | tuple):
-        if type(state) not in (list, tuple, torch.Size):
-            raise InvalidStateError(path, state)
-        for i, value in enumerate(state):
-            check_state(value, f"{path}[{i}]")
-        return
-    if not isinstance(state, _LEAF_TYPES) or type(state) not in _LEAF_TYPES:
-        # exact type: a str/int subclass (e.g. an Enum) would pickle as its class -> refused on load
-        raise InvalidStateError(path, state)
+                return f"[key {key!r}]", key
+            bad = _first_invalid(item)
+            if bad is not None:
+                return f"[{key!r}]{bad[0]}", bad[1]
+        return None
+    if t in (list, tuple, torch.Size):
+        for i, item in enumerate(value):
+            bad = _first_invalid(item)
+            if bad is not None:
+                return f"[{i}]{bad[0]}", bad[1]
+        return None
+    return "", value  # a foreign object, or a list/tuple subclass (a namedtuple)
 
 
 def encode_state(state: Any) -> bytes:
@@ -78,7 +94,12 @@ def encode_state(state: Any) -> bytes:
 
 
 class _HashingWriter(io.RawIOBase):
-    """A write-only file that hashes and counts what passes through it."""
+    """A write-only file that hashes and counts what passes through it.
+
+    Large writes (``torch.save`` hands over whole tensors) are passed on in pieces of
+    ``_PIECE`` bytes, each hashed right before it is copied out, so it is read from the CPU cache
+    the second time; one multi-MB write would hash from memory and then copy from memory.
+    """
 
     def __init__(self, out: BinaryIO, algorithm: Checksum) -> None:
         self.out = out
@@ -89,18 +110,25 @@ class _HashingWriter(io.RawIOBase):
         return True
 
     def write(self, data: Any) -> int:
-        self.hasher.update(data)
-        self.size += len(data)
-        self.out.write(data)
-        return len(data)
+        view = memoryview(data).cast("B")
+        n = len(view)
+        for start in range(0, n, _PIECE):
+            piece = view[start : start + _PIECE]
+            self.hasher.update(piece)
+            self.out.write(piece)
+        self.size += n
+        return n
+
+
+_PIECE = 1 << 16
 
 
 def encode_state_into(state: Any, out: BinaryIO, algorithm: Checksum) -> tuple[str, int]:
-    """Serialise ``state`` (checked first) into ``out``; returns its (``algorithm`` digest, size).
+    """Serialise ``state`` into ``out``; returns its (``algorithm`` digest, size).
 
-    The digest is computed on the way, while the bytes are in the CPU cache: no second pass.
+    The caller has run :func:`check_state` (before creating anything to write into). The digest
+    is computed on the way, while the bytes are in the CPU cache: no second pass.
     """
-    check_state(state)
     writer = _HashingWriter(out, algorithm)
     torch.save(state, writer)
     return writer.hasher.hexdigest(), writer.size

@@ -23,6 +23,8 @@ T = TypeVar("T")
 
 
 class LocalBackend:
+    remote = False
+
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
         if not self.root.is_absolute():

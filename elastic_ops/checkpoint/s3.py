@@ -41,6 +41,8 @@ def make_client(endpoint_url: str | None = None, **kwargs: Any) -> Any:
 
 
 class S3Backend:
+    remote = True
+
     def __init__(
         self,
         bucket: str,

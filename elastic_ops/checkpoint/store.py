@@ -426,11 +426,12 @@ class CheckpointStore:
     def _prefetch(self, iteration: int, sizes: dict[str, int]) -> dict[str, Future[bytes | None]]:
         """Start reading the data of ``iteration`` while its manifest is read (saves a round trip).
 
-        Only when the iteration holds exactly one data directory (the usual case): with
-        leftovers of a lost race, the manifest says which files count.
+        Only from a remote backend, and only when the iteration holds exactly one data directory
+        (the usual case): with leftovers of a lost race, the manifest says which files count.
         """
         data = [k for k in sizes if k != MANIFEST_NAME]
-        if MANIFEST_NAME not in sizes or not data or len({k.split("/", 1)[0] for k in data}) != 1:
+        one_dir = len({k.split("/", 1)[0] for k in data}) == 1
+        if not getattr(self.backend, "remote", True) or MANIFEST_NAME not in sizes or not one_dir:
             return {}
         it_dir = iteration_dir(iteration)
         return {k: _pool().submit(self.backend.get, f"{it_dir}/{k}", size_hint=sizes[k]) for k in data}

@@ -12,7 +12,15 @@ import numpy as np
 import pytest
 import torch
 
-from elastic_ops.checkpoint import InvalidStateError, capture_rng, decode_state, encode_state, restore_rng
+from elastic_ops.checkpoint import (
+    Checksum,
+    InvalidStateError,
+    capture_rng,
+    decode_state,
+    encode_state,
+    restore_rng,
+)
+from elastic_ops.checkpoint.codec import encode_state_into
 from elastic_ops.checkpoint.manifest import FileEntry, Manifest
 from elastic_ops.errors import CheckpointCorruptError, UnsafeCheckpointError
 from tests.checkpoint.builders import StoreTarget, make_model, make_state, small_state, train_steps
@@ -134,3 +142,15 @@ def test_capture_and_restore_rng_replays_the_same_draws() -> None:
     first = draw()
     restore_rng(state)
     assert draw() == first
+
+
+@pytest.mark.parametrize("algorithm", list(Checksum))
+def test_streamed_encoding_writes_the_same_bytes_and_digest_as_encoding_in_memory(
+    algorithm: Checksum,
+) -> None:
+    # a tensor of several write pieces plus small records: the digest covers every byte once, in order
+    state = {"big": torch.arange(300_000, dtype=torch.float32), "small": small_state(2)}
+    out = io.BytesIO()
+    digest, size = encode_state_into(state, out, algorithm)
+    assert out.getvalue() == encode_state(state)
+    assert (digest, size) == (algorithm.hexdigest(out.getvalue()), len(out.getvalue()))
