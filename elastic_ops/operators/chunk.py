@@ -5,6 +5,12 @@ chunk through the runtime with a heartbeating lease → commit → release → t
 A full preemption checkpoints, releases and defers again (never a failure, never a retry).
 A lost worker reports the failed host to the pool and raises, so Airflow retries with backoff
 on a grant that avoids that host, resuming from the latest committed checkpoint.
+
+Where the chunk trains: with ``ELASTIC_OPS_AGENT_SOCKET`` set (the per-host agent,
+:mod:`elastic_ops.agent`), the task sends the chunk to the agent, forwards the lease's target to
+it and logs its progress; the agent's error comes back as the same ``elastic_ops.errors`` class,
+so retry classification is unchanged. Without it, or when no agent answers there, the chunk runs
+in the task process (the log says which). The agent path never imports torch in the task.
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ from typing import Any
 
 from airflow.sdk import BaseOperator
 
+from elastic_ops.agent.protocol import AGENT_SOCKET_ENV, AgentUnavailableError, S3Config, StoreConfig
+from elastic_ops.agent.protocol import agent_socket_from_env as agent_socket
 from elastic_ops.errors import UnknownJobError, WorkerLostError
 from elastic_ops.hooks.elastic_ops import DEFAULT_CONN_ID, ElasticOpsHook, default_checkpoint_root
 from elastic_ops.operators.jobs import chunk_range, job_id, runtime_spec, safe_name
@@ -143,9 +151,36 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
         return None
 
     def _already_done(self, hook: ElasticOpsHook, spec: JobSpec, end: int) -> str | None:
+        path = agent_socket()
+        if path is not None:  # ask the agent: opening a store here would import torch
+            from elastic_ops.agent.client import AgentClient
+
+            try:
+                latest = AgentClient(path).latest(self._store_config(spec.checkpoint_uri(), spec),
+                                                  spec.spec_hash())
+            except AgentUnavailableError as exc:
+                self.log.warning("%s; reading the checkpoint store in this task process", exc)
+            else:
+                return latest[1] if latest is not None and latest[0] >= end else None
         store = hook.store(spec.checkpoint_uri(), keep_last=spec.keep_last, keep_every=spec.keep_every)
         ref = store.latest(spec_hash=spec.spec_hash())
         return ref.uri if ref is not None and ref.iteration >= end else None
+
+    def _store_config(self, uri: str, spec: JobSpec | None = None) -> StoreConfig:
+        """The store at ``uri`` as :meth:`ElasticOpsHook.store` would open it, for the agent: for
+        ``s3://``, the endpoint, region and credentials of the ``aws`` connection."""
+        s3 = None
+        if uri.startswith("s3://") and self.aws_conn_id:
+            from airflow.providers.amazon.aws.hooks.s3 import S3Hook
+
+            aws = S3Hook(aws_conn_id=self.aws_conn_id)
+            creds = aws.get_credentials()
+            s3 = S3Config(endpoint_url=aws.conn_config.get_service_endpoint_url(service_name="s3"),
+                          region_name=aws.conn_config.region_name, access_key_id=creds.access_key,
+                          secret_access_key=creds.secret_key, session_token=creds.token)
+        if spec is None:
+            return StoreConfig(uri, s3=s3)
+        return StoreConfig(uri, keep_last=spec.keep_last, keep_every=spec.keep_every, s3=s3)
 
     def _acquire(self, context: Any, state: dict[str, Any], hook: ElasticOpsHook) -> dict[str, Any]:
         job = state["spec"]["name"]
@@ -172,25 +207,15 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
     def _run_granted(
         self, context: Any, state: dict[str, Any], grant: GrantEvent, hook: ElasticOpsHook
     ) -> dict[str, Any]:
-        from elastic_ops.runtime import ChunkStatus, run_chunk
-
         spec = JobSpec.from_dict(state["spec"])
         client = hook.pool()
         host = grant.placements[0][0]
         self.log.info("job %s: chunk [%d, %d) on %d workers on %s (epoch %d)", spec.name,
                       state["start"], state["end"], grant.workers, ", ".join(grant.hosts), grant.epoch)
-        store = hook.store(spec.checkpoint_uri(), keep_last=spec.keep_last, keep_every=spec.keep_every)
-        warm_start = state.get("warm_start")
-        # the warm-start model is read with the same Airflow connection (credentials, endpoint)
-        warm_store = hook.store(warm_start) if warm_start else None
         keeper = LeaseKeeper(client, spec.name, grant.epoch, grant.workers,
                              interval_s=min(self.heartbeat_interval, grant.ttl_s / 3)).start()
         try:
-            result = run_chunk(
-                spec, state["start"], state["end"], target=keeper.target, store=store,
-                epoch=grant.epoch, on_progress=progress_logger(self.log, spec.name), host=host,
-                warm_start=warm_start, warm_start_store=warm_store,
-            )
+            result = self._train(spec, state, grant.epoch, host, keeper, hook)
         except WorkerLostError as exc:
             keeper.stop()
             failed = exc.host or host
@@ -204,7 +229,7 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
             raise
         keeper.stop()
         state = self._account(state, grant, result)
-        if result.status == ChunkStatus.PREEMPTED:
+        if str(getattr(result.status, "value", result.status)) == "preempted":
             self._release(client, spec.name, grant.epoch)
             state["preemptions"] += 1
             state["warm_start"] = None  # the checkpoint it just wrote is where it resumes
@@ -218,6 +243,37 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
         self.log.info("job %s: chunk [%d, %d) done: loss=%s %.0f samples/s, checkpoint %s",
                       spec.name, out.start, out.end, out.loss, out.samples_per_sec, out.checkpoint_uri)
         return out.to_dict()
+
+    def _train(self, spec: JobSpec, state: dict[str, Any], epoch: int, host: str, keeper: LeaseKeeper,
+               hook: ElasticOpsHook) -> Any:
+        """Run the chunk on this host's agent if one is configured and answers, else here."""
+        on_progress = progress_logger(self.log, spec.name)
+        warm_start = state.get("warm_start")
+        path = agent_socket()
+        if path is None:
+            self.log.info("%s is not set: training in this task process", AGENT_SOCKET_ENV)
+        else:
+            from elastic_ops.agent.client import AgentClient
+
+            self.log.info("sending the chunk to the elastic-ops agent at %s", path)
+            try:
+                return AgentClient(path).run_chunk(
+                    spec.to_dict(), state["start"], state["end"], epoch=epoch, host=host,
+                    store=self._store_config(spec.checkpoint_uri(), spec),
+                    warm_start=self._store_config(warm_start) if warm_start else None,
+                    wanted=keeper.wanted, on_applied=keeper.applied, on_progress=on_progress,
+                )
+            except AgentUnavailableError as exc:
+                self.log.warning("%s; training in this task process instead", exc)
+        from elastic_ops.runtime import run_chunk
+
+        store = hook.store(spec.checkpoint_uri(), keep_last=spec.keep_last, keep_every=spec.keep_every)
+        # the warm-start model is read with the same Airflow connection (credentials, endpoint)
+        warm_store = hook.store(warm_start) if warm_start else None
+        return run_chunk(
+            spec, state["start"], state["end"], target=keeper.target, store=store, epoch=epoch,
+            on_progress=on_progress, host=host, warm_start=warm_start, warm_start_store=warm_store,
+        )
 
     def _release(self, client: Any, job: str, epoch: int, finished: bool = False) -> None:
         from elastic_ops.errors import LeaseExpiredError

@@ -50,6 +50,21 @@ class LeaseKeeper:
             self._wake.set()  # report the new count now, so the pool can hand freed slots on
         return wanted
 
+    def wanted(self) -> int:
+        """The pool's latest target, without taking it (a runner elsewhere takes it later and
+        says so through :meth:`applied`)."""
+        with self._lock:
+            return self._wanted
+
+    def applied(self, iteration: int, workers: int) -> None:
+        """A runner in another process (the agent) runs ``workers`` from boundary ``iteration`` on."""
+        with self._lock:
+            changed = workers != self._running
+            self._running = workers
+        if changed:
+            log.info("job %s: %d workers from iteration %d", self.job, workers, iteration)
+            self._wake.set()
+
     def beat(self) -> None:
         with self._lock:
             running = self._running
