@@ -41,6 +41,7 @@ from elastic_ops.pool.model import (
     HostState,
     Job,
     JobState,
+    Plan,
     PolicyConfig,
     Preemption,
     Slot,
@@ -802,46 +803,45 @@ class PoolClient:
 
     def _replan(
         self, conn: Connection, now: float, *, grant_to: str | None = None, synced: bool = False
-    ) -> dict[str, Decision]:
+    ) -> Plan:
         """sync → decide → apply. Reserves decided grows of running jobs; grants only to
-        ``grant_to`` (other waiting jobs get theirs when they ask). Returns decisions by job."""
+        ``grant_to`` (other waiting jobs get theirs when they ask). Returns the plan
+        (``plan[job]`` is a job's :class:`Decision`). Reads every job's target and reason from
+        the plan's columns; slot tuples are made only for the jobs given slots."""
         if not synced:
             self._sync(conn, now)
         cfg = self._settings(conn)
         snap = self._snapshot(conn, now, cfg)
         plan = get_policy(cfg["policy"])(snap)
-        jobs_by_name = {j.name: j for j in snap.jobs}
+        held_by = {j.name: j.held for j in snap.jobs}
         rows = conn.info.pop("pool_job_rows")  # read by _snapshot in this transaction
-        out = {}
-        for d in plan.decisions:
-            out[d.job] = d
-            job = jobs_by_name[d.job]
-            row = rows[d.job]
+        changed = set(plan.changed())
+        for k, (name, target, reason) in enumerate(zip(plan.jobs, plan.target, plan.reason, strict=True)):
+            row = rows[name]
             values: dict[str, Any] = {}
-            if row.target != d.target or row.reason != d.reason:
-                values.update(target=d.target, reason=d.reason)
-                if row.target != d.target:
-                    self._event(conn, now, "target", job=d.job, workers=d.target, reason=d.reason)
-            if job.held:
-                new = [sl for sl in d.placements if sl not in set(job.held)]
+            if row.target != target or row.reason != reason:
+                values.update(target=target, reason=reason)
+                if row.target != target:
+                    self._event(conn, now, "target", job=name, workers=target, reason=reason)
+            if held_by[name]:
+                new = plan.slots.new(k) if k in changed else ()
                 if new:
-                    self._reserve(conn, now, d.job, row.epoch, new, "grow", d)
-                state = JobState.PREEMPTING if d.target == 0 else JobState.RUNNING
+                    self._reserve(conn, now, name, row.epoch, list(new), "grow", plan.decision(k))
+                state = JobState.PREEMPTING if target == 0 else JobState.RUNNING
                 if row.state != state.value:
                     values["state"] = state.value
                     if state == JobState.PREEMPTING:
-                        self._event(
-                            conn, now, "preempt", job=d.job, epoch=row.epoch, workers=0, reason=d.reason
-                        )
-            elif d.job == grant_to and d.placements:
+                        self._event(conn, now, "preempt", job=name, epoch=row.epoch, workers=0, reason=reason)
+            elif name == grant_to and k in changed:
+                d = plan.decision(k)
                 epoch = row.epoch + 1
                 ttl = cfg["lease_ttl_s"]
-                conn.execute(insert(s.leases).values(job=d.job, epoch=epoch, granted=now, expires=now + ttl))
+                conn.execute(insert(s.leases).values(job=name, epoch=epoch, granted=now, expires=now + ttl))
                 values.update(epoch=epoch, state=JobState.RUNNING.value)
-                self._reserve(conn, now, d.job, epoch, list(d.placements), "grant", d)
+                self._reserve(conn, now, name, epoch, list(d.placements), "grant", d)
             if values:
-                conn.execute(update(s.jobs).where(s.jobs.c.name == d.job).values(**values))
-        return out
+                conn.execute(update(s.jobs).where(s.jobs.c.name == name).values(**values))
+        return plan
 
     def _reserve(self, conn, now, job, epoch, slots: list[Slot], kind: str, d: Decision) -> None:
         conn.execute(

@@ -160,8 +160,9 @@ class _Free:
     ``r`` owns positions ``start[r]:end[r]``. Every take consumes a host's lowest free indices,
     so what is left on a host is always a suffix of its range: rank ``r`` has given out
     ``start[r]:pos[r]``, and every position before ``front`` is given out (see :meth:`_pos`).
-    ``used`` marks positions given out ahead of ``front``. Taking slots records positions in
-    :attr:`taken`, never slot tuples (:class:`_Slots` makes those on demand)."""
+    ``used`` marks positions given out ahead of ``front`` (for :meth:`take_next`). Taking
+    slots records positions in :attr:`taken`, never slot tuples (:class:`_Slots` makes those
+    on demand)."""
 
     def __init__(self, snap: Snapshot, up: dict[str, int], helds: list[tuple[Slot, ...]], n_held) -> None:
         self.flat: list[Slot] = list(chain.from_iterable(helds))
@@ -193,7 +194,8 @@ class _Free:
         self.end: list[int] = ends.tolist()
         self.total = len(free)
         self.front = 0
-        self.used = np.zeros(len(free), dtype=bool)
+        self.used = np.zeros(len(free), dtype=bool)  # up to date for taken[:_marked]
+        self._marked = 0
         self.taken: list[int] = []  # positions handed out, job after job
 
     def _host_ids(self, snap: Snapshot) -> tuple[list[str], np.ndarray]:
@@ -230,11 +232,6 @@ class _Free:
             return self.total
         return self.total - sum(self.end[r] - self._pos(r) for r in avoid)
 
-    def _give(self, r: int, p: int, k: int) -> None:
-        self.taken += range(p, p + k)
-        self.pos[r] = p + k
-        self.used[p : p + k] = True
-
     def take(self, n: int, own: list[int], avoid: frozenset[int]) -> None:
         """Append ``n`` free positions to :attr:`taken`: on the ``own`` ranks first (in their
         order), then in host-name order, skipping ``avoid``; lowest slot indices first on each
@@ -243,33 +240,35 @@ class _Free:
             return None
         if not own and not avoid:
             return self.take_next(n)
-        left = n
-        end = self.end
-        pos, front = self.pos, self.front
+        out, pos, end, front, left = self.taken, self.pos, self.end, self.front, n
         for r in dict.fromkeys(own):
-            if r >= 0 and r not in avoid:
-                p = pos[r]
-                if p < front:
-                    p = min(front, end[r])
-                k = min(left, end[r] - p)
-                if k > 0:
-                    self._give(r, p, k)
-                    left -= k
-                    if left == 0:
-                        break
-        r = bisect_right(self.start, self.front) - 1
+            if r < 0 or r in avoid:
+                continue
+            p = pos[r]
+            if p < front:
+                p = front if front < end[r] else end[r]
+            k = end[r] - p
+            if k > 0:
+                k = k if k < left else left
+                out += range(p, p + k)
+                pos[r] = p + k
+                left -= k
+                if not left:
+                    break
+        r = bisect_right(self.start, front) - 1
         gapless = True  # every rank walked so far is now used up: ``front`` may move past it
         while left:
-            p = self._pos(r)
-            if r not in avoid:
-                k = min(left, end[r] - p)
-                if k > 0:
-                    self._give(r, p, k)
-                    left -= k
-                    p += k
+            p, e = pos[r], end[r]
+            if p < front:
+                p = front if front < e else e
+            if r not in avoid and p < e:
+                k = e - p if e - p < left else left
+                out += range(p, p + k)
+                p = pos[r] = p + k
+                left -= k
             if gapless:
-                if p == end[r]:
-                    self.front = p
+                if p == e:
+                    self.front = e
                 else:
                     gapless = False
             r += 1
@@ -278,7 +277,10 @@ class _Free:
 
     def take_next(self, n: int) -> None:
         """Append the next ``n`` free positions in host-name order (no own or avoided hosts):
-        a scan of ``used`` from ``front``, whatever the number of hosts it crosses."""
+        a scan of ``used`` from ``front``, whatever the number of hosts it crosses. ``used``
+        is brought up to date first with what :meth:`take` handed out since the last scan."""
+        if self._marked < len(self.taken):
+            self.used[self.taken[self._marked :]] = True
         got: list[np.ndarray] = []
         w, left, used = self.front, n, self.used
         while left:
@@ -288,6 +290,7 @@ class _Free:
             w += size
         taken = got[0] if len(got) == 1 else np.concatenate(got)
         self.taken += taken.tolist()
+        self._marked = len(self.taken)  # what take_next hands out lies before ``front``
         self.front = int(taken[-1]) + 1
         self.total -= n
 
@@ -440,8 +443,7 @@ def _keep(free: _Free, jobs: np.ndarray, targets: np.ndarray, n_held: np.ndarray
     pick[jobs] = True
     sel = np.flatnonzero(pick[free.owner])
     o, h, x, u = free.owner[sel], free.host[sel], free.index[sel], free.on_up[sel]
-    _, inv, cnt = np.unique(o * (int(h.max(initial=0)) + 1) + h, return_inverse=True, return_counts=True)
-    order = np.lexsort((x, h, -cnt[inv.reshape(-1)], ~u, o))
+    order = _keep_order(o, h, x, u)
     o, u = o[order], u[order]
     start = np.searchsorted(o, o, side="left")
     keep = u & (np.arange(len(o)) - start < targets[o])
@@ -450,6 +452,31 @@ def _keep(free: _Free, jobs: np.ndarray, targets: np.ndarray, n_held: np.ndarray
     perm[sel] = sel[order]
     n_keep[jobs] = np.bincount(o[keep], minlength=n)[jobs]
     return perm, n_keep, int((u & ~keep).sum())
+
+
+def _keep_order(o: np.ndarray, h: np.ndarray, x: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """The stable order of slots by (job ``o``, up hosts ``u`` first, most of the job's slots
+    on the host first, host ``h``, index ``x``). The keys are packed into one int64 and sorted
+    once when they fit (they do unless hosts hold millions of slots); else a lexsort."""
+    if len(o) == 0:
+        return np.zeros(0, dtype=np.int64)
+    hosts = int(h.max()) + 1
+    pair = o * hosts + h
+    by_pair = np.argsort(pair, kind="stable")
+    sp = pair[by_pair]
+    starts = np.flatnonzero(np.concatenate([[True], sp[1:] != sp[:-1]]))
+    sizes = np.diff(np.append(starts, len(sp)))
+    cnt = np.empty_like(o)
+    cnt[by_pair] = np.repeat(sizes, sizes)  # slots the job holds on the slot's host
+    xs = x - int(x.min())
+    widths = [int(v).bit_length() for v in (o.max(), 1, cnt.max(), hosts - 1, xs.max())]
+    if sum(widths) > 62:
+        return np.lexsort((x, h, -cnt, ~u, o))
+    key = o.copy()
+    for field, width in zip((~u, int(cnt.max()) - cnt, h, xs), widths[1:], strict=True):
+        key <<= width
+        key |= field
+    return np.argsort(key, kind="stable")
 
 
 class _Slots(PlanSlots):

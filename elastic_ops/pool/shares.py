@@ -61,7 +61,9 @@ def _solve_lambda(lo: np.ndarray, hi: np.ndarray, w: np.ndarray, capacity: float
     ws_cum = np.concatenate([zero, np.cumsum(w[by_start])])
     hi_cum = np.concatenate([zero, np.cumsum(hi[by_end])])
     we_cum = np.concatenate([zero, np.cumsum(w[by_end])])
-    points = np.unique(np.concatenate([starts, ends]))
+    # Sorted breakpoints, repeats kept: a repeated point has the same total as its twin, so
+    # the segment found below is the one between distinct points either way (cheaper than unique).
+    points = np.sort(np.concatenate([starts, ends]))
     i_s = np.searchsorted(s_sorted, points, side="right")  # jobs whose share has started growing
     i_e = np.searchsorted(e_sorted, points, side="right")  # jobs already at their cap
     totals = (lo_cum[-1] - lo_cum[i_s]) + (ws_cum[i_s] - we_cum[i_e]) * points + hi_cum[i_e]

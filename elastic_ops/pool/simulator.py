@@ -218,11 +218,10 @@ class Simulation:
         policy = get_policy(self.policy)
         for _ in range(4):  # release, then let grows take the freed slots; stops when stable
             changed = False
-            for d in policy(self._snapshot(active)).decisions:
-                j = by_name[d.job]
-                if tuple(d.placements) != j.held:
-                    changed = True
-                    self._start_or_rescale(j, tuple(d.placements))
+            plan = policy(self._snapshot(active))
+            for k in plan.changed():  # every other job keeps exactly what it holds
+                changed = True
+                self._start_or_rescale(by_name[plan.jobs[k]], plan.slots.placements(k))
             if not changed:
                 break
 
