@@ -43,10 +43,19 @@ def weighted_fill_array(lo: np.ndarray, hi: np.ndarray, w: np.ndarray, capacity:
     left = capacity - int(out.sum())
     if left > 0:
         room = np.flatnonzero(out < hi_f)
-        # Largest remainder first, lower index on ties (lexsort: last key is primary).
-        order = room[np.lexsort((room, -(exact[room] - out[room])))]
-        out[order[:left]] += 1
+        out[room[_smallest(-(exact[room] - out[room]), left)]] += 1
     return out.astype(np.int64)
+
+
+def _smallest(keys: np.ndarray, k: int) -> np.ndarray:
+    """Positions of the ``k`` smallest ``keys``, lower position first on ties (what a stable
+    sort would put first), without sorting all of them: a partition finds the k-th value and
+    only the candidates up to it are sorted."""
+    if k >= len(keys):
+        return np.arange(len(keys))
+    kth = np.partition(keys, k - 1)[k - 1]
+    cand = np.flatnonzero(keys <= kth)
+    return cand[np.argsort(keys[cand], kind="stable")[:k]]
 
 
 def _solve_lambda(lo: np.ndarray, hi: np.ndarray, w: np.ndarray, capacity: float) -> float:
@@ -54,7 +63,8 @@ def _solve_lambda(lo: np.ndarray, hi: np.ndarray, w: np.ndarray, capacity: float
     nondecreasing in λ, so sort the breakpoints, find the segment by cumulative sums, and solve
     that segment exactly (vectorised: O(n log n))."""
     starts, ends = lo / w, hi / w
-    by_start, by_end = np.argsort(starts, kind="stable"), np.argsort(ends, kind="stable")
+    # Tie order does not matter: the sums below run over whole groups of tied breakpoints.
+    by_start, by_end = np.argsort(starts), np.argsort(ends)
     s_sorted, e_sorted = starts[by_start], ends[by_end]
     zero = np.zeros(1)
     lo_cum = np.concatenate([zero, np.cumsum(lo[by_start])])
