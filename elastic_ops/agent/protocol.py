@@ -288,6 +288,15 @@ def _finite(value: Any) -> Any:
     return value
 
 
+def jsonable(value: Any) -> Any:
+    """``value`` with every non-finite float (a NaN metric) replaced by ``None``."""
+    if isinstance(value, dict):
+        return {k: jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    return _finite(value)
+
+
 def progress_to_wire(p: Any) -> dict[str, Any]:
     return {
         "type": "progress",

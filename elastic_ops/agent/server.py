@@ -38,6 +38,7 @@ from elastic_ops.agent.protocol import (
     check_socket_path,
     encode,
     error_to_wire,
+    jsonable,
     progress_to_wire,
     require_int,
     require_str,
@@ -220,6 +221,16 @@ class ChunkSession:
             r["epoch"],
         )
         try:
+            self._run(run_chunk, spec, r)
+        finally:
+            # wake the reader (a recv blocked on a socket that another thread closes never
+            # returns); what was sent is still delivered
+            with contextlib.suppress(OSError):
+                self.sock.shutdown(socket.SHUT_RDWR)
+            reader.join(timeout=10)
+
+    def _run(self, run_chunk: Callable[..., Any], spec: Any, r: dict[str, Any]) -> None:
+        try:
             warm = r["warm_start"]
             result = run_chunk(
                 spec,
@@ -251,10 +262,10 @@ class ChunkSession:
             result.status.value,
             result.iteration,
         )
-        self.send({"type": "result", "result": result.to_dict()})
+        self.send({"type": "result", "result": jsonable(result.to_dict())})
 
     def abort(self) -> None:
-        self.gone.set()
+        """Kill the workers (the agent is stopping); the task still gets the resulting error."""
         self.launcher.abort()
 
 

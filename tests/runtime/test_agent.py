@@ -4,7 +4,9 @@ socket, typed errors, client disconnect (no orphans, last checkpoint intact), ba
 from __future__ import annotations
 
 import json
+import os
 import socket
+import threading
 import time
 
 import psutil
@@ -45,19 +47,17 @@ def store_of(spec) -> StoreConfig:
     return StoreConfig(spec.checkpoint_uri(), keep_last=spec.keep_last, keep_every=spec.keep_every)
 
 
+def run_on(agent, spec, start: int = 0, end: int = 30, *, host: str = "h1", wanted=lambda: 1, **kwargs):
+    """The chunk ``[start, end)`` of ``spec`` through the agent's client (epoch 1)."""
+    return AgentClient(agent.path).run_chunk(
+        spec.to_dict(), start, end, epoch=1, host=host, store=store_of(spec), wanted=wanted, **kwargs
+    )
+
+
 def test_a_chunk_on_the_agent_equals_the_same_chunk_in_process(agent, tmp_path, reference):
     spec = make_spec(tmp_path)
     progress = []
-    result = AgentClient(agent.path).run_chunk(
-        spec.to_dict(),
-        0,
-        30,
-        epoch=1,
-        host="h1",
-        store=store_of(spec),
-        wanted=lambda: 1,
-        on_progress=progress.append,
-    )
+    result = run_on(agent, spec, on_progress=progress.append)
     assert result.status == ChunkStatus.COMPLETED and result.iteration == 30
     assert result.param_sha256 == reference
     assert progress[-1].iteration == 30 and progress[-1].eta_s == 0
@@ -74,13 +74,9 @@ def test_a_target_change_reaches_the_workers_through_the_agent(agent, tmp_path, 
     def wanted() -> int:  # the pool grows the job once it has trained 8 iterations
         return 2 if seen and seen[-1] >= 8 else 1
 
-    result = AgentClient(agent.path).run_chunk(
-        spec.to_dict(),
-        0,
-        30,
-        epoch=1,
-        host="h1",
-        store=store_of(spec),
+    result = run_on(
+        agent,
+        spec,
         wanted=wanted,
         on_progress=lambda p: seen.append(p.iteration),
         on_applied=lambda i, n: applied.append((i, n)),
@@ -95,9 +91,7 @@ def test_a_killed_worker_is_a_retryable_worker_lost_error_naming_the_host(agent,
     params = {"kill_at": 17, "kill_rank": 1, "marker": str(tmp_path / "killed-once")}
     spec = make_spec(tmp_path, params=params)
     with pytest.raises(WorkerLostError) as err:
-        AgentClient(agent.path).run_chunk(
-            spec.to_dict(), 0, 30, epoch=1, host="host-a", store=store_of(spec), wanted=lambda: 2
-        )
+        run_on(agent, spec, host="host-a", wanted=lambda: 2)
     assert type(err.value) is WorkerLostError and err.value.retryable
     assert err.value.host == "host-a" and "SIGKILL" in str(err.value)
     assert open_store(spec.checkpoint).latest().iteration == 10
@@ -106,9 +100,7 @@ def test_a_killed_worker_is_a_retryable_worker_lost_error_naming_the_host(agent,
 def test_a_user_error_comes_back_as_the_same_non_retryable_class(agent, tmp_path):
     spec = make_spec(tmp_path, params={"fail_at": 3})
     with pytest.raises(UserCodeError) as err:
-        AgentClient(agent.path).run_chunk(
-            spec.to_dict(), 0, 30, epoch=1, host="h1", store=store_of(spec), wanted=lambda: 2
-        )
+        run_on(agent, spec, wanted=lambda: 2)
     assert not err.value.retryable and "tiny model refuses this batch" in str(err.value)
 
 
@@ -169,6 +161,28 @@ def test_a_task_that_disconnects_mid_chunk_leaves_no_workers_and_an_intact_check
     assert AgentClient(agent.path).ping()["chunks"] == 0  # and the agent serves on
 
 
+def test_an_agent_that_stops_mid_chunk_fails_the_chunk_as_retryable(tmp_path):
+    spec = make_spec(tmp_path, total_iterations=100_000, checkpoint_interval=10)
+    errors: list[BaseException] = []
+    started = threading.Event()
+    with running_agent(tmp_path / "agent") as agent:
+
+        def task() -> None:
+            try:
+                run_on(agent, spec, 0, 100_000, wanted=lambda: 2, on_progress=lambda p: started.set())
+            except BaseException as exc:  # checked below
+                errors.append(exc)
+
+        thread = threading.Thread(target=task)
+        thread.start()
+        assert started.wait(120)
+        # leaving the block stops the agent (as SIGTERM does): it kills the chunk's workers
+    thread.join(120)
+    (err,) = errors
+    assert isinstance(err, WorkerLostError) and err.retryable and err.host == "h1"
+    assert not os.path.exists(agent.path)  # and removed its socket
+
+
 @pytest.mark.parametrize(
     ("data", "cls", "text"),
     [
@@ -200,11 +214,9 @@ def test_bad_requests_are_rejected_with_clear_errors(agent, data, cls, text):
 def test_a_run_request_with_bad_fields_names_the_field(agent, tmp_path):
     spec = make_spec(tmp_path)
     client = AgentClient(agent.path)
-    for kwargs, field in (({"start": -1, "end": 30}, "start"), ({"start": 0, "end": 31}, "end")):
+    for start, end, field in ((-1, 30, "start"), (0, 31, "end")):
         with pytest.raises(SpecError) as err:
-            client.run_chunk(
-                spec.to_dict(), epoch=1, host="h1", store=store_of(spec), wanted=lambda: 1, **kwargs
-            )
+            run_on(agent, spec, start, end)
         assert err.value.field == field
     with pytest.raises(SpecError) as err:
         client.run_chunk(
