@@ -6,12 +6,18 @@ triggerer and api-server as separate processes, each in its own process group, s
 :meth:`stop` can end every process they started (terminate, then kill) — also on Ctrl-C or an
 exception, when used as a context manager. It also speaks the REST API v2 (JWT from
 ``/auth/token``): trigger a DAG run, read task instances, wait for a run to finish.
+
+With ``agent=True`` (the default) it also starts the per-host elastic-ops agent
+(``elastic-ops agent``, its own process group, log ``logs/agent.log``) before the Airflow
+components, waits until it answers, and sets ``ELASTIC_OPS_AGENT_SOCKET`` for every component,
+so chunk tasks run their chunks on the agent's warm workers instead of in the task process.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import os
 import secrets
@@ -35,6 +41,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def agent_socket_path(home: Path) -> str:
+    """``$AIRFLOW_HOME/elastic_ops_agent.sock``, or a short path under /tmp named after the home
+    when that is longer than a Unix socket path may be."""
+    path = str(home / "elastic_ops_agent.sock")
+    if len(os.fsencode(path)) <= 107:
+        return path
+    return f"/tmp/elastic-ops-agent-{hashlib.sha256(str(home).encode()).hexdigest()[:16]}.sock"
+
+
 @dataclasses.dataclass
 class AirflowDeployment:
     """One Airflow installation under ``home``. Use as ``with AirflowDeployment(...) as af:``."""
@@ -48,11 +63,13 @@ class AirflowDeployment:
     password: str = "admin"
     extra_env: dict[str, str] = dataclasses.field(default_factory=dict)
     python: str = sys.executable
+    agent: bool = True  # start the per-host elastic-ops agent and point the tasks at it
 
     def __post_init__(self) -> None:
         self.home = Path(self.home).resolve()
         self.dags_folder = Path(self.dags_folder).resolve()
         self.port = self.port or free_port()
+        self.agent_socket = agent_socket_path(self.home)
         self.procs: dict[str, subprocess.Popen] = {}
         self._token: str | None = None
         self._secrets = {"jwt": secrets.token_hex(32), "key": secrets.token_hex(16)}
@@ -94,6 +111,8 @@ class AirflowDeployment:
             "AIRFLOW__LOGGING__LOGGING_LEVEL": "INFO",
             "PYTHONUNBUFFERED": "1",
         })
+        if self.agent:
+            env["ELASTIC_OPS_AGENT_SOCKET"] = self.agent_socket
         env.update(self.extra_env)
         return env
 
@@ -118,6 +137,8 @@ class AirflowDeployment:
     # --- processes -------------------------------------------------------------------------
 
     def start(self, components: tuple[str, ...] = COMPONENTS, timeout: float = 180) -> AirflowDeployment:
+        if self.agent:  # first: it warms up (torch, fork server) while Airflow starts
+            self._start_agent()
         for name in components:
             log = open(self.home / "logs" / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
             self.procs[name] = subprocess.Popen(
@@ -128,6 +149,34 @@ class AirflowDeployment:
         self.wait_healthy(timeout)
         return self
 
+    def _start_agent(self) -> None:
+        env = self.env()
+        # Trainables next to the DAGs import in the agent as they do in a task
+        plugins = self.plugins_folder or self.home / "plugins"
+        paths = [str(self.dags_folder), str(plugins), env.get("PYTHONPATH")]
+        env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+        log = open(self.home / "logs" / "agent.log", "ab")  # noqa: SIM115 - owned by the child
+        self.procs["agent"] = subprocess.Popen(
+            [self.python, "-m", "elastic_ops.cli", "agent", "--socket", self.agent_socket], env=env,
+            cwd=self.home, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        log.close()
+
+    def wait_agent(self, timeout: float) -> None:
+        """Wait until the agent answers a ping (it has imported torch and warmed its fork server)."""
+        from elastic_ops.agent.client import AgentClient
+        from elastic_ops.agent.protocol import AgentUnavailableError
+
+        client = AgentClient(self.agent_socket)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.check_alive()
+            with contextlib.suppress(AgentUnavailableError):
+                client.ping()
+                return
+            time.sleep(0.5)
+        raise TimeoutError(f"elastic-ops agent not answering at {self.agent_socket} after {timeout:.0f}s")
+
     def check_alive(self) -> None:
         for name, proc in self.procs.items():
             if proc.poll() is not None:
@@ -136,6 +185,8 @@ class AirflowDeployment:
 
     def wait_healthy(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
+        if "agent" in self.procs:
+            self.wait_agent(timeout)
         while time.monotonic() < deadline:
             self.check_alive()
             with contextlib.suppress(httpx.HTTPError):
@@ -158,6 +209,9 @@ class AirflowDeployment:
                 os.killpg(proc.pid, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=5)
+        if "agent" in self.procs:  # an agent that had to be killed leaves its socket behind
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.agent_socket)
         self.procs.clear()
 
     def __enter__(self) -> AirflowDeployment:
