@@ -205,6 +205,11 @@ class PlanSlots(abc.ABC):
         """The jobs (ascending positions) that are given or give back slots; every other job's
         placements are exactly the slots it holds."""
 
+    def changed_placements(self) -> dict[int, tuple[Slot, ...]]:
+        """:meth:`placements` of every job in :meth:`changed` (implementations may build them
+        in bulk)."""
+        return {k: self.placements(k) for k in self.changed()}
+
 
 class DecisionSlots(PlanSlots):
     """:class:`PlanSlots` over per-job tuples; ``kept[k]`` is how many of job ``k``'s

@@ -92,6 +92,12 @@ def _column(jobs: tuple[Job, ...], field: str) -> list:
     return list(map(attrgetter(field), jobs))
 
 
+def _array(jobs: tuple[Job, ...], field: str, dtype) -> np.ndarray:
+    """One field of every job as an array, read at C level (a float ``None`` becomes nan, as
+    with ``np.array``)."""
+    return np.fromiter(map(attrgetter(field), jobs), dtype, len(jobs))
+
+
 class _Table:
     """The snapshot's jobs as columns in rank order (see :func:`order_key`): one C-level pass
     per field, no per-job Python code."""
@@ -103,16 +109,16 @@ class _Table:
         names = _column(jobs, "name")
         avoid = _column(jobs, "avoid_hosts")
         hl = np.fromiter(map(len, helds), np.int64, n)
-        prio = np.array(_column(jobs, "priority"), dtype=np.float64)
+        prio = _array(jobs, "priority", np.float64)
         eff = prio
         aging = snap.config.aging_s
         if aging > 0 and n:
-            ws = np.array(_column(jobs, "waiting_since"), dtype=np.float64)  # None -> nan
+            ws = _array(jobs, "waiting_since", np.float64)  # None -> nan
             waiting = (hl == 0) & ~np.isnan(ws)
             if waiting.any():
                 eff = prio.copy()
                 eff[waiting] = prio[waiting] + np.maximum(0.0, snap.now - ws[waiting]) / aging
-        order = _rank(-eff, hl == 0, np.array(_column(jobs, "submitted"), dtype=np.float64), names)
+        order = _rank(-eff, hl == 0, _array(jobs, "submitted", np.float64), names)
         ol = order.tolist()
         self.n = n
         self.names: list[str] = list(map(names.__getitem__, ol))
@@ -122,10 +128,10 @@ class _Table:
         self.n_held = hl[order]
         self.prio = prio[order]
         self.eff = eff[order]
-        self.mins = np.array(_column(jobs, "min_workers"), dtype=np.int64)[order]
-        self.maxs = np.array(_column(jobs, "max_workers"), dtype=np.int64)[order]
-        self.preemptible = np.array(_column(jobs, "preemptible"), dtype=bool)[order]
-        self.last_rescale = np.array(_column(jobs, "last_rescale"), dtype=np.float64)[order]  # None -> nan
+        self.mins = _array(jobs, "min_workers", np.int64)[order]
+        self.maxs = _array(jobs, "max_workers", np.int64)[order]
+        self.preemptible = _array(jobs, "preemptible", bool)[order]
+        self.last_rescale = _array(jobs, "last_rescale", np.float64)[order]  # None -> nan
 
 
 def _rank(neg_eff: np.ndarray, waiting: np.ndarray, submitted: np.ndarray, names) -> np.ndarray:
@@ -454,6 +460,16 @@ def _keep(free: _Free, jobs: np.ndarray, targets: np.ndarray, n_held: np.ndarray
     return perm, n_keep, int((u & ~keep).sum())
 
 
+def _ranges(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """``concatenate([arange(a, b) for a, b in zip(lo, hi)])``, vectorised."""
+    sizes = hi - lo
+    total = int(sizes.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    starts = np.cumsum(sizes) - sizes
+    return np.arange(total) + np.repeat(lo - starts, sizes)
+
+
 def _keep_order(o: np.ndarray, h: np.ndarray, x: np.ndarray, u: np.ndarray) -> np.ndarray:
     """The stable order of slots by (job ``o``, up hosts ``u`` first, most of the job's slots
     on the host first, host ``h``, index ``x``). The keys are packed into one int64 and sorted
@@ -509,6 +525,28 @@ class _Slots(PlanSlots):
     def release(self, k: int) -> tuple[Slot, ...]:
         _, m, e = self._bounds(k)
         return tuple(map(self._flat.__getitem__, self._perm[m:e].tolist())) if m < e else ()
+
+    def changed_placements(self) -> dict[int, tuple[Slot, ...]]:
+        """Every changed job's placements, with every slot tuple made in one C-level pass
+        (kept ones are the snapshot's own tuples) and cut per job."""
+        ks = np.flatnonzero(self._changed)
+        if len(ks) == 0:
+            return {}
+        a, e = self._first[ks], self._first[ks] + self._kept[ks]
+        kept_at = self._perm[_ranges(a, e)].tolist()
+        kept = list(map(self._flat.__getitem__, kept_at))
+        lo, hi = self._new_at[ks], self._new_at[ks + 1]
+        at = self._taken[_ranges(lo, hi)]
+        new = list(
+            zip(
+                map(self._names.__getitem__, self._host_of[at].tolist()),
+                self._index[at].tolist(),
+                strict=True,
+            )
+        )
+        kb = np.concatenate([[0], np.cumsum(e - a)]).tolist()
+        nb = np.concatenate([[0], np.cumsum(hi - lo)]).tolist()
+        return {k: tuple(kept[kb[i] : kb[i + 1]] + new[nb[i] : nb[i + 1]]) for i, k in enumerate(ks.tolist())}
 
     def new(self, k: int) -> tuple[Slot, ...]:
         at = self._taken[self._new_at[k] : self._new_at[k + 1]]

@@ -219,9 +219,9 @@ class Simulation:
         for _ in range(4):  # release, then let grows take the freed slots; stops when stable
             changed = False
             plan = policy(self._snapshot(active))
-            for k in plan.changed():  # every other job keeps exactly what it holds
+            for k, placements in plan.slots.changed_placements().items():  # the others keep theirs
                 changed = True
-                self._start_or_rescale(by_name[plan.jobs[k]], plan.slots.placements(k))
+                self._start_or_rescale(by_name[plan.jobs[k]], placements)
             if not changed:
                 break
 

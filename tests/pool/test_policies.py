@@ -140,3 +140,29 @@ def test_invalid_policy_inputs_get_clear_errors():
         PolicyConfig(preemption="always")
     with pytest.raises(SpecError, match="min_gain=-1"):
         PolicyConfig(min_gain=-1)
+
+
+def test_a_plan_builds_decisions_on_demand_and_lists_the_jobs_whose_slots_change():
+    snap = make_snapshot(
+        hosts=[("h0", 4), ("h1", 4)],
+        jobs=[
+            dict(name="keeps", max_workers=2, held=slots("h0", 0, 1)),
+            dict(name="grows", max_workers=3, held=slots("h0", 2), submitted=1),
+            dict(name="new", max_workers=2, submitted=2),
+        ],
+        aging_s=0,
+    )
+    for policy in ("fairshare", "priority", "strict"):
+        plan = get_policy(policy)(snap)
+        assert [plan.jobs[k] for k in plan.changed()] == ["grows", "new"]
+        assert plan["keeps"] == plan.get("keeps") == plan.decision(plan.index("keeps"))
+        assert plan["keeps"].placements == slots("h0", 0, 1) and plan["keeps"].action == TargetAction.KEEP
+        grows = plan.index("grows")
+        assert plan.slots.new(grows) == slots("h0", 3) + slots("h1", 0)  # own host first
+        assert plan.slots.placements(grows) == slots("h0", 2, 3) + slots("h1", 0)
+        assert plan.slots.new(plan.index("new")) == slots("h1", 1, 2)
+        assert plan.get("nobody") is None
+        with pytest.raises(KeyError):
+            plan["nobody"]
+        assert plan.targets() == {"keeps": 2, "grows": 3, "new": 2}
+        assert plan == get_policy(policy)(snap) and plan.by_job() == {d.job: d for d in plan.decisions}

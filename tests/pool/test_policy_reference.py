@@ -10,10 +10,13 @@ tie-breaks, not just the invariants the other property tests check.
 from __future__ import annotations
 
 import gc
+import random
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 
 from elastic_ops.pool import policies
+from elastic_ops.pool.model import Host, HostState, Job, PolicyConfig, Snapshot
 from elastic_ops.pool.plain_policies import PLAIN
 from elastic_ops.pool.policies import SMALL_CLUSTER, SMALL_SNAPSHOT_JOBS, VECTORISED, make_policy
 
@@ -28,6 +31,61 @@ def _assert_same_plan(snap):
         assert [d.job for d in fast.decisions] == [d.job for d in ref.decisions], name
         for got, want in zip(fast.decisions, ref.decisions, strict=True):
             assert got == want, f"{name}: {got} != {want}"
+        # The columns and the slot accessors the ledger and the simulator read agree too.
+        assert (fast.jobs, fast.target, fast.action, fast.reason) == (
+            ref.jobs,
+            ref.target,
+            ref.action,
+            ref.reason,
+        )
+        assert fast.changed() == ref.changed(), name
+        bulk = fast.slots.changed_placements()
+        assert bulk == ref.slots.changed_placements() == {k: fast.slots.placements(k) for k in fast.changed()}
+        for k in range(len(fast.jobs)):
+            assert fast.slots.new(k) == ref.slots.new(k), name
+            assert fast.slots.release(k) == ref.slots.release(k), name
+
+
+def _scattered(seed: int, n_jobs: int, n_hosts: int, per_host: int = 8) -> Snapshot:
+    """A busy cluster like the benchmark's: most slots held, scattered over the hosts, half the
+    jobs waiting, some avoided and unhealthy hosts. Large enough that free slots are taken
+    across many hosts and past slots other jobs took on their own hosts."""
+    rng = random.Random(seed)
+    hosts = tuple(
+        Host(f"h{i:04d}", per_host, HostState.DRAINING if rng.random() < 0.05 else HostState.UP)
+        for i in range(n_hosts)
+    )
+    free = [(h.name, s) for h in hosts for s in range(h.slots)]
+    rng.shuffle(free)
+    budget = int(0.8 * len(free))
+    jobs = []
+    for i in range(n_jobs):
+        lo = rng.randint(1, 4)
+        hi = lo + rng.randint(0, 20)
+        n_held = min(rng.randint(lo, hi), budget) if i % 2 == 0 else 0
+        held, free = tuple(sorted(free[:n_held])), free[n_held:]
+        budget -= n_held
+        avoid = frozenset({rng.choice(hosts).name}) if rng.random() < 0.1 else frozenset()
+        jobs.append(
+            Job(
+                f"job{i:04d}",
+                lo,
+                hi,
+                priority=rng.randint(1, 5),
+                preemptible=rng.random() < 0.9,
+                avoid_hosts=avoid,
+                submitted=float(rng.randint(0, 50)),
+                waiting_since=None if held else float(i),
+                last_rescale=float(i) if held else None,
+                held=held,
+            )
+        )
+    return Snapshot(hosts, tuple(jobs), float(n_jobs + 100), PolicyConfig(min_rescale_interval_s=30.0))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_fast_policies_match_the_reference_on_a_busy_cluster(seed):
+    _assert_same_plan(_scattered(seed, n_jobs=400, n_hosts=150))
 
 
 @SAME
