@@ -265,3 +265,26 @@ def test_save_async_blocks_only_for_encoding_and_commits_a_snapshot(target: Stor
         stale.result(timeout=60)
     store.close()
     assert [r.iteration for r in target.open().list()] == [10]
+
+
+def test_local_writes_start_writeback_early_and_write_every_byte(tmp_path, monkeypatch) -> None:
+    """Every 4 MiB the kernel is asked to start writeback of what came since; a hint that fails
+    (returns -1, as on a file system without it) changes nothing: the fsync makes the file durable."""
+    from elastic_ops.checkpoint import local
+
+    calls: list[tuple[int, int, int]] = []
+
+    def failing_hint(fd: int, offset: int, length: int, flags: int) -> int:
+        calls.append((offset, length, flags))
+        return -1
+
+    monkeypatch.setattr(local, "_SYNC_FILE_RANGE", failing_hint)
+    backend = local.LocalBackend(tmp_path)
+    data = bytes(range(256)) * (10 * 4096 + 7)  # ~10 MiB, not a multiple of a piece
+    backend.put("a/blob", data)
+    assert backend.get("a/blob") == data
+    assert [c[0] for c in calls] == [0, 4 << 20] and all(c[1:] == (4 << 20, 2) for c in calls)
+
+    calls.clear()
+    assert backend.put_stream("b/blob", lambda f: f.write(data)) == len(data)  # one big write
+    assert backend.get("b/blob") == data and calls == [(0, len(data), 2)]
