@@ -200,9 +200,16 @@ class _Free:
         self.end: list[int] = ends.tolist()
         self.total = len(free)
         self.front = 0
-        self.used = np.zeros(len(free), dtype=bool)  # up to date for taken[:_marked]
+        self.used = np.zeros(len(free), dtype=bool)  # up to date for the runs before _marked
         self._marked = 0
-        self.taken: list[int] = []  # positions handed out, job after job
+        # Positions handed out, job after job, as runs start[i]:start[i] + size[i].
+        self.run_start: list[int] = []
+        self.run_size: list[int] = []
+
+    def taken(self, since: int = 0) -> np.ndarray:
+        """The positions handed out (by the runs from ``since`` on), in order."""
+        lo = np.array(self.run_start[since:], dtype=np.int64)
+        return _ranges(lo, lo + np.array(self.run_size[since:], dtype=np.int64))
 
     def _host_ids(self, snap: Snapshot) -> tuple[list[str], np.ndarray]:
         """Host names in name order (the snapshot's, plus any held slot's unknown host) and the
@@ -239,15 +246,17 @@ class _Free:
         return self.total - sum(self.end[r] - self._pos(r) for r in avoid)
 
     def take(self, n: int, own: list[int], avoid: frozenset[int]) -> None:
-        """Append ``n`` free positions to :attr:`taken`: on the ``own`` ranks first (in their
-        order), then in host-name order, skipping ``avoid``; lowest slot indices first on each
-        host. Callers check that ``count_for(avoid) >= n``."""
+        """Hand out ``n`` free positions (see :meth:`taken`): on the ``own`` ranks first (in
+        their order; a repeated rank finds nothing left the second time), then in host-name
+        order, skipping ``avoid``; lowest slot indices first on each host. Callers check that
+        ``count_for(avoid) >= n``."""
         if n <= 0:
             return None
         if not own and not avoid:
             return self.take_next(n)
-        out, pos, end, front, left = self.taken, self.pos, self.end, self.front, n
-        for r in dict.fromkeys(own):
+        starts, sizes = self.run_start, self.run_size
+        pos, end, front, left = self.pos, self.end, self.front, n
+        for r in own:
             if r < 0 or r in avoid:
                 continue
             p = pos[r]
@@ -256,7 +265,8 @@ class _Free:
             k = end[r] - p
             if k > 0:
                 k = k if k < left else left
-                out += range(p, p + k)
+                starts.append(p)
+                sizes.append(k)
                 pos[r] = p + k
                 left -= k
                 if not left:
@@ -269,7 +279,8 @@ class _Free:
                 p = front if front < e else e
             if r not in avoid and p < e:
                 k = e - p if e - p < left else left
-                out += range(p, p + k)
+                starts.append(p)
+                sizes.append(k)
                 p = pos[r] = p + k
                 left -= k
             if gapless:
@@ -285,8 +296,8 @@ class _Free:
         """Append the next ``n`` free positions in host-name order (no own or avoided hosts):
         a scan of ``used`` from ``front``, whatever the number of hosts it crosses. ``used``
         is brought up to date first with what :meth:`take` handed out since the last scan."""
-        if self._marked < len(self.taken):
-            self.used[self.taken[self._marked :]] = True
+        if self._marked < len(self.run_start):
+            self.used[self.taken(self._marked)] = True
         got: list[np.ndarray] = []
         w, left, used = self.front, n, self.used
         while left:
@@ -295,8 +306,10 @@ class _Free:
             left -= len(got[-1])
             w += size
         taken = got[0] if len(got) == 1 else np.concatenate(got)
-        self.taken += taken.tolist()
-        self._marked = len(self.taken)  # what take_next hands out lies before ``front``
+        cut = np.flatnonzero(np.diff(taken) != 1) + 1  # where a run of consecutive positions ends
+        self.run_start += taken[np.concatenate([[0], cut])].tolist()
+        self.run_size += np.diff(np.concatenate([[0], cut, [len(taken)]])).tolist()
+        self._marked = len(self.run_start)  # what take_next hands out lies before ``front``
         self.front = int(taken[-1]) + 1
         self.total -= n
 
@@ -504,7 +517,7 @@ class _Slots(PlanSlots):
         self._held, self._flat, self._names = held, free.flat, free.names
         self._perm, self._first, self._kept = perm, free.first, n_keep
         self._new_at = np.concatenate([[0], np.cumsum(n_new)])
-        self._taken = np.array(free.taken, dtype=np.int64)
+        self._taken = free.taken()
         self._host_of, self._index = free.host_of, free.free_index
         self._changed = (n_new > 0) | (n_keep < self._first[1:] - self._first[:-1])
 
@@ -635,9 +648,13 @@ def _take_all(t: _Table, free: _Free, growing, need, perm, n_keep, n_new, reason
     rank order -- the same slots as one call per job, without the per-job work (most newcomers
     are such jobs). The run stops at the first job that would not get all it needs; that job and
     every other (own hosts to fill first, hosts to avoid) go through :func:`_grow` one by one."""
-    own_all = free.rank_of[free.host[perm]].tolist()  # each job's kept hosts (ranks) in its order
-    first, kept = free.first.tolist(), n_keep.tolist()
-    alone = (n_keep[growing] == 0) & ~t.has_avoid[growing]
+    kept = n_keep[growing]
+    alone = (kept == 0) & ~t.has_avoid[growing]
+    # The kept hosts (ranks) of each growing job in its order, for take(): own[a[j]:a[j + 1]].
+    first = free.first[growing]
+    own = free.rank_of[free.host[perm[_ranges(first, first + kept)]]].tolist()
+    a = np.concatenate([[0], np.cumsum(kept)]).tolist()
+    kl, avoids = kept.tolist(), t.has_avoid[growing].tolist()
     stops = np.append(np.flatnonzero(~alone), len(growing))
     run_end = stops[np.searchsorted(stops, np.arange(len(growing)))].tolist()  # next job not alone
     cum = np.cumsum(need).tolist()
@@ -657,9 +674,12 @@ def _take_all(t: _Table, free: _Free, growing, need, perm, n_keep, n_new, reason
         if free.total == 0:  # nothing left to give: the rest wait (or run on what they keep)
             _nothing_free(t, growing[j:], need[j:], n_keep, reasons, pending)
             return
-        i, a = gl[j], first[gl[j]]
-        own = own_all[a : a + kept[i]]
-        n_new[i], reasons[i] = _grow(t, i, nl[j], kept[i], own, reasons[i], free, pending)
+        i, want = gl[j], nl[j]
+        if not avoids[j] and free.total >= want:  # the common case of _grow, inline
+            free.take(want, own[a[j] : a[j + 1]], _NONE)
+            n_new[i] = want
+        else:
+            n_new[i], reasons[i] = _grow(t, i, want, kl[j], own[a[j] : a[j + 1]], reasons[i], free, pending)
         j += 1
 
 
