@@ -167,7 +167,7 @@ class _Free:
     so what is left on a host is always a suffix of its range: rank ``r`` has given out
     ``start[r]:pos[r]``, and every position before ``front`` is given out (see :meth:`_pos`).
     ``used`` marks positions given out ahead of ``front`` (for :meth:`take_next`). Taking
-    slots records positions in :attr:`taken`, never slot tuples (:class:`_Slots` makes those
+    slots records positions (:meth:`taken`), never slot tuples (:class:`_Slots` makes those
     on demand)."""
 
     def __init__(self, snap: Snapshot, up: dict[str, int], helds: list[tuple[Slot, ...]], n_held) -> None:
@@ -200,16 +200,27 @@ class _Free:
         self.end: list[int] = ends.tolist()
         self.total = len(free)
         self.front = 0
-        self.used = np.zeros(len(free), dtype=bool)  # up to date for the runs before _marked
-        self._marked = 0
-        # Positions handed out, job after job, as runs start[i]:start[i] + size[i].
+        self.used = np.zeros(len(free), dtype=bool)
+        # Positions handed out, job after job: arrays, then the runs run_start[i] +
+        # range(run_size[i]) that take() handed out since (not yet in ``used``).
+        self._parts: list[np.ndarray] = []
         self.run_start: list[int] = []
         self.run_size: list[int] = []
 
-    def taken(self, since: int = 0) -> np.ndarray:
-        """The positions handed out (by the runs from ``since`` on), in order."""
-        lo = np.array(self.run_start[since:], dtype=np.int64)
-        return _ranges(lo, lo + np.array(self.run_size[since:], dtype=np.int64))
+    def _flush(self) -> None:
+        """Move take()'s runs into ``_parts`` and mark them in ``used``."""
+        if self.run_start:
+            lo = np.array(self.run_start, dtype=np.int64)
+            at = _ranges(lo, lo + np.array(self.run_size, dtype=np.int64))
+            self.used[at] = True
+            self._parts.append(at)
+            self.run_start.clear()
+            self.run_size.clear()
+
+    def taken(self) -> np.ndarray:
+        """Every position handed out, in order."""
+        self._flush()
+        return np.concatenate(self._parts) if self._parts else np.zeros(0, dtype=np.int64)
 
     def _host_ids(self, snap: Snapshot) -> tuple[list[str], np.ndarray]:
         """Host names in name order (the snapshot's, plus any held slot's unknown host) and the
@@ -296,8 +307,7 @@ class _Free:
         """Append the next ``n`` free positions in host-name order (no own or avoided hosts):
         a scan of ``used`` from ``front``, whatever the number of hosts it crosses. ``used``
         is brought up to date first with what :meth:`take` handed out since the last scan."""
-        if self._marked < len(self.run_start):
-            self.used[self.taken(self._marked)] = True
+        self._flush()
         got: list[np.ndarray] = []
         w, left, used = self.front, n, self.used
         while left:
@@ -306,10 +316,7 @@ class _Free:
             left -= len(got[-1])
             w += size
         taken = got[0] if len(got) == 1 else np.concatenate(got)
-        cut = np.flatnonzero(np.diff(taken) != 1) + 1  # where a run of consecutive positions ends
-        self.run_start += taken[np.concatenate([[0], cut])].tolist()
-        self.run_size += np.diff(np.concatenate([[0], cut, [len(taken)]])).tolist()
-        self._marked = len(self.run_start)  # what take_next hands out lies before ``front``
+        self._parts.append(taken)  # before the new ``front``: no need to mark them in ``used``
         self.front = int(taken[-1]) + 1
         self.total -= n
 
