@@ -114,19 +114,24 @@ def _freeze_reason(job: Job, held_up: int, target: int, snap: Snapshot) -> str |
 
 
 def _scan(jobs: Iterable[Job], up: dict[str, int]) -> tuple[dict[str, list[int]], dict[str, int]]:
-    """The one pass over every held slot: taken slot indices per host, held-on-up count per job."""
+    """The one pass over every held slot: taken slot indices per up host (only those within its
+    slots: a slot beyond them, left over from a host that shrank, takes no capacity), held-on-up
+    count per job."""
     taken: dict[str, list[int]] = {}
     held_up: dict[str, int] = {}
     for job in jobs:
         n = 0
         for h, sl in job.held:
-            lst = taken.get(h)
-            if lst is None:
-                taken[h] = [sl]
-            else:
-                lst.append(sl)
-            if h in up:
-                n += 1
+            size = up.get(h)
+            if size is None:
+                continue
+            n += 1
+            if 0 <= sl < size:
+                lst = taken.get(h)
+                if lst is None:
+                    taken[h] = [sl]
+                else:
+                    lst.append(sl)
         held_up[job.name] = n
     return taken, held_up
 

@@ -170,16 +170,15 @@ class _Free:
     slots records positions (:meth:`taken`), never slot tuples (:class:`_Slots` makes those
     on demand)."""
 
-    def __init__(self, snap: Snapshot, up: dict[str, int], helds: list[tuple[Slot, ...]], n_held) -> None:
+    def __init__(self, hs: _Hosts, helds: list[tuple[Slot, ...]], n_held) -> None:
         self.flat: list[Slot] = list(chain.from_iterable(helds))
-        names, host = self._host_ids(snap)
-        self.ids = dict(zip(names, range(len(names)), strict=True))
-        up_size = np.fromiter(map(up.get, names, repeat(0)), np.int64, len(names))
+        host = self._host_ids(hs)
+        names, self.ids, up_size = hs.names, hs.ids, hs.up_size
         self.host = host
         self.first = np.concatenate([[0], np.cumsum(n_held)])  # job i: flat[first[i]:first[i+1]]
         self.index = np.fromiter(map(_index, self.flat), np.int64, len(self.flat))
         self.owner = np.repeat(np.arange(len(helds)), n_held)
-        self.on_up = np.fromiter(map(up.__contains__, names), bool, len(names))[host]
+        self.on_up = hs.is_up[host]
         self.held_up = n_held - np.bincount(self.owner[~self.on_up], minlength=len(helds))
         off = np.zeros(len(names) + 1, dtype=np.int64)
         np.cumsum(up_size, out=off[1:])
@@ -222,21 +221,13 @@ class _Free:
         self._flush()
         return np.concatenate(self._parts) if self._parts else np.zeros(0, dtype=np.int64)
 
-    def _host_ids(self, snap: Snapshot) -> tuple[list[str], np.ndarray]:
-        """Host names in name order (the snapshot's, plus any held slot's unknown host) and the
-        id of each held slot's host in that order."""
-        names = sorted(map(_name, snap.hosts))  # linear when the snapshot lists them in order
-        for _ in range(2):
-            ids = dict(zip(names, range(len(names)), strict=True))
-            if len(ids) < len(names):  # a host listed twice
-                names = sorted(ids)
-                ids = dict(zip(names, range(len(names)), strict=True))
-            try:
-                host = np.fromiter(map(ids.__getitem__, map(_host, self.flat)), np.int64, len(self.flat))
-                return names, host
-            except KeyError:  # a slot on a host the snapshot does not list: not up, not free
-                names = sorted(set(names).union(map(_host, self.flat)))
-        raise AssertionError("unreachable")
+    def _host_ids(self, hs: _Hosts) -> np.ndarray:
+        """The host id of each held slot (``hs`` gains the hosts it did not list)."""
+        try:
+            return np.fromiter(map(hs.ids.__getitem__, map(_host, self.flat)), np.int64, len(self.flat))
+        except KeyError:  # a slot on a host the snapshot does not list: not up, not free
+            hs.extend(set(map(_host, self.flat)))
+            return np.fromiter(map(hs.ids.__getitem__, map(_host, self.flat)), np.int64, len(self.flat))
 
     def _pos(self, r: int) -> int:
         """The first free position of rank ``r`` (``end[r]`` when it has none left)."""
@@ -330,21 +321,59 @@ _index = itemgetter(1)
 # --- step 2: targets ------------------------------------------------------------------------
 
 
-def _usable(snap: Snapshot) -> tuple[dict[str, int], int]:
-    hosts = snap.hosts
-    pairs = zip(map(_name, hosts), map(_slots, hosts), strict=True)
-    up = dict(compress(pairs, map(_UP, map(_state, hosts))))
-    return up, sum(up.values())
+class _Hosts:
+    """The snapshot's hosts in name order: ``names``, ``ids`` (name -> id), ``is_up`` and
+    ``up_size`` (slots of an ``up`` host, 0 for any other), read at C level; ``capacity`` = up
+    slots."""
+
+    def __init__(self, snap: Snapshot) -> None:
+        hosts = snap.hosts
+        names = list(map(_name, hosts))
+        size = np.fromiter(map(_slots, hosts), np.int64, len(hosts))
+        up = np.fromiter(map(_UP, map(_state, hosts)), bool, len(hosts))
+        by_name = sorted(names)
+        if by_name != names:
+            order = np.array(sorted(range(len(names)), key=names.__getitem__), dtype=np.int64)
+            size, up = size[order], up[order]
+        self.names = by_name
+        self.ids = dict(zip(by_name, range(len(by_name)), strict=True))
+        if len(self.ids) < len(by_name):  # a host listed twice: the last up entry counts (plain)
+            up_slots = dict(
+                compress(zip(names, map(_slots, hosts), strict=True), map(_UP, map(_state, hosts)))
+            )
+            self.names = sorted(self.ids)
+            self.ids = dict(zip(self.names, range(len(self.names)), strict=True))
+            self.up_size = np.fromiter(map(up_slots.get, self.names, repeat(0)), np.int64, len(self.names))
+            self.is_up = np.fromiter(map(up_slots.__contains__, self.names), bool, len(self.names))
+        else:
+            self.up_size = np.where(up, size, 0)
+            self.is_up = up
+        self.capacity = int(self.up_size.sum())
+
+    def extend(self, more: set[str]) -> None:
+        """Add hosts the snapshot does not list (a held slot's): not up, nothing free."""
+        old, up_size, is_up = self.ids, self.up_size, self.is_up
+        self.names = sorted(set(self.names) | more)
+        self.ids = dict(zip(self.names, range(len(self.names)), strict=True))
+        known = np.fromiter(map(old.__contains__, self.names), bool, len(self.names))
+        self.up_size = np.zeros(len(self.names), dtype=np.int64)
+        self.up_size[known] = up_size  # both in name order
+        self.is_up = np.zeros(len(self.names), dtype=bool)
+        self.is_up[known] = is_up
+
+    def up_slots(self, names: frozenset[str]) -> int:
+        """Slots on the ``up`` hosts among ``names``."""
+        return sum(int(self.up_size[self.ids[h]]) for h in names if h in self.ids)
 
 
 _slots, _state, _UP = attrgetter("slots"), attrgetter("state"), HostState.UP.__eq__
 
 
-def _caps(t: _Table, up: dict[str, int], capacity: int) -> np.ndarray:
+def _caps(t: _Table, hs: _Hosts, capacity: int) -> np.ndarray:
     """The most workers each job can use: its max, limited by slots on up hosts it does not avoid."""
     usable = np.full(t.n, capacity, dtype=np.int64)
     for i in np.flatnonzero(t.has_avoid).tolist():
-        usable[i] -= sum(up.get(h, 0) for h in t.avoid[i])
+        usable[i] -= hs.up_slots(t.avoid[i])
     return np.minimum(t.maxs, usable)
 
 
@@ -400,8 +429,9 @@ def _freeze(t: _Table, held_up, targets, free, snap: Snapshot) -> dict[int, str]
     return out
 
 
-def _targets(t: _Table, share: ShareFn, held_up, up: dict[str, int], capacity: int, snap: Snapshot):
-    caps = _caps(t, up, capacity)
+def _targets(t: _Table, share: ShareFn, held_up, hs: _Hosts, snap: Snapshot):
+    capacity = hs.capacity
+    caps = _caps(t, hs, capacity)
     n = t.n
     frozen: dict[int, str] = {}
     is_free = np.ones(n, dtype=bool)
@@ -611,11 +641,11 @@ def make_policy(share: ShareFn, plain: Policy | None = None) -> Policy:
 
 
 def _decide(snap: Snapshot, share: ShareFn) -> Plan:
-    up, capacity = _usable(snap)
     t = _Table(snap)
-    free = _Free(snap, up, t.held, t.n_held)
+    hs = _Hosts(snap)
+    free = _Free(hs, t.held, t.n_held)
     held_up = free.held_up
-    targets, reasons = _targets(t, share, held_up, up, capacity, snap)
+    targets, reasons = _targets(t, share, held_up, hs, snap)
     # Jobs that keep all they hold (on up hosts) need no sorting; the others keep part.
     simple = (held_up == t.n_held) & (targets >= held_up)
     perm, n_keep, pending = _keep(free, np.flatnonzero(~simple), targets, t.n_held)

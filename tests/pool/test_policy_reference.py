@@ -134,3 +134,23 @@ def test_small_snapshots_take_the_plain_path_and_large_ones_the_vectorised_one()
         snap = make_snapshot(hosts=hosts, jobs=[make_job(f"j{i:03d}", max_workers=2) for i in range(n)])
         assert policy(snap) == VECTORISED["fairshare"](snap)
     assert calls == [SMALL_SNAPSHOT_JOBS, SMALL_CLUSTER[0]]
+
+
+@pytest.mark.parametrize(
+    "hosts",
+    [
+        (("h1", 4),),  # h0 is not listed: its slot is released
+        (("h0", 2, "draining"), ("h1", 4), ("h0", 4)),  # h0 listed twice: the up entry counts
+        (("h0", 0), ("h1", 4)),  # an up host with no slots
+        (("h1", 4), ("h0", 4, "down")),  # not in name order
+    ],
+)
+def test_odd_host_lists_give_the_reference_plan(hosts):
+    snap = make_snapshot(
+        hosts=hosts,
+        jobs=[
+            make_job("a", max_workers=3, held=[("h0", 0), ("h1", 0)], avoid_hosts=frozenset({"h9"})),
+            make_job("b", submitted=1),
+        ],
+    )
+    _assert_same_plan(snap)
