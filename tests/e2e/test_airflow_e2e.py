@@ -117,8 +117,9 @@ def test_form_params_reject_bad_values_and_s3_checkpoints_use_the_aws_connection
 def kill_one_worker(home: Path) -> int | None:
     """SIGKILL one training worker of a chunk task running under this Airflow home.
 
-    Workers are children of the task's fork server; the fork server was exec'd with the task's
-    environment, so its ``AIRFLOW_HOME`` says which deployment it belongs to.
+    Workers are children of a fork server: the deployment's elastic-ops agent's (the chunk
+    tasks run their chunks there), or a task's own without an agent. It was exec'd with that
+    process's environment, so its ``AIRFLOW_HOME`` says which deployment it belongs to.
     """
     for proc in psutil.process_iter(["pid", "cmdline"]):
         if "multiprocessing.forkserver" not in " ".join(proc.info["cmdline"] or []):
