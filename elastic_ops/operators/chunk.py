@@ -174,10 +174,15 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
             from airflow.providers.amazon.aws.hooks.s3 import S3Hook
 
             aws = S3Hook(aws_conn_id=self.aws_conn_id)
-            creds = aws.get_credentials()
+            try:
+                creds = aws.get_credentials()
+            except AttributeError:  # no credentials anywhere: boto3's chain finds none in the agent either
+                creds = None
             s3 = S3Config(endpoint_url=aws.conn_config.get_service_endpoint_url(service_name="s3"),
-                          region_name=aws.conn_config.region_name, access_key_id=creds.access_key,
-                          secret_access_key=creds.secret_key, session_token=creds.token)
+                          region_name=aws.conn_config.region_name,
+                          access_key_id=getattr(creds, "access_key", None),
+                          secret_access_key=getattr(creds, "secret_key", None),
+                          session_token=getattr(creds, "token", None))
         if spec is None:
             return StoreConfig(uri, s3=s3)
         return StoreConfig(uri, keep_last=spec.keep_last, keep_every=spec.keep_every, s3=s3)

@@ -180,3 +180,35 @@ def test_s3_credentials_never_show_in_a_repr():
         StoreConfig.from_wire({"uri": "file:///tmp/x", "s3": {"endpoint_url": "http://x"}})
     with pytest.raises(SpecError, match="store.s3"):
         StoreConfig.from_wire({"uri": "s3://b/p", "s3": {"password": "x"}})
+
+
+def test_the_agent_gets_the_s3_settings_of_the_aws_connection(monkeypatch, tmp_path):
+    for key in [k for k in os.environ if k.startswith("AWS_")]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_MODELS_S3",
+        json.dumps(
+            {
+                "conn_type": "aws",
+                "login": "AKIAEXAMPLE",
+                "password": "very-secret",
+                "extra": {"endpoint_url": "http://127.0.0.1:9000", "region_name": "eu-west-1"},
+            }
+        ),
+    )
+    op = ElasticChunkOperator(
+        task_id="chunk_0", spec_fields=FIELDS, chunk_index=0, group_id="train", aws_conn_id="models_s3"
+    )
+    store = op._store_config("s3://bucket/prefix")
+    assert store.s3 == S3Config(
+        endpoint_url="http://127.0.0.1:9000",
+        region_name="eu-west-1",
+        access_key_id="AKIAEXAMPLE",
+        secret_access_key="very-secret",
+    )
+    assert op._store_config("file:///tmp/x").s3 is None
+    client = store.s3.client()  # what the agent builds: the same endpoint, region and keys
+    assert client.meta.endpoint_url == "http://127.0.0.1:9000" and client.meta.region_name == "eu-west-1"
+    assert client._request_signer._credentials.access_key == "AKIAEXAMPLE"
