@@ -30,6 +30,8 @@ class Backend(Protocol):
 
     # Optional: ``put_stream(key, write: Callable[[BinaryIO], T]) -> T`` publishes atomically what
     # ``write(file)`` writes (LocalBackend has it: the state is encoded straight into the file).
+    # Optional: ``read_hashing(key, hasher) -> memoryview | None`` reads ``key`` feeding each chunk
+    # to ``hasher`` as it arrives (LocalBackend has it: one pass instead of read, then hash).
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
         """Create ``key`` with ``data`` unless it exists. True if this call created it."""

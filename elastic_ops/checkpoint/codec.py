@@ -134,7 +134,44 @@ def encode_state_into(state: Any, out: BinaryIO, algorithm: Checksum) -> tuple[s
     return writer.hasher.hexdigest(), writer.size
 
 
-def decode_state(data: bytes, *, name: str = "state.pt") -> Any:
+class _BufferReader(io.RawIOBase):
+    """A read-only, seekable file over a buffer, without copying it (``io.BytesIO`` copies
+    anything that is not ``bytes``). Wrapped in ``io.BufferedReader``, so the unpickler's many
+    small reads are served in C; tensor data is copied once, straight into its storage."""
+
+    def __init__(self, data: Any) -> None:
+        self._view = memoryview(data).cast("B")
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        out = memoryview(buffer).cast("B")
+        n = max(0, min(len(out), len(self._view) - self._pos))
+        out[:n] = self._view[self._pos : self._pos + n]
+        self._pos += n
+        return n
+
+
+def _reader(data: bytes | memoryview) -> BinaryIO:
+    if isinstance(data, bytes):
+        return io.BytesIO(data)  # shares the bytes object, no copy
+    return io.BufferedReader(_BufferReader(data), 1 << 16)
+
+
+def decode_state(data: bytes | memoryview, *, name: str = "state.pt") -> Any:
     """Load bytes written by :func:`encode_state` without executing anything from them.
 
     Raises :class:`UnsafeCheckpointError` when the payload asks for a global the restricted
@@ -142,7 +179,7 @@ def decode_state(data: bytes, *, name: str = "state.pt") -> Any:
     :class:`CheckpointCorruptError` when it is not a readable torch file.
     """
     try:
-        return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+        return torch.load(_reader(data), weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as exc:
         # the restricted unpickler refused the stream: a global it does not allow (an attempt
         # to call or build something) or an opcode it does not support; either way not ours

@@ -22,12 +22,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO, TypeVar
 
+import numpy as np
+
 from elastic_ops.checkpoint.backend import ObjectInfo
+from elastic_ops.checkpoint.checksum import Hasher
 from elastic_ops.errors import StoragePermanentError, StorageTransientError
 
 _TMP_PREFIX = ".tmp-"
 _PIECE = 1 << 16  # bytes per write() of a buffer we hold: one huge write is slower than pieces
 _WRITEBACK_EVERY = 4 << 20
+_READ_CHUNK = 1 << 20  # hashed right after it is read, while it is still in the CPU cache
 T = TypeVar("T")
 
 
@@ -151,6 +155,30 @@ class LocalBackend:
                 return self._path(key).read_bytes()
             except FileNotFoundError:
                 return None
+
+    def read_hashing(self, key: str, hasher: Hasher) -> memoryview | None:
+        """The bytes at ``key`` (``None`` when missing), each chunk fed to ``hasher`` as it is read.
+
+        One pass: a chunk is hashed while it is still in the CPU cache, instead of reading the
+        whole file and then hashing it from memory again. The buffer is allocated uninitialised
+        (NumPy) since every byte of it is overwritten.
+        """
+        with _os_errors(self.uri, key):
+            try:
+                f = open(self._path(key), "rb", buffering=0)  # noqa: SIM115  (closed below)
+            except FileNotFoundError:
+                return None
+            with f:
+                size = os.fstat(f.fileno()).st_size
+                view = memoryview(np.empty(size, dtype=np.uint8)).cast("B")
+                pos = 0
+                while pos < size:
+                    n = f.readinto(view[pos : pos + _READ_CHUNK])
+                    if not n:  # truncated since fstat: the caller's size check fails
+                        break
+                    hasher.update(view[pos : pos + n])
+                    pos += n
+                return view[:pos]
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
         out: list[ObjectInfo] = []

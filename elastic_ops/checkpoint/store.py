@@ -447,18 +447,25 @@ class CheckpointStore:
         sees exactly the verified buffer (no second read of the file).
         """
         it_dir = iteration_dir(ref.iteration)
-        payload = {}
+        payload: dict[str, bytes | memoryview] = {}
         prefetched = prefetched or {}
+        read_hashing = getattr(self.backend, "read_hashing", None)
         for f in ref.files:
-            pending = prefetched.get(f.name)
-            data = pending.result() if pending else self.backend.get(f"{it_dir}/{f.name}", size_hint=f.size)
+            key, pending = f"{it_dir}/{f.name}", prefetched.get(f.name)
+            data: bytes | memoryview | None
+            if pending is None and read_hashing is not None:
+                hasher = f.algorithm.hasher()
+                data = read_hashing(key, hasher)
+                got = hasher.hexdigest()
+            else:
+                data = pending.result() if pending else self.backend.get(key, size_hint=f.size)
+                got = f.algorithm.hexdigest(data) if data is not None else ""
             if data is None:
                 raise CheckpointCorruptError(f"{ref.uri}/{f.name} is missing")
             if len(data) != f.size:
                 raise CheckpointCorruptError(
                     f"{ref.uri}/{f.name} fails verification: size {len(data)} instead of {f.size}"
                 )
-            got = f.algorithm.hexdigest(data)
             if got != f.digest:
                 raise CheckpointCorruptError(
                     f"{ref.uri}/{f.name} fails verification: {f.algorithm.value} {got[:12]}… "

@@ -288,3 +288,18 @@ def test_local_writes_start_writeback_early_and_write_every_byte(tmp_path, monke
     calls.clear()
     assert backend.put_stream("b/blob", lambda f: f.write(data)) == len(data)  # one big write
     assert backend.get("b/blob") == data and calls == [(0, len(data), 2)]
+
+
+def test_local_reads_hash_each_chunk_as_it_arrives_and_decode_that_buffer(tmp_path) -> None:
+    from elastic_ops.checkpoint import decode_state, local
+
+    backend = local.LocalBackend(tmp_path)
+    state = {"w": torch.arange(700_000, dtype=torch.float32), "step": 3}  # ~2.8 MB: several chunks
+    data = encode_state(state)
+    backend.put("it-00000001/d-x/state.pt", data)
+    hasher = Checksum.XXH3_128.hasher()
+    view = backend.read_hashing("it-00000001/d-x/state.pt", hasher)
+    assert bytes(view) == data and hasher.hexdigest() == Checksum.XXH3_128.hexdigest(data)
+    back = decode_state(view)  # the verified buffer itself, not bytes
+    assert torch.equal(back["w"], state["w"]) and back["step"] == 3
+    assert backend.read_hashing("it-00000001/d-x/missing.pt", Checksum.SHA256.hasher()) is None
