@@ -22,18 +22,22 @@ A decision has three steps, all deterministic and free of I/O:
 ``priority + (now - waiting_since) / aging_s``; a running job's is its priority. Aging changes
 the admission order and the ``strict`` class, never the ``priority`` weights.
 
-**Representation (why it is fast).** Steps 1-2 run on numpy arrays with one entry per job
-(ordering by ``lexsort``, admission by cumulative sums, shares by vectorised water-filling).
-Free capacity is a bitmap over the slots of ``up`` hosts, built in one vectorised pass over the
-held slots; the free slot indices then form one list in (host name, slot index) order, and each
-host keeps a cursor into it, because every take (own hosts first, then in name order) consumes
-a host's lowest free indices; slot tuples are made only for the slots handed out. Python-level
-work per decision is a few passes over the jobs and the hosts, one C-level read of every held
-slot, and the slots that change hands. Cost: O(J log J + H + S) for J jobs, H hosts and S
-slots, with only O(J + H + changed slots) of it interpreted.
+**Representation (why it is fast).** The snapshot is read column by column at C level (one
+``map`` per job field, host field, and two over the held slots). Steps 1-2 run on numpy arrays
+with one entry per job (ordering by ``lexsort``, admission by cumulative sums, shares by
+vectorised water-filling). Free capacity is a bitmap over the slots of ``up`` hosts; the free
+slots are positions in (host name, slot index) order, and because every take consumes a host's
+lowest free indices, what is left on a host is a suffix of its range: a job that grows onto its
+own hosts advances per-host cursors (Python, per host it touches), and a run of jobs that take
+the next free slots in name order (newcomers) is served by one scan of the bitmap. Keep/release
+for shrinking jobs is one sort of their slots. The result is a :class:`Plan` of columns (target,
+action, reason per job) and slot arrays -- no slot tuple and no :class:`Decision` is made
+while deciding; the plan makes them for the jobs a caller asks about. Cost: O(J log J + H + S)
+for J jobs, H hosts and S held slots, with O(J + H + S) of it C-level reads and O(jobs growing
+onto their own hosts + hosts they touch) interpreted.
 
-``tests/pool/reference_policies.py`` keeps the plain per-slot implementation; a property test
-checks that both give the same plan.
+:mod:`elastic_ops.pool.plain_policies` is the plain per-slot implementation (used for small
+snapshots); ``tests/pool/test_policy_reference.py`` checks that both give the same plan.
 """
 
 from __future__ import annotations
