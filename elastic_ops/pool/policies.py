@@ -306,6 +306,8 @@ class _Free:
         got: list[np.ndarray] = []
         w, left, used = self.front, n, self.used
         while left:
+            if w >= len(used):  # callers hand out no more than ``total``
+                raise AssertionError(f"{left} fewer free slots than counted")
             size = 2 * left + 64
             got.append((np.flatnonzero(~used[w : w + size]) + w)[:left])
             left -= len(got[-1])
