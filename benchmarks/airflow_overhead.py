@@ -2,7 +2,9 @@
 
 The same job (digits MLP, fixed 2 workers) runs (a) as one ``elastic-ops run`` and (b) as 10
 chunk tasks under a real scheduler (LocalExecutor, SQLite; separate scheduler, dag-processor,
-triggerer, api-server). Reports the total ratio, a per-chunk breakdown of the gap:
+triggerer, api-server), once per mode: ``agent`` (the chunks run on the per-host elastic-ops
+agent, the default deployment) and ``in_process`` (no agent: each task runs its chunk itself,
+the baseline). Reports the total ratio and, per mode, a per-chunk breakdown of the gap:
 
 * ``scheduling_s``: previous task's end → this task's start (scheduler + executor);
 * ``task_start_s``: task start → first training segment start (task process start, imports,
@@ -12,13 +14,15 @@ triggerer, api-server). Reports the total ratio, a per-chunk breakdown of the ga
 
 and the time from a preemption decision (pool event) to the preempting job's first segment.
 
-    .venv/bin/python -m benchmarks.airflow_overhead [--iterations 400] [--out FILE.json]
+    .venv/bin/python -m benchmarks.airflow_overhead [--iterations 400] [--modes agent,in_process]
+        [--out FILE.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -36,6 +40,7 @@ from elastic_ops.demo import setup_pool
 
 REPO = Path(__file__).resolve().parent.parent
 CHUNKS = 10
+LOW_FACTOR = 10  # the preempted job's length, in multiples of the benchmark job's
 SPEC = {"entrypoint": "elastic_ops.examples.digits:DigitsMLP", "global_batch": 64, "min_workers": 2,
         "max_workers": 2, "consistency": "fast", "data_seed": 0, "params": {"hidden": 128, "depth": 2}}
 
@@ -48,10 +53,10 @@ with DAG(dag_id="bench_overhead", schedule=None, start_date=pendulum.datetime(20
     elastic_training(task_id="train", trainable=SPEC["entrypoint"], total_iterations={total},
                      chunk_iterations={chunk}, priority=1,
                      **{{k: v for k, v in SPEC.items() if k != "entrypoint"}})
-for name, prio in (("bench_low", 1), ("bench_high", 900)):
+for name, prio, total in (("bench_low", 1, {low_total}), ("bench_high", 900, {total})):
     with DAG(dag_id=name, schedule=None, start_date=pendulum.datetime(2024, 1, 1, tz="UTC")):
-        elastic_training(task_id="train", trainable=SPEC["entrypoint"], total_iterations={total},
-                         chunk_iterations={total}, priority=prio,
+        elastic_training(task_id="train", trainable=SPEC["entrypoint"], total_iterations=total,
+                         chunk_iterations=total, priority=prio,
                          **{{k: v for k, v in SPEC.items() if k != "entrypoint"}})
 """
 
@@ -120,50 +125,84 @@ def preemption_latency(af: AirflowDeployment, pool) -> dict:
             "high_job_waited_s": round(res["waited_s"], 2)}
 
 
+MODES = ("agent", "in_process")
+
+
+def mean_of(rows: list[dict], key: str) -> float:
+    values = [r[key] for r in rows if r[key] is not None]
+    return round(sum(values) / max(1, len(values)), 2)
+
+
+def measure(work: Path, dags: Path, mode: str, direct_s: float) -> dict:
+    """The chunked job and the preemption scenario under one fresh deployment."""
+    with AirflowDeployment(home=work / f"airflow-{mode}", dags_folder=dags, parallelism=4,
+                           agent=mode == "agent") as af:
+        pool = setup_pool(f"sqlite:///{af.home / 'elastic_ops_pool.db'}", slots=2)
+        pool.configure(policy="strict")
+        af.wait_dag("bench_overhead", timeout=300)
+        run = af.trigger("bench_overhead", run_id="chunked")
+        state = af.wait_run("bench_overhead", run, timeout=1800)
+        if state != "success":
+            raise RuntimeError(f"bench_overhead ended {state} in mode {mode}; see {af.home}/logs")
+        rows = chunk_breakdown(af, run)
+        print(mode, json.dumps(rows), flush=True)
+        tis = [t for t in af.task_instances("bench_overhead", run) if ".chunk_" in t["task_id"]]
+        chunked_wall = max(ts(t["end_date"]) for t in tis) - min(ts(t["start_date"]) for t in tis)
+        try:
+            preempt = preemption_latency(af, pool)
+        except StopIteration:  # no preemption happened: say so instead of losing the run
+            preempt = {"error": "the low-priority job was never preempted (it finished first)"}
+    fixed = mean_of(rows, "scheduling_s") + mean_of(rows, "task_start_s") + mean_of(rows, "runtime_fixed_s")
+    return {
+        "airflow_10_chunks_s": round(chunked_wall, 2),
+        "total_ratio": round(chunked_wall / direct_s, 3),
+        "per_chunk_mean": {k: mean_of(rows, k) for k in ("scheduling_s", "task_start_s", "runtime_fixed_s",
+                                                         "train_s")},
+        "per_chunk_fixed_overhead_s": round(fixed, 2),
+        "overhead_for_2min_chunks_pct": round(100 * fixed / 120, 1),
+        "chunks": rows,
+        "preemption": preempt,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--iterations", type=int, default=400)
+    ap.add_argument("--modes", default=",".join(MODES),
+                    help=f"comma-separated, from {', '.join(MODES)} (default: both, agent first)")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "airflow_overhead.json"))
     args = ap.parse_args(argv)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        ap.error(f"--modes: {bad or modes!r} not allowed; choose from {', '.join(MODES)}")
     total = args.iterations
     work = Path(tempfile.mkdtemp(prefix="bench_airflow_"))
+    load_before = [round(x, 2) for x in os.getloadavg()]
     try:
         direct = direct_run(work, total)
         print("direct:", direct["wall_s"], "s", flush=True)
         dags = work / "dags"
         dags.mkdir()
-        dag_text = DAG.format(spec=SPEC, total=total, chunk=total // CHUNKS)
+        # the low-priority job must still be training when the high one arrives (seconds later)
+        dag_text = DAG.format(spec=SPEC, total=total, chunk=total // CHUNKS, low_total=total * LOW_FACTOR)
         (dags / "bench.py").write_text(textwrap.dedent(dag_text))
-        with AirflowDeployment(home=work / "airflow", dags_folder=dags, parallelism=4) as af:
-            pool = setup_pool(f"sqlite:///{af.home / 'elastic_ops_pool.db'}", slots=2)
-            pool.configure(policy="strict")
-            af.wait_dag("bench_overhead", timeout=300)
-            run = af.trigger("bench_overhead", run_id="chunked")
-            assert af.wait_run("bench_overhead", run, timeout=1800) == "success"
-            rows = chunk_breakdown(af, run)
-            tis = [t for t in af.task_instances("bench_overhead", run) if ".chunk_" in t["task_id"]]
-            chunked_wall = max(ts(t["end_date"]) for t in tis) - min(ts(t["start_date"]) for t in tis)
-            preempt = preemption_latency(af, pool)
-        mean = lambda k: round(sum(r[k] for r in rows if r[k] is not None) / max(1, sum(  # noqa: E731
-            r[k] is not None for r in rows)), 2)
-        fixed = mean("scheduling_s") + mean("task_start_s") + mean("runtime_fixed_s")
+        results = {}
+        for mode in modes:
+            results[mode] = measure(work, dags, mode, direct["wall_s"])
+            print(mode, json.dumps({k: v for k, v in results[mode].items() if k != "chunks"}), flush=True)
         report = {
             "command": "python -m benchmarks.airflow_overhead " + " ".join(argv or sys.argv[1:]),
-            "machine": "2 shared CPU cores (other jobs running), CPU only",
+            "machine": f"{os.cpu_count()} shared CPU cores (other jobs running), CPU only",
+            "load_average_1_5_15": {"before": load_before, "after": [round(x, 2) for x in os.getloadavg()]},
             "job": dict(SPEC, total_iterations=total, chunks=CHUNKS),
             "direct_elastic_ops_run_s": direct["wall_s"],
-            "airflow_10_chunks_s": round(chunked_wall, 2),
-            "total_ratio": round(chunked_wall / direct["wall_s"], 3),
-            "per_chunk_mean": {k: mean(k) for k in ("scheduling_s", "task_start_s", "runtime_fixed_s",
-                                                    "train_s")},
-            "per_chunk_fixed_overhead_s": round(fixed, 2),
-            "overhead_for_2min_chunks_pct": round(100 * fixed / 120, 1),
-            "chunks": rows,
-            "preemption": preempt,
+            **results,
         }
         out = Path(args.out)
         write_json(out, report)
-        print(json.dumps({k: v for k, v in report.items() if k != "chunks"}, indent=2))
+        print(json.dumps({k: ({kk: vv for kk, vv in v.items() if kk != "chunks"} if k in MODES else v)
+                          for k, v in report.items()}, indent=2))
         return 0
     finally:
         shutil.rmtree(work, ignore_errors=True)
