@@ -13,6 +13,7 @@ from elastic_ops.errors import (
     UnknownPolicyError,
 )
 from elastic_ops.pool import Grant, PoolClient, TargetAction, Wait
+from elastic_ops.pool.policies import SMALL_CLUSTER, SMALL_SNAPSHOT_JOBS
 from elastic_ops.pool.schema import LATEST
 
 from .timeline import held_now, replay
@@ -199,3 +200,47 @@ def test_preempted_job_that_stopped_gives_everything_back_even_if_the_plan_chang
     assert held_now(events) == {}
     assert pool.status()["slots"]["used"] == 0
     assert pool.request("a").epoch == a.epoch + 1
+
+
+def test_a_pool_large_enough_for_the_vectorised_policy_stays_consistent(ledger_url, clock):
+    """60 jobs on 70 two-slot hosts: more than ``policies.SMALL_SNAPSHOT_JOBS`` jobs on more
+    than ``SMALL_CLUSTER`` hosts, so every re-plan uses the vectorised policy and the ledger
+    reads its column plan (targets, reasons, the new slots of growing jobs, grants)."""
+    assert 60 > SMALL_SNAPSHOT_JOBS and 70 > SMALL_CLUSTER[1]
+    pool = PoolClient(ledger_url, clock=clock, lease_ttl_s=600)
+    try:
+        for i in range(70):
+            pool.add_host(f"h{i:02d}", 2)
+        live = {}
+        for i in range(60):
+            job = f"j{i:02d}"
+            pool.submit(job, min_workers=1, max_workers=4, priority=1 + i % 3)
+            answer = pool.request(job)
+            if isinstance(answer, Grant):
+                live[job] = answer
+        assert len(live) >= 30  # 140 slots for 60 jobs of 1..4
+        for _ in range(2):  # heartbeats: shrink at a boundary, then grow into what was freed
+            for job, g in sorted(live.items()):
+                t = pool.heartbeat(job, g.epoch, workers=len(g.placements))
+                if t.action == TargetAction.SHRINK:
+                    t = pool.heartbeat(job, g.epoch, workers=t.workers)
+                live[job] = Grant(job, g.epoch, t.placements, g.ttl_s)
+        done = sorted(live)[:12]
+        for job in done:  # some finish: the others grow into their slots
+            pool.release(job, live.pop(job).epoch, finished=True)
+        for job, g in sorted(live.items()):
+            t = pool.heartbeat(job, g.epoch, workers=len(g.placements))
+            live[job] = Grant(job, g.epoch, t.placements, g.ttl_s)
+        for i in range(60):
+            job = f"j{i:02d}"
+            if job not in live and job not in done and isinstance(answer := pool.request(job), Grant):
+                live[job] = answer
+        events = pool.events()
+        assert {"grant", "grow", "shrink", "release"} <= {e["kind"] for e in events}
+        replay(events)  # no slot ever held by two jobs
+        owner = held_now(events)
+        assert len(owner) == pool.status()["slots"]["used"] <= 140
+        for job, g in live.items():  # later re-plans may have grown a job, never shrunk it
+            assert set(map(tuple, g.placements)) <= {s for s, j in owner.items() if j == job}, job
+    finally:
+        pool.close()
