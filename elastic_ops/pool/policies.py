@@ -659,16 +659,15 @@ def _decide(snap: Snapshot, share: ShareFn) -> Plan:
     growing = np.flatnonzero(targets > n_keep)
     if len(growing):
         _take_all(t, free, growing, (targets - n_keep)[growing], perm, n_keep, n_new, reasons, pending)
+    # Actions and reason suffixes as plain_policies.outcome() names them, for every job at once.
     has_held = t.n_held > 0
-    # outcome(): preempted jobs and moves off unhealthy hosts say so.
-    for i in np.flatnonzero(has_held & (targets == 0)).tolist():
+    preempted = has_held & (targets == 0)
+    for i in np.flatnonzero(preempted).tolist():
         reasons[i] = "preempted: " + reasons[i]
     for i in np.flatnonzero(held_up != t.n_held).tolist():
         reasons[i] += "; moving off unhealthy hosts"
-    code = np.where(
-        has_held & (targets == 0),
-        _PREEMPT,
-        np.where(n_new > 0, _GROW, np.where(n_keep < t.n_held, _SHRINK, np.where(has_held, _KEEP, _WAIT))),
+    code = np.select(
+        [preempted, n_new > 0, n_keep < t.n_held, has_held], [_PREEMPT, _GROW, _SHRINK, _KEEP], _WAIT
     )
     return Plan(
         tuple(t.names),
