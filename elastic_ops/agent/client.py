@@ -22,7 +22,8 @@ from elastic_ops.agent.protocol import (
 )
 from elastic_ops.errors import WorkerLostError
 
-POLL_S = 0.02  # how often the client looks for a new pool target between agent messages
+POLL_S = 0.05  # how often the client looks for a new pool target between agent messages (the
+# lease heartbeats every ~2 s, so this adds nothing noticeable to a rescale or preemption)
 
 
 @dataclasses.dataclass(frozen=True)
