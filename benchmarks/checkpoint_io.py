@@ -155,37 +155,27 @@ def bench_io(
     best = {k: min(v) for k, v in wall.items()}
     return {
         "bytes": len(data),
-        "save_s": med["save"],
-        "raw_save_s": med["raw_save"],
-        "save_ratio_raw_over_ours": med["raw_save"] / med["save"],
-        "load_s": med["load"],
-        "raw_load_s": med["raw_load"],
-        "load_ratio_raw_over_ours": med["raw_load"] / med["load"],
-        "cpu_time": {  # process_time medians: what the target means where the machine is shared
-            "save_s": med_cpu["save"],
-            "raw_save_s": med_cpu["raw_save"],
-            "save_ratio_raw_over_ours": med_cpu["raw_save"] / med_cpu["save"],
-            "load_s": med_cpu["load"],
-            "raw_load_s": med_cpu["raw_load"],
-            "load_ratio_raw_over_ours": med_cpu["raw_load"] / med_cpu["load"],
-        },
+        **_side_by_side(med),
+        "cpu_time": _side_by_side(med_cpu),  # process_time: less sensitive to other work on the machine
         "raw_bytes_only": {
             "write_s": med["raw_write"],
             "read_s": med["raw_read"],
             "save_ratio": med["raw_write"] / med["save"],
             "load_ratio": med["raw_read"] / med["load"],
         },
-        "best_of_repeats": {  # less sensitive to other load on a shared machine
-            "save_s": best["save"],
-            "raw_save_s": best["raw_save"],
-            "save_ratio_raw_over_ours": best["raw_save"] / best["save"],
-            "load_s": best["load"],
-            "raw_load_s": best["raw_load"],
-            "load_ratio_raw_over_ours": best["raw_load"] / best["load"],
-        },
+        "best_of_repeats": _side_by_side(best),  # less sensitive to other load on a shared machine
         "save_MBps": len(data) / med["save"] / 1e6,
         "load_MBps": len(data) / med["load"] / 1e6,
     }
+
+
+def _side_by_side(t: dict[str, float]) -> dict[str, float]:
+    """Ours and raw times of save and load, and the ratios raw / ours."""
+    out: dict[str, float] = {}
+    for op in ("save", "load"):
+        out[f"{op}_s"], out[f"raw_{op}_s"] = t[op], t[f"raw_{op}"]
+        out[f"{op}_ratio_raw_over_ours"] = t[f"raw_{op}"] / t[op]
+    return out
 
 
 def _torch_bytes(state: dict[str, Any]) -> bytes:
