@@ -359,7 +359,7 @@ class Agent:
         self._warm_up()
         self._sock = self._bind()
         if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 signal.signal(sig, lambda *_: self._stop.set())
         log.info("elastic-ops agent (pid %d) serving on %s", os.getpid(), self.path)
         self.ready.set()

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
+import stat
+import subprocess
+import sys
 import threading
 import time
 
@@ -21,6 +25,7 @@ from elastic_ops.agent.protocol import (
     encode,
     error_from_wire,
 )
+from elastic_ops.agent.server import Agent
 from elastic_ops.checkpoint import open_store
 from elastic_ops.errors import SpecError, UserCodeError, WorkerLostError
 from elastic_ops.runtime import ChunkStatus, run_chunk
@@ -243,3 +248,30 @@ def test_no_agent_at_the_path_is_agent_unavailable(tmp_path):
     with pytest.raises(AgentUnavailableError, match="no elastic-ops agent"):
         AgentClient(str(tmp_path / "none.sock")).ping()
     assert json.loads(encode({"a": 1}))["a"] == 1
+
+
+def test_the_cli_agent_serves_until_sigterm_then_removes_its_socket(tmp_path):
+    path = tmp_path / "cli.sock"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "elastic_ops.cli", "agent", "--socket", str(path)],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_for("the agent to answer", lambda: path.exists() and _answers(str(path)), timeout=180)
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        with pytest.raises(SpecError, match="another elastic-ops agent is running there"):
+            Agent(str(path), warm=False).serve()  # a second agent on the same socket is refused
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert not path.exists() and "elastic-ops agent stopped" in proc.stderr.read()
+
+
+def _answers(path: str) -> bool:
+    try:
+        return AgentClient(path).ping()["type"] == "pong"
+    except AgentUnavailableError:
+        return False
