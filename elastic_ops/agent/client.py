@@ -21,6 +21,7 @@ from elastic_ops.agent.protocol import (
     error_from_wire,
 )
 from elastic_ops.errors import WorkerLostError
+from elastic_ops.runtime.outcome import ChunkResult
 
 POLL_S = 0.05  # how often the client looks for a new pool target between agent messages (the
 # lease heartbeats every ~2 s, so this adds nothing noticeable to a rescale or preemption)
@@ -38,35 +39,14 @@ class AgentProgress:
     eta_s: float | None
 
 
-@dataclasses.dataclass(frozen=True)
-class AgentChunkResult:
-    """A chunk's outcome as the agent reported it: the runtime's ``ChunkResult`` fields, with
-    ``status`` as its string value (``completed``, ``preempted``, ``already_done``)."""
-
-    status: str
-    start: int
-    end: int
-    iteration: int
-    checkpoint_uri: str | None
-    loss: float | None
-    metrics: dict[str, float]
-    workers_timeline: list[tuple[int, int, float]]
-    samples_per_sec: float
-    duration_s: float
-    param_sha256: str | None
-    train_samples_per_sec: float = 0.0
-
-    @classmethod
-    def from_wire(cls, d: Any) -> AgentChunkResult:
-        if not isinstance(d, dict):
-            raise AgentProtocolError(f"a result must be an object, got {type(d).__name__}")
-        names = [f.name for f in dataclasses.fields(cls)]
-        try:
-            fields = {k: d[k] for k in names if k in d}
-            fields["workers_timeline"] = [tuple(t) for t in d.get("workers_timeline") or []]
-            return cls(**fields)
-        except (TypeError, ValueError) as exc:
-            raise AgentProtocolError(f"malformed result from the agent: {exc}") from None
+def result_from_wire(d: Any) -> ChunkResult:
+    """The runtime's ``ChunkResult`` from the agent's ``result`` message."""
+    if not isinstance(d, dict):
+        raise AgentProtocolError(f"a result must be an object, got {type(d).__name__}")
+    try:
+        return ChunkResult.from_dict(d)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise AgentProtocolError(f"malformed result from the agent: {exc!r}") from None
 
 
 class AgentClient:
@@ -132,7 +112,7 @@ class AgentClient:
         on_progress: Callable[[AgentProgress], None] | None = None,
         on_applied: Callable[[int, int], None] | None = None,
         poll_s: float = POLL_S,
-    ) -> AgentChunkResult:
+    ) -> ChunkResult:
         """Run iterations ``[start, end)`` of ``spec`` on the agent; see ``run_chunk`` in the runtime.
 
         ``wanted()`` is the pool's current target (0 = preempt); it is sent to the agent whenever
@@ -200,7 +180,7 @@ class AgentClient:
                     if on_applied is not None:
                         on_applied(int(msg["iteration"]), int(msg["workers"]))
                 elif kind == "result":
-                    return AgentChunkResult.from_wire(msg.get("result"))
+                    return result_from_wire(msg.get("result"))
                 elif kind == "error":
                     raise error_from_wire(msg)
                 else:

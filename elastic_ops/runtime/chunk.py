@@ -16,7 +16,6 @@ and reports progress.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import json
 import logging
 import math
@@ -42,6 +41,7 @@ from elastic_ops.errors import (
 )
 from elastic_ops.runtime.control import ControlChannel
 from elastic_ops.runtime.launcher import LaunchRequest, LocalLauncher
+from elastic_ops.runtime.outcome import ChunkResult, ChunkStatus, Progress
 from elastic_ops.runtime.state import load_state, param_sha256, save_atomic
 from elastic_ops.spec import JobSpec
 
@@ -50,51 +50,6 @@ log = logging.getLogger("elastic_ops.runtime")
 LOOKAHEAD = 2  # boundaries decided ahead of rank 0, at least
 POLL_S = 0.01  # the controller's poll interval: few wake-ups, whatever the iteration rate
 HORIZON_S = 0.05  # ...and it decides the boundaries expected within this time (>= LOOKAHEAD)
-
-
-class ChunkStatus(enum.StrEnum):
-    """How a chunk try ended. Terminal states; a try starts in none of them.
-
-    ``completed``: trained to ``end`` and committed. ``preempted``: the target went to 0; the
-    state at ``iteration`` is committed. ``already_done``: the latest checkpoint was at or
-    after ``end``; nothing ran.
-    """
-
-    COMPLETED = "completed"
-    PREEMPTED = "preempted"
-    ALREADY_DONE = "already_done"
-
-
-@dataclasses.dataclass(frozen=True)
-class Progress:
-    iteration: int
-    end: int
-    loss: float
-    workers: int
-    samples_per_sec: float
-    eta_s: float
-
-
-@dataclasses.dataclass(frozen=True)
-class ChunkResult:
-    status: ChunkStatus
-    start: int
-    end: int
-    iteration: int
-    checkpoint_uri: str | None
-    loss: float | None
-    metrics: dict[str, float]
-    workers_timeline: list[tuple[int, int, float]]
-    samples_per_sec: float
-    duration_s: float
-    param_sha256: str | None
-    train_samples_per_sec: float = 0.0  # samples / time inside the training loops (no startup)
-
-    def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["status"] = self.status.value
-        d["workers_timeline"] = [list(t) for t in self.workers_timeline]
-        return d
 
 
 @dataclasses.dataclass

@@ -58,7 +58,7 @@ if __name__ == "__main__":  # dag.test() parses this file again: run only once
     import os, time
     # Start up before the job "arrives" (imports, dag.test()'s in-process execution API), so that
     # the DAG run starts promptly on "go".
-    import elastic_ops.runtime
+    import elastic_ops.runtime.chunk
     from airflow.sdk.execution_time.supervisor import in_process_api_server
     in_process_api_server().transport
     while not os.path.exists("{go}"):
