@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from elastic_ops.agent.protocol import (
@@ -112,19 +112,27 @@ class AgentClient:
         on_progress: Callable[[AgentProgress], None] | None = None,
         on_applied: Callable[[int, int], None] | None = None,
         poll_s: float = POLL_S,
+        slots: Callable[[], Sequence[int]] | None = None,
     ) -> ChunkResult:
         """Run iterations ``[start, end)`` of ``spec`` on the agent; see ``run_chunk`` in the runtime.
 
         ``wanted()`` is the pool's current target (0 = preempt); it is sent to the agent whenever
-        it changes. ``on_applied(iteration, workers)`` is called when the runner takes a new target
-        for a boundary. Raises :class:`AgentUnavailableError` if no agent accepts the connection
+        it changes, with ``slots()`` (called right after it: the GPU slots on this host that come
+        with that target; ``None``: the agent's workers take its visible GPUs in order).
+        ``on_applied(iteration, workers)`` is called when the runner takes a new target for a
+        boundary. Raises :class:`AgentUnavailableError` if no agent accepts the connection
         (nothing ran; the caller may run the chunk itself), the chunk's own ``elastic_ops``
         error as the runtime raised it, or :class:`WorkerLostError` if the agent went away
         mid-chunk (its workers went with it).
         """
+
+        def current() -> tuple[int, list[int] | None]:
+            workers = int(wanted())
+            return workers, None if slots is None else [int(s) for s in slots()]
+
         sock = self._connect()
         try:
-            sent = int(wanted())
+            sent = current()
             sock.sendall(
                 encode(
                     {
@@ -135,7 +143,8 @@ class AgentClient:
                         "end": end,
                         "epoch": epoch,
                         "host": host,
-                        "workers": sent,
+                        "workers": sent[0],
+                        "slots": sent[1],
                         "store": store.to_wire(),
                         "warm_start": warm_start.to_wire() if warm_start is not None else None,
                     }
@@ -152,9 +161,9 @@ class AgentClient:
                         host=host,
                         hint="the agent stopped or crashed; retry resumes from the last committed checkpoint",
                     ) from None
-                now = int(wanted())
+                now = current()
                 if now != sent:
-                    sock.sendall(encode({"op": "target", "workers": now}))
+                    sock.sendall(encode({"op": "target", "workers": now[0], "slots": now[1]}))
                     sent = now
                 if msg is None:
                     continue

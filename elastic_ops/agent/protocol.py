@@ -8,8 +8,14 @@ Client → agent (the first message names the operation; only ``run`` takes furt
     {"op": "ping", "version": 1}
     {"op": "latest", "version": 1, "store": STORE, "spec_hash": "..."}
     {"op": "run", "version": 1, "spec": {...JobSpec.to_dict()}, "start": 0, "end": 40,
-     "epoch": 3, "host": "h1", "workers": 2, "store": STORE, "warm_start": STORE | null}
-    {"op": "target", "workers": 1}            # the pool's target changed (0 = preempt)
+     "epoch": 3, "host": "h1", "workers": 2, "slots": [4, 5] | null, "store": STORE,
+     "warm_start": STORE | null}
+    {"op": "target", "workers": 1, "slots": [4] | null}  # the pool's target changed (0 = preempt)
+
+``slots``: the GPU slots the pool's target names on the agent's host (``Target.placements`` of
+that host, in order); null in ``run`` means "not known" (workers take the visible GPUs in
+order), and then every ``target`` carries null too; otherwise every ``target`` carries the slots
+that come with its count.
 
 Agent → client::
 
@@ -39,6 +45,7 @@ from typing import Any
 
 from elastic_ops import errors
 from elastic_ops.errors import ElasticOpsError, SpecError
+from elastic_ops.spec import MAX_WORKERS_LIMIT
 
 PROTOCOL_VERSION = 1
 AGENT_SOCKET_ENV = "ELASTIC_OPS_AGENT_SOCKET"
@@ -130,6 +137,22 @@ def require_str(
     if value is not None and not value:
         raise SpecError(field or key, value, "a non-empty string")
     return value
+
+
+def require_slots(msg: dict[str, Any], key: str = "slots") -> tuple[int, ...] | None:
+    """``msg[key]`` as distinct GPU slot indices (``None`` if absent or null)."""
+    value = msg.get(key)
+    if value is None:
+        return None
+    allowed = f"a list of at most {MAX_WORKERS_LIMIT} distinct integers >= 0 (GPU slot indices)"
+    if not isinstance(value, list) or len(value) > MAX_WORKERS_LIMIT:
+        raise SpecError(key, value, allowed)
+    for slot in value:
+        if isinstance(slot, bool) or not isinstance(slot, int) or slot < 0:
+            raise SpecError(key, value, allowed)
+    if len(set(value)) < len(value):
+        raise SpecError(key, value, allowed)
+    return tuple(value)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -41,6 +41,7 @@ from elastic_ops.agent.protocol import (
     jsonable,
     progress_to_wire,
     require_int,
+    require_slots,
     require_str,
 )
 from elastic_ops.errors import SpecError, WorkerLostError
@@ -48,7 +49,7 @@ from elastic_ops.errors import SpecError, WorkerLostError
 log = logging.getLogger("elastic_ops.agent")
 
 PROGRESS_EVERY_S = 0.5  # progress messages per chunk, at most (the last iteration always goes)
-RUN_KEYS = {"op", "version", "spec", "start", "end", "epoch", "host", "workers", "store", "warm_start"}
+RUN_KEYS = frozenset("op version spec start end epoch host workers slots store warm_start".split())
 
 
 class _ChildThreadWarning(logging.Filter):
@@ -123,6 +124,7 @@ class ChunkSession:
         self._last_progress = float("-inf")
         self.request = self._validate(request)
         self.wanted = self.applied = self.request["workers"]
+        self.wanted_slots = self.taken_slots = self.request["slots"]
 
     @staticmethod
     def _validate(req: dict[str, Any]) -> dict[str, Any]:
@@ -144,6 +146,7 @@ class ChunkSession:
             "epoch": require_int(req, "epoch"),
             "host": require_str(req, "host"),
             "workers": require_int(req, "workers"),
+            "slots": require_slots(req),
             "store": StoreConfig.from_wire(req.get("store")),
             "warm_start": StoreConfig.from_wire(warm, "warm_start") if warm is not None else None,
         }
@@ -164,9 +167,16 @@ class ChunkSession:
         with self._lock:
             wanted = self.wanted
             changed, self.applied = wanted != self.applied, wanted
+            self.taken_slots = self.wanted_slots
         if changed:
             self.send({"type": "applied", "iteration": iteration, "workers": wanted})
         return wanted
+
+    def slots(self) -> tuple[int, ...]:
+        """The slots that came with the target :meth:`target` last returned (same thread, right
+        after it)."""
+        with self._lock:
+            return self.taken_slots or ()
 
     def progress(self, p: Any) -> None:
         now = self.clock()
@@ -185,8 +195,13 @@ class ChunkSession:
                 if msg.get("op") != "target":
                     raise SpecError("op", msg.get("op"), "only 'target' messages may follow a run request")
                 workers = require_int(msg, "workers")
+                slots = require_slots(msg)
+                if (slots is None) != (self.request["slots"] is None):
+                    raise SpecError(
+                        "slots", slots, "a list in every target if the run request had one, else null"
+                    )
                 with self._lock:
-                    self.wanted = workers
+                    self.wanted, self.wanted_slots = workers, slots
         except EOFError:
             if not self.done.is_set():
                 log.warning(
@@ -242,6 +257,7 @@ class ChunkSession:
                 on_progress=self.progress,
                 host=r["host"],
                 launcher=self.launcher,
+                slots=self.slots if r["slots"] is not None else None,
                 warm_start=warm.uri if warm is not None else None,
                 warm_start_store=warm.open() if warm is not None else None,
             )

@@ -11,6 +11,8 @@ Where the chunk trains: with ``ELASTIC_OPS_AGENT_SOCKET`` set (the per-host agen
 it and logs its progress; the agent's error comes back as the same ``elastic_ops.errors`` class,
 so retry classification is unchanged. Without it, or when no agent answers there, the chunk runs
 in the task process (the log says which). The agent path never imports torch in the task.
+Either way the runner gets the slots the grant (then every heartbeat) names on this task's host,
+so CUDA workers run on those GPUs, not on the host's first ones.
 """
 
 from __future__ import annotations
@@ -218,7 +220,8 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
         self.log.info("job %s: chunk [%d, %d) on %d workers on %s (epoch %d)", spec.name,
                       state["start"], state["end"], grant.workers, ", ".join(grant.hosts), grant.epoch)
         keeper = LeaseKeeper(client, spec.name, grant.epoch, grant.workers,
-                             interval_s=min(self.heartbeat_interval, grant.ttl_s / 3)).start()
+                             interval_s=min(self.heartbeat_interval, grant.ttl_s / 3),
+                             placements=grant.placements, host=host).start()
         try:
             result = self._train(spec, state, grant.epoch, host, keeper, hook)
         except WorkerLostError as exc:
@@ -266,7 +269,8 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
                     spec.to_dict(), state["start"], state["end"], epoch=epoch, host=host,
                     store=self._store_config(spec.checkpoint_uri(), spec),
                     warm_start=self._store_config(warm_start) if warm_start else None,
-                    wanted=keeper.wanted, on_applied=keeper.applied, on_progress=on_progress,
+                    wanted=keeper.wanted, slots=keeper.slots, on_applied=keeper.applied,
+                    on_progress=on_progress,
                 )
             except AgentUnavailableError as exc:
                 self.log.warning("%s; training in this task process instead", exc)
@@ -278,6 +282,7 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
         return run_chunk(
             spec, state["start"], state["end"], target=keeper.target, store=store, epoch=epoch,
             on_progress=on_progress, host=host, warm_start=warm_start, warm_start_store=warm_store,
+            slots=keeper.slots,  # workers on the GPUs granted on this host (CUDA)
         )
 
     def _release(self, client: Any, job: str, epoch: int, finished: bool = False) -> None:

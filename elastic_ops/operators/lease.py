@@ -3,12 +3,20 @@
 The chunk runner calls :meth:`LeaseKeeper.target` at every iteration boundary; the keeper
 answers with the pool's latest target (0 = full preemption) and remembers it as the worker count
 the job now runs, which the next heartbeat reports, so a shrink frees its slots promptly.
+
+It also keeps the slots of that target (``Target.placements``: on a grow the kept slots plus the
+newly reserved ones, on a shrink only the kept ones) and hands :meth:`LeaseKeeper.slots`, the
+ones on this task's host, to the runner, so workers run on the GPUs the job was granted.
+The slots a shrink gives up are still the job's in the ledger until a later heartbeat reports
+the smaller count, but the new segment never uses them: they are the ones the pool hands to the
+next job.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 from elastic_ops.errors import ElasticOpsError, LeaseExpiredError
@@ -17,14 +25,30 @@ log = logging.getLogger(__name__)
 
 
 class LeaseKeeper:
-    def __init__(self, client: Any, job: str, epoch: int, workers: int, *, interval_s: float) -> None:
+    """``placements``: the grant's ``(host, slot)`` pairs; ``host``: where this task trains (the
+    host whose slots :meth:`slots` returns; ``None``: every host's)."""
+
+    def __init__(
+        self,
+        client: Any,
+        job: str,
+        epoch: int,
+        workers: int,
+        *,
+        interval_s: float,
+        placements: Sequence[tuple[str, int]] = (),
+        host: str | None = None,
+    ) -> None:
         self.client = client
         self.job = job
         self.epoch = epoch
+        self.host = host
         self.interval_s = max(0.05, float(interval_s))
         self._lock = threading.Lock()
         self._wanted = workers     # what the pool wants
         self._running = workers    # what the runner runs (reported by heartbeats)
+        self._placements = tuple(placements)  # the slots of the pool's latest target
+        self._taken = self._placements  # ...of the target last handed out by target()/wanted()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"lease-{job}", daemon=True)
@@ -45,6 +69,7 @@ class LeaseKeeper:
             wanted = self._wanted
             changed = wanted != self._running
             self._running = wanted
+            self._taken = self._placements
         if changed:
             log.info("job %s: %d workers from iteration %d", self.job, wanted, iteration)
             self._wake.set()  # report the new count now, so the pool can hand freed slots on
@@ -54,7 +79,16 @@ class LeaseKeeper:
         """The pool's latest target, without taking it (a runner elsewhere takes it later and
         says so through :meth:`applied`)."""
         with self._lock:
+            self._taken = self._placements
             return self._wanted
+
+    def slots(self) -> tuple[int, ...]:
+        """The slots on this task's host of the target that :meth:`target` or :meth:`wanted` last
+        returned: call it right after them, from the same thread, so count and slots come from
+        the same heartbeat."""
+        with self._lock:
+            taken = self._taken
+        return tuple(slot for host, slot in taken if self.host is None or host == self.host)
 
     def applied(self, iteration: int, workers: int) -> None:
         """A runner in another process (the agent) runs ``workers`` from boundary ``iteration`` on."""
@@ -74,18 +108,19 @@ class LeaseKeeper:
             log.warning("job %s: lease lost (%s); stopping at the next boundary", self.job, exc)
             self.lost = True
             with self._lock:
-                self._wanted = 0
+                self._wanted, self._placements = 0, ()
             return
         except ElasticOpsError as exc:  # a busy ledger: try again at the next beat
             log.warning("job %s: heartbeat failed (%s)", self.job, exc)
             return
         action = str(getattr(target.action, "value", target.action))
         wanted = 0 if action == "preempt" else int(target.workers)
+        placements = () if wanted == 0 else tuple((str(h), int(s)) for h, s in target.placements)
         with self._lock:
             if wanted != self._wanted:
                 self.reasons.append(f"{action} to {wanted}: {target.reason}")
                 log.info("job %s: pool target %s -> %d workers (%s)", self.job, action, wanted, target.reason)
-            self._wanted = wanted
+            self._wanted, self._placements = wanted, placements
 
     def _loop(self) -> None:
         while not self._stop.is_set():

@@ -24,7 +24,7 @@ import signal
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -63,6 +63,35 @@ class _Segment:
     evaluation: dict[str, float]
     train_seconds: float
     samples: int
+
+
+class _SlotsByBoundary:
+    """The granted GPU slots that came with the target of each decided boundary.
+
+    ``slots()`` is read right after every ``target(i)``, from the same thread, so a segment
+    launched at boundary ``i`` gets the slots of the very pool target that decided its worker
+    count; reading them at launch instead could see a later target (boundaries are decided
+    ahead of rank 0). Only changes are kept: one entry per slot change, not per boundary.
+    """
+
+    def __init__(self) -> None:
+        self._entries: list[tuple[int, tuple[int, ...]]] = []  # (first boundary, slots), ascending
+
+    def note(self, iteration: int, slots: tuple[int, ...]) -> None:
+        # A boundary decided again (a new segment re-decides the ones after its start)
+        # supersedes what was noted for it and every later one.
+        entries = [e for e in self._entries if e[0] < iteration]
+        if not entries or entries[-1][1] != slots:
+            entries.append((iteration, slots))
+        self._entries = entries
+
+    def at(self, iteration: int) -> tuple[int, ...] | None:
+        """The slots in force at ``iteration`` (``None`` if nothing was noted up to it)."""
+        k = max((k for k, e in enumerate(self._entries) if e[0] <= iteration), default=None)
+        if k is None:
+            return None
+        del self._entries[:k]  # segments launch in ascending order: older entries are done
+        return self._entries[0][1]
 
 
 class _Committer:
@@ -116,8 +145,11 @@ class _Runner:
         host: str,
         launcher: Any,
         workdir: Path,
+        slots: Callable[[], Sequence[int]] | None = None,
     ) -> None:
         self.spec, self.start, self.end = spec, start, end
+        self.slots_fn = slots
+        self.slots = _SlotsByBoundary()
         self.target_fn, self.store, self.epoch = target, store, epoch
         self.on_progress, self.host, self.launcher, self.workdir = on_progress, host, launcher, workdir
         self.committer = _Committer(store, epoch, spec.spec_hash())
@@ -126,8 +158,11 @@ class _Runner:
         self._t0 = time.time()
 
     def target(self, iteration: int) -> int:
-        """The wanted worker count, clamped to the spec's bounds (0 = preempt)."""
+        """The wanted worker count, clamped to the spec's bounds (0 = preempt); notes the
+        granted slots that came with it."""
         n = int(self.target_fn(iteration))
+        if self.slots_fn is not None:
+            self.slots.note(iteration, tuple(self.slots_fn()))
         if n <= 0:
             return 0
         return max(self.spec.min_workers, min(self.spec.max_workers, n))
@@ -137,6 +172,7 @@ class _Runner:
     def run_segment(self, index: int, it: int, workers: int, state_path: str | None) -> _Segment:
         segdir = self.workdir / f"seg-{index}"
         segdir.mkdir(parents=True)
+        launch_slots = self.slots.at(it) if self.slots_fn is not None else None
         length = self.end - it + 1
         chan = ControlChannel(segdir, length, create=True)
         chan.decide(0, workers)
@@ -164,6 +200,7 @@ class _Runner:
             env={"ELASTIC_OPS_SEGMENT": str(segdir / "segment.json")},
             device=_device(self.spec),
             threads_per_worker=self.spec.threads_per_worker,
+            slots=launch_slots,
         )
         stop = threading.Event()
         errors: list[BaseException] = []
@@ -421,6 +458,7 @@ def run_chunk(
     launcher: Any = None,
     workdir: str | Path | None = None,
     warm_start_store: Any = None,
+    slots: Callable[[], Sequence[int]] | None = None,
 ) -> ChunkResult:
     """Train iterations ``[start, end)`` from the latest committed checkpoint; see the module doc.
 
@@ -430,6 +468,10 @@ def run_chunk(
     ``workdir`` holds the staging files (a temporary directory by default, removed afterwards).
     ``warm_start_store`` is the already-open store at ``warm_start`` (e.g. built with the caller's
     S3 client and endpoint); without it ``open_store(warm_start)`` and boto3's default chain apply.
+    ``slots()``: the GPU slots the pool granted on this host with the target ``target`` just
+    returned (called right after each ``target(i)``, from the same thread); on CUDA, rank r of
+    a segment launched at boundary ``i`` runs on the r-th slot noted with ``target(i)`` (see
+    :func:`elastic_ops.runtime.launcher.slot_gpus`). ``None``: ranks take the visible GPUs in order.
     """
     _check_range(spec, start, end)
     _check_entrypoint(spec)
@@ -465,9 +507,8 @@ def run_chunk(
     work = Path(tempfile.mkdtemp(prefix="elastic-ops-")) if own_dir else Path(workdir)
     work.mkdir(parents=True, exist_ok=True)
     try:
-        runner = _Runner(
-            spec, start, end, target, store, epoch, on_progress, host, launcher or LocalLauncher(), work
-        )
+        launcher = launcher or LocalLauncher()
+        runner = _Runner(spec, start, end, target, store, epoch, on_progress, host, launcher, work, slots)
         it, state_path = 0, None
         if ref is not None:
             it = ref.iteration

@@ -53,6 +53,10 @@ class LaunchRequest:
     env: Mapping[str, str]  # extra variables for every rank
     device: str = "cpu"  # "cpu" or "cuda"
     threads_per_worker: int = 1
+    # The GPU slots the pool granted this job on this host, in worker order (rank r gets slot
+    # ``slots[r]``, slot i = the host's i-th visible GPU); None: no grant names them (the CLI,
+    # tests), and rank r takes the r-th visible GPU. Ignored on CPU.
+    slots: tuple[int, ...] | None = None
 
 
 def worker_env(req: LaunchRequest, rank: int, gpus: Sequence[str] = ()) -> dict[str, str]:
@@ -78,9 +82,47 @@ def worker_env(req: LaunchRequest, rank: int, gpus: Sequence[str] = ()) -> dict[
         **req.env,
     }
     if req.device == "cuda":
-        env["CUDA_VISIBLE_DEVICES"] = gpus[rank % len(gpus)] if gpus else str(rank)
+        if req.slots is None:
+            env["CUDA_VISIBLE_DEVICES"] = gpus[rank % len(gpus)] if gpus else str(rank)
+        else:
+            env["CUDA_VISIBLE_DEVICES"] = slot_gpus(req.slots, req.workers, gpus)[rank]
         env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # needed by deterministic cuBLAS
     return env
+
+
+def slot_gpus(slots: Sequence[int], workers: int, gpus: Sequence[str]) -> list[str]:
+    """The GPU of each of ``workers`` ranks: rank r runs on granted slot ``slots[r]``, and slot i
+    is the i-th of this host's visible ``gpus``. Slots past ``workers`` are not used.
+
+    Raises :class:`SpecError` (field ``slots``) when the grant names fewer slots on this host
+    than there are workers, names one twice, or names a slot this host has no GPU for (the
+    pool's host has more slots than this process sees GPUs).
+    """
+    from elastic_ops.errors import SpecError
+
+    used = list(slots[:workers])
+    if len(used) < workers:
+        raise SpecError(
+            "slots",
+            list(slots),
+            f"one granted GPU slot on this host per worker ({workers} workers)",
+            hint="the runner starts every worker on its own host; a grant must place them all there",
+        )
+    for slot in used:
+        if isinstance(slot, bool) or not isinstance(slot, int) or slot < 0:
+            raise SpecError("slots", slot, "a GPU slot index: an integer >= 0")
+        if slot >= len(gpus):
+            raise SpecError(
+                "slots",
+                slot,
+                f"a slot this host has a GPU for: its visible GPUs are {list(gpus)} "
+                f"(slots 0..{len(gpus) - 1})",
+                hint="the pool lists more slots for this host than CUDA_VISIBLE_DEVICES "
+                "or the device count shows",
+            )
+    if len(set(used)) < len(used):
+        raise SpecError("slots", used, "distinct slots, one GPU per worker")
+    return [gpus[slot] for slot in used]
 
 
 def visible_gpus() -> list[str]:
@@ -108,7 +150,9 @@ class LocalLauncher:
 
     def start(self, req: LaunchRequest) -> PContext:
         gpus = visible_gpus() if req.device == "cuda" else []
-        if req.device == "cuda" and len(gpus) < req.workers:
+        if req.device == "cuda" and req.slots is not None:
+            slot_gpus(req.slots, req.workers, gpus)  # every rank's GPU, checked before any starts
+        elif req.device == "cuda" and len(gpus) < req.workers:
             from elastic_ops.errors import SpecError
 
             raise SpecError("workers", req.workers, f"needs one GPU per worker; {len(gpus)} visible")

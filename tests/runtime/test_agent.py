@@ -24,11 +24,13 @@ from elastic_ops.agent.protocol import (
     StoreConfig,
     encode,
     error_from_wire,
+    require_slots,
 )
 from elastic_ops.agent.server import Agent
 from elastic_ops.checkpoint import open_store
 from elastic_ops.errors import SpecError, UserCodeError, WorkerLostError
 from elastic_ops.runtime import ChunkStatus, run_chunk
+from elastic_ops.runtime.launcher import LocalLauncher
 from tests.runtime.agent_helpers import line, raw_exchange, running_agent
 from tests.runtime.builders import make_spec
 
@@ -90,6 +92,76 @@ def test_a_target_change_reaches_the_workers_through_the_agent(agent, tmp_path, 
     assert counts[0] == 1 and counts[-1] == 2, result.workers_timeline
     assert applied and applied[0][1] == 2 and applied[0][0] == result.workers_timeline[-1][0]
     assert result.param_sha256 == reference  # bitwise: the rescale changes nothing
+
+
+class _Recording(LocalLauncher):
+    def __init__(self) -> None:
+        super().__init__()
+        self.requests = []
+
+    def start(self, req):
+        self.requests.append(req)
+        return super().start(req)
+
+
+def test_the_granted_slots_travel_with_each_target_to_the_launch(tmp_path):
+    spec = make_spec(tmp_path, total_iterations=100_000)
+    seen: list[int] = []
+    launcher = _Recording()
+    count = [1]
+    granted = {1: [6], 2: [6, 3], 0: []}
+
+    def wanted() -> int:  # slot 6; after 8 iterations a grow to slots 6 and 3; then a preemption
+        if len(launcher.requests) == 2:
+            count[0] = 0
+        elif seen and seen[-1] >= 8:
+            count[0] = 2
+        return count[0]
+
+    with running_agent(tmp_path / "agent", launcher=launcher, warm=False) as agent:
+        result = run_on(
+            agent,
+            spec,
+            0,
+            100_000,
+            wanted=wanted,
+            slots=lambda: granted[count[0]],
+            on_progress=lambda p: seen.append(p.iteration),
+        )
+        assert result.status == ChunkStatus.PREEMPTED
+        assert [(r.workers, r.slots) for r in launcher.requests] == [(1, (6,)), (2, (6, 3))]
+        del launcher.requests[:]
+        run_on(agent, make_spec(tmp_path / "plain"), 0, 5)  # no slots: none in the request
+        assert [r.slots for r in launcher.requests] == [None]
+
+
+def test_slots_on_the_wire_are_validated(agent, tmp_path):
+    spec = make_spec(tmp_path)
+    for bad in ([1, 1], [-1]):
+        with pytest.raises(SpecError) as err:
+            run_on(agent, spec, slots=lambda bad=bad: bad)
+        assert err.value.field == "slots" and "distinct integers >= 0" in str(err.value)
+    assert require_slots(json.loads(encode({"slots": [4, 0]}))) == (4, 0)  # round trip
+    assert require_slots({}) is None and require_slots({"slots": None}) is None
+    for bad in (["0"], [True], [1.0], "0,1", {"0": 1}, list(range(4097))):
+        with pytest.raises(SpecError, match="invalid slots="):
+            require_slots({"slots": bad})
+    # a target without the slots that the run request had is refused, naming the field
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(agent.path)
+    run = {"op": "run", "version": 1, "spec": spec.to_dict(), "start": 0, "end": 30, "epoch": 1}
+    run |= {"host": "h1", "workers": 1, "slots": [0], "store": store_of(spec).to_wire()}
+    sock.sendall(encode(run) + encode({"op": "target", "workers": 1}))
+    from elastic_ops.agent.protocol import MessageReader
+
+    reader = MessageReader(sock)
+    msg = reader.read(timeout=120)
+    while msg is not None and msg["type"] == "progress":
+        msg = reader.read(timeout=120)
+    sock.close()
+    err = error_from_wire(msg)
+    assert type(err) is SpecError and err.field == "slots", msg
+    wait_for("the chunk to end", lambda: not agent.sessions)
 
 
 def test_a_killed_worker_is_a_retryable_worker_lost_error_naming_the_host(agent, tmp_path):

@@ -9,11 +9,12 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from elastic_ops.errors import EntrypointError
+from elastic_ops.errors import EntrypointError, SpecError
 from elastic_ops.runtime import load_trainable_class, param_sha256
+from elastic_ops.runtime.chunk import _SlotsByBoundary
 from elastic_ops.runtime.consistency import lr_factor, target_factor
 from elastic_ops.runtime.control import ControlChannel
-from elastic_ops.runtime.launcher import LaunchRequest, worker_env
+from elastic_ops.runtime.launcher import LaunchRequest, slot_gpus, worker_env
 from elastic_ops.runtime.state import load_state, save_atomic
 from tests.runtime.builders import TinyMLP
 
@@ -81,6 +82,64 @@ def test_worker_environment_has_pytorch_and_wml_names(tmp_path):
     assert (env["LEARNER_ID"], env["NUM_LEARNERS"]) == ("3", "3")  # WML is 1-based
     cuda = worker_env(LaunchRequest(**{**req.__dict__, "device": "cuda"}), 1, ["4", "6"])
     assert cuda["CUDA_VISIBLE_DEVICES"] == "6"
+
+
+def _request(tmp_path, workers: int, slots, device: str = "cuda") -> LaunchRequest:
+    return LaunchRequest(
+        workers=workers,
+        script=None,
+        master_addr="127.0.0.1",
+        master_port=1234,
+        segment=0,
+        log_dir=tmp_path,
+        env={},
+        device=device,
+        slots=slots,
+    )
+
+
+GPUS = [str(g) for g in range(8)]  # an 8-GPU host, all visible
+
+
+def test_cuda_workers_run_on_the_granted_slots_not_on_the_first_gpus(tmp_path):
+    # Two jobs share an 8-GPU host 4/4: the second holds slots 4..7 and must not use GPUs 0..3.
+    req = _request(tmp_path, 4, (4, 5, 6, 7))
+    assert [worker_env(req, r, GPUS)["CUDA_VISIBLE_DEVICES"] for r in range(4)] == ["4", "5", "6", "7"]
+    # slot i is the i-th *visible* GPU (this process may see a subset of the host's devices)
+    req = _request(tmp_path, 2, (2, 0))
+    assert [worker_env(req, r, ["1", "3", "5"])["CUDA_VISIBLE_DEVICES"] for r in range(2)] == ["5", "1"]
+    assert slot_gpus((6, 7, 1), 2, GPUS) == ["6", "7"]  # slots past the worker count are not used
+    # without granted slots (the CLI) ranks take the visible GPUs in order, as before
+    assert worker_env(_request(tmp_path, 2, None), 1, GPUS)["CUDA_VISIBLE_DEVICES"] == "1"
+    # on CPU the slots change nothing
+    assert "CUDA_VISIBLE_DEVICES" not in worker_env(_request(tmp_path, 2, (4, 5), "cpu"), 1, GPUS)
+
+
+def test_a_slot_beyond_the_visible_gpus_is_a_clear_error(tmp_path):
+    with pytest.raises(SpecError) as err:
+        worker_env(_request(tmp_path, 2, (3, 4)), 0, ["0", "1", "2", "3"])
+    assert err.value.field == "slots" and err.value.value == 4
+    assert "visible GPUs are ['0', '1', '2', '3'] (slots 0..3)" in str(err.value)
+    with pytest.raises(SpecError, match=r"one granted GPU slot on this host per worker \(3 workers\)"):
+        slot_gpus((4, 5), 3, GPUS)
+    with pytest.raises(SpecError, match="distinct slots"):
+        slot_gpus((4, 4), 2, GPUS)
+    with pytest.raises(SpecError, match="an integer >= 0"):
+        slot_gpus((-1,), 1, GPUS)
+
+
+def test_each_boundary_keeps_the_slots_that_came_with_its_target():
+    slots = _SlotsByBoundary()
+    assert slots.at(0) is None
+    slots.note(0, (4, 5))
+    slots.note(1, (4, 5))  # unchanged: not stored again
+    slots.note(2, (4, 5, 6))  # a grow decided for boundary 2 ...
+    slots.note(3, (5,))  # ... and a shrink for 3 (decided before rank 0 reached 2)
+    assert slots.at(0) == (4, 5) and slots.at(1) == (4, 5)
+    assert slots.at(2) == (4, 5, 6)  # the segment at 2 gets its own target's slots, not the latest
+    slots.note(3, (4, 5, 6))  # the segment at 2 decides 3 again: that supersedes the old note
+    slots.note(4, (6,))
+    assert slots.at(3) == (4, 5, 6) and slots.at(4) == (6,) and slots.at(9) == (6,)
 
 
 def test_state_round_trips_safely_and_the_hash_sees_every_bit(tmp_path):
