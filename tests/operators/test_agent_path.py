@@ -34,23 +34,13 @@ from elastic_ops.errors import (
 from elastic_ops.operators import ElasticChunkOperator
 from elastic_ops.operators.retry import ElasticRetryPolicy
 from elastic_ops.pool import PoolClient
+from tests.operators.helpers import TINY_FIELDS, airflow_pool
 from tests.runtime.agent_helpers import running_agent
 
 pytestmark = pytest.mark.timeout(300)
 
 REPO = Path(__file__).resolve().parents[2]
-FIELDS = {
-    "entrypoint": "tests.runtime.builders:TinyMLP",
-    "total_iterations": 20,
-    "chunk_iterations": 20,
-    "global_batch": 12,
-    "min_workers": 1,
-    "max_workers": 2,
-    "priority": 2,
-    "consistency": "bitwise",
-    "virtual_shards": 6,
-    "data_seed": 7,
-}
+FIELDS = TINY_FIELDS
 
 TASK = """
 import json, logging, sys
@@ -75,15 +65,7 @@ print("RESULT", json.dumps(op.execute(context)))  # again: the range is done (as
 
 @pytest.fixture
 def pool(monkeypatch, tmp_path) -> PoolClient:
-    url = f"sqlite:///{tmp_path / 'pool.db'}"
-    monkeypatch.setenv("AIRFLOW_HOME", str(tmp_path))
-    monkeypatch.setenv(
-        "AIRFLOW_CONN_ELASTIC_OPS_POOL_DEFAULT",
-        json.dumps({"conn_type": "elastic_ops_pool", "extra": {"url": url}}),
-    )
-    client = PoolClient(url, aging_s=0.0)
-    client.add_host("h1", 2)
-    return client
+    return airflow_pool(monkeypatch, tmp_path)
 
 
 def context(run_id: str = "run1") -> dict:

@@ -3,7 +3,6 @@ resumed try needs in the trigger), skip finished ranges, re-register an unknown 
 
 from __future__ import annotations
 
-import json
 from types import SimpleNamespace
 
 import pytest
@@ -17,6 +16,7 @@ from elastic_ops.pool import PoolClient
 from elastic_ops.spec import JobSpec
 from elastic_ops.triggers import GrantTrigger
 from elastic_ops.triggers.events import TriggerFailure
+from tests.operators.helpers import airflow_pool
 
 FIELDS = {"entrypoint": "elastic_ops.examples.digits:DigitsMLP", "total_iterations": 40,
           "chunk_iterations": 20, "global_batch": 64, "min_workers": 1, "max_workers": "{{ x }}",
@@ -25,13 +25,7 @@ FIELDS = {"entrypoint": "elastic_ops.examples.digits:DigitsMLP", "total_iteratio
 
 @pytest.fixture
 def pool(monkeypatch, tmp_path) -> PoolClient:
-    url = f"sqlite:///{tmp_path / 'pool.db'}"
-    monkeypatch.setenv("AIRFLOW_HOME", str(tmp_path))
-    monkeypatch.setenv("AIRFLOW_CONN_ELASTIC_OPS_POOL_DEFAULT",
-                       json.dumps({"conn_type": "elastic_ops_pool", "extra": {"url": url}}))
-    client = PoolClient(url, aging_s=0.0)
-    client.add_host("h1", 2)
-    return client
+    return airflow_pool(monkeypatch, tmp_path)
 
 
 def make_chunk(index: int = 1, **fields) -> ElasticChunkOperator:

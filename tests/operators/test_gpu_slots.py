@@ -6,7 +6,6 @@ test waits for a heartbeat."""
 
 from __future__ import annotations
 
-import json
 from types import SimpleNamespace
 
 import pytest
@@ -16,30 +15,16 @@ from elastic_ops.operators.jobs import job_id
 from elastic_ops.operators.lease import LeaseKeeper
 from elastic_ops.pool import PoolClient
 from elastic_ops.runtime.outcome import ChunkResult, ChunkStatus
+from tests.operators.helpers import TINY_FIELDS, airflow_pool
 
-FIELDS = {
-    "entrypoint": "tests.runtime.builders:TinyMLP",
-    "total_iterations": 20,
-    "chunk_iterations": 20,
-    "global_batch": 12,
-    "min_workers": 1,
-    "max_workers": 4,
-    "priority": 2,
-}
+FIELDS = TINY_FIELDS | {"max_workers": 4}
 JOB = job_id("d", "train", "run1")
 
 
 @pytest.fixture
 def pool(monkeypatch, tmp_path) -> PoolClient:
-    url = f"sqlite:///{tmp_path / 'pool.db'}"
-    monkeypatch.setenv("AIRFLOW_HOME", str(tmp_path))
-    monkeypatch.setenv(
-        "AIRFLOW_CONN_ELASTIC_OPS_POOL_DEFAULT",
-        json.dumps({"conn_type": "elastic_ops_pool", "extra": {"url": url}}),
-    )
     monkeypatch.delenv("ELASTIC_OPS_AGENT_SOCKET", raising=False)
-    client = PoolClient(url, aging_s=0.0)
-    client.add_host("gpu-a", 8)
+    client = airflow_pool(monkeypatch, tmp_path, "gpu-a", 8)
     # the first job on the host holds slots 0..3 for the whole test
     client.submit("first", min_workers=4, max_workers=4, priority=5, preemptible=False)
     assert [s for _, s in client.request("first").placements] == [0, 1, 2, 3]

@@ -13,6 +13,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from elastic_ops.runtime import Trainable
+from elastic_ops.runtime.launcher import LaunchRequest, LocalLauncher
 from elastic_ops.spec import JobSpec
 
 ENTRY = "tests.runtime.builders:TinyMLP"
@@ -108,3 +109,15 @@ def make_spec(tmp_path: Path, **overrides: Any) -> JobSpec:
     )
     fields.update(overrides)
     return JobSpec(**fields)
+
+
+class RecordingLauncher(LocalLauncher):
+    """The real launcher, keeping every request it gets."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.requests: list[LaunchRequest] = []
+
+    def start(self, req: LaunchRequest) -> Any:
+        self.requests.append(req)
+        return super().start(req)

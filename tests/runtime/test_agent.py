@@ -30,9 +30,8 @@ from elastic_ops.agent.server import Agent
 from elastic_ops.checkpoint import open_store
 from elastic_ops.errors import SpecError, UserCodeError, WorkerLostError
 from elastic_ops.runtime import ChunkStatus, run_chunk
-from elastic_ops.runtime.launcher import LocalLauncher
 from tests.runtime.agent_helpers import line, raw_exchange, running_agent
-from tests.runtime.builders import make_spec
+from tests.runtime.builders import RecordingLauncher, make_spec
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -94,20 +93,10 @@ def test_a_target_change_reaches_the_workers_through_the_agent(agent, tmp_path, 
     assert result.param_sha256 == reference  # bitwise: the rescale changes nothing
 
 
-class _Recording(LocalLauncher):
-    def __init__(self) -> None:
-        super().__init__()
-        self.requests = []
-
-    def start(self, req):
-        self.requests.append(req)
-        return super().start(req)
-
-
 def test_the_granted_slots_travel_with_each_target_to_the_launch(tmp_path):
     spec = make_spec(tmp_path, total_iterations=100_000)
     seen: list[int] = []
-    launcher = _Recording()
+    launcher = RecordingLauncher()
     count = [1]
     granted = {1: [6], 2: [6, 3], 0: []}
 

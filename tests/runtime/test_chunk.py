@@ -18,8 +18,7 @@ from elastic_ops.errors import (
 from elastic_ops.runtime import ChunkStatus, Schedule, run_chunk, run_job
 from elastic_ops.runtime.chunk import _killed_ranks
 from elastic_ops.runtime.data_order import stream_slice
-from elastic_ops.runtime.launcher import LocalLauncher
-from tests.runtime.builders import make_spec
+from tests.runtime.builders import RecordingLauncher, make_spec
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -177,18 +176,6 @@ def test_warm_start_takes_the_weights_of_another_job(tmp_path):
     assert all(torch.equal(src_model[k], got["model"][k]) for k in src_model)  # lr 0: weights kept
 
 
-class _Recording(LocalLauncher):
-    """The real launcher, keeping every request it gets."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.requests = []
-
-    def start(self, req):
-        self.requests.append(req)
-        return super().start(req)
-
-
 class _Grant:
     """A pool lease as the runner sees it: 1 worker on slot 5, then 2 on slots 5 and 2 (a grow)."""
 
@@ -204,11 +191,11 @@ class _Grant:
 
 
 def test_the_granted_slots_reach_every_launch_request(tmp_path):
-    grant, launcher = _Grant(), _Recording()
+    grant, launcher = _Grant(), RecordingLauncher()
     result = run_chunk(make_spec(tmp_path), 0, 30, target=grant.target, slots=grant.slots, launcher=launcher)
     assert result.status is ChunkStatus.COMPLETED
     assert [(r.workers, r.slots) for r in launcher.requests] == [(1, (5,)), (2, (5, 2))]
-    plain = _Recording()  # without slots (the CLI): no slots in the request, as before
+    plain = RecordingLauncher()  # without slots (the CLI): no slots in the request, as before
     run_chunk(make_spec(tmp_path / "plain"), 0, 5, target=one_worker, launcher=plain)
     assert [r.slots for r in plain.requests] == [None]
 
