@@ -115,8 +115,8 @@ def slot_gpus(slots: Sequence[int], workers: int, gpus: Sequence[str]) -> list[s
             raise SpecError(
                 "slots",
                 slot,
-                f"a slot this host has a GPU for: its visible GPUs are {list(gpus)} "
-                f"(slots 0..{len(gpus) - 1})",
+                f"a slot this host has a GPU for: its visible GPUs are {list(gpus)}"
+                + (f" (slots 0..{len(gpus) - 1})" if gpus else ""),
                 hint="the pool lists more slots for this host than CUDA_VISIBLE_DEVICES "
                 "or the device count shows",
             )
