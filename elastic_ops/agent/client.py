@@ -119,11 +119,11 @@ class AgentClient:
         ``wanted()`` is the pool's current target (0 = preempt); it is sent to the agent whenever
         it changes, with ``slots()`` (called right after it: the GPU slots on this host that come
         with that target; ``None``: the agent's workers take its visible GPUs in order).
-        ``on_applied(iteration, workers)`` is called when the runner takes a new target for a
-        boundary. Raises :class:`AgentUnavailableError` if no agent accepts the connection
-        (nothing ran; the caller may run the chunk itself), the chunk's own ``elastic_ops``
-        error as the runtime raised it, or :class:`WorkerLostError` if the agent went away
-        mid-chunk (its workers went with it).
+        ``on_applied(iteration, workers)`` is called when a new worker count starts at a boundary
+        (the previous segment's workers have exited). Raises :class:`AgentUnavailableError` if
+        no agent accepts the connection (nothing ran; the caller may run the chunk itself), the
+        chunk's own ``elastic_ops`` error as the runtime raised it, or :class:`WorkerLostError`
+        if the agent went away mid-chunk (its workers went with it).
         """
 
         def current() -> tuple[int, list[int] | None]:

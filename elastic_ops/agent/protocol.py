@@ -23,7 +23,7 @@ Agent → client::
     {"type": "latest", "iteration": 40 | null, "uri": "..." | null}
     {"type": "progress", "iteration": i, "end": e, "loss": x, "workers": n,
      "samples_per_sec": r, "eta_s": s}
-    {"type": "applied", "iteration": i, "workers": n}  # the runner took target n for boundary i
+    {"type": "applied", "iteration": i, "workers": n}  # n workers start at boundary i (old ones exited)
     {"type": "result", "result": {...ChunkResult.to_dict()}}
     {"type": "error", "class": "WorkerLostError", "message": "...", "hint": ..., "retryable": true,
      "attrs": {"host": "h1"}, "traceback": "..."}

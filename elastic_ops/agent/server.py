@@ -165,12 +165,16 @@ class ChunkSession:
 
     def target(self, iteration: int) -> int:
         with self._lock:
-            wanted = self.wanted
-            changed, self.applied = wanted != self.applied, wanted
             self.taken_slots = self.wanted_slots
+            return self.wanted
+
+    def segment(self, iteration: int, workers: int) -> None:
+        """``workers`` start at ``iteration``, the previous segment's have exited: tell the task,
+        whose lease keeper then reports the count (a shrink's slots are free only now)."""
+        with self._lock:
+            changed, self.applied = workers != self.applied, workers
         if changed:
-            self.send({"type": "applied", "iteration": iteration, "workers": wanted})
-        return wanted
+            self.send({"type": "applied", "iteration": iteration, "workers": workers})
 
     def slots(self) -> tuple[int, ...]:
         """The slots that came with the target :meth:`target` last returned (same thread, right
@@ -258,6 +262,7 @@ class ChunkSession:
                 host=r["host"],
                 launcher=self.launcher,
                 slots=self.slots if r["slots"] is not None else None,
+                on_segment=self.segment,
                 warm_start=warm.uri if warm is not None else None,
                 warm_start_store=warm.open() if warm is not None else None,
             )

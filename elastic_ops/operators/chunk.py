@@ -283,6 +283,7 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
             spec, state["start"], state["end"], target=keeper.target, store=store, epoch=epoch,
             on_progress=on_progress, host=host, warm_start=warm_start, warm_start_store=warm_store,
             slots=keeper.slots,  # workers on the GPUs granted on this host (CUDA)
+            on_segment=keeper.applied,  # report a shrink once the old workers have exited
         )
 
     def _release(self, client: Any, job: str, epoch: int, finished: bool = False) -> None:

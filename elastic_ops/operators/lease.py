@@ -1,14 +1,16 @@
 """``LeaseKeeper``: heartbeats a grant in the background and feeds the runner its target.
 
-The chunk runner calls :meth:`LeaseKeeper.target` at every iteration boundary; the keeper
-answers with the pool's latest target (0 = full preemption) and remembers it as the worker count
-the job now runs, which the next heartbeat reports, so a shrink frees its slots promptly.
+The chunk runner calls :meth:`LeaseKeeper.target` at every iteration boundary (a little ahead
+of the workers) and gets the pool's latest target (0 = full preemption). The count the
+heartbeats report is what really runs: :meth:`LeaseKeeper.applied` sets it when a segment's
+workers start, after the previous segment's have exited, so a shrink frees its slots only once
+nothing of this job runs on them any more, and promptly then.
 
 It also keeps the slots of that target (``Target.placements``: on a grow the kept slots plus the
 newly reserved ones, on a shrink only the kept ones) and hands :meth:`LeaseKeeper.slots`, the
 ones on this task's host, to the runner, so workers run on the GPUs the job was granted.
-The slots a shrink gives up are still the job's in the ledger until a later heartbeat reports
-the smaller count, but the new segment never uses them: they are the ones the pool hands to the
+The slots a shrink gives up are still the job's in the ledger until a heartbeat reports the
+smaller count, and the new segment never uses them: they are the ones the pool hands to the
 next job.
 """
 
@@ -65,19 +67,12 @@ class LeaseKeeper:
         self._thread.join(timeout=10)
 
     def target(self, iteration: int) -> int:
-        with self._lock:
-            wanted = self._wanted
-            changed = wanted != self._running
-            self._running = wanted
-            self._taken = self._placements
-        if changed:
-            log.info("job %s: %d workers from iteration %d", self.job, wanted, iteration)
-            self._wake.set()  # report the new count now, so the pool can hand freed slots on
-        return wanted
+        """The pool's latest target, for boundary ``iteration`` (the runner asks ahead of the
+        workers, and says through :meth:`applied` when the count really changes)."""
+        return self.wanted()
 
     def wanted(self) -> int:
-        """The pool's latest target, without taking it (a runner elsewhere takes it later and
-        says so through :meth:`applied`)."""
+        """The pool's latest target (the agent's client polls it without a boundary in hand)."""
         with self._lock:
             self._taken = self._placements
             return self._wanted
@@ -91,7 +86,8 @@ class LeaseKeeper:
         return tuple(slot for host, slot in taken if self.host is None or host == self.host)
 
     def applied(self, iteration: int, workers: int) -> None:
-        """A runner in another process (the agent) runs ``workers`` from boundary ``iteration`` on."""
+        """``workers`` start at boundary ``iteration`` (the previous segment's have exited):
+        report the new count now, so the pool can hand the slots a shrink freed to others."""
         with self._lock:
             changed = workers != self._running
             self._running = workers

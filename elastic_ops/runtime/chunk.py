@@ -146,8 +146,10 @@ class _Runner:
         launcher: Any,
         workdir: Path,
         slots: Callable[[], Sequence[int]] | None = None,
+        on_segment: Callable[[int, int], None] | None = None,
     ) -> None:
         self.spec, self.start, self.end = spec, start, end
+        self.on_segment = on_segment
         self.slots_fn = slots
         self.slots = _SlotsByBoundary()
         self.target_fn, self.store, self.epoch = target, store, epoch
@@ -360,6 +362,8 @@ class _Runner:
             if workers == 0:
                 return self._preempted(it, last)
             self.timeline.append((it, workers, time.time()))
+            if self.on_segment is not None:
+                self.on_segment(it, workers)
             log.info("segment %d: iterations %d..%d with %d worker(s)", index, it, self.end, workers)
             last = self.run_segment(index, it, workers, state_path)
             segments.append(last)
@@ -459,6 +463,7 @@ def run_chunk(
     workdir: str | Path | None = None,
     warm_start_store: Any = None,
     slots: Callable[[], Sequence[int]] | None = None,
+    on_segment: Callable[[int, int], None] | None = None,
 ) -> ChunkResult:
     """Train iterations ``[start, end)`` from the latest committed checkpoint; see the module doc.
 
@@ -472,6 +477,9 @@ def run_chunk(
     returned (called right after each ``target(i)``, from the same thread); on CUDA, rank r of
     a segment launched at boundary ``i`` runs on the r-th slot noted with ``target(i)`` (see
     :func:`elastic_ops.runtime.launcher.slot_gpus`). ``None``: ranks take the visible GPUs in order.
+    ``on_segment(i, n)`` is called when ``n`` workers are about to start at boundary ``i``, after
+    the previous segment's workers have exited: the moment a shrink has really given its slots
+    up, so the caller reports it to the pool then (not when ``target`` announced it).
     """
     _check_range(spec, start, end)
     _check_entrypoint(spec)
@@ -508,7 +516,9 @@ def run_chunk(
     work.mkdir(parents=True, exist_ok=True)
     try:
         launcher = launcher or LocalLauncher()
-        runner = _Runner(spec, start, end, target, store, epoch, on_progress, host, launcher, work, slots)
+        runner = _Runner(
+            spec, start, end, target, store, epoch, on_progress, host, launcher, work, slots, on_segment
+        )
         it, state_path = 0, None
         if ref is not None:
             it = ref.iteration

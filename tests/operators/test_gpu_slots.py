@@ -112,3 +112,21 @@ def test_the_keeper_returns_only_the_slots_on_its_own_host():
     target.action, target.workers, target.placements = "preempt", 0, ()
     keeper.beat()
     assert keeper.wanted() == 0 and keeper.slots() == ()
+
+
+def test_the_keeper_reports_a_shrink_only_when_the_smaller_segment_starts():
+    reported = []
+    target = SimpleNamespace(action="keep", workers=4, reason="", placements=(("a", s) for s in range(4)))
+
+    def heartbeat(job, epoch, workers):
+        reported.append(workers)
+        return target
+
+    keeper = LeaseKeeper(SimpleNamespace(heartbeat=heartbeat), "j", 1, 4, interval_s=1, host="a")
+    target.action, target.workers, target.placements = "shrink", 2, (("a", 0), ("a", 1))
+    keeper.beat()
+    assert keeper.target(10) == 2  # decided ahead of the boundary, the old workers still run
+    keeper.beat()
+    keeper.applied(10, 2)  # the 2-worker segment starts: the 4 old workers have exited
+    keeper.beat()
+    assert reported == [4, 4, 2]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from types import SimpleNamespace
 
+import psutil
 import pytest
 import torch
 
@@ -198,6 +199,33 @@ def test_the_granted_slots_reach_every_launch_request(tmp_path):
     plain = RecordingLauncher()  # without slots (the CLI): no slots in the request, as before
     run_chunk(make_spec(tmp_path / "plain"), 0, 5, target=one_worker, launcher=plain)
     assert [r.slots for r in plain.requests] == [None]
+
+
+class _PidsLauncher(RecordingLauncher):
+    """Also keeps the worker pids of every launch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pids: list[list[int]] = []
+
+    def start(self, req):
+        pc = super().start(req)
+        self.pids.append(list(pc.pids().values()))
+        return pc
+
+
+def test_a_new_count_is_announced_only_after_the_old_workers_exited(tmp_path):
+    # The lease reports a shrink when on_segment fires: the slots it gives up must be empty then.
+    launcher, calls = _PidsLauncher(), []
+
+    def on_segment(iteration: int, workers: int) -> None:
+        earlier = [pid for pids in launcher.pids for pid in pids]
+        calls.append((iteration, workers, [pid for pid in earlier if psutil.pid_exists(pid)]))
+
+    run_chunk(make_spec(tmp_path), 0, 30, target=lambda i: 2 if i < 10 else 1, launcher=launcher,
+              on_segment=on_segment)
+    assert calls == [(0, 2, []), (10, 1, [])]
+    assert [r.workers for r in launcher.requests] == [2, 1]
 
 
 def test_progress_reports_every_iteration_with_an_eta(tmp_path):
