@@ -30,12 +30,24 @@ DEFAULT_TRANSFER = TransferConfig(
 
 
 def make_client(endpoint_url: str | None = None, **kwargs: Any) -> Any:
-    """A boto3 S3 client from the standard credential chain, without botocore retries."""
+    """A boto3 S3 client from the standard credential chain, configured for the store.
+
+    - botocore's own retries are off: :func:`call_with_retry` is the one retry loop.
+    - Downloads are not checked against the object's CRC32 (``response_checksum_validation=
+      "when_required"``; boto3's default validates whenever the object has one): every byte the
+      store reads is checked against the manifest's digest before use anyway, end to end from the
+      writer, and the CRC32 pass was measured at ~17 ms per 22 MB download on loopback, a third
+      of the download. Uploads still send a CRC32 that S3 checks before storing the object.
+    - Connection pool of 16 (boto3 default 10): a multipart transfer (8 parts at once) plus the
+      manifest read and listing the store makes alongside never wait for a connection.
+    """
     config = Config(
         retries={"total_max_attempts": 1, "mode": "standard"},
         connect_timeout=10,
         read_timeout=60,
         s3={"addressing_style": "path"} if endpoint_url else None,
+        response_checksum_validation="when_required",
+        max_pool_connections=16,
     )
     return boto3.client("s3", endpoint_url=endpoint_url, config=config, **kwargs)
 
@@ -60,6 +72,11 @@ class S3Backend:
         self.retry = retry or RetryPolicy()
         self.transfer = transfer_config or DEFAULT_TRANSFER
 
+    @property
+    def single_put_limit(self) -> int:
+        """Objects smaller than this go up in one request (larger ones in parallel parts)."""
+        return self.transfer.multipart_threshold
+
     def _key(self, key: str) -> str:
         return f"{self.prefix}/{key}" if self.prefix else key
 
@@ -70,7 +87,8 @@ class S3Backend:
         full = self._key(key)
         if len(data) >= self.transfer.multipart_threshold:
             self._call(
-                "upload", key,
+                "upload",
+                key,
                 lambda: self.client.upload_fileobj(io.BytesIO(data), self.bucket, full, Config=self.transfer),
             )
         else:
@@ -114,12 +132,19 @@ class S3Backend:
         strip = len(self.prefix) + 1 if self.prefix else 0
 
         def attempt() -> list[ObjectInfo]:
+            # pages followed by hand: a paginator is built anew per call and costs ~1 ms of CPU,
+            # which is on the critical path of latest()
             out = []
-            pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=full)
-            for page in pages:
-                for obj in page.get("Contents", []):
-                    out.append(ObjectInfo(obj["Key"][strip:], int(obj["Size"])))
-            return out
+            params: dict[str, Any] = {"Bucket": self.bucket, "Prefix": full}
+            while True:
+                page = self.client.list_objects_v2(**params)
+                out.extend(
+                    ObjectInfo(obj["Key"][strip:], int(obj["Size"])) for obj in page.get("Contents", [])
+                )
+                token = page.get("NextContinuationToken")
+                if not page.get("IsTruncated") or not token:
+                    return out
+                params["ContinuationToken"] = token
 
         return self._call("list", f"{prefix}*", attempt)
 
@@ -135,9 +160,12 @@ class S3Backend:
                 if errors:
                     err = errors[0]
                     raise bce.ClientError(
-                        {"Error": {"Code": err.get("Code", ""), "Message": err.get("Message", "")},
-                         "ResponseMetadata": {"HTTPStatusCode": 500 if err.get("Code") == "InternalError"
-                                              else 403}},
+                        {
+                            "Error": {"Code": err.get("Code", ""), "Message": err.get("Message", "")},
+                            "ResponseMetadata": {
+                                "HTTPStatusCode": 500 if err.get("Code") == "InternalError" else 403
+                            },
+                        },
                         "DeleteObjects",
                     )
 

@@ -26,6 +26,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from typing import Any
 
 from elastic_ops.checkpoint.backend import Backend, ObjectInfo
@@ -194,8 +195,11 @@ class CheckpointStore:
         self._check_args(iteration, epoch, spec_hash)
         metrics = check_metrics(metrics)  # before any upload: a bad value leaves nothing behind
         put_stream = getattr(self.backend, "put_stream", None)
+        list_during_upload = False
         if put_stream is None:
-            upload = self._bytes_uploader({STATE_NAME: encode_state(state)})
+            payload = {STATE_NAME: encode_state(state)}
+            upload = self._bytes_uploader(payload)
+            list_during_upload = self._list_during_upload(payload)
         else:  # encode straight into the file, hashing inline: no in-memory copy of the state
             check_state(state)
             algorithm = self.checksum
@@ -205,7 +209,15 @@ class CheckpointStore:
                 digest, size = put_stream(name, lambda f: encode_state_into(state, f, algorithm))
                 return (FileEntry(name.split("/", 1)[1], algorithm, digest, size),)
 
-        return self._commit(iteration, upload, epoch, spec_hash, metrics, in_background=False)
+        return self._commit(
+            iteration,
+            upload,
+            epoch,
+            spec_hash,
+            metrics,
+            in_background=False,
+            list_during_upload=list_during_upload,
+        )
 
     def save_async(
         self,
@@ -226,7 +238,28 @@ class CheckpointStore:
         files = {STATE_NAME: encode_state(state)}
         metrics = check_metrics(metrics)
         upload = self._bytes_uploader(files)
-        return self._submit(self._commit, iteration, upload, epoch, spec_hash, metrics, in_background=True)
+        return self._submit(
+            self._commit,
+            iteration,
+            upload,
+            epoch,
+            spec_hash,
+            metrics,
+            in_background=True,
+            list_during_upload=self._list_during_upload(files),
+        )
+
+    def _list_during_upload(self, payload: dict[str, bytes]) -> bool:
+        """Whether the commit's listing may run while ``payload`` is uploaded (saves a round trip).
+
+        Only where each file goes up in one request (``single_put_limit``: S3 below the multipart
+        threshold): the listing then starts when the upload starts, so the window in which a
+        newly raised fence can be missed grows by that one request and no more. A multipart
+        upload (many requests, possibly minutes) lists after the upload, as a local store does
+        (listing a directory costs less than handing it to a thread).
+        """
+        limit = getattr(self.backend, "single_put_limit", None)
+        return limit is not None and all(len(data) < limit for data in payload.values())
 
     def _bytes_uploader(self, payload: dict[str, bytes]) -> Callable[[str], tuple[FileEntry, ...]]:
         """Upload encoded files under a prefix, hashing them meanwhile (hashlib frees the GIL)."""
@@ -284,11 +317,24 @@ class CheckpointStore:
         metrics: Mapping[str, Any] | None,
         *,
         in_background: bool,
+        list_during_upload: bool = False,
     ) -> CheckpointRef:
         it_dir = iteration_dir(iteration)
         manifest_key = f"{it_dir}/{MANIFEST_NAME}"
-        # a writer-unique data directory: racing writers never overwrite each other's bytes
-        entries = upload(f"{it_dir}/d-{uuid.uuid4().hex[:16]}")
+        # one listing before the commit point serves the fence check and the retention plan
+        # (other writers are fenced). It is made after the upload, or (one-request uploads to a
+        # remote store) during it: either way it is complete before the manifest is written, and
+        # only the manifest makes a checkpoint visible, so a stale writer is still refused before
+        # anything becomes visible; the window in which a fence raised meanwhile is missed is
+        # the manifest write, plus the data write when they overlap.
+        listing = _pool().submit(self.backend.list, "") if list_during_upload else None
+        try:
+            # a writer-unique data directory: racing writers never overwrite each other's bytes
+            entries = upload(f"{it_dir}/d-{uuid.uuid4().hex[:16]}")
+        except BaseException:
+            if listing is not None:  # the save ends with all its requests: none left in flight
+                futures_wait([listing])
+            raise
         ours = Manifest(
             iteration=iteration,
             epoch=epoch,
@@ -297,9 +343,7 @@ class CheckpointStore:
             files=entries,
             metrics=check_metrics(metrics),
         )
-        # one listing right before the commit point serves the fence check (the window between
-        # it and the commit is one request) and the retention plan (other writers are fenced)
-        objects = self.backend.list("")
+        objects = listing.result() if listing is not None else self.backend.list("")
         try:
             self._check_epoch(epoch, objects)
         except StaleEpochError:
