@@ -32,6 +32,8 @@ class Backend(Protocol):
     # ``write(file)`` writes (LocalBackend has it: the state is encoded straight into the file).
     # Optional: ``read_hashing(key, hasher) -> memoryview | None`` reads ``key`` feeding each chunk
     # to ``hasher`` as it arrives (LocalBackend has it: one pass instead of read, then hash).
+    # Optional: ``single_put_limit: int``: ``put`` of fewer bytes is one request (S3Backend: the
+    # multipart threshold). The store then lists alongside such an upload instead of after it.
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
         """Create ``key`` with ``data`` unless it exists. True if this call created it."""

@@ -7,7 +7,8 @@ Layout under the store's root (a directory or an S3 prefix)::
     _fence/epoch-00000000000000000007         one marker per fencing epoch seen; fence = max
 
 Save: upload the data (hashing it meanwhile), list the root once (fence check + retention
-plan), create the manifest if absent, delete what retention drops. A checkpoint exists only
+plan; on a remote store during a one-request upload), create the manifest if absent, delete
+what retention drops. A checkpoint exists only
 when its manifest exists, so a save interrupted before the manifest is invisible. Data
 directories are writer-unique, so two writers racing for one iteration never overwrite each
 other's bytes; the loser (or an identical retry) deletes its own copy. The fence only grows:
