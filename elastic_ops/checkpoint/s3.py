@@ -22,6 +22,7 @@ from botocore.config import Config
 
 from elastic_ops.checkpoint.backend import ObjectInfo
 from elastic_ops.checkpoint.retry import RetryPolicy, call_with_retry, error_code
+from elastic_ops.errors import CheckpointCorruptError
 
 MiB = 1024 * 1024
 DEFAULT_TRANSFER = TransferConfig(
@@ -124,8 +125,18 @@ class S3Backend:
                 if status == 404 and code in ("NoSuchKey", "404", "NotFound"):
                     return None
                 raise
+            except bce.FlexibleChecksumError as exc:  # a client that checks downloads (boto3's default)
+                raise CheckpointCorruptError(
+                    f"{self.uri}/{key} does not match the checksum S3 stored with it ({exc})",
+                    hint="the object is damaged; an older checkpoint is used by latest()",
+                ) from exc
 
-        return self._call("get", key, attempt)
+        try:
+            return self._call("get", key, attempt)
+        except CheckpointCorruptError:
+            # damaged at rest, or on the way: a second read tells the two apart; damage at rest
+            # is then a damaged checkpoint like any other (latest() falls back past it)
+            return self._call("get", key, attempt)
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
         full = self._key(prefix) if prefix else (f"{self.prefix}/" if self.prefix else "")

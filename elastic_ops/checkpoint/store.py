@@ -488,8 +488,9 @@ class CheckpointStore:
 
         Returns the state, or the :class:`CheckpointCorruptError` decoding raised (for load() to
         raise). Raises :class:`CheckpointCorruptError` when a file is missing or fails its
-        checksum. Every byte is verified before any is handed to the decoder, and the decoder
-        sees exactly the verified buffer (no second read of the file).
+        checksum (a remote read that fails verification is read once more first). Every byte is
+        verified before any is handed to the decoder, and the decoder sees exactly the verified
+        buffer.
         """
         it_dir = iteration_dir(ref.iteration)
         payload: dict[str, bytes | memoryview] = {}
@@ -505,6 +506,12 @@ class CheckpointStore:
             else:
                 data = pending.result() if pending else self.backend.get(key, size_hint=f.size)
                 got = f.algorithm.hexdigest(data) if data is not None else ""
+                if data is not None and (len(data) != f.size or got != f.digest):
+                    # damaged at rest, or on the way (the store's own S3 client leaves checking
+                    # downloads to this digest): a second read tells the two apart
+                    log.warning("%s/%s failed verification once; reading it again", ref.uri, f.name)
+                    data = self.backend.get(key, size_hint=f.size)
+                    got = f.algorithm.hexdigest(data) if data is not None else ""
             if data is None:
                 raise CheckpointCorruptError(f"{ref.uri}/{f.name} is missing")
             if len(data) != f.size:

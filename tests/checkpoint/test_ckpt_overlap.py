@@ -12,6 +12,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import botocore.exceptions as bce
 import pytest
 
 from elastic_ops.checkpoint import CheckpointStore
@@ -45,6 +46,7 @@ class RemoteLike:
         self.list_release.set()
         self.list_done = threading.Event()
         self.calls: list[str] = []
+        self.damaged_reads = 0  # this many data reads come back with one byte flipped
 
     def put(self, key: str, data: bytes) -> None:
         self.calls.append("put-data" if "/d-" in key else "put")
@@ -59,7 +61,12 @@ class RemoteLike:
         return self.inner.put_if_absent(key, data)
 
     def get(self, key: str, *, size_hint: int | None = None) -> bytes | None:
-        return self.inner.get(key, size_hint=size_hint)
+        data = self.inner.get(key, size_hint=size_hint)
+        if data is not None and "/d-" in key and self.damaged_reads > 0:
+            self.damaged_reads -= 1
+            self.calls.append("damaged-read")
+            return data[:10] + bytes([data[10] ^ 0xFF]) + data[11:]
+        return data
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
         self.calls.append(f"list:{prefix}")
@@ -143,6 +150,25 @@ def test_local_store_lists_after_writing(tmp_path: Path) -> None:
     assert not store._list_during_upload({"state.pt": b"x"})  # no round trip to save
 
 
+def test_remote_read_damaged_on_the_way_is_read_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    backend = RemoteLike(tmp_path)
+    store = CheckpointStore(backend)
+    store.save(10, small_state(1), epoch=1, spec_hash="h")
+    store.save(20, small_state(2), epoch=1, spec_hash="h")
+    backend.damaged_reads = 1  # damaged in transit: the second read is intact
+    with caplog.at_level(logging.WARNING, logger="elastic_ops.checkpoint"):
+        ref = store.latest()
+    assert ref is not None and ref.iteration == 20 and store.load(ref)["step"] == 2
+    assert backend.calls.count("damaged-read") == 1
+    assert any("reading it again" in r.getMessage() for r in caplog.records)
+    assert not any("skipping" in r.getMessage() for r in caplog.records)
+    backend.damaged_reads = 2  # damaged every time: the checkpoint is skipped
+    ref = CheckpointStore(backend).latest()
+    assert ref is not None and ref.iteration == 10
+
+
 class _PagedClient:
     """list_objects_v2 in pages of two, as S3 answers past MaxKeys."""
 
@@ -192,3 +218,37 @@ def test_own_client_skips_crc_and_the_store_still_catches_damage(
     assert any(
         "it-00000020" in r.getMessage() and "fails verification" in r.getMessage() for r in caplog.records
     )
+
+
+class _CrcFailing:
+    """A client whose downloads of data objects fail botocore's CRC32 check ``times`` times."""
+
+    def __init__(self, client: Any, times: int) -> None:
+        self._client, self.times, self.failed = client, times, 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+    def get_object(self, **params: Any) -> Any:
+        if params["Key"].endswith("state.pt") and self.failed < self.times:
+            self.failed += 1
+            raise bce.FlexibleChecksumError(error_msg="Expected checksum AAAA did not match BBBB")
+        return self._client.get_object(**params)
+
+
+@pytest.mark.parametrize(("times", "expected"), [(1, 20), (2, 10)], ids=["on-the-way", "at-rest"])
+def test_crc_mismatch_of_a_default_client_is_reread_then_damage(
+    s3_endpoint: S3Endpoint, caplog: pytest.LogCaptureFixture, times: int, expected: int
+) -> None:
+    client = _CrcFailing(s3_endpoint.client(), times)
+    store = CheckpointStore(S3Backend(s3_endpoint.bucket, "job", client=client))
+    store.save(10, small_state(1), epoch=1, spec_hash="h")
+    store.save(20, small_state(2), epoch=1, spec_hash="h")
+    store.wait()
+    with caplog.at_level(logging.WARNING, logger="elastic_ops.checkpoint"):
+        ref = store.latest()
+    assert ref is not None and ref.iteration == expected
+    assert store.load(ref)["step"] == expected // 10
+    assert client.failed == times
+    skipped = [r.getMessage() for r in caplog.records if "skipping damaged" in r.getMessage()]
+    assert len(skipped) == (times - 1) and all("checksum S3 stored" in m for m in skipped)
