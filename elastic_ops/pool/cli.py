@@ -63,6 +63,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     p.set_defaults(func=_events)
 
+    p = psub.add_parser(
+        "prune-events", help="delete events older than DAYS (a job holding a lease keeps its events)"
+    )
+    p.add_argument("--older-than-days", type=float, required=True, metavar="DAYS")
+    p.set_defaults(func=_prune_events)
+
     sim = sub.add_parser("simulate", help="replay a workload trace through the pool policies")
     src = sim.add_mutually_exclusive_group(required=True)
     src.add_argument("--workload", help="workload CSV (name,time,application,num_replicas,batch_size)")
@@ -186,6 +192,15 @@ def _events(args: argparse.Namespace) -> None:
             f"{e['id']:>6} {ts} {e['kind']:<8} {who:<20} workers={e['workers']} epoch={e['epoch']} "
             f"slots=[{slots}] {e['reason']}"
         )
+
+
+def _prune_events(args: argparse.Namespace) -> None:
+    days = args.older_than_days
+    if not days > 0:  # also NaN
+        from elastic_ops.errors import SpecError
+
+        raise SpecError("--older-than-days", days, "must be a positive number of days")
+    print(f"deleted {_client(args).prune_events(days * 86400.0)} events older than {days:g} days")
 
 
 def _simulate(args: argparse.Namespace) -> int:

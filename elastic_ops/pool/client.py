@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from sqlalchemy import Connection, create_engine, delete, event, insert, select, update
+from sqlalchemy import Connection, create_engine, delete, event, insert, or_, select, update
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, OperationalError
 
@@ -607,6 +607,31 @@ class PoolClient:
             ]
 
         return self._tx(op, lock=False)
+
+    def prune_events(self, older_than_s: float) -> int:
+        """Delete events older than ``older_than_s`` seconds; returns how many went.
+
+        Events of a job that holds a live lease are kept whatever their age, so the log still
+        explains every slot held now (replaying it gives the current allocation).
+        """
+        if (
+            isinstance(older_than_s, bool)
+            or not isinstance(older_than_s, int | float)
+            or not 0 < older_than_s < float("inf")
+        ):
+            raise SpecError("older_than_s", older_than_s, "must be a positive number of seconds")
+
+        def op(conn, now):
+            live = select(s.leases.c.job).where(s.leases.c.ended.is_(None))
+            gone = conn.execute(
+                delete(s.events).where(
+                    s.events.c.ts < now - older_than_s,
+                    or_(s.events.c.job.is_(None), s.events.c.job.not_in(live)),
+                )
+            )
+            return int(gone.rowcount or 0)
+
+        return self._tx(op)
 
     # --- internals -----------------------------------------------------------------------
 

@@ -48,3 +48,13 @@ def test_pool_url_flag_and_clear_errors(tmp_path, capsys):
     assert "unknown job 'ghost'" in capsys.readouterr().out
     assert run(["pool", "--pool-url", url, "configure", "--policy", "nope"]) == 2
     assert "known policies" in capsys.readouterr().out
+
+
+def test_prune_events_command(sqlite_url, monkeypatch, capsys):
+    monkeypatch.setenv("ELASTIC_OPS_POOL_URL", sqlite_url)
+    assert run(["pool", "add-host", "gpu-0", "8"]) == 0
+    capsys.readouterr()
+    assert run(["pool", "prune-events", "--older-than-days", "1"]) == 0
+    assert capsys.readouterr().out.strip() == "deleted 0 events older than 1 days"
+    assert run(["pool", "prune-events", "--older-than-days", "0"]) == 2
+    assert "--older-than-days=0.0: must be a positive number of days" in capsys.readouterr().out

@@ -244,3 +244,27 @@ def test_a_pool_large_enough_for_the_vectorised_policy_stays_consistent(ledger_u
             assert set(map(tuple, g.placements)) <= {s for s, j in owner.items() if j == job}, job
     finally:
         pool.close()
+
+
+def test_pruning_old_events_keeps_what_explains_the_slots_held_now(pool, clock):
+    pool.configure(lease_ttl_s=10_000)  # "a" keeps its lease over the hour
+    a = grant(pool, "a", max_workers=2)
+    b = grant(pool, "b", max_workers=2)
+    pool.release("b", b.epoch, finished=True)
+    clock.advance(3600)
+    grant(pool, "c", max_workers=2)  # recent: kept
+    before = held_now(pool.events())
+    assert pool.prune_events(1800) > 0
+    events = pool.events()
+    assert not [e for e in events if e["job"] == "b"]  # finished and old: gone
+    assert not [e for e in events if e["job"] is None]  # old host events: gone
+    assert {e["job"] for e in events} == {"a", "c"} and held_now(events) == before
+    replay(events)  # still a consistent history: no slot held twice, none freed by a stranger
+    pool.check_epoch("a", a.epoch)  # the live lease is untouched (raises if not)
+    assert pool.prune_events(1800) == 0
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), True, "1d"])
+def test_pruning_needs_a_positive_age(pool, bad):
+    with pytest.raises(SpecError, match="older_than_s"):
+        pool.prune_events(bad)
