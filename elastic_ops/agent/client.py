@@ -16,6 +16,7 @@ from elastic_ops.agent.protocol import (
     AgentUnavailableError,
     MessageReader,
     StoreConfig,
+    applied_from_wire,
     check_socket_path,
     encode,
     error_from_wire,
@@ -110,7 +111,7 @@ class AgentClient:
         wanted: Callable[[], int],
         warm_start: StoreConfig | None = None,
         on_progress: Callable[[AgentProgress], None] | None = None,
-        on_applied: Callable[[int, int], None] | None = None,
+        on_applied: Callable[[int, int, tuple[int, ...] | None], None] | None = None,
         poll_s: float = POLL_S,
         slots: Callable[[], Sequence[int]] | None = None,
     ) -> ChunkResult:
@@ -119,8 +120,9 @@ class AgentClient:
         ``wanted()`` is the pool's current target (0 = preempt); it is sent to the agent whenever
         it changes, with ``slots()`` (called right after it: the GPU slots on this host that come
         with that target; ``None``: the agent's workers take its visible GPUs in order).
-        ``on_applied(iteration, workers)`` is called when a new worker count starts at a boundary
-        (the previous segment's workers have exited). Raises :class:`AgentUnavailableError` if
+        ``on_applied(iteration, workers, slots)`` is called when a new worker count, or the same
+        count on other slots (``None`` when the run had no slots), starts at a boundary (the
+        previous segment's workers have exited). Raises :class:`AgentUnavailableError` if
         no agent accepts the connection (nothing ran; the caller may run the chunk itself), the
         chunk's own ``elastic_ops`` error as the runtime raised it, or :class:`WorkerLostError`
         if the agent went away mid-chunk (its workers went with it).
@@ -186,8 +188,9 @@ class AgentClient:
                             )
                         )
                 elif kind == "applied":
+                    applied = applied_from_wire(msg)
                     if on_applied is not None:
-                        on_applied(int(msg["iteration"]), int(msg["workers"]))
+                        on_applied(*applied)
                 elif kind == "result":
                     return result_from_wire(msg.get("result"))
                 elif kind == "error":

@@ -23,7 +23,9 @@ Agent → client::
     {"type": "latest", "iteration": 40 | null, "uri": "..." | null}
     {"type": "progress", "iteration": i, "end": e, "loss": x, "workers": n,
      "samples_per_sec": r, "eta_s": s}
-    {"type": "applied", "iteration": i, "workers": n}  # n workers start at boundary i (old ones exited)
+    {"type": "applied", "iteration": i, "workers": n, "slots": [4, 5] | null}
+        # n workers start at boundary i on those slots (old ones exited): sent when the count or
+        # the slots change (a move to other slots at the same count, e.g. off a draining host)
     {"type": "result", "result": {...ChunkResult.to_dict()}}
     {"type": "error", "class": "WorkerLostError", "message": "...", "hint": ..., "retryable": true,
      "attrs": {"host": "h1"}, "traceback": "..."}
@@ -153,6 +155,15 @@ def require_slots(msg: dict[str, Any], key: str = "slots") -> tuple[int, ...] | 
     if len(set(value)) < len(value):
         raise SpecError(key, value, allowed)
     return tuple(value)
+
+
+def applied_from_wire(msg: dict[str, Any]) -> tuple[int, int, tuple[int, ...] | None]:
+    """``(iteration, workers, slots)`` of an agent's ``applied`` message; a malformed one raises
+    :class:`AgentProtocolError` (the agent broke the protocol, nothing the task sent was wrong)."""
+    try:
+        return require_int(msg, "iteration"), require_int(msg, "workers", 1), require_slots(msg)
+    except SpecError as exc:
+        raise AgentProtocolError(f"malformed 'applied' message from the agent: {exc}") from None
 
 
 @dataclasses.dataclass(frozen=True)

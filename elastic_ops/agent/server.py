@@ -123,8 +123,11 @@ class ChunkSession:
         self.launcher = AbortableLauncher(launcher)
         self._last_progress = float("-inf")
         self.request = self._validate(request)
-        self.wanted = self.applied = self.request["workers"]
+        self.wanted = self.request["workers"]
         self.wanted_slots = self.taken_slots = self.request["slots"]
+        # (workers, slots) of the running segment as last told to the task: none yet, so the
+        # first segment is announced too (the task learns the slots it runs on)
+        self.applied: tuple[int, list[int] | None] | None = None
 
     @staticmethod
     def _validate(req: dict[str, Any]) -> dict[str, Any]:
@@ -168,13 +171,15 @@ class ChunkSession:
             self.taken_slots = self.wanted_slots
             return self.wanted
 
-    def segment(self, iteration: int, workers: int) -> None:
-        """``workers`` start at ``iteration``, the previous segment's have exited: tell the task,
-        whose lease keeper then reports the count (a shrink's slots are free only now)."""
+    def segment(self, iteration: int, workers: int, slots: tuple[int, ...] | None = None) -> None:
+        """``workers`` start at ``iteration`` on ``slots``, the previous segment's have exited:
+        tell the task, whose lease keeper then reports count and slots (the slots a shrink or a
+        move gave up are free only now)."""
+        running = (workers, None if slots is None else list(slots))
         with self._lock:
-            changed, self.applied = workers != self.applied, workers
+            changed, self.applied = running != self.applied, running
         if changed:
-            self.send({"type": "applied", "iteration": iteration, "workers": workers})
+            self.send({"type": "applied", "iteration": iteration, "workers": workers, "slots": running[1]})
 
     def slots(self) -> tuple[int, ...]:
         """The slots that came with the target :meth:`target` last returned (same thread, right

@@ -12,7 +12,9 @@ it and logs its progress; the agent's error comes back as the same ``elastic_ops
 so retry classification is unchanged. Without it, or when no agent answers there, the chunk runs
 in the task process (the log says which). The agent path never imports torch in the task.
 Either way the runner gets the slots the grant (then every heartbeat) names on this task's host,
-so CUDA workers run on those GPUs, not on the host's first ones.
+so CUDA workers run on those GPUs, not on the host's first ones; a move to other slots at the same
+count (a drained host) relaunches them at the next boundary, and the lease then reports the slots
+they run on, so the pool frees the old ones at once.
 """
 
 from __future__ import annotations
@@ -282,8 +284,8 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
         return run_chunk(
             spec, state["start"], state["end"], target=keeper.target, store=store, epoch=epoch,
             on_progress=on_progress, host=host, warm_start=warm_start, warm_start_store=warm_store,
-            slots=keeper.slots,  # workers on the GPUs granted on this host (CUDA)
-            on_segment=keeper.applied,  # report a shrink once the old workers have exited
+            slots=keeper.slots,  # workers on the GPUs granted on this host (a move relaunches them)
+            on_segment=keeper.applied,  # report a shrink or move once the old workers have exited
         )
 
     def _release(self, client: Any, job: str, epoch: int, finished: bool = False) -> None:

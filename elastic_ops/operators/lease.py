@@ -12,6 +12,12 @@ ones on this task's host, to the runner, so workers run on the GPUs the job was 
 The slots a shrink gives up are still the job's in the ledger until a heartbeat reports the
 smaller count, and the new segment never uses them: they are the ones the pool hands to the
 next job.
+
+Once a segment has started on known slots (:meth:`applied` with ``slots``, on a keeper that knows
+its host), every heartbeat also lists them (``placements=``): the pool then releases at once the
+slots its plan takes away that the running workers do not use (a move off a draining host, or a
+shrink), and keeps the ones they do use even when its target has moved on (a move the runner
+could not follow keeps the old slots this job's, so no other job is handed a busy GPU).
 """
 
 from __future__ import annotations
@@ -47,10 +53,11 @@ class LeaseKeeper:
         self.host = host
         self.interval_s = max(0.05, float(interval_s))
         self._lock = threading.Lock()
-        self._wanted = workers     # what the pool wants
-        self._running = workers    # what the runner runs (reported by heartbeats)
+        self._wanted = workers  # what the pool wants
+        self._running = workers  # what the runner runs (reported by heartbeats)
         self._placements = tuple(placements)  # the slots of the pool's latest target
         self._taken = self._placements  # ...of the target last handed out by target()/wanted()
+        self._running_on: tuple[tuple[str, int], ...] | None = None  # the running segment's slots
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"lease-{job}", daemon=True)
@@ -85,21 +92,29 @@ class LeaseKeeper:
             taken = self._taken
         return tuple(slot for host, slot in taken if self.host is None or host == self.host)
 
-    def applied(self, iteration: int, workers: int) -> None:
-        """``workers`` start at boundary ``iteration`` (the previous segment's have exited):
-        report the new count now, so the pool can hand the slots a shrink freed to others."""
+    def applied(self, iteration: int, workers: int, slots: Sequence[int] | None = None) -> None:
+        """``workers`` start at boundary ``iteration`` on ``slots`` of this task's host (the
+        previous segment's workers have exited): report the new count, and the slots as
+        ``placements``, now, so the pool can hand the slots a shrink or a move freed to others.
+        ``slots=None`` (not known) reports the count only, as does a keeper without a host."""
+        placements = None
+        if slots is not None and self.host is not None:
+            placements = tuple((self.host, int(s)) for s in slots)
         with self._lock:
-            changed = workers != self._running
-            self._running = workers
+            changed = workers != self._running or placements != self._running_on
+            self._running, self._running_on = workers, placements
         if changed:
-            log.info("job %s: %d workers from iteration %d", self.job, workers, iteration)
+            where = "" if placements is None else f" on slots {[s for _, s in placements]} of {self.host}"
+            log.info("job %s: %d workers from iteration %d%s", self.job, workers, iteration, where)
             self._wake.set()
 
     def beat(self) -> None:
         with self._lock:
-            running = self._running
+            running, running_on = self._running, self._running_on
+        # placements only once known: before the first segment starts, the count alone decides
+        extra = {} if running_on is None else {"placements": running_on}
         try:
-            target = self.client.heartbeat(self.job, self.epoch, workers=running)
+            target = self.client.heartbeat(self.job, self.epoch, workers=running, **extra)
         except LeaseExpiredError as exc:
             log.warning("job %s: lease lost (%s); stopping at the next boundary", self.job, exc)
             self.lost = True

@@ -2,9 +2,10 @@
 
 ``run_chunk`` restores the latest committed checkpoint, then runs *segments*: one launch of
 ``N`` worker processes that train until the chunk's end or until the target for an iteration
-boundary differs from ``N``. Between segments the full training state moves through a staging
-file (``torch.save``, loaded with ``weights_only=True``) and the runner relaunches with the new
-count; target ``0`` commits a checkpoint and returns ``PREEMPTED``.
+boundary differs from ``N``, or (given ``slots``) names the same count on other slots: the pool
+moved the job, e.g. off a draining host. Between segments the full training state moves through
+a staging file (``torch.save``, loaded with ``weights_only=True``) and the runner relaunches with
+the new count on the new slots; target ``0`` commits a checkpoint and returns ``PREEMPTED``.
 
 A background *controller* thread follows rank 0 through the shared control channel
 (:mod:`elastic_ops.runtime.control`): it asks ``target(i)`` for boundaries up to
@@ -39,7 +40,7 @@ from elastic_ops.errors import (
     UserCodeError,
     WorkerLostError,
 )
-from elastic_ops.runtime.control import ControlChannel
+from elastic_ops.runtime.control import ControlChannel, count_of, moved
 from elastic_ops.runtime.launcher import LaunchRequest, LocalLauncher
 from elastic_ops.runtime.outcome import ChunkResult, ChunkStatus, Progress
 from elastic_ops.runtime.state import load_state, param_sha256, save_atomic
@@ -146,12 +147,15 @@ class _Runner:
         launcher: Any,
         workdir: Path,
         slots: Callable[[], Sequence[int]] | None = None,
-        on_segment: Callable[[int, int], None] | None = None,
+        on_segment: Callable[[int, int, tuple[int, ...] | None], None] | None = None,
     ) -> None:
         self.spec, self.start, self.end = spec, start, end
         self.on_segment = on_segment
         self.slots_fn = slots
         self.slots = _SlotsByBoundary()
+        self._noted: tuple[int, ...] = ()  # the slots that came with the last target()
+        self._stay_warned: tuple[int, ...] | None = None
+        self.device = _device(spec)
         self.target_fn, self.store, self.epoch = target, store, epoch
         self.on_progress, self.host, self.launcher, self.workdir = on_progress, host, launcher, workdir
         self.committer = _Committer(store, epoch, spec.spec_hash())
@@ -164,23 +168,56 @@ class _Runner:
         granted slots that came with it."""
         n = int(self.target_fn(iteration))
         if self.slots_fn is not None:
-            self.slots.note(iteration, tuple(self.slots_fn()))
+            self._noted = tuple(self.slots_fn())
+            self.slots.note(iteration, self._noted)
         if n <= 0:
             return 0
         return max(self.spec.min_workers, min(self.spec.max_workers, n))
 
+    def decide(self, iteration: int, workers: int, slots: tuple[int, ...] | None) -> int:
+        """What the control channel gets for boundary ``iteration`` of a segment running
+        ``workers`` on ``slots``: the target's count, or :func:`moved` of it when the pool wants
+        the same count on other slots (the workers end the segment there and are relaunched)."""
+        n = self.target(iteration)
+        if n != workers or slots is None or not self._moves(n, slots, self._noted):
+            return n
+        return moved(n)
+
+    def _moves(self, n: int, old: tuple[int, ...], new: tuple[int, ...]) -> bool:
+        # Only the slots the ranks use count, as a set: a reordered grant is not worth a relaunch.
+        if set(new[:n]) == set(old[:n]):
+            return False
+        if self.device == "cuda" and len(new) < n:
+            # The pool placed (some of) the job on another host, where the local launcher cannot
+            # start workers. Stay on the GPUs in use: the lease keeps reporting them, so the pool
+            # keeps them this job's (no other job is handed a busy GPU) until the chunk ends.
+            if self._stay_warned != new:
+                self._stay_warned = new
+                log.warning(
+                    "the pool moved %d worker(s) to slots %s, %d of them on this host: the workers "
+                    "stay on slots %s until the chunk ends (the local launcher starts workers on "
+                    "this host only)",
+                    n,
+                    list(new),
+                    len(new),
+                    list(old[:n]),
+                )
+            return False
+        return True
+
     # --- one segment ------------------------------------------------------------------------
 
-    def run_segment(self, index: int, it: int, workers: int, state_path: str | None) -> _Segment:
+    def run_segment(
+        self, index: int, it: int, workers: int, state_path: str | None, launch_slots: tuple[int, ...] | None
+    ) -> _Segment:
         segdir = self.workdir / f"seg-{index}"
         segdir.mkdir(parents=True)
-        launch_slots = self.slots.at(it) if self.slots_fn is not None else None
         length = self.end - it + 1
         chan = ControlChannel(segdir, length, create=True)
         chan.decide(0, workers)
         for j in range(1, LOOKAHEAD + 1):
             if not chan.decided(j):
-                chan.decide(j, self.target(it + j))
+                chan.decide(j, self.decide(it + j, workers, launch_slots))
         store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         cfg = {
             "spec": self.spec.to_dict(),
@@ -200,7 +237,7 @@ class _Runner:
             segment=index,
             log_dir=segdir / "logs",
             env={"ELASTIC_OPS_SEGMENT": str(segdir / "segment.json")},
-            device=_device(self.spec),
+            device=self.device,
             threads_per_worker=self.spec.threads_per_worker,
             slots=launch_slots,
         )
@@ -208,7 +245,7 @@ class _Runner:
         errors: list[BaseException] = []
         ctl = threading.Thread(
             target=self._control,
-            args=(chan, it, workers, stop, errors, segdir),
+            args=(chan, it, workers, launch_slots, stop, errors, segdir),
             name="elastic-ops-control",
             daemon=True,
         )
@@ -240,7 +277,7 @@ class _Runner:
         info = json.loads((segdir / "result.json").read_text())
         return _Segment(
             iteration=info["iteration"],
-            next_workers=info["next_workers"],
+            next_workers=count_of(info["next_workers"]),
             state_path=info["state_path"],
             loss=info["loss"],
             evaluation=info["evaluation"],
@@ -253,6 +290,7 @@ class _Runner:
         chan: ControlChannel,
         start: int,
         workers: int,
+        slots: tuple[int, ...] | None,
         stop: threading.Event,
         errors: list[BaseException],
         segdir: Path,
@@ -276,7 +314,7 @@ class _Runner:
                 for j in range(base + 1, min(base + ahead, chan.length - 2) + 1):
                     if chan.decided(j):
                         continue
-                    chan.decide(j, self.target(start + j))
+                    chan.decide(j, self.decide(start + j, workers, slots))
                 if finished:
                     return
                 time.sleep(POLL_S)
@@ -361,11 +399,19 @@ class _Runner:
         while True:
             if workers == 0:
                 return self._preempted(it, last)
+            slots = self.slots.at(it) if self.slots_fn is not None else None
             self.timeline.append((it, workers, time.time()))
             if self.on_segment is not None:
-                self.on_segment(it, workers)
-            log.info("segment %d: iterations %d..%d with %d worker(s)", index, it, self.end, workers)
-            last = self.run_segment(index, it, workers, state_path)
+                self.on_segment(it, workers, slots)
+            log.info(
+                "segment %d: iterations %d..%d with %d worker(s)%s",
+                index,
+                it,
+                self.end,
+                workers,
+                "" if slots is None else f" on slots {list(slots[:workers])}",
+            )
+            last = self.run_segment(index, it, workers, state_path, slots)
             segments.append(last)
             index += 1
             it, state_path, workers = last.iteration, last.state_path, last.next_workers
@@ -463,7 +509,7 @@ def run_chunk(
     workdir: str | Path | None = None,
     warm_start_store: Any = None,
     slots: Callable[[], Sequence[int]] | None = None,
-    on_segment: Callable[[int, int], None] | None = None,
+    on_segment: Callable[[int, int, tuple[int, ...] | None], None] | None = None,
 ) -> ChunkResult:
     """Train iterations ``[start, end)`` from the latest committed checkpoint; see the module doc.
 
@@ -477,8 +523,15 @@ def run_chunk(
     returned (called right after each ``target(i)``, from the same thread); on CUDA, rank r of
     a segment launched at boundary ``i`` runs on the r-th slot noted with ``target(i)`` (see
     :func:`elastic_ops.runtime.launcher.slot_gpus`). ``None``: ranks take the visible GPUs in order.
-    ``on_segment(i, n)`` is called when ``n`` workers are about to start at boundary ``i``, after
-    the previous segment's workers have exited: the moment a shrink has really given its slots
+    When the slots noted with a boundary's target differ from the running segment's (as a set,
+    the ranks' ones) at the same count, the segment ends there and the same count is relaunched
+    on the new slots, on CPU too (there the slots are the pool's bookkeeping; the move costs one
+    relaunch). On CUDA, a move that leaves fewer slots on this host than workers (the pool placed
+    the job on another host, which the local launcher cannot reach) is not followed: the workers
+    stay on their GPUs, with a warning, until the chunk ends.
+    ``on_segment(i, n, slots)`` is called when ``n`` workers are about to start at boundary ``i``
+    on ``slots`` (those noted with ``target(i)``; ``None`` without ``slots``), after the previous
+    segment's workers have exited: the moment a shrink or a move has really given its old slots
     up, so the caller reports it to the pool then (not when ``target`` announced it).
     """
     _check_range(spec, start, end)

@@ -8,7 +8,10 @@ them for the cost of a memory load. Each value is written once, before anybody r
 (``-1`` means "not decided yet"), so every rank reads the same target at the same boundary.
 
 Layout (``int64``): ``[0]`` = last boundary rank 0 reached (relative to the segment start,
-``-1`` before the first), ``[1]`` reserved, ``[2 + j]`` = target for boundary ``start + j``.
+``-1`` before the first), ``[1]`` reserved, ``[2 + j]`` = target for boundary ``start + j``: a
+worker count (``0`` = preempt), or :func:`moved` of one (the same count on other slots: a
+relaunch). Workers end the segment at any value other than their own count and hand it back as
+``next_workers``; the runner reads the count with :func:`count_of`.
 A second ``float64`` array holds one row ``(loss, unix_time, cursor)`` per boundary; rank 0
 writes the row before publishing the boundary in ``[0]``.
 """
@@ -22,6 +25,17 @@ import numpy as np
 
 UNDECIDED = -1
 _HEADER = 2
+MOVED = 1 << 32  # above any worker count (MAX_WORKERS_LIMIT): "same count, relaunch on new slots"
+
+
+def moved(workers: int) -> int:
+    """The decision "relaunch ``workers`` workers on other slots" (differs from every count)."""
+    return MOVED + workers
+
+
+def count_of(value: int) -> int:
+    """The worker count of a decision (plain or :func:`moved`)."""
+    return value - MOVED if value >= MOVED else value
 
 
 class ControlChannel:

@@ -75,7 +75,7 @@ def test_a_chunk_on_the_agent_equals_the_same_chunk_in_process(agent, tmp_path, 
 def test_a_target_change_reaches_the_workers_through_the_agent(agent, tmp_path, reference):
     spec = make_spec(tmp_path)
     seen: list[int] = []
-    applied: list[tuple[int, int]] = []
+    applied: list[tuple[int, int, tuple[int, ...] | None]] = []
 
     def wanted() -> int:  # the pool grows the job once it has trained 8 iterations
         return 2 if seen and seen[-1] >= 8 else 1
@@ -85,11 +85,12 @@ def test_a_target_change_reaches_the_workers_through_the_agent(agent, tmp_path, 
         spec,
         wanted=wanted,
         on_progress=lambda p: seen.append(p.iteration),
-        on_applied=lambda i, n: applied.append((i, n)),
+        on_applied=lambda i, n, slots: applied.append((i, n, slots)),
     )
     counts = [n for _, n, _ in result.workers_timeline]
     assert counts[0] == 1 and counts[-1] == 2, result.workers_timeline
-    assert applied and applied[0][1] == 2 and applied[0][0] == result.workers_timeline[-1][0]
+    # every segment start is announced (the first one too); no slots were granted here
+    assert applied == [(0, 1, None), (result.workers_timeline[-1][0], 2, None)]
     assert result.param_sha256 == reference  # bitwise: the rescale changes nothing
 
 
@@ -124,6 +125,44 @@ def test_the_granted_slots_travel_with_each_target_to_the_launch(tmp_path):
         assert [r.slots for r in launcher.requests] == [None]
 
 
+def test_a_same_count_move_relaunches_on_the_agent_and_is_announced_with_its_slots(tmp_path, reference):
+    spec = make_spec(tmp_path)
+    seen: list[int] = []
+    applied: list[tuple[int, int, tuple[int, ...] | None]] = []
+    launcher = RecordingLauncher()
+
+    def slots() -> list[int]:  # 2 workers throughout; after 8 iterations the pool moves them
+        return [3, 2] if seen and seen[-1] >= 8 else [0, 1]
+
+    with running_agent(tmp_path / "agent", launcher=launcher, warm=False) as agent:
+        result = run_on(
+            agent,
+            spec,
+            wanted=lambda: 2,
+            slots=slots,
+            on_progress=lambda p: seen.append(p.iteration),
+            on_applied=lambda i, n, s: applied.append((i, n, s)),
+        )
+    assert result.status == ChunkStatus.COMPLETED and result.param_sha256 == reference
+    assert [(r.workers, r.slots) for r in launcher.requests] == [(2, (0, 1)), (2, (3, 2))]
+    moved_at = result.workers_timeline[-1][0]
+    assert applied == [(0, 2, (0, 1)), (moved_at, 2, (3, 2))] and moved_at > 8
+
+
+def test_a_malformed_applied_message_is_a_protocol_error():
+    from elastic_ops.agent.protocol import applied_from_wire
+
+    assert applied_from_wire({"iteration": 4, "workers": 2, "slots": [1, 0]}) == (4, 2, (1, 0))
+    assert applied_from_wire({"iteration": 4, "workers": 2, "slots": None}) == (4, 2, None)
+    for bad in (
+        {"iteration": 4, "workers": 0},
+        {"workers": 2},
+        {"iteration": 4, "workers": 2, "slots": [1, 1]},
+    ):
+        with pytest.raises(AgentProtocolError, match="malformed 'applied' message"):
+            applied_from_wire(bad)
+
+
 def test_slots_on_the_wire_are_validated(agent, tmp_path):
     spec = make_spec(tmp_path)
     for bad in ([1, 1], [-1]):
@@ -145,7 +184,7 @@ def test_slots_on_the_wire_are_validated(agent, tmp_path):
 
     reader = MessageReader(sock)
     msg = reader.read(timeout=120)
-    while msg is not None and msg["type"] == "progress":
+    while msg is not None and msg["type"] in ("progress", "applied"):
         msg = reader.read(timeout=120)
     sock.close()
     err = error_from_wire(msg)
@@ -207,8 +246,8 @@ def test_a_task_that_disconnects_mid_chunk_leaves_no_workers_and_an_intact_check
     reader = MessageReader(sock)
     while True:  # train past a few committed checkpoints
         msg = reader.read(timeout=120)
-        assert msg is not None and msg["type"] == "progress", msg
-        if msg["iteration"] >= 35:
+        assert msg is not None and msg["type"] in ("progress", "applied"), msg
+        if msg["type"] == "progress" and msg["iteration"] >= 35:
             break
     (session,) = agent.sessions.values()
     pids = [pid for pc in session.launcher._contexts for pid in pc.pids().values()]
@@ -295,7 +334,8 @@ def test_a_run_request_with_bad_fields_names_the_field(agent, tmp_path):
             wanted=lambda: 1,
         )
     assert err.value.field == "max_workers"
-    assert AgentClient(agent.path).ping()["chunks"] == 0
+    # the session ends just after its error is sent (it joins its reader thread first)
+    wait_for("the refused chunks to end", lambda: AgentClient(agent.path).ping()["chunks"] == 0)
 
 
 def test_the_socket_is_private_to_its_user(agent):

@@ -17,7 +17,8 @@ from elastic_ops.errors import (
     WorkerLostError,
 )
 from elastic_ops.runtime import ChunkStatus, Schedule, run_chunk, run_job
-from elastic_ops.runtime.chunk import _killed_ranks
+from elastic_ops.runtime.chunk import _killed_ranks, _Runner
+from elastic_ops.runtime.control import count_of, moved
 from elastic_ops.runtime.data_order import stream_slice
 from tests.runtime.builders import RecordingLauncher, make_spec
 
@@ -201,6 +202,73 @@ def test_the_granted_slots_reach_every_launch_request(tmp_path):
     assert [r.slots for r in plain.requests] == [None]
 
 
+class _Move:
+    """A lease the pool moves: 2 workers on slots 0 and 1, from boundary 10 the same count on
+    slots 3 and 2 (e.g. off a draining host), from 20 those slots in another order."""
+
+    def __init__(self) -> None:
+        self.at = 0
+
+    def target(self, iteration: int) -> int:
+        self.at = iteration
+        return 2
+
+    def slots(self) -> tuple[int, ...]:
+        return (0, 1) if self.at < 10 else (3, 2) if self.at < 20 else (2, 3)
+
+
+def test_a_same_count_move_relaunches_on_the_new_slots_and_changes_nothing(tmp_path, reference):
+    lease, launcher, started = _Move(), RecordingLauncher(), []
+    result = run_chunk(
+        make_spec(tmp_path),
+        0,
+        30,
+        target=lease.target,
+        slots=lease.slots,
+        launcher=launcher,
+        on_segment=lambda i, n, slots: started.append((i, n, slots)),
+    )
+    assert result.status is ChunkStatus.COMPLETED and result.iteration == 30
+    # the move ends the segment at boundary 10; a mere reorder (boundary 20) does not
+    assert [(r.workers, r.slots) for r in launcher.requests] == [(2, (0, 1)), (2, (3, 2))]
+    assert started == [(0, 2, (0, 1)), (10, 2, (3, 2))]
+    assert [(i, n) for i, n, _ in result.workers_timeline] == [(0, 2), (10, 2)]
+    assert result.param_sha256 == reference["bitwise"]  # bitwise: the relaunch changes nothing
+
+
+def test_a_move_off_this_host_is_followed_on_cpu_and_not_on_cuda(tmp_path):
+    """On CUDA the local launcher cannot start workers on another host's slots: the workers stay
+    on their GPUs (and the lease keeps reporting them) instead of failing at the relaunch."""
+    granted = {"slots": (0, 1)}
+    runner = _Runner(
+        make_spec(tmp_path),
+        0,
+        30,
+        lambda i: 2,
+        None,
+        0,
+        None,
+        "h",
+        None,
+        tmp_path,
+        slots=lambda: granted["slots"],
+    )
+    try:
+        runner.device = "cpu"
+        granted["slots"] = ()  # the whole grant is on another host now
+        assert runner.decide(10, 2, (0, 1)) == moved(2)  # CPU slots are bookkeeping: follow
+        runner.device = "cuda"
+        assert runner.decide(10, 2, (0, 1)) == 2  # stay: nothing here to relaunch on
+        granted["slots"] = (1, 5)  # a move on this host: followed on CUDA too
+        assert runner.decide(11, 2, (0, 1)) == moved(2)
+        granted["slots"] = (1, 0)  # the same GPUs: no relaunch
+        assert runner.decide(12, 2, (0, 1)) == 2
+        assert runner.decide(13, 1, (0, 1)) == 2  # a count change is a plain decision
+        assert count_of(moved(2)) == 2 and count_of(0) == 0 and moved(1) > 4096
+    finally:
+        runner.committer.close()
+
+
 class _PidsLauncher(RecordingLauncher):
     """Also keeps the worker pids of every launch."""
 
@@ -218,12 +286,19 @@ def test_a_new_count_is_announced_only_after_the_old_workers_exited(tmp_path):
     # The lease reports a shrink when on_segment fires: the slots it gives up must be empty then.
     launcher, calls = _PidsLauncher(), []
 
-    def on_segment(iteration: int, workers: int) -> None:
+    def on_segment(iteration: int, workers: int, slots) -> None:
+        assert slots is None  # no slots= given
         earlier = [pid for pids in launcher.pids for pid in pids]
         calls.append((iteration, workers, [pid for pid in earlier if psutil.pid_exists(pid)]))
 
-    run_chunk(make_spec(tmp_path), 0, 30, target=lambda i: 2 if i < 10 else 1, launcher=launcher,
-              on_segment=on_segment)
+    run_chunk(
+        make_spec(tmp_path),
+        0,
+        30,
+        target=lambda i: 2 if i < 10 else 1,
+        launcher=launcher,
+        on_segment=on_segment,
+    )
     assert calls == [(0, 2, []), (10, 1, [])]
     assert [r.workers for r in launcher.requests] == [2, 1]
 
