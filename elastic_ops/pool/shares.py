@@ -60,30 +60,34 @@ def _smallest(keys: np.ndarray, k: int) -> np.ndarray:
 
 def _solve_lambda(lo: np.ndarray, hi: np.ndarray, w: np.ndarray, capacity: float) -> float:
     """The λ with ``sum(clip(w λ, lo, hi)) == capacity``: the total is piecewise linear and
-    nondecreasing in λ, so sort the breakpoints, find the segment by cumulative sums, and solve
-    that segment exactly (vectorised: O(n log n))."""
-    starts, ends = lo / w, hi / w
-    # Tie order does not matter: the sums below run over whole groups of tied breakpoints.
-    by_start, by_end = np.argsort(starts), np.argsort(ends)
-    s_sorted, e_sorted = starts[by_start], ends[by_end]
-    zero = np.zeros(1)
-    lo_cum = np.concatenate([zero, np.cumsum(lo[by_start])])
-    ws_cum = np.concatenate([zero, np.cumsum(w[by_start])])
-    hi_cum = np.concatenate([zero, np.cumsum(hi[by_end])])
-    we_cum = np.concatenate([zero, np.cumsum(w[by_end])])
-    # Sorted breakpoints, repeats kept: a repeated point has the same total as its twin, so
-    # the segment found below is the one between distinct points either way (cheaper than unique).
-    points = np.sort(np.concatenate([starts, ends]))
-    i_s = np.searchsorted(s_sorted, points, side="right")  # jobs whose share has started growing
-    i_e = np.searchsorted(e_sorted, points, side="right")  # jobs already at their cap
-    totals = (lo_cum[-1] - lo_cum[i_s]) + (ws_cum[i_s] - we_cum[i_e]) * points + hi_cum[i_e]
-    k = int(np.searchsorted(totals, capacity))
-    if k == 0:
+    nondecreasing in λ with breakpoints ``lo/w`` and ``hi/w``; a binary search over the
+    distinct sorted breakpoints finds the segment where it reaches ``capacity`` (O(log n)
+    evaluations of the total, each one vectorised pass), and that segment is solved exactly.
+
+    Each evaluation sums the same clipped terms in the same order, and rounding is monotone,
+    so the computed total is nondecreasing in λ too and the search is well defined. (Cheaper
+    than totals at every breakpoint from sorted cumulative sums: that needs two argsorts and
+    two searchsorted passes over all breakpoints; the distinct breakpoints are usually few.)
+    """
+    points = np.unique(np.concatenate([lo / w, hi / w]))
+
+    def total(lam: float) -> float:
+        return float(np.clip(w * lam, lo, hi).sum())
+
+    a, b = 0, len(points)  # the first k with total(points[k]) >= capacity lies in [a, b]
+    while a < b:
+        mid = (a + b) // 2
+        if total(points[mid]) >= capacity:
+            b = mid
+        else:
+            a = mid + 1
+    if a == 0:
         return float(points[0])
-    if k >= len(points):
+    if a == len(points):
         return float(points[-1])
-    p0, p1, t0, t1 = points[k - 1], points[k], totals[k - 1], totals[k]
-    return float(p0 + (p1 - p0) * (capacity - t0) / (t1 - t0)) if t1 > t0 else float(p1)
+    p0, p1 = float(points[a - 1]), float(points[a])
+    t0, t1 = total(p0), total(p1)
+    return p0 + (p1 - p0) * (capacity - t0) / (t1 - t0) if t1 > t0 else p1
 
 
 def strict_fill(mins: Sequence[int], caps: Sequence[int], classes: Sequence[int], capacity: int) -> list[int]:
