@@ -43,7 +43,7 @@ snapshots); ``tests/pool/test_policy_reference.py`` checks that both give the sa
 from __future__ import annotations
 
 import gc
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from collections.abc import Callable
 from itertools import chain, compress, repeat
 from operator import attrgetter, itemgetter
@@ -258,7 +258,7 @@ class _Free:
         ``count_for(avoid) >= n``."""
         if n <= 0:
             return None
-        if not own and not avoid:
+        if not own and not avoid and n > WALK_MAX:
             return self.take_next(n)
         starts, sizes = self.run_start, self.run_size
         pos, end, front, left = self.pos, self.end, self.front, n
@@ -299,9 +299,17 @@ class _Free:
         return None
 
     def take_next(self, n: int) -> None:
-        """Append the next ``n`` free positions in host-name order (no own or avoided hosts):
-        a scan of ``used`` from ``front``, whatever the number of hosts it crosses. ``used``
-        is brought up to date first with what :meth:`take` handed out since the last scan."""
+        """Append the next ``n`` free positions in host-name order (no own or avoided hosts).
+        Up to :data:`WALK_MAX` slots, :meth:`take`'s walk over the hosts (no numpy calls);
+        more, one :meth:`scan`, whatever the number of hosts it crosses."""
+        if n <= WALK_MAX:
+            return self.take(n, _NO_RANKS, _NONE)
+        return self.commit(self.scan(n))
+
+    def scan(self, n: int) -> np.ndarray:
+        """The next ``n`` free positions in host-name order, without handing them out: a scan
+        of ``used`` from ``front``, brought up to date first with what :meth:`take` handed out
+        since the last scan."""
         self._flush()
         got: list[np.ndarray] = []
         w, left, used = self.front, n, self.used
@@ -312,13 +320,29 @@ class _Free:
             got.append((np.flatnonzero(~used[w : w + size]) + w)[:left])
             left -= len(got[-1])
             w += size
-        taken = got[0] if len(got) == 1 else np.concatenate(got)
-        self._parts.append(taken)  # before the new ``front``: no need to mark them in ``used``
-        self.front = int(taken[-1]) + 1
-        self.total -= n
+        return got[0] if len(got) == 1 else np.concatenate(got)
+
+    def commit(self, taken: np.ndarray) -> None:
+        """Hand out ``taken``, a prefix of what :meth:`scan` just returned (nothing handed out
+        in between)."""
+        if len(taken) == 0:
+            return
+        self._parts.append(taken)  # every position before the new ``front`` is given out:
+        self.front = int(taken[-1]) + 1  # no need to mark them in ``used``
+        self.total -= len(taken)
+
+    def avoid_ids(self, avoid: frozenset[str]) -> set[int]:
+        """The host ids of the listed hosts among ``avoid``."""
+        ids = self.ids
+        return {ids[h] for h in avoid if h in ids}
 
 
 _NONE: frozenset[int] = frozenset()
+_NO_RANKS: list[int] = []
+# Up to this many slots, the next free slots in name order are found by walking the hosts in
+# Python rather than by a numpy scan of the bitmap (a few hosts of a few free slots each cost
+# less to walk than the scan's fixed cost of several numpy calls).
+WALK_MAX = 64
 _name = attrgetter("name")
 
 _index = itemgetter(1)
@@ -688,17 +712,22 @@ def _take_all(t: _Table, free: _Free, growing, need, perm, n_keep, n_new, reason
     A job with nothing kept and no avoided host takes the next free slots in host-name order,
     so a run of such jobs takes the next ``sum(need)`` free slots in one call and splits them in
     rank order -- the same slots as one call per job, without the per-job work (most newcomers
-    are such jobs). The run stops at the first job that would not get all it needs; that job and
-    every other (own hosts to fill first, hosts to avoid) go through :func:`_grow` one by one."""
+    are such jobs). A job with nothing kept that avoids hosts takes the same slots as such a job
+    unless one of them is on a host it avoids (it would skip that host's slots, and the jobs
+    after it would take them), so it joins the run; the run's slots are found first, and if a
+    job's share of them touches a host it avoids, the run ends before that job. The run also
+    stops at the first job that would not get all it needs; that job and every other (own hosts
+    to fill first) go through :func:`_grow` one by one."""
     kept = n_keep[growing]
-    alone = (kept == 0) & ~t.has_avoid[growing]
+    fresh = kept == 0
     # The kept hosts (ranks) of each growing job in its order, for take(): own[a[j]:a[j + 1]].
     first = free.first[growing]
     own = free.rank_of[free.host[perm[_ranges(first, first + kept)]]].tolist()
     a = np.concatenate([[0], np.cumsum(kept)]).tolist()
     kl, avoids = kept.tolist(), t.has_avoid[growing].tolist()
-    stops = np.append(np.flatnonzero(~alone), len(growing))
-    run_end = stops[np.searchsorted(stops, np.arange(len(growing)))].tolist()  # next job not alone
+    stops = np.append(np.flatnonzero(~fresh), len(growing))
+    run_end = stops[np.searchsorted(stops, np.arange(len(growing)))].tolist()  # next job not fresh
+    avoiding = np.flatnonzero(fresh & t.has_avoid[growing]).tolist()  # fresh jobs that avoid hosts
     cum = np.cumsum(need).tolist()
     gl, nl = growing.tolist(), need.tolist()
     j = 0
@@ -708,11 +737,16 @@ def _take_all(t: _Table, free: _Free, growing, need, perm, n_keep, n_new, reason
             base = cum[j - 1] if j else 0
             m = bisect_right(cum, base + free.total, j, r) - j  # jobs of the run that get all they need
             if m:
-                free.take_next(cum[j + m - 1] - base)
-                n_new[growing[j : j + m]] = need[j : j + m]
-                j += m
-                if j == r:
-                    continue
+                q = bisect_left(avoiding, j)
+                if q < len(avoiding) and avoiding[q] < j + m:
+                    m = _run_with_avoids(t, free, gl, cum, base, j, m, avoiding, q)
+                else:
+                    free.take_next(cum[j + m - 1] - base)
+                if m:
+                    n_new[growing[j : j + m]] = need[j : j + m]
+                    j += m
+                    if j == r:
+                        continue
         if free.total == 0:  # nothing left to give: the rest wait (or run on what they keep)
             _nothing_free(t, growing[j:], need[j:], n_keep, reasons, pending)
             return
@@ -723,6 +757,24 @@ def _take_all(t: _Table, free: _Free, growing, need, perm, n_keep, n_new, reason
         else:
             n_new[i], reasons[i] = _grow(t, i, want, kl[j], own[a[j] : a[j + 1]], reasons[i], free, pending)
         j += 1
+
+
+def _run_with_avoids(t: _Table, free: _Free, gl, cum, base: int, j: int, m: int, avoiding, q: int) -> int:
+    """Hand out the next free slots to the run of fresh jobs ``j .. j + m - 1`` (growing
+    positions; ``cum``: cumulative needs, ``base`` = ``cum[j - 1]``), up to the first of them
+    that avoids a host its share of those slots is on. Returns how many jobs were served."""
+    got = free.scan(cum[j + m - 1] - base)
+    host_of = free.host_of
+    while q < len(avoiding) and avoiding[q] < j + m:
+        k = avoiding[q]
+        lo = cum[k - 1] - base if k > j else 0
+        if not free.avoid_ids(t.avoid[gl[k]]).isdisjoint(host_of[got[lo : cum[k] - base]].tolist()):
+            m = k - j
+            break
+        q += 1
+    if m:
+        free.commit(got[: cum[j + m - 1] - base])
+    return m
 
 
 def _nothing_free(t: _Table, rest, need, n_keep, reasons: list[str], pending: int) -> None:

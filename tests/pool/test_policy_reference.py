@@ -154,3 +154,29 @@ def test_odd_host_lists_give_the_reference_plan(hosts):
         ],
     )
     _assert_same_plan(snap)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_fast_policies_match_the_reference_on_a_larger_busy_cluster(seed):
+    # Runs of newcomers long enough to be served by a scan of the free bitmap (more than
+    # policies.WALK_MAX slots) and short ones served by walking the hosts, both next to jobs
+    # that avoid hosts and jobs that fill their own hosts first.
+    _assert_same_plan(_scattered(100 + seed, n_jobs=1500, n_hosts=500))
+
+
+@pytest.mark.parametrize("big", [False, True])
+def test_a_newcomer_that_avoids_the_next_free_host_skips_it_in_a_run(big):
+    # Newcomers take the next free slots in host-name order as one run; the fourth avoids the
+    # host its share would land on, so it skips that host and the jobs after it take those
+    # slots (the run is cut before it and it is placed on its own).
+    n = 40 if big else 4  # jobs before it: a run of 16 or 160 slots
+    hosts = tuple(Host(f"h{i:03d}", 4) for i in range(4 * n + 8))
+    jobs = [Job(f"a{i:03d}", 4, 4, submitted=float(i)) for i in range(3 * n)]
+    avoid = frozenset({hosts[3 * n].name})
+    jobs.append(Job("b", 2, 2, avoid_hosts=avoid, submitted=float(3 * n)))
+    jobs += [Job(f"c{i:03d}", 3, 3, submitted=float(3 * n + 1 + i)) for i in range(3)]
+    snap = Snapshot(hosts, tuple(jobs), now=1000.0)
+    _assert_same_plan(snap)
+    new = VECTORISED["fairshare"](snap)["b"].placements
+    assert new and all(h not in avoid for h, _ in new)
+    assert VECTORISED["fairshare"](snap)["c000"].placements[0] == (hosts[3 * n].name, 0)
