@@ -92,14 +92,25 @@ def _strict(mins, caps, prio, eff, capacity: int) -> np.ndarray:
 # --- step 1: the job table ------------------------------------------------------------------
 
 
-def _column(jobs: tuple[Job, ...], field: str) -> list:
-    return list(map(attrgetter(field), jobs))
+def _rows(jobs: tuple[Job, ...]) -> tuple[list, Callable]:
+    """The jobs' field dicts and ``itemgetter``: a :class:`Job` (a dataclass without slots)
+    keeps its fields in ``__dict__``, and a dict lookup per field costs less than attribute
+    access (which first looks for a descriptor on the class). Objects without ``__dict__``
+    fall back to ``attrgetter`` on the jobs themselves."""
+    try:
+        return list(map(vars, jobs)), itemgetter
+    except TypeError:
+        return list(jobs), attrgetter
 
 
-def _array(jobs: tuple[Job, ...], field: str, dtype) -> np.ndarray:
+def _column(rows: list, get: Callable, field: str) -> list:
+    return list(map(get(field), rows))
+
+
+def _array(rows: list, get: Callable, field: str, dtype) -> np.ndarray:
     """One field of every job as an array, read at C level (a float ``None`` becomes nan, as
     with ``np.array``)."""
-    return np.fromiter(map(attrgetter(field), jobs), dtype, len(jobs))
+    return np.fromiter(map(get(field), rows), dtype, len(rows))
 
 
 class _Table:
@@ -107,22 +118,22 @@ class _Table:
     per field, no per-job Python code."""
 
     def __init__(self, snap: Snapshot) -> None:
-        jobs = snap.jobs
+        jobs, get = _rows(snap.jobs)
         n = len(jobs)
-        helds = _column(jobs, "held")
-        names = _column(jobs, "name")
-        avoid = _column(jobs, "avoid_hosts")
+        helds = _column(jobs, get, "held")
+        names = _column(jobs, get, "name")
+        avoid = _column(jobs, get, "avoid_hosts")
         hl = np.fromiter(map(len, helds), np.int64, n)
-        prio = _array(jobs, "priority", np.float64)
+        prio = _array(jobs, get, "priority", np.float64)
         eff = prio
         aging = snap.config.aging_s
         if aging > 0 and n:
-            ws = _array(jobs, "waiting_since", np.float64)  # None -> nan
+            ws = _array(jobs, get, "waiting_since", np.float64)  # None -> nan
             waiting = (hl == 0) & ~np.isnan(ws)
             if waiting.any():
                 eff = prio.copy()
                 eff[waiting] = prio[waiting] + np.maximum(0.0, snap.now - ws[waiting]) / aging
-        order = _rank(-eff, hl == 0, _array(jobs, "submitted", np.float64), names)
+        order = _rank(-eff, hl == 0, _array(jobs, get, "submitted", np.float64), names)
         ol = order.tolist()
         self.n = n
         self.names: list[str] = list(map(names.__getitem__, ol))
@@ -132,10 +143,10 @@ class _Table:
         self.n_held = hl[order]
         self.prio = prio[order]
         self.eff = eff[order]
-        self.mins = _array(jobs, "min_workers", np.int64)[order]
-        self.maxs = _array(jobs, "max_workers", np.int64)[order]
-        self.preemptible = _array(jobs, "preemptible", bool)[order]
-        self.last_rescale = _array(jobs, "last_rescale", np.float64)[order]  # None -> nan
+        self.mins = _array(jobs, get, "min_workers", np.int64)[order]
+        self.maxs = _array(jobs, get, "max_workers", np.int64)[order]
+        self.preemptible = _array(jobs, get, "preemptible", bool)[order]
+        self.last_rescale = _array(jobs, get, "last_rescale", np.float64)[order]  # None -> nan
 
 
 def _rank(neg_eff: np.ndarray, waiting: np.ndarray, submitted: np.ndarray, names) -> np.ndarray:
@@ -730,6 +741,7 @@ def _take_all(t: _Table, free: _Free, growing, need, perm, n_keep, n_new, reason
     avoiding = np.flatnonzero(fresh & t.has_avoid[growing]).tolist()  # fresh jobs that avoid hosts
     cum = np.cumsum(need).tolist()
     gl, nl = growing.tolist(), need.tolist()
+    got = [0] * len(gl)  # slots given to each growing job (into n_new once, at the end)
     j = 0
     while j < len(gl):
         r = run_end[j]
@@ -743,20 +755,21 @@ def _take_all(t: _Table, free: _Free, growing, need, perm, n_keep, n_new, reason
                 else:
                     free.take_next(cum[j + m - 1] - base)
                 if m:
-                    n_new[growing[j : j + m]] = need[j : j + m]
+                    got[j : j + m] = nl[j : j + m]
                     j += m
                     if j == r:
                         continue
         if free.total == 0:  # nothing left to give: the rest wait (or run on what they keep)
             _nothing_free(t, growing[j:], need[j:], n_keep, reasons, pending)
-            return
+            break
         i, want = gl[j], nl[j]
         if not avoids[j] and free.total >= want:  # the common case of _grow, inline
             free.take(want, own[a[j] : a[j + 1]], _NONE)
-            n_new[i] = want
+            got[j] = want
         else:
-            n_new[i], reasons[i] = _grow(t, i, want, kl[j], own[a[j] : a[j + 1]], reasons[i], free, pending)
+            got[j], reasons[i] = _grow(t, i, want, kl[j], own[a[j] : a[j + 1]], reasons[i], free, pending)
         j += 1
+    n_new[growing] = got
 
 
 def _run_with_avoids(t: _Table, free: _Free, gl, cum, base: int, j: int, m: int, avoiding, q: int) -> int:
