@@ -198,8 +198,10 @@ class S3Config:
 
     def client(self) -> Any:
         """A boto3 S3 client with exactly these settings (no default credential chain mixed in
-        when keys are given)."""
+        when keys are given) and the store's botocore settings (``client_config``)."""
         import boto3
+
+        from elastic_ops.checkpoint.s3 import client_config
 
         session = boto3.session.Session(
             aws_access_key_id=self.access_key_id,
@@ -207,7 +209,7 @@ class S3Config:
             aws_session_token=self.session_token,
             region_name=self.region_name,
         )
-        return session.client("s3", endpoint_url=self.endpoint_url)
+        return session.client("s3", endpoint_url=self.endpoint_url, config=client_config())
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,8 +30,8 @@ DEFAULT_TRANSFER = TransferConfig(
 )
 
 
-def make_client(endpoint_url: str | None = None, **kwargs: Any) -> Any:
-    """A boto3 S3 client from the standard credential chain, configured for the store.
+def client_config(**overrides: Any) -> Config:
+    """The botocore settings the store relies on, for any S3 client it is handed.
 
     - botocore's own retries are off: :func:`call_with_retry` is the one retry loop.
     - Downloads are not checked against the object's CRC32 (``response_checksum_validation=
@@ -41,16 +41,28 @@ def make_client(endpoint_url: str | None = None, **kwargs: Any) -> Any:
       of the download. Uploads still send a CRC32 that S3 checks before storing the object.
     - Connection pool of 16 (boto3 default 10): a multipart transfer (8 parts at once) plus the
       manifest read and listing the store makes alongside never wait for a connection.
+
+    A client built from an Airflow ``aws`` connection merges these over the connection's own
+    botocore config (``config.merge(client_config())``), so its endpoint, addressing style,
+    proxies and timeouts stay the user's.
     """
-    config = Config(
+    return Config(
         retries={"total_max_attempts": 1, "mode": "standard"},
+        response_checksum_validation="when_required",
+        max_pool_connections=16,
+        **overrides,
+    )
+
+
+def make_client(endpoint_url: str | None = None, *, session: Any = None, **kwargs: Any) -> Any:
+    """A boto3 S3 client configured for the store (:func:`client_config`), from ``session`` or
+    boto3's standard credential chain; path-style addressing when ``endpoint_url`` is given."""
+    config = client_config(
         connect_timeout=10,
         read_timeout=60,
         s3={"addressing_style": "path"} if endpoint_url else None,
-        response_checksum_validation="when_required",
-        max_pool_connections=16,
     )
-    return boto3.client("s3", endpoint_url=endpoint_url, config=config, **kwargs)
+    return (session or boto3).client("s3", endpoint_url=endpoint_url, config=config, **kwargs)
 
 
 class S3Backend:

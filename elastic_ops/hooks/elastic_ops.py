@@ -112,10 +112,15 @@ class ElasticOpsHook(BaseHook):
     # --- checkpoints -----------------------------------------------------------------------
 
     def s3_client(self):
-        """A boto3 S3 client from the Airflow ``aws`` connection (endpoint_url honoured)."""
+        """A boto3 S3 client from the Airflow ``aws`` connection (credentials, endpoint_url and
+        botocore config honoured), with the store's own settings merged over the latter (one
+        retry loop, no redundant download CRC32; ``elastic_ops.checkpoint.s3.client_config``)."""
         from airflow.providers.amazon.aws.hooks.s3 import S3Hook
 
-        return S3Hook(aws_conn_id=self.aws_conn_id).get_conn()
+        from elastic_ops.checkpoint.s3 import client_config
+
+        hook = S3Hook(aws_conn_id=self.aws_conn_id)
+        return hook.get_client_type(config=hook.config.merge(client_config()))
 
     def store(self, uri: str, *, keep_last: int = 3, keep_every: int | None = None):
         """Open the checkpoint store at ``uri`` (``file://`` or ``s3://``)."""

@@ -61,6 +61,17 @@ def test_s3_store_goes_through_the_aws_connection_and_its_endpoint(monkeypatch, 
     assert s3_endpoint.client().list_objects_v2(Bucket=s3_endpoint.bucket)["KeyCount"] > 0
 
 
+def test_the_connections_client_gets_the_stores_botocore_settings(monkeypatch):
+    # one retry loop (the store's), no redundant download CRC32; the connection's own config stays
+    set_conn(monkeypatch, "my_s3", conn_type="aws", login="k", password="s",
+             extra={"endpoint_url": "http://127.0.0.1:1", "region_name": "eu-west-1",
+                    "config_kwargs": {"connect_timeout": 7}})
+    config = ElasticOpsHook(aws_conn_id="my_s3").s3_client().meta.config
+    assert config.retries["total_max_attempts"] == 1
+    assert config.response_checksum_validation == "when_required"
+    assert config.connect_timeout == 7 and config.max_pool_connections == 16
+
+
 def test_provider_info_registers_the_connection_type_and_hook():
     info = get_provider_info()
     assert info["connection-types"] == [{"connection-type": "elastic_ops_pool",

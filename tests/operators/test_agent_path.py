@@ -194,3 +194,13 @@ def test_the_agent_gets_the_s3_settings_of_the_aws_connection(monkeypatch, tmp_p
     client = store.s3.client()  # what the agent builds: the same endpoint, region and keys
     assert client.meta.endpoint_url == "http://127.0.0.1:9000" and client.meta.region_name == "eu-west-1"
     assert client._request_signer._credentials.access_key == "AKIAEXAMPLE"
+
+
+def test_the_agents_s3_client_has_the_stores_botocore_settings():
+    from elastic_ops.agent.protocol import S3Config
+
+    client = S3Config(endpoint_url="http://127.0.0.1:1", region_name="eu-west-1",
+                      access_key_id="k", secret_access_key="s").client()
+    assert client.meta.endpoint_url == "http://127.0.0.1:1" and client.meta.region_name == "eu-west-1"
+    assert client.meta.config.retries["total_max_attempts"] == 1
+    assert client.meta.config.response_checksum_validation == "when_required"
