@@ -23,8 +23,9 @@ JSON too.
 snapshots, see ``policies._small``) on the same snapshot in the same run, so ``speedup`` is a
 like-for-like ratio. ``calibration_ms`` is the CPU time of ``sum(range(10**7))`` at the start,
 a yardstick to compare machines and loads. The target is <= 50 ms at 10,000 jobs x 100,000
-slots. ``growth`` gives the time ratio of each cell to the smallest one, next to the ratio of
-J log J + H + S, the work the policy is designed to do.
+slots, with room to spare: the goal is <= 40 ms on a quiet machine. ``growth`` gives the time
+ratio of each cell to the smallest one, next to the ratio of J log J + H + S, the work the
+policy is designed to do.
 """
 
 from __future__ import annotations
@@ -189,6 +190,8 @@ def measure(repeats: int, reference: bool) -> dict:
         ),
         "target_ms_at_10k_jobs_100k_slots": 50,
         "meets_target": all(r["min_cpu_ms"] <= 50 for r in big),
+        "goal_ms_at_10k_jobs_100k_slots": 40,
+        "meets_goal": all(r["min_cpu_ms"] <= 40 for r in big),
         "rows": rows,
     }
 

@@ -29,7 +29,9 @@ vectorised water-filling). Free capacity is a bitmap over the slots of ``up`` ho
 slots are positions in (host name, slot index) order, and because every take consumes a host's
 lowest free indices, what is left on a host is a suffix of its range: a job that grows onto its
 own hosts advances per-host cursors (Python, per host it touches), and a run of jobs that take
-the next free slots in name order (newcomers) is served by one scan of the bitmap. Keep/release
+the next free slots in name order (newcomers, also those that avoid hosts unless their share
+of those slots is on one) is served by one scan of the bitmap (a short run by a walk over the
+hosts' cursors). Keep/release
 for shrinking jobs is one sort of their slots. The result is a :class:`Plan` of columns (target,
 action, reason per job) and slot arrays -- no slot tuple and no :class:`Decision` is made
 while deciding; the plan makes them for the jobs a caller asks about. Cost: O(J log J + H + S)
@@ -238,11 +240,12 @@ class _Free:
 
     def _host_ids(self, hs: _Hosts) -> np.ndarray:
         """The host id of each held slot (``hs`` gains the hosts it did not list)."""
+        names = list(map(_host, self.flat))
         try:
-            return np.fromiter(map(hs.ids.__getitem__, map(_host, self.flat)), np.int64, len(self.flat))
+            return _lookup(hs.ids, names)
         except KeyError:  # a slot on a host the snapshot does not list: not up, not free
-            hs.extend(set(map(_host, self.flat)))
-            return np.fromiter(map(hs.ids.__getitem__, map(_host, self.flat)), np.int64, len(self.flat))
+            hs.extend(set(names))
+            return _lookup(hs.ids, names)
 
     def _pos(self, r: int) -> int:
         """The first free position of rank ``r`` (``end[r]`` when it has none left)."""
@@ -346,6 +349,15 @@ class _Free:
         """The host ids of the listed hosts among ``avoid``."""
         ids = self.ids
         return {ids[h] for h in avoid if h in ids}
+
+
+def _lookup(d: dict, keys: list) -> np.ndarray:
+    """``[d[k] for k in keys]`` as an int64 array. One ``itemgetter(*keys)`` call does every
+    lookup in C, which costs less than calling ``d.__getitem__`` once per key through ``map``
+    (about 3.5 vs 5 ms for the 47,121 held slots of the benchmark's largest snapshot)."""
+    if len(keys) < 2:  # itemgetter needs a key, and with one it returns the value, not a tuple
+        return np.array([d[k] for k in keys], dtype=np.int64)
+    return np.fromiter(itemgetter(*keys)(d), np.int64, len(keys))
 
 
 _NONE: frozenset[int] = frozenset()
