@@ -137,7 +137,10 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
             raise PoolError(f"waiting for a grant failed: {parsed.error_type}: {parsed.error}")
         assert isinstance(parsed, GrantEvent)  # noqa: S101 - parse_event's contract, not input
         state = dict(parsed.state)
-        state["waited_s"] = float(state.get("waited_s", 0.0)) + parsed.waited_s
+        # From the deferral (not the trigger's start, which the triggerer may pick up late) to now.
+        deferred_at = state.pop("deferred_at", None)
+        waited = time.time() - float(deferred_at) if deferred_at is not None else parsed.waited_s
+        state["waited_s"] = float(state.get("waited_s", 0.0)) + max(0.0, waited)
         return self._run_granted(context, state, parsed, self._hook(state["ledger_url"]))
 
     # --- steps -----------------------------------------------------------------------------
@@ -207,6 +210,7 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
         if hasattr(outcome, "epoch"):
             return self._run_granted(context, state, GrantEvent.from_grant(outcome, state), hook)
         self.log.info("job %s waits for workers (%s); deferring", job, getattr(outcome, "reason", ""))
+        state = {**state, "deferred_at": time.time()}
         self.defer(
             trigger=GrantTrigger(job=job, ledger_url=state["ledger_url"], state=state,
                                  avoid_hosts=avoid, poll_interval=self.poll_interval),

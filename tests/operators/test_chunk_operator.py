@@ -3,6 +3,7 @@ resumed try needs in the trigger), skip finished ranges, re-register an unknown 
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -15,7 +16,7 @@ from elastic_ops.operators.jobs import job_id
 from elastic_ops.pool import PoolClient
 from elastic_ops.spec import JobSpec
 from elastic_ops.triggers import GrantTrigger
-from elastic_ops.triggers.events import TriggerFailure
+from elastic_ops.triggers.events import GrantEvent, TriggerFailure
 from tests.operators.helpers import airflow_pool
 
 FIELDS = {"entrypoint": "elastic_ops.examples.digits:DigitsMLP", "total_iterations": 40,
@@ -63,6 +64,17 @@ def test_a_full_pool_defers_with_everything_the_resumed_try_needs(pool):
     spec = JobSpec.from_dict(state["spec"])  # the whole rendered spec travels with the trigger
     assert spec.max_workers == 2 and spec.name == trig.job
     assert pool.status()["jobs"][0]["name"] == trig.job  # registered on the way (no register task ran)
+    assert state["deferred_at"] <= time.time()  # the wait counts from here, not from the trigger's start
+
+
+def test_the_wait_for_a_grant_counts_from_the_deferral(pool, monkeypatch):
+    seen = {}
+    monkeypatch.setattr(ElasticChunkOperator, "_run_granted",
+                        lambda self, ctx, state, grant, hook: seen.update(state))
+    state = {"ledger_url": pool.url, "waited_s": 1.0, "deferred_at": time.time() - 30}
+    event = GrantEvent(job="j", epoch=1, placements=(("h", 0),), ttl_s=60, state=state, waited_s=0.01)
+    make_chunk(0).execute_granted(context(), event.to_payload())
+    assert 31 <= seen["waited_s"] < 100 and "deferred_at" not in seen
 
 
 def test_a_range_already_in_the_latest_checkpoint_succeeds_without_a_grant(pool, tmp_path):
