@@ -140,8 +140,11 @@ class _Table:
         self.n = n
         self.names: list[str] = list(map(names.__getitem__, ol))
         self.held: list[tuple[Slot, ...]] = list(map(helds.__getitem__, ol))
-        self.avoid: list[frozenset[str]] = list(map(avoid.__getitem__, ol))
-        self.has_avoid = np.fromiter(map(bool, self.avoid), bool, n)
+        self.has_avoid = np.fromiter(map(bool, avoid), bool, n)[order]
+        # The hosts each job avoids, by rank, for the few jobs that avoid any.
+        self.avoid: dict[int, frozenset[str]] = {
+            i: avoid[ol[i]] for i in np.flatnonzero(self.has_avoid).tolist()
+        }
         self.n_held = hl[order]
         self.prio = prio[order]
         self.eff = eff[order]
@@ -361,6 +364,7 @@ def _lookup(d: dict, keys: list) -> np.ndarray:
 
 
 _NONE: frozenset[int] = frozenset()
+_NO_HOSTS: frozenset[str] = frozenset()
 _NO_RANKS: list[int] = []
 # Up to this many slots, the next free slots in name order are found by walking the hosts in
 # Python rather than by a numpy scan of the bitmap (a few hosts of a few free slots each cost
@@ -425,8 +429,8 @@ _slots, _state, _UP = attrgetter("slots"), attrgetter("state"), HostState.UP.__e
 def _caps(t: _Table, hs: _Hosts, capacity: int) -> np.ndarray:
     """The most workers each job can use: its max, limited by slots on up hosts it does not avoid."""
     usable = np.full(t.n, capacity, dtype=np.int64)
-    for i in np.flatnonzero(t.has_avoid).tolist():
-        usable[i] -= hs.up_slots(t.avoid[i])
+    for i, names in t.avoid.items():
+        usable[i] -= hs.up_slots(names)
     return np.minimum(t.maxs, usable)
 
 
@@ -815,7 +819,7 @@ def _grow(t: _Table, i: int, need: int, have: int, own: list[int], reason: str, 
     """Take the free slots for ``need`` more workers of job ``i``: all of them, or (when no
     slots are being released that could make up the rest) what is free if that reaches the
     job's minimum. Returns how many were taken and the reason."""
-    avoid = free.avoid_ranks(t.avoid[i])
+    avoid = free.avoid_ranks(t.avoid.get(i, _NO_HOSTS))
     avail = free.count_for(avoid)
     if avail >= need:
         free.take(need, own, avoid)
