@@ -293,7 +293,8 @@ class _Free:
                 pos[r] = p + k
                 left -= k
                 if not left:
-                    break
+                    self.total -= n
+                    return None
         r = bisect_right(self.start, front) - 1
         gapless = True  # every rank walked so far is now used up: ``front`` may move past it
         while left:
