@@ -724,13 +724,15 @@ def _decide(snap: Snapshot, share: ShareFn) -> Plan:
     return Plan(
         tuple(t.names),
         tuple(targets.tolist()),
-        tuple(map(_ACTIONS.__getitem__, code.tolist())),
+        tuple(_ACTIONS[code].tolist()),  # one fancy index of an object array, no per-job call
         tuple(reasons),
         _Slots(t.held, free, perm, n_keep, n_new),
     )
 
 
-_ACTIONS = (TargetAction.PREEMPT, TargetAction.GROW, TargetAction.SHRINK, TargetAction.KEEP, None)
+_ACTIONS = np.array(
+    [TargetAction.PREEMPT, TargetAction.GROW, TargetAction.SHRINK, TargetAction.KEEP, None], dtype=object
+)
 _PREEMPT, _GROW, _SHRINK, _KEEP, _WAIT = range(5)
 
 
