@@ -419,9 +419,16 @@ class _Hosts:
         self.is_up = np.zeros(len(self.names), dtype=bool)
         self.is_up[known] = is_up
 
-    def up_slots(self, names: frozenset[str]) -> int:
-        """Slots on the ``up`` hosts among ``names``."""
-        return sum(int(self.up_size[self.ids[h]]) for h in names if h in self.ids)
+    def up_slots(self, sets: list[frozenset[str]]) -> np.ndarray:
+        """Slots on the ``up`` hosts among each set of host names (unlisted names count 0)."""
+        if not sets:
+            return np.zeros(0, dtype=np.int64)
+        names = list(chain.from_iterable(sets))
+        ids = np.fromiter(map(self.ids.get, names, repeat(-1)), np.int64, len(names))
+        size = np.zeros(len(ids), dtype=np.int64)
+        size[ids >= 0] = self.up_size[ids[ids >= 0]]
+        owner = np.repeat(np.arange(len(sets)), np.fromiter(map(len, sets), np.int64, len(sets)))
+        return np.bincount(owner, weights=size, minlength=len(sets)).astype(np.int64)
 
 
 _slots, _state, _UP = attrgetter("slots"), attrgetter("state"), HostState.UP.__eq__
@@ -430,8 +437,8 @@ _slots, _state, _UP = attrgetter("slots"), attrgetter("state"), HostState.UP.__e
 def _caps(t: _Table, hs: _Hosts, capacity: int) -> np.ndarray:
     """The most workers each job can use: its max, limited by slots on up hosts it does not avoid."""
     usable = np.full(t.n, capacity, dtype=np.int64)
-    for i, names in t.avoid.items():
-        usable[i] -= hs.up_slots(names)
+    if t.avoid:
+        usable[list(t.avoid)] -= hs.up_slots(list(t.avoid.values()))
     return np.minimum(t.maxs, usable)
 
 
