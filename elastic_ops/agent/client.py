@@ -22,22 +22,15 @@ from elastic_ops.agent.protocol import (
     error_from_wire,
 )
 from elastic_ops.errors import WorkerLostError
-from elastic_ops.runtime.outcome import ChunkResult
+from elastic_ops.runtime.outcome import ChunkResult, Progress
 
 POLL_S = 0.05  # how often the client looks for a new pool target between agent messages (the
 # lease heartbeats every ~2 s, so this adds nothing noticeable to a rescale or preemption)
 
 
-@dataclasses.dataclass(frozen=True)
-class AgentProgress:
-    """A progress report of a chunk running on the agent (fields as in the runtime's ``Progress``)."""
-
-    iteration: int
-    end: int
-    loss: float | None
-    workers: int
-    samples_per_sec: float | None
-    eta_s: float | None
+def progress_from_wire(msg: dict[str, Any]) -> Progress:
+    """The runtime's ``Progress`` from a ``progress`` message (non-finite numbers arrive as None)."""
+    return Progress(**{f.name: msg.get(f.name) for f in dataclasses.fields(Progress)})
 
 
 def result_from_wire(d: Any) -> ChunkResult:
@@ -110,7 +103,7 @@ class AgentClient:
         store: StoreConfig,
         wanted: Callable[[], int],
         warm_start: StoreConfig | None = None,
-        on_progress: Callable[[AgentProgress], None] | None = None,
+        on_progress: Callable[[Progress], None] | None = None,
         on_applied: Callable[[int, int, tuple[int, ...] | None], None] | None = None,
         poll_s: float = POLL_S,
         slots: Callable[[], Sequence[int]] | None = None,
@@ -172,21 +165,7 @@ class AgentClient:
                 kind = msg.get("type")
                 if kind == "progress":
                     if on_progress is not None:
-                        on_progress(
-                            AgentProgress(
-                                **{
-                                    k: msg.get(k)
-                                    for k in (
-                                        "iteration",
-                                        "end",
-                                        "loss",
-                                        "workers",
-                                        "samples_per_sec",
-                                        "eta_s",
-                                    )
-                                }
-                            )
-                        )
+                        on_progress(progress_from_wire(msg))
                 elif kind == "applied":
                     applied = applied_from_wire(msg)
                     if on_applied is not None:

@@ -47,6 +47,7 @@ from typing import Any
 
 from elastic_ops import errors
 from elastic_ops.errors import ElasticOpsError, SpecError
+from elastic_ops.runtime.outcome import Progress
 from elastic_ops.spec import MAX_WORKERS_LIMIT
 
 PROTOCOL_VERSION = 1
@@ -334,13 +335,8 @@ def jsonable(value: Any) -> Any:
 
 
 def progress_to_wire(p: Any) -> dict[str, Any]:
-    return {
-        "type": "progress",
-        **{
-            k: _finite(getattr(p, k))
-            for k in ("iteration", "end", "loss", "workers", "samples_per_sec", "eta_s")
-        },
-    }
+    """A runtime ``Progress`` as a ``progress`` message (``client.progress_from_wire`` reverses it)."""
+    return {"type": "progress", **{f.name: _finite(getattr(p, f.name)) for f in dataclasses.fields(Progress)}}
 
 
 class MessageReader:

@@ -26,12 +26,14 @@ class ChunkStatus(enum.StrEnum):
 
 @dataclasses.dataclass(frozen=True)
 class Progress:
+    """One iteration's report. Through the agent a non-finite number arrives as ``None``."""
+
     iteration: int
     end: int
-    loss: float
+    loss: float | None
     workers: int
-    samples_per_sec: float
-    eta_s: float
+    samples_per_sec: float | None
+    eta_s: float | None
 
 
 @dataclasses.dataclass(frozen=True)
