@@ -122,6 +122,29 @@ class ElasticOpsHook(BaseHook):
         hook = S3Hook(aws_conn_id=self.aws_conn_id)
         return hook.get_client_type(config=hook.config.merge(client_config()))
 
+    def store_config(self, uri: str, *, keep_last: int = 3, keep_every: int | None = None):
+        """What :meth:`store` would open, as plain data for the per-host agent (which opens it):
+        for ``s3://``, the ``aws`` connection's endpoint, region and credentials (never logged)."""
+        from elastic_ops.agent.protocol import S3Config, StoreConfig
+
+        s3 = None
+        if uri.startswith("s3://") and self.aws_conn_id:
+            from airflow.providers.amazon.aws.hooks.s3 import S3Hook
+
+            aws = S3Hook(aws_conn_id=self.aws_conn_id)
+            try:
+                creds = aws.get_credentials()
+            except AttributeError:  # no credentials anywhere: boto3's chain finds none in the agent either
+                creds = None
+            s3 = S3Config(
+                endpoint_url=aws.conn_config.get_service_endpoint_url(service_name="s3"),
+                region_name=aws.conn_config.region_name,
+                access_key_id=getattr(creds, "access_key", None),
+                secret_access_key=getattr(creds, "secret_key", None),
+                session_token=getattr(creds, "token", None),
+            )
+        return StoreConfig(uri, keep_last=keep_last, keep_every=keep_every, s3=s3)
+
     def store(self, uri: str, *, keep_last: int = 3, keep_every: int | None = None):
         """Open the checkpoint store at ``uri`` (``file://`` or ``s3://``)."""
         from elastic_ops.checkpoint import open_store

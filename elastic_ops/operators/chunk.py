@@ -26,7 +26,7 @@ from typing import Any
 
 from airflow.sdk import BaseOperator
 
-from elastic_ops.agent.protocol import AGENT_SOCKET_ENV, AgentUnavailableError, S3Config, StoreConfig
+from elastic_ops.agent.protocol import AGENT_SOCKET_ENV, AgentUnavailableError
 from elastic_ops.agent.protocol import agent_socket_from_env as agent_socket
 from elastic_ops.errors import UnknownJobError, WorkerLostError
 from elastic_ops.hooks.elastic_ops import DEFAULT_CONN_ID, ElasticOpsHook, default_checkpoint_root
@@ -35,6 +35,7 @@ from elastic_ops.operators.lease import LeaseKeeper
 from elastic_ops.operators.progress import progress_logger
 from elastic_ops.operators.results import ChunkTaskResult
 from elastic_ops.operators.retry import ElasticRetryPolicy
+from elastic_ops.runtime.outcome import ChunkStatus
 from elastic_ops.spec import JobSpec
 from elastic_ops.triggers.events import GrantEvent, TriggerFailure, parse_event
 from elastic_ops.triggers.pool import GrantTrigger
@@ -163,8 +164,9 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
             from elastic_ops.agent.client import AgentClient
 
             try:
-                latest = AgentClient(path).latest(self._store_config(spec.checkpoint_uri(), spec),
-                                                  spec.spec_hash())
+                store = hook.store_config(spec.checkpoint_uri(), keep_last=spec.keep_last,
+                                          keep_every=spec.keep_every)
+                latest = AgentClient(path).latest(store, spec.spec_hash())
             except AgentUnavailableError as exc:
                 self.log.warning("%s; reading the checkpoint store in this task process", exc)
             else:
@@ -172,27 +174,6 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
         store = hook.store(spec.checkpoint_uri(), keep_last=spec.keep_last, keep_every=spec.keep_every)
         ref = store.latest(spec_hash=spec.spec_hash())
         return ref.uri if ref is not None and ref.iteration >= end else None
-
-    def _store_config(self, uri: str, spec: JobSpec | None = None) -> StoreConfig:
-        """The store at ``uri`` as :meth:`ElasticOpsHook.store` would open it, for the agent: for
-        ``s3://``, the endpoint, region and credentials of the ``aws`` connection."""
-        s3 = None
-        if uri.startswith("s3://") and self.aws_conn_id:
-            from airflow.providers.amazon.aws.hooks.s3 import S3Hook
-
-            aws = S3Hook(aws_conn_id=self.aws_conn_id)
-            try:
-                creds = aws.get_credentials()
-            except AttributeError:  # no credentials anywhere: boto3's chain finds none in the agent either
-                creds = None
-            s3 = S3Config(endpoint_url=aws.conn_config.get_service_endpoint_url(service_name="s3"),
-                          region_name=aws.conn_config.region_name,
-                          access_key_id=getattr(creds, "access_key", None),
-                          secret_access_key=getattr(creds, "secret_key", None),
-                          session_token=getattr(creds, "token", None))
-        if spec is None:
-            return StoreConfig(uri, s3=s3)
-        return StoreConfig(uri, keep_last=spec.keep_last, keep_every=spec.keep_every, s3=s3)
 
     def _acquire(self, context: Any, state: dict[str, Any], hook: ElasticOpsHook) -> dict[str, Any]:
         job = state["spec"]["name"]
@@ -243,7 +224,7 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
             raise
         keeper.stop()
         state = self._account(state, grant, result)
-        if str(getattr(result.status, "value", result.status)) == "preempted":
+        if result.status == ChunkStatus.PREEMPTED:
             self._release(client, spec.name, grant.epoch)
             state["preemptions"] += 1
             state["warm_start"] = None  # the checkpoint it just wrote is where it resumes
@@ -252,7 +233,7 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
             return self._acquire(context, state, hook)
         last = state["end"] >= spec.total_iterations
         self._release(client, spec.name, grant.epoch, finished=last)
-        out = self._result(state, status=str(getattr(result.status, "value", result.status)),
+        out = self._result(state, status=result.status.value,
                            checkpoint_uri=result.checkpoint_uri, result=result)
         self.log.info("job %s: chunk [%d, %d) done: loss=%s %.0f samples/s, checkpoint %s",
                       spec.name, out.start, out.end, out.loss, out.samples_per_sec, out.checkpoint_uri)
@@ -273,8 +254,9 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
             try:
                 return AgentClient(path).run_chunk(
                     spec.to_dict(), state["start"], state["end"], epoch=epoch, host=host,
-                    store=self._store_config(spec.checkpoint_uri(), spec),
-                    warm_start=self._store_config(warm_start) if warm_start else None,
+                    store=hook.store_config(spec.checkpoint_uri(), keep_last=spec.keep_last,
+                                            keep_every=spec.keep_every),
+                    warm_start=hook.store_config(warm_start) if warm_start else None,
                     wanted=keeper.wanted, slots=keeper.slots, on_applied=keeper.applied,
                     on_progress=on_progress,
                 )

@@ -183,14 +183,14 @@ def test_the_agent_gets_the_s3_settings_of_the_aws_connection(monkeypatch, tmp_p
     op = ElasticChunkOperator(
         task_id="chunk_0", spec_fields=FIELDS, chunk_index=0, group_id="train", aws_conn_id="models_s3"
     )
-    store = op._store_config("s3://bucket/prefix")
+    store = op._hook().store_config("s3://bucket/prefix")
     assert store.s3 == S3Config(
         endpoint_url="http://127.0.0.1:9000",
         region_name="eu-west-1",
         access_key_id="AKIAEXAMPLE",
         secret_access_key="very-secret",
     )
-    assert op._store_config("file:///tmp/x").s3 is None
+    assert op._hook().store_config("file:///tmp/x").s3 is None
     client = store.s3.client()  # what the agent builds: the same endpoint, region and keys
     assert client.meta.endpoint_url == "http://127.0.0.1:9000" and client.meta.region_name == "eu-west-1"
     assert client._request_signer._credentials.access_key == "AKIAEXAMPLE"
