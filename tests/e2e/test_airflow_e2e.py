@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 from elastic_ops.airflow_env import AirflowDeployment
-from elastic_ops.demo import held, setup_pool
+from elastic_ops.demo import held, reached, setup_pool
 from elastic_ops.operators.jobs import job_id
 from elastic_ops.timeline import allocation_sequence, is_subsequence, max_concurrent_holders
 from tests.s3_server import s3_endpoint, s3_server  # noqa: F401  (fixtures)
@@ -47,14 +47,14 @@ def deployment(tmp_path_factory):
         yield af, pool
 
 
-def wait_until(what: str, check, af: AirflowDeployment, timeout: float = 300) -> None:
+def wait_until(what: str, check, af: AirflowDeployment, timeout: float = 300, detail=None) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         af.check_alive()
         if check():
             return
         time.sleep(0.3)
-    raise AssertionError(f"not reached within {timeout:.0f}s: {what}")
+    raise AssertionError(f"not reached within {timeout:.0f}s: {what}" + (f"; {detail()}" if detail else ""))
 
 
 def test_example_dags_parse_without_import_errors(deployment):
@@ -71,10 +71,12 @@ def test_competing_jobs_follow_the_priority_sequence(deployment):
     dags = ("elastic_seed_job1", "elastic_seed_job2")
     runs = ("compete_1", "compete_2")
     jobs = [job_id(d, "train_digits", r) for d, r in zip(dags, runs, strict=True)]
-    af.trigger(dags[0], {"iterations": 150, "priority": 3}, run_id=runs[0])
+    # Chunks long enough (as in the demo) that both jobs are mid-chunk when the priority changes:
+    # with the agent a 50-iteration chunk ends in about a second.
+    af.trigger(dags[0], {"iterations": 450, "priority": 3}, run_id=runs[0])
     wait_until("job 1 on 8", lambda: held(pool).get(jobs[0]) == 8, af)
-    af.trigger(dags[1], {"iterations": 240, "priority": 3}, run_id=runs[1])
-    wait_until("4 / 4", lambda: [held(pool).get(j) for j in jobs] == [4, 4], af)
+    af.trigger(dags[1], {"iterations": 750, "priority": 3}, run_id=runs[1])
+    wait_until("4 / 4", lambda: reached(pool, jobs, [(8, 0), (4, 4)]), af)
 
     # Raise job 2's priority through the plugin's authenticated REST route.
     url = f"{af.url}/elastic-ops/jobs/{jobs[1]}/priority"
@@ -82,7 +84,8 @@ def test_competing_jobs_follow_the_priority_sequence(deployment):
     r = httpx.post(url, json={"priority": 5}, headers={"Authorization": f"Bearer {af.token()}"}, timeout=30)
     assert r.status_code == 200, r.text
 
-    wait_until("3 / 5", lambda: [held(pool).get(j) for j in jobs] == [3, 5], af)
+    wait_until("3 / 5", lambda: reached(pool, jobs, [(8, 0), (4, 4), (3, 5)]), af,
+               detail=lambda: f"allocation sequence {allocation_sequence(pool.events(), jobs)}")
     assert af.wait_run(dags[0], runs[0], timeout=400) == "success"
     assert af.wait_run(dags[1], runs[1], timeout=400) == "success"
     events = pool.events()
