@@ -41,10 +41,12 @@ from __future__ import annotations
 
 import argparse
 import io
+import json
 import os
 import platform
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -63,14 +65,16 @@ from elastic_ops.checkpoint.s3 import make_client
 RESULTS = Path(__file__).resolve().parent / "results" / "checkpoint_io.json"
 
 
-def build_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def build_model(width: int = 1024) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """An MLP on 784 inputs with two hidden layers of ``width`` and its Adam optimizer
+    (``width`` 1024: ~1.9 M parameters, a ~22 MB state; 4096: ~20 M, ~240 MB)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(
-        torch.nn.Linear(784, 1024),
+        torch.nn.Linear(784, width),
         torch.nn.ReLU(),
-        torch.nn.Linear(1024, 1024),
+        torch.nn.Linear(width, width),
         torch.nn.ReLU(),
-        torch.nn.Linear(1024, 10),
+        torch.nn.Linear(width, 10),
     )
     return model, torch.optim.Adam(model.parameters(), lr=1e-3)
 
@@ -102,11 +106,20 @@ def fsync_write(path: Path, data: bytes) -> None:
 
 
 def fsync_torch_save(path: Path, state: dict[str, Any]) -> None:
-    """A plain durable save: ``torch.save`` straight into a new file, then fsync."""
-    with open(path, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
+    """A plain durable save: ``torch.save(state, path)`` (PyTorch writes the file itself, which is
+    faster than handing it a Python file object), then fsync."""
+    torch.save(state, str(path))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def torch_load_path(path: Path) -> Any:
+    """A plain load: ``torch.load(path, weights_only=True)``; PyTorch reads each tensor's bytes
+    from the file straight into its memory (faster than reading the bytes, then loading them)."""
+    return torch.load(path, weights_only=True, map_location="cpu")
 
 
 KEEP = 2  # the store keeps its last two checkpoints (keep_last=2); raw keeps its last two files
@@ -120,15 +133,20 @@ def bench_io(
     raw_read: Callable[[int], bytes],
     raw_delete: Callable[[int], None],
     raw_save: Callable[[int, dict[str, Any]], None] | None = None,
+    raw_load: Callable[[int], Any] | None = None,
 ) -> dict[str, Any]:
     """Our save/load vs the same state saved/loaded raw, side by side, medians of ``repeats``.
 
     ``raw_save`` (default: ``torch.save`` to memory, then ``raw_write``) saves the state plainly
-    and durably; raw load reads the bytes in one go and ``torch.load(weights_only=True)``s them:
-    what checkpointing costs without the store. ``raw_bytes_only`` leaves serialisation out.
+    and durably; ``raw_load`` (default: the bytes read in one go, then
+    ``torch.load(weights_only=True)``) loads it: what checkpointing costs without the store.
+    ``raw_bytes_only`` leaves serialisation out.
     """
     data = encode_state(state)
     save_raw = raw_save or (lambda i, st: raw_write(i, _torch_bytes(st)))
+    load_raw = raw_load or (
+        lambda i: torch.load(io.BytesIO(raw_read(i)), weights_only=True, map_location="cpu")
+    )
 
     def ours_save(i: int) -> None:
         store.save(1000 + i, state, epoch=1, spec_hash="bench")
@@ -136,13 +154,10 @@ def bench_io(
     def ours_load(_i: int) -> None:
         store.load(store.latest(spec_hash="bench"))
 
-    def raw_load(i: int) -> None:
-        torch.load(io.BytesIO(raw_read(i)), weights_only=True, map_location="cpu")
-
     # (ours, raw) pairs; raw_save and raw_write leave file i, read by the loads of round i
     pairs: list[tuple[tuple[str, Callable[[int], Any]], ...]] = [
         (("save", ours_save), ("raw_save", lambda i: save_raw(i, state))),
-        (("load", ours_load), ("raw_load", raw_load)),
+        (("load", ours_load), ("raw_load", load_raw)),
         (("raw_write", lambda i: raw_write(i, data)),),
         (("raw_read", raw_read),),
     ]
@@ -229,7 +244,76 @@ def bench_stall(store: CheckpointStore, every: int, checkpoints: int) -> dict[st
     }
 
 
-def run(repeats: int, checksum: str = DEFAULT_CHECKSUM.value) -> dict[str, Any]:
+def bench_local(root: Path, state: dict[str, Any], repeats: int, checksum: str) -> dict[str, Any]:
+    """:func:`bench_io` on a local directory; raw is ``torch.save(path)`` + fsync and
+    ``torch.load(path)``, the fastest plain way to each."""
+    store = open_store(f"file://{root}/store", keep_last=KEEP, checksum=checksum)
+    raw = root / "raw"
+    raw.mkdir(parents=True)
+    return bench_io(
+        store,
+        state,
+        repeats,
+        raw_write=lambda i, data: fsync_write(raw / f"{i}.pt", data),
+        raw_read=lambda i: (raw / f"{i}.pt").read_bytes(),
+        raw_delete=lambda i: (raw / f"{i}.pt").unlink(missing_ok=True),
+        raw_save=lambda i, st: fsync_torch_save(raw / f"{i}.pt", st),
+        raw_load=lambda i: torch_load_path(raw / f"{i}.pt"),
+    )
+
+
+# One load in a new process, timed there: how a resuming chunk restores (its first load, into
+# memory the process has never used: every page is new to it). Imports are not timed; the first
+# use of the loaders (ours checks once that PyTorch decodes its record reads, torch.load sets
+# itself up) is.
+_FIRST_LOAD_CHILD = """
+import json, sys, time
+import torch
+from elastic_ops.checkpoint import open_store
+torch.set_num_threads(1)
+kind, where = sys.argv[1], sys.argv[2]
+if kind == "ours":
+    store = open_store(where)
+    t0 = time.perf_counter()
+    store.load(store.latest(spec_hash="bench"))
+else:
+    t0 = time.perf_counter()
+    torch.load(where, weights_only=True, map_location="cpu")
+print(json.dumps({"s": time.perf_counter() - t0}))
+"""
+
+
+def bench_first_load(root: Path, state: dict[str, Any], repeats: int, checksum: str) -> dict[str, Any]:
+    """The first load in a new process, ours (``latest()`` + ``load()``) vs ``torch.load(path)``,
+    alternating which goes first; medians of ``repeats`` processes each."""
+    store = open_store(f"file://{root}/store", checksum=checksum)
+    store.save(1, state, epoch=1, spec_hash="bench")
+    raw = root / "raw.pt"
+    fsync_torch_save(raw, state)
+    sides = {"ours": store.uri, "raw": str(raw)}
+    times: dict[str, list[float]] = {side: [] for side in sides}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    for i in range(repeats):
+        for side in sides if i % 2 == 0 else reversed(list(sides)):
+            out = subprocess.run(
+                [sys.executable, "-c", _FIRST_LOAD_CHILD, side, sides[side]],
+                check=True,
+                capture_output=True,
+                text=True,
+                env=env,
+            ).stdout
+            times[side].append(json.loads(out.splitlines()[-1])["s"])
+    ours, bare = statistics.median(times["ours"]), statistics.median(times["raw"])
+    return {
+        "processes": repeats,
+        "load_s": ours,
+        "raw_load_s": bare,
+        "load_ratio_raw_over_ours": bare / ours,
+        "each_s": times,  # every process's time, in order
+    }
+
+
+def run(repeats: int, checksum: str = DEFAULT_CHECKSUM.value, large_width: int = 4096) -> dict[str, Any]:
     torch.set_num_threads(1)
     model, opt = build_model()
     for _ in range(2):
@@ -254,20 +338,26 @@ def run(repeats: int, checksum: str = DEFAULT_CHECKSUM.value) -> dict[str, Any]:
 
     with tempfile.TemporaryDirectory(prefix="ckpt-bench-") as tmp:
         root = Path(tmp)
-        store = open_store(f"file://{root}/store", keep_last=KEEP, checksum=checksum)
-        raw = root / "raw"
-        raw.mkdir()
-        results["local"] = bench_io(
-            store,
-            state,
-            repeats,
-            raw_write=lambda i, data: fsync_write(raw / f"{i}.pt", data),
-            raw_read=lambda i: (raw / f"{i}.pt").read_bytes(),
-            raw_delete=lambda i: (raw / f"{i}.pt").unlink(missing_ok=True),
-            raw_save=lambda i, st: fsync_torch_save(raw / f"{i}.pt", st),
+        results["local"] = bench_local(root / "default", state, repeats, checksum)
+        results["local"]["first_load_in_new_process"] = bench_first_load(
+            root / "first", state, repeats, checksum
         )
         stall_store = open_store(f"file://{root}/stall", keep_last=KEEP, checksum=checksum)
         results["local"]["stall"] = bench_stall(stall_store, 20, 5)
+        if large_width:
+            big_model, big_opt = build_model(large_width)
+            train_step(big_model, big_opt)
+            big = snapshot(big_model, big_opt, 0)
+            del big_model
+            results["local_large"] = bench_local(root / "large", big, max(5, repeats // 2), checksum)
+            results["local_large"]["first_load_in_new_process"] = bench_first_load(
+                root / "first-large", big, max(5, repeats // 2), checksum
+            )
+            results["local_large"]["state"] = {
+                "width": large_width,
+                "parameters": sum(t.numel() for t in big["model"].values()),
+            }
+            del big, big_opt
 
     from tests.s3_server import S3ServerProcess
 
@@ -312,14 +402,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--checksum", choices=[c.value for c in Checksum], default=DEFAULT_CHECKSUM.value)
+    parser.add_argument(
+        "--large-width",
+        type=int,
+        default=4096,
+        help="hidden width of the second, larger local state (4096: ~240 MB); 0 skips it",
+    )
     args = parser.parse_args(argv)
-    results = run(args.repeats, args.checksum)
+    results = run(args.repeats, args.checksum, args.large_width)
     write_json(args.out, results)
-    for where in ("local", "s3", "s3_shared_client"):
+    places = [p for p in ("local", "local_large", "s3", "s3_shared_client") if p in results]
+    for where in places:
         r = results[where]
         stall = r.get("stall")
         print(
-            f"{where:5s} save {r['save_s'] * 1e3:7.1f} ms (raw {r['raw_save_s'] * 1e3:7.1f} ms, ratio "
+            f"{where:11s} save {r['save_s'] * 1e3:7.1f} ms (raw {r['raw_save_s'] * 1e3:7.1f} ms, ratio "
             f"{r['save_ratio_raw_over_ours']:.2f})  load {r['load_s'] * 1e3:7.1f} ms (raw "
             f"{r['raw_load_s'] * 1e3:7.1f} ms, ratio {r['load_ratio_raw_over_ours']:.2f})"
             + (
@@ -329,13 +426,21 @@ def main(argv: list[str] | None = None) -> None:
                 else ""
             )
         )
-    for where in ("local", "s3", "s3_shared_client"):
+    for where in places:
         b, c = results[where]["best_of_repeats"], results[where]["cpu_time"]
         print(
-            f"{where:5s} best-of-{args.repeats} ratios: save {b['save_ratio_raw_over_ours']:.2f}, "
+            f"{where:11s} best-of-{args.repeats} ratios: save {b['save_ratio_raw_over_ours']:.2f}, "
             f"load {b['load_ratio_raw_over_ours']:.2f}; CPU-time ratios: save "
             f"{c['save_ratio_raw_over_ours']:.2f}, load {c['load_ratio_raw_over_ours']:.2f}"
         )
+    for where in ("local", "local_large"):
+        first = results.get(where, {}).get("first_load_in_new_process")
+        if first:
+            print(
+                f"{where:11s} first load in a new process: {first['load_s'] * 1e3:.1f} ms (raw "
+                f"{first['raw_load_s'] * 1e3:.1f} ms, ratio {first['load_ratio_raw_over_ours']:.2f}), "
+                f"medians of {first['processes']} processes each"
+            )
     print(f"checksum {args.checksum}; load average {results['load_average_1_5_15_min']}")
     print(f"wrote {args.out}")
 

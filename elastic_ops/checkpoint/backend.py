@@ -32,6 +32,9 @@ class Backend(Protocol):
     # ``write(file)`` writes (LocalBackend has it: the state is encoded straight into the file).
     # Optional: ``read_hashing(key, hasher) -> memoryview | None`` reads ``key`` feeding each chunk
     # to ``hasher`` as it arrives (LocalBackend has it: one pass instead of read, then hash).
+    # Optional: ``read_stream(key, read: Callable[[BinaryIO, int], T]) -> T | None`` calls
+    # ``read(file, size)`` on an open file (LocalBackend has it: the state file is read record by
+    # record, each tensor straight into its own memory; see archive.py).
     # Optional: ``single_put_limit: int``: ``put`` of fewer bytes is one request (S3Backend: the
     # multipart threshold). The store then lists alongside such an upload instead of after it.
 

@@ -178,20 +178,34 @@ def decode_state(data: bytes | memoryview, *, name: str = "state.pt") -> Any:
     unpickler does not allow (code execution attempt, or a foreign object), and
     :class:`CheckpointCorruptError` when it is not a readable torch file.
     """
-    try:
+    with decode_errors(name):
         return torch.load(_reader(data), weights_only=True, map_location="cpu")
-    except pickle.UnpicklingError as exc:
-        # the restricted unpickler refused the stream: a global it does not allow (an attempt
-        # to call or build something) or an opcode it does not support; either way not ours
-        reason = str(exc.__context__ or exc)
-        raise UnsafeCheckpointError(
-            f"the safe loader refused {name} ({_first_line(reason)})",
-            hint="the checkpoint was not written by elastic_ops or was tampered with; "
-            "nothing in it was executed",
-        ) from None
-    except Exception as exc:  # a truncated zip, a bad magic number, ...
+
+
+class decode_errors:
+    """Turn what the safe loader raises while decoding ``name`` into the store's errors."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, typ: Any, exc: BaseException | None, tb: Any) -> bool:
+        if exc is None or not isinstance(exc, Exception):
+            return False
+        if isinstance(exc, pickle.UnpicklingError):
+            # the restricted unpickler refused the stream: a global it does not allow (an attempt
+            # to call or build something) or an opcode it does not support; either way not ours
+            reason = str(exc.__context__ or exc)
+            raise UnsafeCheckpointError(
+                f"the safe loader refused {self.name} ({_first_line(reason)})",
+                hint="the checkpoint was not written by elastic_ops or was tampered with; "
+                "nothing in it was executed",
+            ) from None
+        # a truncated zip, a bad magic number, a record of the wrong size, ...
         raise CheckpointCorruptError(
-            f"cannot decode {name}: {type(exc).__name__}: {str(exc)[:300]}",
+            f"cannot decode {self.name}: {type(exc).__name__}: {str(exc)[:300]}",
             hint="the file is damaged; an older checkpoint is used by latest()",
         ) from None
 

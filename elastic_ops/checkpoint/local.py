@@ -31,6 +31,7 @@ from elastic_ops.errors import StoragePermanentError, StorageTransientError
 _TMP_PREFIX = ".tmp-"
 _PIECE = 1 << 16  # bytes per write() of a buffer we hold: one huge write is slower than pieces
 _WRITEBACK_EVERY = 4 << 20
+_WRITEBACK_ALIGN = (64 << 10) - 1
 _READ_CHUNK = 1 << 20  # hashed right after it is read, while it is still in the CPU cache
 T = TypeVar("T")
 
@@ -66,12 +67,14 @@ class _EarlyWriteback:
     def write(self, data: bytes | memoryview) -> int:
         n = self._f.write(data)
         self._written += n
-        if _SYNC_FILE_RANGE is not None and self._written - self._started >= _WRITEBACK_EVERY:
+        # Only whole 64 KiB blocks behind the write position: a range ending inside the page
+        # the next write() fills puts that page under writeback while it is still being written
+        # (measured: 240 MB saves then took up to 2.5x longer, and 20 % longer at the median).
+        end = self._written & ~_WRITEBACK_ALIGN
+        if _SYNC_FILE_RANGE is not None and end - self._started >= _WRITEBACK_EVERY:
             self._f.flush()
-            _SYNC_FILE_RANGE(
-                self._f.fileno(), self._started, self._written - self._started, _SYNC_FILE_RANGE_WRITE
-            )
-            self._started = self._written
+            _SYNC_FILE_RANGE(self._f.fileno(), self._started, end - self._started, _SYNC_FILE_RANGE_WRITE)
+            self._started = end
         return n
 
     def write_all(self, data: bytes) -> None:
@@ -156,12 +159,11 @@ class LocalBackend:
             except FileNotFoundError:
                 return None
 
-    def read_hashing(self, key: str, hasher: Hasher) -> memoryview | None:
-        """The bytes at ``key`` (``None`` when missing), each chunk fed to ``hasher`` as it is read.
+    def read_stream(self, key: str, read: Callable[[BinaryIO, int], T]) -> T | None:
+        """``read(file, size)`` on the file at ``key`` (``None`` when it is missing).
 
-        One pass: a chunk is hashed while it is still in the CPU cache, instead of reading the
-        whole file and then hashing it from memory again. The buffer is allocated uninitialised
-        (NumPy) since every byte of it is overwritten.
+        ``file`` is open for reading (binary, unbuffered); OS errors are reported like those of
+        every other call.
         """
         with _os_errors(self.uri, key):
             try:
@@ -169,37 +171,59 @@ class LocalBackend:
             except FileNotFoundError:
                 return None
             with f:
-                size = os.fstat(f.fileno()).st_size
-                view = memoryview(np.empty(size, dtype=np.uint8)).cast("B")
-                pos = 0
-                while pos < size:
-                    n = f.readinto(view[pos : pos + _READ_CHUNK])
-                    if not n:  # truncated since fstat: the caller's size check fails
-                        break
-                    hasher.update(view[pos : pos + n])
-                    pos += n
-                return view[:pos]
+                return read(f, os.fstat(f.fileno()).st_size)
+
+    def read_hashing(self, key: str, hasher: Hasher) -> memoryview | None:
+        """The bytes at ``key`` (``None`` when missing), each chunk fed to ``hasher`` as it is read.
+
+        One pass: a chunk is hashed while it is still in the CPU cache, instead of reading the
+        whole file and then hashing it from memory again. The buffer is allocated uninitialised
+        (NumPy) since every byte of it is overwritten.
+        """
+
+        def read(f: BinaryIO, size: int) -> memoryview:
+            view = memoryview(np.empty(size, dtype=np.uint8)).cast("B")
+            pos = 0
+            while pos < size:
+                n = f.readinto(view[pos : pos + _READ_CHUNK])  # type: ignore[attr-defined]
+                if not n:  # truncated since fstat: the caller's size check fails
+                    break
+                hasher.update(view[pos : pos + n])
+                pos += n
+            return view[:pos]
+
+        return self.read_stream(key, read)
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
         out: list[ObjectInfo] = []
-        base = self.root.joinpath(*prefix.split("/")[:-1])  # walk only below the prefix's directory
-        if not base.is_dir():
-            return out
+        below = prefix.rsplit("/", 1)[0] if "/" in prefix else ""  # walk only below it
         with _os_errors(self.uri, prefix):
-            for dirpath, dirnames, filenames in os.walk(base):
-                dirnames[:] = [d for d in dirnames if not d.startswith(_TMP_PREFIX)]
-                rel = os.path.relpath(dirpath, self.root)
-                for name in filenames:
-                    if name.startswith(_TMP_PREFIX):
-                        continue
-                    key = name if rel == "." else f"{rel.replace(os.sep, '/')}/{name}"
-                    if key.startswith(prefix):
-                        try:
-                            size = os.stat(os.path.join(dirpath, name)).st_size
-                        except FileNotFoundError:  # deleted while we walked
-                            continue
-                        out.append(ObjectInfo(key, size))
+            self._walk(
+                str(self.root.joinpath(*below.split("/"))) if below else str(self.root), below, prefix, out
+            )
         return out
+
+    def _walk(self, path: str, rel: str, prefix: str, out: list[ObjectInfo]) -> None:
+        """Append the files under ``path`` (key ``rel``) whose keys start with ``prefix``; only
+        directories that can hold such keys are entered (``it-…`` leaves ``_fence`` alone)."""
+        try:
+            entries = os.scandir(path)
+        except (FileNotFoundError, NotADirectoryError):  # deleted while we walked, or no root
+            return
+        with entries:
+            for entry in entries:
+                if entry.name.startswith(_TMP_PREFIX):
+                    continue
+                key = f"{rel}/{entry.name}" if rel else entry.name
+                if entry.is_dir():
+                    inside = key + "/"
+                    if not entry.is_symlink() and (inside.startswith(prefix) or prefix.startswith(inside)):
+                        self._walk(entry.path, key, prefix, out)
+                elif key.startswith(prefix):
+                    try:
+                        out.append(ObjectInfo(key, entry.stat().st_size))
+                    except FileNotFoundError:  # deleted while we walked
+                        continue
 
     def delete(self, keys: list[str]) -> None:
         parents = set()

@@ -30,6 +30,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from typing import Any
 
+from elastic_ops.checkpoint.archive import Archive, archive_decoding_works, decode_archive, read_archive
 from elastic_ops.checkpoint.backend import Backend, ObjectInfo
 from elastic_ops.checkpoint.checksum import DEFAULT_CHECKSUM, Checksum, parse_checksum
 from elastic_ops.checkpoint.codec import check_state, decode_state, encode_state, encode_state_into
@@ -77,6 +78,10 @@ def _forget_pool_after_fork() -> None:
 
 
 os.register_at_fork(after_in_child=_forget_pool_after_fork)
+
+
+def _is_state(name: str) -> bool:
+    return name.rsplit("/", 1)[-1] == STATE_NAME
 
 
 def iteration_dir(iteration: int) -> str:
@@ -490,28 +495,12 @@ class CheckpointStore:
         raise). Raises :class:`CheckpointCorruptError` when a file is missing or fails its
         checksum (a remote read that fails verification is read once more first). Every byte is
         verified before any is handed to the decoder, and the decoder sees exactly the verified
-        buffer.
+        bytes (a local state file: the records read in the verified pass, see archive.py).
         """
-        it_dir = iteration_dir(ref.iteration)
-        payload: dict[str, bytes | memoryview] = {}
+        payload: dict[str, bytes | memoryview | Archive] = {}
         prefetched = prefetched or {}
-        read_hashing = getattr(self.backend, "read_hashing", None)
         for f in ref.files:
-            key, pending = f"{it_dir}/{f.name}", prefetched.get(f.name)
-            data: bytes | memoryview | None
-            if pending is None and read_hashing is not None:
-                hasher = f.algorithm.hasher()
-                data = read_hashing(key, hasher)
-                got = hasher.hexdigest()
-            else:
-                data = pending.result() if pending else self.backend.get(key, size_hint=f.size)
-                got = f.algorithm.hexdigest(data) if data is not None else ""
-                if data is not None and (len(data) != f.size or got != f.digest):
-                    # damaged at rest, or on the way (the store's own S3 client leaves checking
-                    # downloads to this digest): a second read tells the two apart
-                    log.warning("%s/%s failed verification once; reading it again", ref.uri, f.name)
-                    data = self.backend.get(key, size_hint=f.size)
-                    got = f.algorithm.hexdigest(data) if data is not None else ""
+            data, got = self._read_file(ref, f, prefetched.get(f.name))
             if data is None:
                 raise CheckpointCorruptError(f"{ref.uri}/{f.name} is missing")
             if len(data) != f.size:
@@ -524,13 +513,50 @@ class CheckpointStore:
                     f"instead of {f.digest[:12]}…"
                 )
             payload[f.name] = data
-        states = [f.name for f in ref.files if f.name.rsplit("/", 1)[-1] == STATE_NAME]
+        states = [f.name for f in ref.files if _is_state(f.name)]
         try:
             if len(states) != 1:
                 raise CheckpointCorruptError(f"{ref.uri} has no single {STATE_NAME}")
-            return decode_state(payload[states[0]], name=f"{ref.uri}/{states[0]}")
+            state, name = payload[states[0]], f"{ref.uri}/{states[0]}"
+            if isinstance(state, Archive):
+                return decode_archive(state, name=name)
+            return decode_state(state, name=name)
         except CheckpointCorruptError as exc:
             return exc
+
+    def _read_file(
+        self, ref: CheckpointRef, f: FileEntry, pending: Future[bytes | None] | None
+    ) -> tuple[bytes | memoryview | Archive | None, str]:
+        """One file of ``ref`` (``None`` when missing) and its digest under ``f.algorithm``."""
+        key = f"{iteration_dir(ref.iteration)}/{f.name}"
+        if pending is None:
+            if _is_state(f.name):
+                archive, got = self._read_archive(key, f.algorithm)
+                if archive is not None:
+                    return archive, got
+            read_hashing = getattr(self.backend, "read_hashing", None)
+            if read_hashing is not None:
+                hasher = f.algorithm.hasher()
+                return read_hashing(key, hasher), hasher.hexdigest()
+        data = pending.result() if pending else self.backend.get(key, size_hint=f.size)
+        got = f.algorithm.hexdigest(data) if data is not None else ""
+        if data is not None and (len(data) != f.size or got != f.digest):
+            # damaged at rest, or on the way (the store's own S3 client leaves checking
+            # downloads to this digest): a second read tells the two apart
+            log.warning("%s/%s failed verification once; reading it again", ref.uri, f.name)
+            data = self.backend.get(key, size_hint=f.size)
+            got = f.algorithm.hexdigest(data) if data is not None else ""
+        return data, got
+
+    def _read_archive(self, key: str, algorithm: Checksum) -> tuple[Archive | None, str]:
+        """The state file at ``key`` read record by record (archive.py), with its digest; (None,
+        "") where the backend cannot, this PyTorch does not decode such reads, or the file is
+        not laid out as expected (the caller then reads it whole)."""
+        read_stream = getattr(self.backend, "read_stream", None)
+        if read_stream is None or not archive_decoding_works():
+            return None, ""
+        read = read_stream(key, lambda f, size: read_archive(f, size, algorithm))
+        return read if read is not None else (None, "")
 
     def load(self, ref: CheckpointRef) -> Any:
         """The state saved in ``ref``, after verifying every checksum. Never executes code.
