@@ -87,8 +87,8 @@ def read_archive(f: BinaryIO, size: int, algorithm: Checksum) -> tuple[Archive, 
     records, directory_start, directory = planned
     archive = Archive()
     for rec in records:
-        if rec.header_offset < reader.pos:
-            return None  # overlapping records: not a layout torch.save writes
+        if not reader.pos <= rec.header_offset < directory_start:
+            return None  # overlapping records, or one inside the directory: not torch.save's layout
         # what lies before the header (the previous record's data descriptor), and the header
         header = reader.read(rec.header_offset + _LOCAL_HEADER.size - reader.pos)[-_LOCAL_HEADER.size :]
         if reader.pos < rec.header_offset + _LOCAL_HEADER.size:
@@ -99,6 +99,8 @@ def read_archive(f: BinaryIO, size: int, algorithm: Checksum) -> tuple[Archive, 
         name_and_extra = fields[-2] + fields[-1]
         if len(reader.read(name_and_extra)) < name_and_extra:
             return _short(archive, reader)
+        if reader.pos + rec.size > directory_start:
+            return None  # a size the file cannot hold: never allocate what the directory claims
         if rec.name.startswith(_STORAGE_PREFIX):
             storage = torch.empty(rec.size, dtype=torch.uint8)
             archive.storages[rec.name] = storage
@@ -108,8 +110,6 @@ def read_archive(f: BinaryIO, size: int, algorithm: Checksum) -> tuple[Archive, 
             complete = len(data) == rec.size
         if not complete:
             return _short(archive, reader)
-    if reader.pos > directory_start:
-        return None  # a record reaches into the directory: not a layout torch.save writes
     reader.read(directory_start - reader.pos)
     if reader.read(size - directory_start) != directory:
         return None if reader.pos == size else _short(archive, reader)

@@ -177,6 +177,25 @@ def test_files_not_laid_out_as_torch_writes_are_left_to_a_whole_file_read(tmp_pa
     assert _read(deflated) is None
 
 
+def test_a_directory_claiming_more_than_the_file_holds_allocates_nothing(tmp_path: Path, monkeypatch) -> None:
+    path = tmp_path / "state.pt"
+    path.write_bytes(encode_state(_training_state()))
+    real_plan = archive_module._plan
+
+    def plan_with_a_huge_record(reader, size):  # noqa: ANN001, ANN202
+        records, start, directory = real_plan(reader, size)
+        i = next(i for i, r in enumerate(records) if r.name.startswith("data/"))
+        records[i] = archive_module._Record(records[i].name, records[i].header_offset, 1 << 40)
+        return records, start, directory
+
+    def no_allocation(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError(f"allocated {args}")
+
+    monkeypatch.setattr(archive_module, "_plan", plan_with_a_huge_record)
+    monkeypatch.setattr(archive_module.torch, "empty", no_allocation)
+    assert _read(path) is None
+
+
 def test_a_directory_that_changed_between_its_two_reads_is_not_trusted(tmp_path: Path, monkeypatch) -> None:
     path = tmp_path / "state.pt"
     path.write_bytes(encode_state(small_state(1)))
