@@ -72,26 +72,38 @@ def test_a_chunk_on_the_agent_equals_the_same_chunk_in_process(agent, tmp_path, 
     assert open_store(spec.checkpoint).latest().metrics["param_sha256"] == reference
 
 
-def test_a_target_change_reaches_the_workers_through_the_agent(agent, tmp_path, reference):
-    spec = make_spec(tmp_path)
+def bitwise_reference(tmp_path, iterations: int) -> str:
+    """The long tiny job trained in this process on one worker for ``iterations``, uninterrupted."""
+    spec = make_spec(tmp_path / "ref", total_iterations=100_000)
+    return run_chunk(spec, 0, iterations, target=lambda i: 1).param_sha256
+
+
+def test_a_target_change_reaches_the_workers_through_the_agent(agent, tmp_path):
+    spec = make_spec(tmp_path, total_iterations=100_000)
     seen: list[int] = []
     applied: list[tuple[int, int, tuple[int, ...] | None]] = []
 
-    def wanted() -> int:  # the pool grows the job once it has trained 8 iterations
+    def wanted() -> int:  # the pool grows the job once it has trained 8 iterations, then preempts it
+        if any(n == 2 for _, n, _ in applied):
+            return 0  # ends the chunk only once the grow was applied: nothing depends on timing
         return 2 if seen and seen[-1] >= 8 else 1
 
     result = run_on(
         agent,
         spec,
+        0,
+        100_000,
         wanted=wanted,
         on_progress=lambda p: seen.append(p.iteration),
         on_applied=lambda i, n, slots: applied.append((i, n, slots)),
     )
-    counts = [n for _, n, _ in result.workers_timeline]
-    assert counts[0] == 1 and counts[-1] == 2, result.workers_timeline
+    assert result.status == ChunkStatus.PREEMPTED
+    grown_at = next(i for i, n, _ in applied if n == 2)
+    assert [n for _, n, _ in result.workers_timeline][:2] == [1, 2], result.workers_timeline
     # every segment start is announced (the first one too); no slots were granted here
-    assert applied == [(0, 1, None), (result.workers_timeline[-1][0], 2, None)]
-    assert result.param_sha256 == reference  # bitwise: the rescale changes nothing
+    assert applied == [(0, 1, None), (grown_at, 2, None)] and grown_at > 8
+    # bitwise: the rescale changes nothing
+    assert result.param_sha256 == bitwise_reference(tmp_path, result.iteration)
 
 
 def test_the_granted_slots_travel_with_each_target_to_the_launch(tmp_path):
@@ -125,8 +137,8 @@ def test_the_granted_slots_travel_with_each_target_to_the_launch(tmp_path):
         assert [r.slots for r in launcher.requests] == [None]
 
 
-def test_a_same_count_move_relaunches_on_the_agent_and_is_announced_with_its_slots(tmp_path, reference):
-    spec = make_spec(tmp_path)
+def test_a_same_count_move_relaunches_on_the_agent_and_is_announced_with_its_slots(tmp_path):
+    spec = make_spec(tmp_path, total_iterations=100_000)
     seen: list[int] = []
     applied: list[tuple[int, int, tuple[int, ...] | None]] = []
     launcher = RecordingLauncher()
@@ -134,19 +146,25 @@ def test_a_same_count_move_relaunches_on_the_agent_and_is_announced_with_its_slo
     def slots() -> list[int]:  # 2 workers throughout; after 8 iterations the pool moves them
         return [3, 2] if seen and seen[-1] >= 8 else [0, 1]
 
+    def wanted() -> int:  # then preempts the job, once the move was applied
+        return 0 if len(applied) == 2 else 2
+
     with running_agent(tmp_path / "agent", launcher=launcher, warm=False) as agent:
         result = run_on(
             agent,
             spec,
-            wanted=lambda: 2,
+            0,
+            100_000,
+            wanted=wanted,
             slots=slots,
             on_progress=lambda p: seen.append(p.iteration),
             on_applied=lambda i, n, s: applied.append((i, n, s)),
         )
-    assert result.status == ChunkStatus.COMPLETED and result.param_sha256 == reference
+    assert result.status == ChunkStatus.PREEMPTED
     assert [(r.workers, r.slots) for r in launcher.requests] == [(2, (0, 1)), (2, (3, 2))]
-    moved_at = result.workers_timeline[-1][0]
+    moved_at = applied[-1][0]
     assert applied == [(0, 2, (0, 1)), (moved_at, 2, (3, 2))] and moved_at > 8
+    assert result.param_sha256 == bitwise_reference(tmp_path, result.iteration)
 
 
 def test_a_malformed_applied_message_is_a_protocol_error():
