@@ -35,6 +35,8 @@ class Backend(Protocol):
     # Optional: ``read_stream(key, read: Callable[[BinaryIO, int], T]) -> T | None`` calls
     # ``read(file, size)`` on an open file (LocalBackend has it: the state file is read record by
     # record, each tensor straight into its own memory; see archive.py).
+    # Optional: ``place(key, dest, hasher) -> int | None`` puts the object at the local path
+    # ``dest`` (LocalBackend: a hard link, else a copy), hashing it; ``CheckpointStore.export``.
     # Optional: ``single_put_limit: int``: ``put`` of fewer bytes is one request (S3Backend: the
     # multipart threshold). The store then lists alongside such an upload instead of after it.
 

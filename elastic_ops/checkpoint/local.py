@@ -173,6 +173,34 @@ class LocalBackend:
             with f:
                 return read(f, os.fstat(f.fileno()).st_size)
 
+    def place(self, key: str, dest: str | os.PathLike[str], hasher: Hasher) -> int | None:
+        """Put the file at ``key`` at the path ``dest``, feeding every byte ``dest`` holds to
+        ``hasher``; its size, or ``None`` when ``key`` is missing (``dest`` is then not created).
+
+        A hard link when both lie on one file system (stored files are never changed in place,
+        so the link holds exactly the committed bytes; they are read once to hash them), else a
+        copy. ``dest`` appears atomically; on any error it is not left behind.
+        """
+        src, dest = self._path(key), Path(dest)
+        tmp = dest.with_name(f"{_TMP_PREFIX}{uuid.uuid4().hex}")
+        with _os_errors(self.uri, key):
+            try:
+                try:
+                    os.link(src, tmp)
+                    linked = True
+                except FileNotFoundError:
+                    raise
+                except OSError:  # another file system, or no hard links there: copy
+                    linked = False
+                size = _hash_file(tmp, hasher) if linked else _copy_hashing(src, tmp, hasher)
+                os.replace(tmp, dest)
+            except BaseException as exc:
+                tmp.unlink(missing_ok=True)
+                if isinstance(exc, FileNotFoundError) and not src.exists():
+                    return None
+                raise
+            return size
+
     def read_hashing(self, key: str, hasher: Hasher) -> memoryview | None:
         """The bytes at ``key`` (``None`` when missing), each chunk fed to ``hasher`` as it is read.
 
@@ -240,6 +268,29 @@ class LocalBackend:
                     except OSError:
                         break
                     parent = parent.parent
+
+
+def _hash_file(path: Path, hasher: Hasher) -> int:
+    """Feed the bytes of ``path`` to ``hasher``; their count."""
+    buf = memoryview(bytearray(_READ_CHUNK))
+    size = 0
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            hasher.update(buf[:n])
+            size += n
+    return size
+
+
+def _copy_hashing(src: Path, dest: Path, hasher: Hasher) -> int:
+    """Copy ``src`` to a new file ``dest``, feeding every byte to ``hasher``; their count."""
+    buf = memoryview(bytearray(_READ_CHUNK))
+    size = 0
+    with open(src, "rb", buffering=0) as fin, open(dest, "xb") as fout:  # buffered: writes all
+        while n := fin.readinto(buf):
+            hasher.update(buf[:n])
+            fout.write(buf[:n])
+            size += n
+    return size
 
 
 def _fsync_dir(path: Path) -> None:

@@ -28,6 +28,7 @@ import uuid
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
+from pathlib import Path
 from typing import Any
 
 from elastic_ops.checkpoint.archive import Archive, archive_decoding_works, decode_archive, read_archive
@@ -82,6 +83,21 @@ os.register_at_fork(after_in_child=_forget_pool_after_fork)
 
 def _is_state(name: str) -> bool:
     return name.rsplit("/", 1)[-1] == STATE_NAME
+
+
+def _verify(ref: CheckpointRef, f: FileEntry, size: int | None, got: str) -> None:
+    """Raise :class:`CheckpointCorruptError` unless ``size`` and digest ``got`` are ``f``'s."""
+    if size is None:
+        raise CheckpointCorruptError(f"{ref.uri}/{f.name} is missing")
+    if size != f.size:
+        raise CheckpointCorruptError(
+            f"{ref.uri}/{f.name} fails verification: size {size} instead of {f.size}"
+        )
+    if got != f.digest:
+        raise CheckpointCorruptError(
+            f"{ref.uri}/{f.name} fails verification: {f.algorithm.value} {got[:12]}… "
+            f"instead of {f.digest[:12]}…"
+        )
 
 
 def iteration_dir(iteration: int) -> str:
@@ -501,18 +517,8 @@ class CheckpointStore:
         prefetched = prefetched or {}
         for f in ref.files:
             data, got = self._read_file(ref, f, prefetched.get(f.name))
-            if data is None:
-                raise CheckpointCorruptError(f"{ref.uri}/{f.name} is missing")
-            if len(data) != f.size:
-                raise CheckpointCorruptError(
-                    f"{ref.uri}/{f.name} fails verification: size {len(data)} instead of {f.size}"
-                )
-            if got != f.digest:
-                raise CheckpointCorruptError(
-                    f"{ref.uri}/{f.name} fails verification: {f.algorithm.value} {got[:12]}… "
-                    f"instead of {f.digest[:12]}…"
-                )
-            payload[f.name] = data
+            _verify(ref, f, None if data is None else len(data), got)
+            payload[f.name] = data  # type: ignore[assignment]  # not None: verified
         states = [f.name for f in ref.files if _is_state(f.name)]
         try:
             if len(states) != 1:
@@ -570,6 +576,42 @@ class CheckpointStore:
         if isinstance(result, CheckpointCorruptError):
             raise result
         return result
+
+    def export(self, ref: CheckpointRef, path: str | os.PathLike[str]) -> None:
+        """Write the state of ``ref`` to the local file ``path``, for ``torch.load(path,
+        weights_only=True)`` (a training run hands its workers the state this way).
+
+        From a local store the committed file itself is put there (a hard link on one file
+        system, else a copy) and checked against its manifest on the way: nothing is decoded or
+        encoded again. From another store the state is verified and decoded (:meth:`load`) and
+        written with ``torch.save``. The state :meth:`latest` kept for ``load(ref)`` is dropped;
+        if it could not be decoded, what :meth:`load` would raise is raised here. Raises
+        :class:`CheckpointCorruptError` when the file is missing or fails verification
+        (``path`` is not created then).
+        """
+        with self._lock:
+            cached, self._loaded = self._loaded, None
+        kept = cached[1] if cached is not None and cached[0] == ref else None
+        if isinstance(kept, CheckpointCorruptError):
+            raise kept
+        place = getattr(self.backend, "place", None)
+        if place is None:
+            state = kept if kept is not None else self.load(ref)
+            tmp = Path(path).with_name(f".{Path(path).name}.{uuid.uuid4().hex}.tmp")
+            tmp.write_bytes(encode_state(state))
+            os.replace(tmp, path)
+            return
+        states = [f for f in ref.files if _is_state(f.name)]
+        if len(states) != 1:
+            raise CheckpointCorruptError(f"{ref.uri} has no single {STATE_NAME}")
+        f = states[0]
+        hasher = f.algorithm.hasher()
+        size = place(f"{iteration_dir(ref.iteration)}/{f.name}", path, hasher)
+        try:
+            _verify(ref, f, size, hasher.hexdigest())
+        except CheckpointCorruptError:
+            Path(path).unlink(missing_ok=True)
+            raise
 
     # --- retention -------------------------------------------------------------------------
 

@@ -576,7 +576,7 @@ def run_chunk(
         if ref is not None:
             it = ref.iteration
             state_path = str(work / f"restore-{it}.pt")
-            save_atomic(store.load(ref), state_path)
+            store.export(ref, state_path)  # the committed file itself (local store): no re-encoding
             log.info("resuming from checkpoint at iteration %d (%s)", it, ref.uri)
         elif warm_start or warm_start_store is not None:
             state_path = str(work / "warm-start.pt")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -309,3 +310,53 @@ def test_local_reads_hash_each_chunk_as_it_arrives_and_decode_that_buffer(tmp_pa
     back = decode_state(view)  # the verified buffer itself, not bytes
     assert torch.equal(back["w"], state["w"]) and back["step"] == 3
     assert backend.read_hashing("it-00000001/d-x/missing.pt", Checksum.SHA256.hasher()) is None
+
+
+def test_export_hands_over_the_committed_state_as_a_file_torch_load_reads(target: StoreTarget, tmp_path):
+    model, opt, sched = make_model()
+    train_steps(model, opt, sched, 2)
+    state = make_state(model, opt, sched)
+    store = target.open()
+    ref = store.save(10, state, epoch=1, spec_hash="h")
+    out = tmp_path / "work" / "restore.pt"
+    out.parent.mkdir()
+    store.export(store.latest(spec_hash="h"), out)
+    back = torch.load(out, weights_only=True)
+    assert torch.equal(back["model"]["0.weight"], state["model"]["0.weight"])
+    assert back["optimizer"]["state"].keys() == state["optimizer"]["state"].keys()
+    assert store._loaded is None, "the state latest() kept is not held on to"
+    if target.kind == "file":  # the committed file itself: same bytes, no re-encoding
+        committed = target.root / f"it-00000010/{ref.files[0].name}"
+        assert out.read_bytes() == committed.read_bytes()
+        assert out.stat().st_ino == committed.stat().st_ino, "a hard link on one file system"
+
+
+def test_export_copies_across_file_systems_and_refuses_damage(tmp_path, monkeypatch) -> None:
+    from elastic_ops.checkpoint import local
+
+    store = StoreTarget("file", f"file://{tmp_path}/ckpt", root=tmp_path / "ckpt").open()
+    ref = store.save(10, small_state(3), epoch=1, spec_hash="h")
+    committed = tmp_path / f"ckpt/it-00000010/{ref.files[0].name}"
+
+    def no_links(src, dst):  # noqa: ANN001, ANN202  # as across file systems
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    monkeypatch.setattr(local.os, "link", no_links)
+    store.export(ref, tmp_path / "copy.pt")
+    assert (tmp_path / "copy.pt").read_bytes() == committed.read_bytes()
+    assert (tmp_path / "copy.pt").stat().st_ino != committed.stat().st_ino
+
+    monkeypatch.undo()
+    data = bytearray(committed.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    committed.write_bytes(bytes(data))
+    for attempt in ("link", "copy"):
+        if attempt == "copy":
+            monkeypatch.setattr(local.os, "link", no_links)
+        with pytest.raises(CheckpointCorruptError, match="fails verification"):
+            store.export(ref, tmp_path / f"damaged-{attempt}.pt")
+        assert not (tmp_path / f"damaged-{attempt}.pt").exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".tmp-")] == [], "nothing left behind"
+    committed.unlink()
+    with pytest.raises(CheckpointCorruptError, match="is missing"):
+        store.export(ref, tmp_path / "missing.pt")

@@ -13,6 +13,7 @@ from elastic_ops.checkpoint import open_store
 from elastic_ops.errors import (
     CheckpointNotFoundError,
     NonFiniteLossError,
+    UnsafeCheckpointError,
     UserCodeError,
     WorkerLostError,
 )
@@ -337,3 +338,30 @@ def test_cuda_workers_with_nccl_are_bitwise_equal_to_one_worker(tmp_path, refere
         spec2 = make_spec(tmp_path / "two", device="cuda", max_workers=2)
         two = run_job(spec2, schedule=Schedule.parse("1,2", spec2, 0, 30))
         assert two.param_sha256 == one.param_sha256
+
+
+def test_a_planted_checkpoint_the_safe_loader_refuses_stops_the_chunk_before_any_worker(tmp_path):
+    """The workers get the restored state as the committed file itself (store.export), but the
+    coordinator has decoded it once already, so a refused checkpoint fails here, not retryably."""
+    import io
+
+    from elastic_ops.checkpoint.manifest import FileEntry, Manifest
+
+    class Exploit:
+        def __reduce__(self):  # noqa: ANN204
+            return (open, (str(tmp_path / "pwned"), "w"))
+
+    spec = make_spec(tmp_path)
+    evil = io.BytesIO()
+    torch.save({"model": Exploit()}, evil)
+    root = tmp_path / "ckpt"
+    (root / "it-00000010/d-evil").mkdir(parents=True)
+    (root / "it-00000010/d-evil/state.pt").write_bytes(evil.getvalue())
+    entry = FileEntry.of("d-evil/state.pt", evil.getvalue())
+    manifest = Manifest(iteration=10, epoch=1, spec_hash=spec.spec_hash(), created=0.0, files=(entry,))
+    (root / "it-00000010/manifest.json").write_bytes(manifest.to_json())
+    launcher = RecordingLauncher()
+    with pytest.raises(UnsafeCheckpointError) as err:
+        run_chunk(spec, 10, 20, target=lambda i: 1, launcher=launcher)
+    assert err.value.retryable is False and launcher.requests == []
+    assert not (tmp_path / "pwned").exists()
