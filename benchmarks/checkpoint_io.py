@@ -27,7 +27,9 @@ server in a child process on 127.0.0.1), it measures side by side, in one run, m
 * the same without serialisation (``raw_bytes_only``: pure I/O of the encoded bytes; the local
   write goes in 64 KiB pieces, ``shutil.copyfileobj``'s default, which is the fastest way here);
 * training stall: how long the training loop is blocked per checkpoint with ``save`` and with
-  ``save_async`` (only encoding blocks), plus the loop's slowdown per checkpoint.
+  ``save_async`` (only encoding blocks), plus the loop's slowdown per checkpoint;
+* local only: the first load in a new process (how a job restores), and the handover of the
+  restored state to the workers as a file (``latest(into=)`` vs decoding and re-encoding it).
 
 Ratios are ``raw_time / store_time`` (1.0 = no overhead; target >= 0.8), from medians of wall
 time, of CPU time (``time.process_time``: all threads of this process, so less sensitive to
@@ -262,6 +264,49 @@ def bench_local(root: Path, state: dict[str, Any], repeats: int, checksum: str) 
     )
 
 
+def bench_handover(root: Path, state: dict[str, Any], repeats: int, checksum: str) -> dict[str, Any]:
+    """How a resuming chunk hands the restored state to its workers, as a file.
+
+    ours: ``store.latest(into=path)`` (the committed file hard-linked, hashed and its pickle
+    checked; ``link_s``) and the same across file systems (a hashed copy; ``copy_s``); the
+    previous way, ``latest()`` + ``load()`` + ``torch.save`` to the file (``decode_encode_s``);
+    and a plain ``shutil.copyfile`` of the committed file (``raw_copy_s``: bytes only, nothing
+    verified). Medians of ``repeats``, the variants alternating.
+    """
+    from elastic_ops.checkpoint import local
+
+    store = open_store(f"file://{root}/store", checksum=checksum)
+    ref = store.save(1, state, epoch=1, spec_hash="bench")
+    committed = root / "store" / f"it-{1:08d}" / ref.files[0].name
+    real_link = local.os.link
+
+    def no_link(*_args: Any) -> None:  # as across file systems
+        raise OSError(18, "Invalid cross-device link")
+
+    def handover(kind: str, out: Path) -> None:
+        local.os.link = no_link if kind == "copy_s" else real_link
+        try:
+            if kind == "decode_encode_s":
+                torch.save(store.load(store.latest(spec_hash="bench")), out)
+            elif kind == "raw_copy_s":
+                shutil.copyfile(committed, out)
+            else:
+                store.latest(spec_hash="bench", into=out)
+        finally:
+            local.os.link = real_link
+
+    kinds = ["link_s", "copy_s", "decode_encode_s", "raw_copy_s"]
+    times: dict[str, list[float]] = {k: [] for k in kinds}
+    for i in range(repeats):
+        for kind in kinds if i % 2 == 0 else kinds[::-1]:
+            out = root / f"handover-{kind}.pt"
+            t0 = time.perf_counter()
+            handover(kind, out)
+            times[kind].append(time.perf_counter() - t0)
+            out.unlink()
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 # One load in a new process, timed there: how a resuming chunk restores (its first load, into
 # memory the process has never used: every page is new to it). Imports are not timed; the first
 # use of the loaders (ours checks once that PyTorch decodes its record reads, torch.load sets
@@ -342,6 +387,7 @@ def run(repeats: int, checksum: str = DEFAULT_CHECKSUM.value, large_width: int =
         results["local"]["first_load_in_new_process"] = bench_first_load(
             root / "first", state, repeats, checksum
         )
+        results["local"]["handover_to_workers"] = bench_handover(root / "handover", state, repeats, checksum)
         stall_store = open_store(f"file://{root}/stall", keep_last=KEEP, checksum=checksum)
         results["local"]["stall"] = bench_stall(stall_store, 20, 5)
         if large_width:
@@ -352,6 +398,9 @@ def run(repeats: int, checksum: str = DEFAULT_CHECKSUM.value, large_width: int =
             results["local_large"] = bench_local(root / "large", big, max(5, repeats // 2), checksum)
             results["local_large"]["first_load_in_new_process"] = bench_first_load(
                 root / "first-large", big, max(5, repeats // 2), checksum
+            )
+            results["local_large"]["handover_to_workers"] = bench_handover(
+                root / "handover-large", big, max(5, repeats // 2), checksum
             )
             results["local_large"]["state"] = {
                 "width": large_width,
@@ -440,6 +489,14 @@ def main(argv: list[str] | None = None) -> None:
                 f"{where:11s} first load in a new process: {first['load_s'] * 1e3:.1f} ms (raw "
                 f"{first['raw_load_s'] * 1e3:.1f} ms, ratio {first['load_ratio_raw_over_ours']:.2f}), "
                 f"medians of {first['processes']} processes each"
+            )
+    for where in ("local", "local_large"):
+        h = results.get(where, {}).get("handover_to_workers")
+        if h:
+            print(
+                f"{where:11s} handover to workers: latest(into=) {h['link_s'] * 1e3:.1f} ms (hard link) / "
+                f"{h['copy_s'] * 1e3:.1f} ms (copy); before: decode + torch.save "
+                f"{h['decode_encode_s'] * 1e3:.1f} ms; plain copyfile {h['raw_copy_s'] * 1e3:.1f} ms"
             )
     print(f"checksum {args.checksum}; load average {results['load_average_1_5_15_min']}")
     print(f"wrote {args.out}")

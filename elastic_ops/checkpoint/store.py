@@ -34,7 +34,13 @@ from typing import Any
 from elastic_ops.checkpoint.archive import Archive, archive_decoding_works, decode_archive, read_archive
 from elastic_ops.checkpoint.backend import Backend, ObjectInfo
 from elastic_ops.checkpoint.checksum import DEFAULT_CHECKSUM, Checksum, parse_checksum
-from elastic_ops.checkpoint.codec import check_state, decode_state, encode_state, encode_state_into
+from elastic_ops.checkpoint.codec import (
+    check_decodable,
+    check_state,
+    decode_state,
+    encode_state,
+    encode_state_into,
+)
 from elastic_ops.checkpoint.manifest import (
     MANIFEST_NAME,
     STATE_NAME,
@@ -98,6 +104,25 @@ def _verify(ref: CheckpointRef, f: FileEntry, size: int | None, got: str) -> Non
             f"{ref.uri}/{f.name} fails verification: {f.algorithm.value} {got[:12]}… "
             f"instead of {f.digest[:12]}…"
         )
+
+
+def _verify_or_remove(ref: CheckpointRef, f: FileEntry, size: int | None, got: str, path: Any) -> None:
+    try:
+        _verify(ref, f, size, got)
+    except CheckpointCorruptError:
+        Path(path).unlink(missing_ok=True)
+        raise
+
+
+def _check_loadable(ref: CheckpointRef, path: str | os.PathLike[str]) -> None:
+    """Raise what decoding would (:class:`UnsafeCheckpointError`, :class:`CheckpointCorruptError`)
+    if the safe loader refuses the state file at ``path``, and remove it then. Only the pickle is
+    read: tensors land on the ``meta`` device, without their data."""
+    try:
+        check_decodable(path, name=f"{ref.uri}/{STATE_NAME}")
+    except CheckpointCorruptError:
+        Path(path).unlink(missing_ok=True)
+        raise
 
 
 def iteration_dir(iteration: int) -> str:
@@ -458,10 +483,18 @@ class CheckpointStore:
                 log.warning("skipping damaged checkpoint at iteration %d: %s", iteration, exc)
             return None
 
-    def latest(self, spec_hash: str | None = None) -> CheckpointRef | None:
+    def latest(
+        self, spec_hash: str | None = None, *, into: str | os.PathLike[str] | None = None
+    ) -> CheckpointRef | None:
         """The newest checkpoint whose manifest and checksums verify (and whose spec hash is
         ``spec_hash`` when given), or ``None``. Damaged or foreign checkpoints are skipped with
         a warning naming the checkpoint and the reason.
+
+        Without ``into`` the state is decoded and kept for the ``load(ref)`` that follows. With
+        ``into`` (a local path) it is not: its file is put there as :meth:`export` puts it (from
+        a local store the committed file itself, checked against the manifest on the way) for
+        ``torch.load(into, weights_only=True)``; a checkpoint whose content the safe loader
+        refuses raises here what :meth:`load` would raise.
         """
         by_it = self._scan()
         for iteration in sorted(by_it, reverse=True):
@@ -480,10 +513,16 @@ class CheckpointStore:
                 )
                 continue
             try:
-                loaded = self._read_verified(ref, prefetch)
+                if into is not None:
+                    self._place_verified(ref, into, prefetch)
+                else:
+                    loaded = self._read_verified(ref, prefetch)
             except CheckpointCorruptError as exc:
                 log.warning("skipping damaged checkpoint %s, using an older one: %s", ref.uri, exc)
                 continue
+            if into is not None:
+                _check_loadable(ref, into)
+                return ref
             with self._lock:
                 self._loaded = (ref, loaded)  # load(ref) right after latest() reads nothing again
             return ref
@@ -531,12 +570,13 @@ class CheckpointStore:
             return exc
 
     def _read_file(
-        self, ref: CheckpointRef, f: FileEntry, pending: Future[bytes | None] | None
+        self, ref: CheckpointRef, f: FileEntry, pending: Future[bytes | None] | None, *, whole: bool = False
     ) -> tuple[bytes | memoryview | Archive | None, str]:
-        """One file of ``ref`` (``None`` when missing) and its digest under ``f.algorithm``."""
+        """One file of ``ref`` (``None`` when missing) and its digest under ``f.algorithm``;
+        a local state file as an :class:`Archive` unless ``whole``."""
         key = f"{iteration_dir(ref.iteration)}/{f.name}"
         if pending is None:
-            if _is_state(f.name):
+            if _is_state(f.name) and not whole:
                 archive, got = self._read_archive(key, f.algorithm)
                 if archive is not None:
                     return archive, got
@@ -579,39 +619,45 @@ class CheckpointStore:
 
     def export(self, ref: CheckpointRef, path: str | os.PathLike[str]) -> None:
         """Write the state of ``ref`` to the local file ``path``, for ``torch.load(path,
-        weights_only=True)`` (a training run hands its workers the state this way).
+        weights_only=True)``: the committed file itself, verified against the manifest.
 
-        From a local store the committed file itself is put there (a hard link on one file
-        system, else a copy) and checked against its manifest on the way: nothing is decoded or
-        encoded again. From another store the state is verified and decoded (:meth:`load`) and
-        written with ``torch.save``. The state :meth:`latest` kept for ``load(ref)`` is dropped;
-        if it could not be decoded, what :meth:`load` would raise is raised here. Raises
-        :class:`CheckpointCorruptError` when the file is missing or fails verification
-        (``path`` is not created then).
+        From a local store a hard link on one file system, else a copy; from S3 the downloaded
+        bytes. Nothing is decoded or encoded again; the file is only checked to be one the safe
+        loader accepts (its pickle, not its tensor data: ~2 ms). The state :meth:`latest` kept
+        for ``load(ref)`` is dropped. Raises :class:`CheckpointCorruptError` when the file is
+        missing or fails verification, and what :meth:`load` would raise when the safe loader
+        refuses it (``path`` is not left behind in either case).
         """
         with self._lock:
-            cached, self._loaded = self._loaded, None
-        kept = cached[1] if cached is not None and cached[0] == ref else None
-        if isinstance(kept, CheckpointCorruptError):
-            raise kept
-        place = getattr(self.backend, "place", None)
-        if place is None:
-            state = kept if kept is not None else self.load(ref)
-            tmp = Path(path).with_name(f".{Path(path).name}.{uuid.uuid4().hex}.tmp")
-            tmp.write_bytes(encode_state(state))
-            os.replace(tmp, path)
-            return
+            self._loaded = None
+        self._place_verified(ref, path)
+        _check_loadable(ref, path)
+
+    def _place_verified(
+        self,
+        ref: CheckpointRef,
+        path: str | os.PathLike[str],
+        prefetched: dict[str, Future[bytes | None]] | None = None,
+    ) -> None:
+        """Put ref's state file at ``path`` and verify every file of ``ref``; raises
+        :class:`CheckpointCorruptError` (and leaves no ``path``) on a missing or damaged file."""
+        prefetched = prefetched or {}
         states = [f for f in ref.files if _is_state(f.name)]
         if len(states) != 1:
             raise CheckpointCorruptError(f"{ref.uri} has no single {STATE_NAME}")
-        f = states[0]
-        hasher = f.algorithm.hasher()
-        size = place(f"{iteration_dir(ref.iteration)}/{f.name}", path, hasher)
-        try:
-            _verify(ref, f, size, hasher.hexdigest())
-        except CheckpointCorruptError:
-            Path(path).unlink(missing_ok=True)
-            raise
+        place = getattr(self.backend, "place", None)
+        for f in ref.files:
+            if f is states[0] and place is not None and f.name not in prefetched:
+                hasher = f.algorithm.hasher()
+                size = place(f"{iteration_dir(ref.iteration)}/{f.name}", path, hasher)
+                _verify_or_remove(ref, f, size, hasher.hexdigest(), path)
+                continue
+            data, got = self._read_file(ref, f, prefetched.get(f.name), whole=True)
+            _verify(ref, f, None if data is None else len(data), got)
+            if f is states[0]:
+                tmp = Path(path).with_name(f".{Path(path).name}.{uuid.uuid4().hex}.tmp")
+                tmp.write_bytes(data)  # type: ignore[arg-type]  # verified: not None
+                os.replace(tmp, path)
 
     # --- retention -------------------------------------------------------------------------
 

@@ -541,42 +541,43 @@ def run_chunk(
 
         store = open_store(spec.checkpoint_uri(), keep_last=spec.keep_last, keep_every=spec.keep_every)
     t0 = time.time()
-    ref = store.latest(spec_hash=spec.spec_hash())
-    if ref is not None and ref.iteration >= end:
-        log.info("chunk [%d, %d) already done: checkpoint at iteration %d", start, end, ref.iteration)
-        m = dict(ref.metrics)
-        return ChunkResult(
-            status=ChunkStatus.ALREADY_DONE,
-            start=start,
-            end=end,
-            iteration=ref.iteration,
-            checkpoint_uri=ref.uri,
-            loss=m.get("loss"),
-            metrics={k: v for k, v in m.items() if k not in ("loss", "param_sha256")},
-            workers_timeline=[],
-            samples_per_sec=0.0,
-            duration_s=time.time() - t0,
-            param_sha256=m.get("param_sha256"),
-        )
-    if ref is None and start > 0:
-        raise CheckpointNotFoundError(
-            f"no committed checkpoint for spec hash {spec.spec_hash()} in {spec.checkpoint_uri()} "
-            f"to resume iteration {start} from",
-            hint="run the earlier chunks first, or start at 0",
-        )
     own_dir = workdir is None
     work = Path(tempfile.mkdtemp(prefix="elastic-ops-")) if own_dir else Path(workdir)
     work.mkdir(parents=True, exist_ok=True)
     try:
+        # the workers get the restored state as the committed file itself (a local store links
+        # it), verified; it is not decoded and encoded again on the way
+        restore = work / "restore.pt"
+        ref = store.latest(spec_hash=spec.spec_hash(), into=restore)
+        if ref is not None and ref.iteration >= end:
+            log.info("chunk [%d, %d) already done: checkpoint at iteration %d", start, end, ref.iteration)
+            m = dict(ref.metrics)
+            return ChunkResult(
+                status=ChunkStatus.ALREADY_DONE,
+                start=start,
+                end=end,
+                iteration=ref.iteration,
+                checkpoint_uri=ref.uri,
+                loss=m.get("loss"),
+                metrics={k: v for k, v in m.items() if k not in ("loss", "param_sha256")},
+                workers_timeline=[],
+                samples_per_sec=0.0,
+                duration_s=time.time() - t0,
+                param_sha256=m.get("param_sha256"),
+            )
+        if ref is None and start > 0:
+            raise CheckpointNotFoundError(
+                f"no committed checkpoint for spec hash {spec.spec_hash()} in {spec.checkpoint_uri()} "
+                f"to resume iteration {start} from",
+                hint="run the earlier chunks first, or start at 0",
+            )
         launcher = launcher or LocalLauncher()
         runner = _Runner(
             spec, start, end, target, store, epoch, on_progress, host, launcher, work, slots, on_segment
         )
         it, state_path = 0, None
         if ref is not None:
-            it = ref.iteration
-            state_path = str(work / f"restore-{it}.pt")
-            store.export(ref, state_path)  # the committed file itself (local store): no re-encoding
+            it, state_path = ref.iteration, str(restore)
             log.info("resuming from checkpoint at iteration %d (%s)", it, ref.uri)
         elif warm_start or warm_start_store is not None:
             state_path = str(work / "warm-start.pt")

@@ -154,3 +154,27 @@ def test_streamed_encoding_writes_the_same_bytes_and_digest_as_encoding_in_memor
     digest, size = encode_state_into(state, out, algorithm)
     assert out.getvalue() == encode_state(state)
     assert (digest, size) == (algorithm.hexdigest(out.getvalue()), len(out.getvalue()))
+
+
+@pytest.mark.parametrize("payload", PAYLOADS)
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")
+def test_a_malicious_checkpoint_placed_as_a_file_is_refused_and_removed(
+    target: StoreTarget, tmp_path: Path, payload: str
+) -> None:
+    """latest(into=) and export() hand over the file without decoding it, but check its pickle."""
+    marker = tmp_path / "pwned"
+    evil = _malicious_payloads(marker)[payload]
+    entry = FileEntry.of("d-evil/state.pt", evil)
+    target.write("it-00000020/d-evil/state.pt", evil)
+    target.write(
+        "it-00000020/manifest.json",
+        Manifest(iteration=20, epoch=1, spec_hash="h", created=0.0, files=(entry,)).to_json(),
+    )
+    out = tmp_path / "restore.pt"
+    with pytest.raises(UnsafeCheckpointError) as err:
+        target.open().latest(spec_hash="h", into=out)
+    assert err.value.retryable is False and not out.exists()
+    store = target.open()
+    with pytest.raises(UnsafeCheckpointError):
+        store.export(store.list()[-1], out)
+    assert not out.exists() and not marker.exists()

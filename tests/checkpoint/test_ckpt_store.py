@@ -325,10 +325,31 @@ def test_export_hands_over_the_committed_state_as_a_file_torch_load_reads(target
     assert torch.equal(back["model"]["0.weight"], state["model"]["0.weight"])
     assert back["optimizer"]["state"].keys() == state["optimizer"]["state"].keys()
     assert store._loaded is None, "the state latest() kept is not held on to"
-    if target.kind == "file":  # the committed file itself: same bytes, no re-encoding
+    assert out.read_bytes() == target.read(f"it-00000010/{ref.files[0].name}"), "the committed bytes"
+    if target.kind == "file":
         committed = target.root / f"it-00000010/{ref.files[0].name}"
-        assert out.read_bytes() == committed.read_bytes()
         assert out.stat().st_ino == committed.stat().st_ino, "a hard link on one file system"
+
+
+def test_latest_into_places_the_newest_verified_state_without_decoding_it(target, tmp_path, monkeypatch):
+    store = target.open()
+    store.save(10, small_state(1), epoch=1, spec_hash="h")
+    newest = store.save(20, small_state(2), epoch=1, spec_hash="h")
+    out = tmp_path / "restore.pt"
+    decoded: list[str] = []
+
+    def recording(name: str):  # noqa: ANN202
+        real = getattr(store_module, name)
+        return lambda data, *, name: decoded.append(name) or real(data, name=name)
+
+    for decoder in ("decode_state", "decode_archive"):
+        monkeypatch.setattr(store_module, decoder, recording(decoder))
+    fresh = target.open()
+    assert fresh.latest(spec_hash="h", into=out) == newest
+    assert torch.load(out, weights_only=True)["step"] == 2 and decoded == [] and fresh._loaded is None
+    _flip_byte(target, f"it-00000020/{newest.files[0].name}")  # damaged: the previous one is placed
+    assert target.open().latest(spec_hash="h", into=out).iteration == 10
+    assert torch.load(out, weights_only=True)["step"] == 1 and decoded == []
 
 
 def test_export_copies_across_file_systems_and_refuses_damage(tmp_path, monkeypatch) -> None:
