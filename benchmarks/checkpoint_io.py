@@ -483,20 +483,16 @@ def main(argv: list[str] | None = None) -> None:
             f"{c['save_ratio_raw_over_ours']:.2f}, load {c['load_ratio_raw_over_ours']:.2f}"
         )
     for where in ("local", "local_large"):
-        first = results.get(where, {}).get("first_load_in_new_process")
-        if first:
+        r = results.get(where, {})
+        first, h = r.get("first_load_in_new_process"), r.get("handover_to_workers")
+        if first and h:
             print(
                 f"{where:11s} first load in a new process: {first['load_s'] * 1e3:.1f} ms (raw "
                 f"{first['raw_load_s'] * 1e3:.1f} ms, ratio {first['load_ratio_raw_over_ours']:.2f}), "
-                f"medians of {first['processes']} processes each"
-            )
-    for where in ("local", "local_large"):
-        h = results.get(where, {}).get("handover_to_workers")
-        if h:
-            print(
-                f"{where:11s} handover to workers: latest(into=) {h['link_s'] * 1e3:.1f} ms (hard link) / "
-                f"{h['copy_s'] * 1e3:.1f} ms (copy); before: decode + torch.save "
-                f"{h['decode_encode_s'] * 1e3:.1f} ms; plain copyfile {h['raw_copy_s'] * 1e3:.1f} ms"
+                f"medians of {first['processes']} processes each; handover to workers: latest(into=) "
+                f"{h['link_s'] * 1e3:.1f} ms (hard link) / {h['copy_s'] * 1e3:.1f} ms (copy), before: "
+                f"decode + torch.save {h['decode_encode_s'] * 1e3:.1f} ms, plain copyfile "
+                f"{h['raw_copy_s'] * 1e3:.1f} ms"
             )
     print(f"checksum {args.checksum}; load average {results['load_average_1_5_15_min']}")
     print(f"wrote {args.out}")

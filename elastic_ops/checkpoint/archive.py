@@ -2,9 +2,10 @@
 
 A ``torch.save`` file is a zip archive of uncompressed records: ``data.pkl`` (the pickled tree),
 a few small metadata records, and one record ``data/<key>`` per tensor storage.
-``torch.load(path)`` copies each storage record from the file into memory of its own: one copy of
-every byte. Reading the file into one buffer to verify its checksum and decoding from that
-buffer, as the store did, costs a second copy of every byte (a quarter of a load).
+``torch.load(path, weights_only=True)`` copies each storage record from the file into memory of
+its own: one copy of every byte. Reading the file into one buffer to verify its checksum and
+decoding from that buffer, as the store did, costs a second copy of every byte (a quarter of a
+load).
 
 :func:`read_archive` keeps to one copy and still verifies every byte before anything is decoded:
 it reads the file once, in order, feeding every byte to the checksum, and reads each storage

@@ -618,8 +618,8 @@ class CheckpointStore:
         return result
 
     def export(self, ref: CheckpointRef, path: str | os.PathLike[str]) -> None:
-        """Write the state of ``ref`` to the local file ``path``, for ``torch.load(path,
-        weights_only=True)``: the committed file itself, verified against the manifest.
+        """Write the state of ``ref`` to the local file ``path`` for the safe loader
+        (``torch.load(path, weights_only=True)``): the committed file itself, verified.
 
         From a local store a hard link on one file system, else a copy; from S3 the downloaded
         bytes. Nothing is decoded or encoded again; the file is only checked to be one the safe

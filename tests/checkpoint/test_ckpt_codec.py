@@ -55,6 +55,16 @@ class _ExecExploit:
         return (exec, (f"open({str(self.marker)!r}, 'w').close()",))
 
 
+def _plant(target: StoreTarget, evil: bytes) -> None:
+    """Iteration 20 holding ``evil`` as its state, with a valid manifest and checksums."""
+    entry = FileEntry.of("d-evil/state.pt", evil)
+    target.write("it-00000020/d-evil/state.pt", evil)
+    target.write(
+        "it-00000020/manifest.json",
+        Manifest(iteration=20, epoch=1, spec_hash="h", created=0.0, files=(entry,)).to_json(),
+    )
+
+
 PAYLOADS = ["torch_zip", "legacy_pickle", "builtins_exec", "pickle_protocol_5"]
 
 
@@ -78,14 +88,8 @@ def test_malicious_checkpoint_with_valid_manifest_is_rejected(
     marker = tmp_path / "pwned"
     store = target.open()
     store.save(10, small_state(1), epoch=1, spec_hash="h")
-    evil = _malicious_payloads(marker)[payload]
     # an attacker with write access plants a checkpoint whose manifest and checksums are valid
-    entry = FileEntry.of("d-evil/state.pt", evil)
-    target.write("it-00000020/d-evil/state.pt", evil)
-    target.write(
-        "it-00000020/manifest.json",
-        Manifest(iteration=20, epoch=1, spec_hash="h", created=0.0, files=(entry,)).to_json(),
-    )
+    _plant(target, _malicious_payloads(marker)[payload])
 
     ref = target.open().latest()
     assert ref.iteration == 20, "checksums verify, so it is the latest"
@@ -163,13 +167,7 @@ def test_a_malicious_checkpoint_placed_as_a_file_is_refused_and_removed(
 ) -> None:
     """latest(into=) and export() hand over the file without decoding it, but check its pickle."""
     marker = tmp_path / "pwned"
-    evil = _malicious_payloads(marker)[payload]
-    entry = FileEntry.of("d-evil/state.pt", evil)
-    target.write("it-00000020/d-evil/state.pt", evil)
-    target.write(
-        "it-00000020/manifest.json",
-        Manifest(iteration=20, epoch=1, spec_hash="h", created=0.0, files=(entry,)).to_json(),
-    )
+    _plant(target, _malicious_payloads(marker)[payload])
     out = tmp_path / "restore.pt"
     with pytest.raises(UnsafeCheckpointError) as err:
         target.open().latest(spec_hash="h", into=out)
