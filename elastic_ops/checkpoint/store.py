@@ -656,8 +656,12 @@ class CheckpointStore:
             _verify(ref, f, None if data is None else len(data), got)
             if f is states[0]:
                 tmp = Path(path).with_name(f".{Path(path).name}.{uuid.uuid4().hex}.tmp")
-                tmp.write_bytes(data)  # type: ignore[arg-type]  # verified: not None
-                os.replace(tmp, path)
+                try:
+                    tmp.write_bytes(data)  # type: ignore[arg-type]  # verified: not None
+                    os.replace(tmp, path)
+                except BaseException:
+                    tmp.unlink(missing_ok=True)
+                    raise
 
     # --- retention -------------------------------------------------------------------------
 
