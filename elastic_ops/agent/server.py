@@ -468,7 +468,7 @@ class Agent:
             spec_hash = req.get("spec_hash")
             if spec_hash is not None and not isinstance(spec_hash, str):
                 raise SpecError("spec_hash", spec_hash, "a string or null")
-            ref = store.open().latest(spec_hash=spec_hash)
+            ref = store.open().latest(spec_hash=spec_hash, decode=False)  # which one, not its state
             conn.sendall(
                 encode(
                     {

@@ -20,7 +20,8 @@ from __future__ import annotations
 import enum
 import hashlib
 import re
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any, BinaryIO, Protocol
 
 import xxhash
 
@@ -58,6 +59,21 @@ _DIGEST_RE = {
     Checksum.XXH3_128: re.compile(r"[0-9a-f]{32}"),
     Checksum.SHA256: re.compile(r"[0-9a-f]{64}"),
 }
+
+def hash_stream(hasher: Hasher, chunk: int = 1 << 20) -> Callable[[BinaryIO, int], int]:
+    """A reader for ``read_stream``-style callers: ``read(file, size)`` feeds what is left of
+    ``file`` to ``hasher`` through one reused buffer and returns the number of bytes."""
+
+    def read(f: BinaryIO, _size: int = 0) -> int:
+        buf = memoryview(bytearray(chunk))
+        total = 0
+        while n := f.readinto(buf):  # type: ignore[attr-defined]
+            hasher.update(buf[:n])
+            total += n
+        return total
+
+    return read
+
 
 DEFAULT_CHECKSUM = Checksum.XXH3_128
 ALLOWED = ", ".join(repr(c.value) for c in Checksum)

@@ -25,7 +25,7 @@ from typing import BinaryIO, TypeVar
 import numpy as np
 
 from elastic_ops.checkpoint.backend import ObjectInfo
-from elastic_ops.checkpoint.checksum import Hasher
+from elastic_ops.checkpoint.checksum import Hasher, hash_stream
 from elastic_ops.errors import StoragePermanentError, StorageTransientError
 
 _TMP_PREFIX = ".tmp-"
@@ -272,13 +272,8 @@ class LocalBackend:
 
 def _hash_file(path: Path, hasher: Hasher) -> int:
     """Feed the bytes of ``path`` to ``hasher``; their count."""
-    buf = memoryview(bytearray(_READ_CHUNK))
-    size = 0
     with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            hasher.update(buf[:n])
-            size += n
-    return size
+        return hash_stream(hasher, _READ_CHUNK)(f)
 
 
 def _copy_hashing(src: Path, dest: Path, hasher: Hasher) -> int:

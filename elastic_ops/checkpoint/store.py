@@ -33,7 +33,7 @@ from typing import Any
 
 from elastic_ops.checkpoint.archive import Archive, archive_decoding_works, decode_archive, read_archive
 from elastic_ops.checkpoint.backend import Backend, ObjectInfo
-from elastic_ops.checkpoint.checksum import DEFAULT_CHECKSUM, Checksum, parse_checksum
+from elastic_ops.checkpoint.checksum import DEFAULT_CHECKSUM, Checksum, hash_stream, parse_checksum
 from elastic_ops.checkpoint.codec import (
     check_decodable,
     check_state,
@@ -484,17 +484,23 @@ class CheckpointStore:
             return None
 
     def latest(
-        self, spec_hash: str | None = None, *, into: str | os.PathLike[str] | None = None
+        self,
+        spec_hash: str | None = None,
+        *,
+        into: str | os.PathLike[str] | None = None,
+        decode: bool = True,
     ) -> CheckpointRef | None:
         """The newest checkpoint whose manifest and checksums verify (and whose spec hash is
         ``spec_hash`` when given), or ``None``. Damaged or foreign checkpoints are skipped with
         a warning naming the checkpoint and the reason.
 
-        Without ``into`` the state is decoded and kept for the ``load(ref)`` that follows. With
-        ``into`` (a local path) it is not: its file is put there as :meth:`export` puts it (from
-        a local store the committed file itself, checked against the manifest on the way) for
-        ``torch.load(into, weights_only=True)``; a checkpoint whose content the safe loader
-        refuses raises here what :meth:`load` would raise.
+        By default the state is decoded and kept for the ``load(ref)`` that follows. With
+        ``decode=False`` the files are only hashed (for callers that want to know which
+        checkpoint, not its state). With ``into`` (a local path) the state is not decoded either:
+        its file is put there as :meth:`export` puts it (from a local store the committed file
+        itself, checked against the manifest on the way) for ``torch.load(into,
+        weights_only=True)``; a checkpoint whose content the safe loader refuses raises here
+        what :meth:`load` would raise.
         """
         by_it = self._scan()
         for iteration in sorted(by_it, reverse=True):
@@ -515,6 +521,8 @@ class CheckpointStore:
             try:
                 if into is not None:
                     self._place_verified(ref, into, prefetch)
+                elif not decode:
+                    self._hash_verified(ref, prefetch)
                 else:
                     loaded = self._read_verified(ref, prefetch)
             except CheckpointCorruptError as exc:
@@ -522,6 +530,7 @@ class CheckpointStore:
                 continue
             if into is not None:
                 _check_loadable(ref, into)
+            if into is not None or not decode:
                 return ref
             with self._lock:
                 self._loaded = (ref, loaded)  # load(ref) right after latest() reads nothing again
@@ -632,6 +641,19 @@ class CheckpointStore:
             self._loaded = None
         self._place_verified(ref, path)
         _check_loadable(ref, path)
+
+    def _hash_verified(self, ref: CheckpointRef, prefetched: dict[str, Future[bytes | None]]) -> None:
+        """Verify every file of ``ref`` by its size and digest, keeping nothing; raises
+        :class:`CheckpointCorruptError` on a missing or damaged file."""
+        read_stream = getattr(self.backend, "read_stream", None)
+        for f in ref.files:
+            if read_stream is not None and f.name not in prefetched:
+                hasher = f.algorithm.hasher()
+                size = read_stream(f"{iteration_dir(ref.iteration)}/{f.name}", hash_stream(hasher))
+                _verify(ref, f, size, hasher.hexdigest())
+            else:
+                data, got = self._read_file(ref, f, prefetched.get(f.name), whole=True)
+                _verify(ref, f, None if data is None else len(data), got)
 
     def _place_verified(
         self,

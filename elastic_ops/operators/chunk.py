@@ -172,7 +172,7 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
             else:
                 return latest[1] if latest is not None and latest[0] >= end else None
         store = hook.store(spec.checkpoint_uri(), keep_last=spec.keep_last, keep_every=spec.keep_every)
-        ref = store.latest(spec_hash=spec.spec_hash())
+        ref = store.latest(spec_hash=spec.spec_hash(), decode=False)
         return ref.uri if ref is not None and ref.iteration >= end else None
 
     def _acquire(self, context: Any, state: dict[str, Any], hook: ElasticOpsHook) -> dict[str, Any]:

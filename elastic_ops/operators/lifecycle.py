@@ -83,7 +83,7 @@ class ElasticFinalizeOperator(ElasticOperatorMixin, BaseOperator):
         ]
         hook = self._hook()
         store = hook.store(spec.checkpoint_uri(), keep_last=spec.keep_last, keep_every=spec.keep_every)
-        ref = store.latest(spec_hash=spec.spec_hash())
+        ref = store.latest(spec_hash=spec.spec_hash(), decode=False)
         if ref is None or ref.iteration < spec.total_iterations:
             from elastic_ops.errors import CheckpointNotFoundError
 

@@ -429,7 +429,7 @@ class _Runner:
             ref = self.commit_now(it, last.state_path, {"loss": last.loss})
         else:
             self.committer.drain()
-            ref = self.store.latest(spec_hash=self.spec.spec_hash())
+            ref = self.store.latest(spec_hash=self.spec.spec_hash(), decode=False)
         log.info("preempted at iteration %d", it)
         return self._result(ChunkStatus.PREEMPTED, it, ref, last, [])
 

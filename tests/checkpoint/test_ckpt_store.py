@@ -381,3 +381,18 @@ def test_export_copies_across_file_systems_and_refuses_damage(tmp_path, monkeypa
     committed.unlink()
     with pytest.raises(CheckpointCorruptError, match="is missing"):
         store.export(ref, tmp_path / "missing.pt")
+
+
+def test_latest_without_decoding_names_the_same_checkpoint_and_keeps_nothing(target, monkeypatch):
+    store = target.open()
+    store.save(10, small_state(1), epoch=1, spec_hash="h")
+    newest = store.save(20, small_state(2), epoch=1, spec_hash="h")
+    decoded: list[str] = []
+    for decoder in ("decode_state", "decode_archive"):
+        monkeypatch.setattr(store_module, decoder, lambda data, *, name: decoded.append(name))
+    fresh = target.open()
+    assert fresh.latest(spec_hash="h", decode=False) == newest and fresh._loaded is None
+    _flip_byte(target, f"it-00000020/{newest.files[0].name}")  # damaged: the previous one, as latest()
+    assert target.open().latest(spec_hash="h", decode=False).iteration == 10
+    assert target.open().latest(spec_hash="other", decode=False) is None
+    assert decoded == []
