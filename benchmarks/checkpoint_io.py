@@ -28,8 +28,9 @@ server in a child process on 127.0.0.1), it measures side by side, in one run, m
   write goes in 64 KiB pieces, ``shutil.copyfileobj``'s default, which is the fastest way here);
 * training stall: how long the training loop is blocked per checkpoint with ``save`` and with
   ``save_async`` (only encoding blocks), plus the loop's slowdown per checkpoint;
-* local only: the first load in a new process (how a job restores), and the handover of the
-  restored state to the workers as a file (``latest(into=)`` vs decoding and re-encoding it).
+* local only: the first load in a new process (how a job restores), the handover of the
+  restored state to the workers as a file (``latest(into=)`` vs decoding and re-encoding it),
+  and the commit of a checkpoint the workers staged (``save_file`` vs decoding and ``save``).
 
 Ratios are ``raw_time / store_time`` (1.0 = no overhead; target >= 0.8), from medians of wall
 time, of CPU time (``time.process_time``: all threads of this process, so less sensitive to
@@ -307,6 +308,41 @@ def bench_handover(root: Path, state: dict[str, Any], repeats: int, checksum: st
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+def bench_commit_staged(root: Path, state: dict[str, Any], repeats: int, checksum: str) -> dict[str, Any]:
+    """What a chunk's committer spends per checkpoint the workers staged (``save_atomic``):
+    ``save_file_s`` (model hashed from a mapping, the file committed as it is: this version)
+    vs ``decode_encode_s`` (the file loaded, the model hashed, ``save()`` encoding it again: the
+    previous one); wall and CPU medians of ``repeats``, alternating."""
+    from elastic_ops.runtime.state import load_state, param_sha256, save_atomic
+
+    store = open_store(f"file://{root}/store", keep_last=KEEP, checksum=checksum)
+
+    def commit(kind: str, iteration: int, path: Path) -> None:
+        if kind == "decode_encode":
+            staged = load_state(path)
+            metrics = {"param_sha256": param_sha256(staged["model"])}
+            store.save(iteration, staged, epoch=1, spec_hash="bench", metrics=metrics)
+        else:
+            metrics = {"param_sha256": param_sha256(load_state(path, mmap=True)["model"])}
+            store.save_file(iteration, path, epoch=1, spec_hash="bench", metrics=metrics)
+
+    wall: dict[str, list[float]] = {"save_file": [], "decode_encode": []}
+    cpu: dict[str, list[float]] = {k: [] for k in wall}
+    iteration = 0
+    for i in range(repeats):
+        for kind in list(wall) if i % 2 == 0 else list(wall)[::-1]:
+            iteration += 1
+            path = root / f"ckpt-{iteration}.pt"
+            save_atomic(state, path)
+            w0, c0 = time.perf_counter(), time.process_time()
+            commit(kind, iteration, path)
+            wall[kind].append(time.perf_counter() - w0)
+            cpu[kind].append(time.process_time() - c0)
+            store.wait()
+            path.unlink()
+    return {f"{k}_{m}": statistics.median(v[k]) for m, v in (("s", wall), ("cpu_s", cpu)) for k in wall}
+
+
 # One load in a new process, timed there: how a resuming chunk restores (its first load, into
 # memory the process has never used: every page is new to it). Imports are not timed; the first
 # use of the loaders (ours checks once that PyTorch decodes its record reads, torch.load sets
@@ -388,6 +424,7 @@ def run(repeats: int, checksum: str = DEFAULT_CHECKSUM.value, large_width: int =
             root / "first", state, repeats, checksum
         )
         results["local"]["handover_to_workers"] = bench_handover(root / "handover", state, repeats, checksum)
+        results["local"]["commit_staged"] = bench_commit_staged(root / "commit", state, repeats, checksum)
         stall_store = open_store(f"file://{root}/stall", keep_last=KEEP, checksum=checksum)
         results["local"]["stall"] = bench_stall(stall_store, 20, 5)
         if large_width:
@@ -401,6 +438,9 @@ def run(repeats: int, checksum: str = DEFAULT_CHECKSUM.value, large_width: int =
             )
             results["local_large"]["handover_to_workers"] = bench_handover(
                 root / "handover-large", big, max(5, repeats // 2), checksum
+            )
+            results["local_large"]["commit_staged"] = bench_commit_staged(
+                root / "commit-large", big, max(5, repeats // 2), checksum
             )
             results["local_large"]["state"] = {
                 "width": large_width,
@@ -493,6 +533,13 @@ def main(argv: list[str] | None = None) -> None:
                 f"{h['link_s'] * 1e3:.1f} ms (hard link) / {h['copy_s'] * 1e3:.1f} ms (copy), before: "
                 f"decode + torch.save {h['decode_encode_s'] * 1e3:.1f} ms, plain copyfile "
                 f"{h['raw_copy_s'] * 1e3:.1f} ms"
+            )
+        c = r.get("commit_staged")
+        if c:
+            print(
+                f"{where:11s} commit of a staged checkpoint: save_file {c['save_file_s'] * 1e3:.1f} ms "
+                f"(CPU {c['save_file_cpu_s'] * 1e3:.1f}), before: decode + save "
+                f"{c['decode_encode_s'] * 1e3:.1f} ms (CPU {c['decode_encode_cpu_s'] * 1e3:.1f})"
             )
     print(f"checksum {args.checksum}; load average {results['load_average_1_5_15_min']}")
     print(f"wrote {args.out}")

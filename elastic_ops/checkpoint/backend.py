@@ -37,6 +37,8 @@ class Backend(Protocol):
     # record, each tensor straight into its own memory; see archive.py).
     # Optional: ``place(key, dest, hasher) -> int | None`` puts the object at the local path
     # ``dest`` (LocalBackend: a hard link, else a copy), hashing it; ``CheckpointStore.export``.
+    # Optional: ``adopt(key, src, hasher) -> int`` publishes the local file ``src`` at ``key``
+    # durably (LocalBackend: a hard link, else a copy), hashing it; ``CheckpointStore.save_file``.
     # Optional: ``single_put_limit: int``: ``put`` of fewer bytes is one request (S3Backend: the
     # multipart threshold). The store then lists alongside such an upload instead of after it.
 

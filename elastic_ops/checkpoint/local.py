@@ -173,6 +173,30 @@ class LocalBackend:
             with f:
                 return read(f, os.fstat(f.fileno()).st_size)
 
+    def adopt(self, key: str, src: str | os.PathLike[str], hasher: Hasher) -> int:
+        """Publish the local file ``src`` at ``key``, durably, feeding every byte to ``hasher``;
+        its size. The reverse of :meth:`place`: a hard link when both lie on one file system
+        (``src`` must not be changed in place afterwards; renaming or deleting it is fine), else
+        a copy; either way fsync'd, then renamed into place and the directory fsync'd.
+        """
+        path, src = self._path(key), Path(src)
+        with _os_errors(self.uri, key):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.parent / f"{_TMP_PREFIX}{uuid.uuid4().hex}"
+            try:
+                size = _link_or_copy(src, tmp, hasher)
+                fd = os.open(tmp, os.O_RDONLY)
+                try:
+                    os.fsync(fd)  # the staged bytes may not be on disk yet
+                finally:
+                    os.close(fd)
+                os.replace(tmp, path)
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
+            _fsync_dir(path.parent)
+            return size
+
     def place(self, key: str, dest: str | os.PathLike[str], hasher: Hasher) -> int | None:
         """Put the file at ``key`` at the path ``dest``, feeding every byte ``dest`` holds to
         ``hasher``; its size, or ``None`` when ``key`` is missing (``dest`` is then not created).
@@ -185,14 +209,7 @@ class LocalBackend:
         tmp = dest.with_name(f"{_TMP_PREFIX}{uuid.uuid4().hex}")
         with _os_errors(self.uri, key):
             try:
-                try:
-                    os.link(src, tmp)
-                    linked = True
-                except FileNotFoundError:
-                    raise
-                except OSError:  # another file system, or no hard links there: copy
-                    linked = False
-                size = _hash_file(tmp, hasher) if linked else _copy_hashing(src, tmp, hasher)
+                size = _link_or_copy(src, tmp, hasher)
                 os.replace(tmp, dest)
             except BaseException as exc:
                 tmp.unlink(missing_ok=True)
@@ -268,6 +285,19 @@ class LocalBackend:
                     except OSError:
                         break
                     parent = parent.parent
+
+
+def _link_or_copy(src: Path, dest: Path, hasher: Hasher) -> int:
+    """Create ``dest`` as a hard link to ``src`` (on another file system, or one without hard
+    links: a copy), feeding every byte ``dest`` holds to ``hasher``; their count. Raises
+    ``FileNotFoundError`` when ``src`` is missing."""
+    try:
+        os.link(src, dest)
+    except FileNotFoundError:
+        raise
+    except OSError:
+        return _copy_hashing(src, dest, hasher)
+    return _hash_file(dest, hasher)
 
 
 def _hash_file(path: Path, hasher: Hasher) -> int:

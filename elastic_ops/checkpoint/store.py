@@ -266,6 +266,48 @@ class CheckpointStore:
             list_during_upload=list_during_upload,
         )
 
+    def save_file(
+        self,
+        iteration: int,
+        path: str | os.PathLike[str],
+        *,
+        epoch: int,
+        spec_hash: str,
+        metrics: Mapping[str, Any] | None = None,
+    ) -> CheckpointRef:
+        """Commit the ``torch.save`` file at ``path`` as the checkpoint of ``iteration``, as it is:
+        nothing is decoded or encoded again. Otherwise like :meth:`save`.
+
+        The file is first checked to be one the safe loader accepts (its pickle only, ~2 ms;
+        :class:`UnsafeCheckpointError` / :class:`CheckpointCorruptError` before anything is
+        written). A local store then publishes it as a hard link when it lies on the same file
+        system (``path`` must not be changed in place afterwards; deleting it is fine), else as a
+        hashed copy; S3 uploads its bytes. A file written with ``torch.save`` under the name
+        ``archive.pt`` holds the same bytes :meth:`save` would write for that state, so an
+        identical retry through either method is recognised as identical.
+        """
+        self._check_args(iteration, epoch, spec_hash)
+        metrics = check_metrics(metrics)
+        check_decodable(path, name=str(path))
+        adopt = getattr(self.backend, "adopt", None)
+        if adopt is None:
+            payload = {STATE_NAME: Path(path).read_bytes()}
+            upload = self._bytes_uploader(payload)
+            list_during_upload = self._list_during_upload(payload)
+        else:
+            algorithm, list_during_upload = self.checksum, False
+
+            def upload(prefix: str) -> tuple[FileEntry, ...]:
+                name = f"{prefix}/{STATE_NAME}"
+                hasher = algorithm.hasher()
+                size = adopt(name, path, hasher)
+                return (FileEntry(name.split("/", 1)[1], algorithm, hasher.hexdigest(), size),)
+
+        return self._commit(
+            iteration, upload, epoch, spec_hash, metrics,
+            in_background=False, list_during_upload=list_during_upload,
+        )
+
     def save_async(
         self,
         iteration: int,

@@ -110,9 +110,14 @@ class _Committer:
         return fut
 
     def _commit(self, iteration: int, path: str, metrics: dict[str, Any], remove: bool) -> Any:
-        state = load_state(path)
-        metrics = {**metrics, "param_sha256": param_sha256(state["model"])}
-        ref = self.store.save(iteration, state, epoch=self.epoch, spec_hash=self.spec_hash, metrics=metrics)
+        # the staged file is committed as it is (save_atomic wrote the bytes the store would);
+        # mapped, not read, to hash the model's parameters
+        model = load_state(path, mmap=True)["model"]
+        metrics = {**metrics, "param_sha256": param_sha256(model)}
+        del model  # the mapping goes with it
+        ref = self.store.save_file(
+            iteration, path, epoch=self.epoch, spec_hash=self.spec_hash, metrics=metrics
+        )
         self.last_ref = ref
         if remove:
             Path(path).unlink(missing_ok=True)

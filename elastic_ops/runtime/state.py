@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -75,13 +76,28 @@ def _to_cpu(obj: Any) -> Any:
 
 
 def save_atomic(state: dict[str, Any], path: str | Path) -> None:
-    """``torch.save`` to a temporary name, then rename: readers never see a partial file."""
+    """``torch.save`` to a temporary name, then rename: readers never see a partial file.
+
+    The temporary file is ``archive.pt`` in a private directory: ``torch.save`` names the zip's
+    top directory after the file, and under that name the bytes are exactly what
+    :func:`elastic_ops.checkpoint.encode_state` gives, so a staged file can be committed as it
+    is (``CheckpointStore.save_file``) and an identical retry is still recognised as identical.
+    """
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    tmp_dir = path.with_name(f".{path.name}.{os.getpid()}.d")
+    tmp_dir.mkdir(exist_ok=True)
+    try:
+        tmp = tmp_dir / "archive.pt"
+        torch.save(state, tmp)
+        os.replace(tmp, path)
+    finally:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
 
 
-def load_state(path: str | Path) -> dict[str, Any]:
-    """Load a staged state; ``weights_only=True`` refuses anything that would execute code."""
-    return torch.load(path, map_location="cpu", weights_only=True)
+def load_state(path: str | Path, *, mmap: bool = False) -> dict[str, Any]:
+    """Load a staged state; ``weights_only=True`` refuses anything that would execute code.
+
+    ``mmap=True`` maps the file instead of reading it (tensors read only where touched): for a
+    look at part of a state, e.g. :func:`param_sha256` of its model, not for training from it.
+    """
+    return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)

@@ -17,6 +17,7 @@ from elastic_ops.errors import (
     CheckpointCorruptError,
     CommitConflictError,
     StaleEpochError,
+    UnsafeCheckpointError,
 )
 from tests.checkpoint.builders import (
     StoreTarget,
@@ -396,3 +397,68 @@ def test_latest_without_decoding_names_the_same_checkpoint_and_keeps_nothing(tar
     assert target.open().latest(spec_hash="h", decode=False).iteration == 10
     assert target.open().latest(spec_hash="other", decode=False) is None
     assert decoded == []
+
+
+def test_save_file_commits_a_staged_state_as_it_is(target: StoreTarget, tmp_path, monkeypatch) -> None:
+    from elastic_ops.runtime.state import save_atomic
+
+    model, opt, sched = make_model()
+    train_steps(model, opt, sched, 2)
+    state = make_state(model, opt, sched)
+    staged = tmp_path / "ckpt-10.pt"
+    save_atomic(state, staged)  # as the training workers stage it
+    assert staged.read_bytes() == encode_state(state), "the bytes save() would write"
+    store = target.open()
+    ref = store.save_file(10, staged, epoch=1, spec_hash="h", metrics={"loss": 0.5})
+    assert target.read(f"it-00000010/{ref.files[0].name}") == staged.read_bytes()
+    assert ref.metrics == {"loss": 0.5}
+    fresh = target.open()
+    assert torch.equal(fresh.load(fresh.latest())["model"]["0.weight"], state["model"]["0.weight"])
+    if target.kind == "file":
+        committed = target.root / f"it-00000010/{ref.files[0].name}"
+        assert committed.stat().st_ino == staged.stat().st_ino, "a hard link on one file system"
+    # an identical retry through either method is the same checkpoint; other content conflicts
+    assert target.open().save(10, state, epoch=1, spec_hash="h", metrics={"loss": 0.5}) == ref
+    assert target.open().save_file(10, staged, epoch=1, spec_hash="h", metrics={"loss": 0.5}) == ref
+    save_atomic(small_state(9), staged)
+    with pytest.raises(CommitConflictError):
+        target.open().save_file(10, staged, epoch=1, spec_hash="h", metrics={"loss": 0.5})
+
+
+def test_save_file_refuses_what_the_safe_loader_refuses_and_stale_writers(target: StoreTarget, tmp_path):
+    class Exploit:
+        def __reduce__(self):  # noqa: ANN204
+            return (open, (str(tmp_path / "pwned"), "w"))
+
+    evil = tmp_path / "evil.pt"
+    torch.save({"model": Exploit()}, evil)
+    store = target.open()
+    with pytest.raises(UnsafeCheckpointError):
+        store.save_file(10, evil, epoch=1, spec_hash="h")
+    assert target.keys() == [] and not (tmp_path / "pwned").exists(), "nothing written, nothing run"
+    store.fence(5)
+    staged = tmp_path / "ok.pt"
+    torch.save(small_state(1), staged)
+    with pytest.raises(StaleEpochError):
+        store.save_file(10, staged, epoch=4, spec_hash="h")
+    assert [k for k in target.keys() if k.startswith("it-")] == [], "a zombie leaves nothing"
+
+
+def test_save_file_copies_across_file_systems(tmp_path, monkeypatch) -> None:
+    from elastic_ops.checkpoint import local
+
+    staged, real_link = tmp_path / "staged.pt", local.os.link
+
+    def no_links_from_staging(src, dst):  # noqa: ANN001, ANN202  # as if on another file system
+        if str(src) == str(staged):
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+        return real_link(src, dst)  # the store's own links (manifest, fence) as usual
+
+    monkeypatch.setattr(local.os, "link", no_links_from_staging)
+    store = StoreTarget("file", f"file://{tmp_path}/ckpt", root=tmp_path / "ckpt").open()
+    staged.write_bytes(encode_state(small_state(4)))
+    ref = store.save_file(10, staged, epoch=1, spec_hash="h")
+    committed = tmp_path / f"ckpt/it-00000010/{ref.files[0].name}"
+    assert committed.read_bytes() == staged.read_bytes()
+    assert committed.stat().st_ino != staged.stat().st_ino
+    assert store.load(store.latest())["step"] == 4
