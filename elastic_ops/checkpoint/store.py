@@ -540,9 +540,8 @@ class CheckpointStore:
         ``decode=False`` the files are only hashed (for callers that want to know which
         checkpoint, not its state). With ``into`` (a local path) the state is not decoded either:
         its file is put there as :meth:`export` puts it (from a local store the committed file
-        itself, checked against the manifest on the way) for ``torch.load(into,
-        weights_only=True)``; a checkpoint whose content the safe loader refuses raises here
-        what :meth:`load` would raise.
+        itself, checked against the manifest on the way) for the safe loader; a checkpoint
+        whose content the safe loader refuses raises here what :meth:`load` would raise.
         """
         by_it = self._scan()
         for iteration in sorted(by_it, reverse=True):
