@@ -123,21 +123,13 @@ class LocalBackend:
 
         ``file`` is write-only: ``write`` calls ``file.write(...)`` and nothing else.
         """
-        path = self._path(key)
+
+        def fill(tmp: Path) -> T:
+            with open(tmp, "wb") as f:
+                return write(_EarlyWriteback(f))  # type: ignore[arg-type]  # write-only file
+
         with _os_errors(self.uri, key):
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.parent / f"{_TMP_PREFIX}{uuid.uuid4().hex}"
-            try:
-                with open(tmp, "wb") as f:
-                    result = write(_EarlyWriteback(f))  # type: ignore[arg-type]  # write-only file
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, path)
-            except BaseException:
-                tmp.unlink(missing_ok=True)
-                raise
-            _fsync_dir(path.parent)
-            return result
+            return _publish(self._path(key), fill)
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
         path = self._path(key)
@@ -179,23 +171,8 @@ class LocalBackend:
         (``src`` must not be changed in place afterwards; renaming or deleting it is fine), else
         a copy; either way fsync'd, then renamed into place and the directory fsync'd.
         """
-        path, src = self._path(key), Path(src)
         with _os_errors(self.uri, key):
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.parent / f"{_TMP_PREFIX}{uuid.uuid4().hex}"
-            try:
-                size = _link_or_copy(src, tmp, hasher)
-                fd = os.open(tmp, os.O_RDONLY)
-                try:
-                    os.fsync(fd)  # the staged bytes may not be on disk yet
-                finally:
-                    os.close(fd)
-                os.replace(tmp, path)
-            except BaseException:
-                tmp.unlink(missing_ok=True)
-                raise
-            _fsync_dir(path.parent)
-            return size
+            return _publish(self._path(key), lambda tmp: _link_or_copy(Path(src), tmp, hasher))
 
     def place(self, key: str, dest: str | os.PathLike[str], hasher: Hasher) -> int | None:
         """Put the file at ``key`` at the path ``dest``, feeding every byte ``dest`` holds to
@@ -285,6 +262,27 @@ class LocalBackend:
                     except OSError:
                         break
                     parent = parent.parent
+
+
+def _publish(path: Path, fill: Callable[[Path], T]) -> T:
+    """Create ``path`` atomically and durably: ``fill(tmp)`` creates a temporary file beside it
+    (its result is returned), which is fsync'd, renamed into place, and the directory fsync'd.
+    On any error the temporary file is removed and nothing appears at ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f"{_TMP_PREFIX}{uuid.uuid4().hex}"
+    try:
+        result = fill(tmp)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+    return result
 
 
 def _link_or_copy(src: Path, dest: Path, hasher: Hasher) -> int:
