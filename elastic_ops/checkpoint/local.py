@@ -29,7 +29,7 @@ from elastic_ops.checkpoint.checksum import Hasher, hash_stream
 from elastic_ops.errors import StoragePermanentError, StorageTransientError
 
 _TMP_PREFIX = ".tmp-"
-_PIECE = 1 << 16  # bytes per write() of a buffer we hold: one huge write is slower than pieces
+_PIECE = 1 << 20  # bytes per write() of a buffer we hold: one huge write is slower than pieces
 _WRITEBACK_EVERY = 4 << 20
 _WRITEBACK_ALIGN = (64 << 10) - 1
 _READ_CHUNK = 1 << 20  # hashed right after it is read, while it is still in the CPU cache
@@ -224,6 +224,21 @@ class LocalBackend:
                 str(self.root.joinpath(*below.split("/"))) if below else str(self.root), below, prefix, out
             )
         return out
+
+    def list_dirs(self, prefix: str = "") -> list[str]:
+        """The names of the directories directly below ``prefix`` (``""`` or a key ending in
+        ``/``): one ``scandir``, so the store can list one checkpoint at a time."""
+        path = self.root.joinpath(*prefix.rstrip("/").split("/")) if prefix else self.root
+        with _os_errors(self.uri, prefix):
+            try:
+                with os.scandir(path) as entries:
+                    return [
+                        e.name
+                        for e in entries
+                        if not e.name.startswith(_TMP_PREFIX) and e.is_dir() and not e.is_symlink()
+                    ]
+            except (FileNotFoundError, NotADirectoryError):
+                return []
 
     def _walk(self, path: str, rel: str, prefix: str, out: list[ObjectInfo]) -> None:
         """Append the files under ``path`` (key ``rel``) whose keys start with ``prefix``; only

@@ -25,7 +25,7 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from pathlib import Path
@@ -490,6 +490,26 @@ class CheckpointStore:
                 by_it.setdefault(int(m.group(1)), {})[rest] = obj.size
         return by_it
 
+    def _newest_first(self) -> Iterator[tuple[int, dict[str, int]]]:
+        """(iteration, {key-in-iteration: size}), newest first.
+
+        A backend that lists one level at a time (``list_dirs``: local) is listed one iteration
+        at a time as the caller asks for it, so :meth:`latest` reads the newest checkpoint's
+        directory and not every retained one's (``keep_every`` may keep hundreds). Others are
+        listed once, in full.
+        """
+        list_dirs = getattr(self.backend, "list_dirs", None)
+        if list_dirs is None:
+            by_it = self._scan()
+            for iteration in sorted(by_it, reverse=True):
+                yield iteration, by_it[iteration]
+            return
+        found = ((int(m.group(1)), name) for name in list_dirs("") if (m := _IT_RE.match(name)))
+        for iteration, name in sorted(found, reverse=True):
+            sizes = self._scan(self.backend.list(f"{name}/")).get(iteration)
+            if sizes:  # None: removed by retention since the first listing
+                yield iteration, sizes
+
     def list(self) -> list[CheckpointRef]:
         """Committed checkpoints, oldest first: the manifest parses and every listed file is
         present with its recorded size. (Checksums are verified by :meth:`latest` and :meth:`load`.)
@@ -543,10 +563,9 @@ class CheckpointStore:
         itself, checked against the manifest on the way) for the safe loader; a checkpoint
         whose content the safe loader refuses raises here what :meth:`load` would raise.
         """
-        by_it = self._scan()
-        for iteration in sorted(by_it, reverse=True):
-            prefetch = self._prefetch(iteration, by_it[iteration])
-            m = self._read_manifest(iteration, by_it[iteration], quiet=False)
+        for iteration, sizes in self._newest_first():
+            prefetch = self._prefetch(iteration, sizes)
+            m = self._read_manifest(iteration, sizes, quiet=False)
             if m is None:
                 continue
             ref = self._ref(m)

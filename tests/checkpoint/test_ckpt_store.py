@@ -399,6 +399,34 @@ def test_latest_without_decoding_names_the_same_checkpoint_and_keeps_nothing(tar
     assert decoded == []
 
 
+def test_latest_from_a_local_store_lists_only_the_checkpoints_it_reads(tmp_path, monkeypatch) -> None:
+    """``keep_every`` can keep hundreds of checkpoints: finding the newest must not walk them all."""
+    local = StoreTarget("file", f"file://{tmp_path}/s", root=tmp_path / "s")
+    store = local.open(keep_last=40)
+    for i in range(1, 41):
+        store.save(i, small_state(i), epoch=1, spec_hash="h")
+    store.wait()
+    in_flight = tmp_path / "s" / "it-00000041" / "d-0" / "state.pt"  # data written, no manifest yet
+    in_flight.parent.mkdir(parents=True)
+    in_flight.write_bytes(b"partial")
+    gone = "it-00000099"  # removed by another process's retention between the two listings
+    listed: list[str] = []
+    list_dirs, list_objects = store.backend.list_dirs, store.backend.list
+    monkeypatch.setattr(store.backend, "list_dirs", lambda prefix="": [*list_dirs(prefix), gone])
+    monkeypatch.setattr(
+        store.backend, "list", lambda prefix="": listed.append(prefix) or list_objects(prefix)
+    )
+
+    ref = store.latest(spec_hash="h")
+    assert ref.iteration == 40 and store.load(ref)["step"] == 40
+    assert listed == [f"{gone}/", "it-00000041/", "it-00000040/"]
+    listed.clear()
+    _flip_byte(local, f"it-00000040/{ref.files[0].name}")
+    assert store.latest(spec_hash="h", decode=False).iteration == 39  # damaged: the one before
+    assert listed[-2:] == ["it-00000040/", "it-00000039/"]
+    assert [r.iteration for r in store.list()] == list(range(1, 41))  # list() still sees them all
+
+
 def test_save_file_commits_a_staged_state_as_it_is(target: StoreTarget, tmp_path, monkeypatch) -> None:
     from elastic_ops.runtime.state import save_atomic
 
