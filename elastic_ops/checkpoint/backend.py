@@ -39,8 +39,8 @@ class Backend(Protocol):
     # ``dest`` (LocalBackend: a hard link, else a copy), hashing it; ``CheckpointStore.export``.
     # Optional: ``adopt(key, src, hasher) -> int`` publishes the local file ``src`` at ``key``
     # durably (LocalBackend: a hard link, else a copy), hashing it; ``CheckpointStore.save_file``.
-    # Optional: ``list_dirs(prefix) -> list[str]``: the names of the directories directly below
-    # ``prefix`` (LocalBackend: one scandir). ``latest()`` then lists one checkpoint at a time,
+    # Optional: ``list_dirs() -> list[str]``: the names of the directories at the root
+    # (LocalBackend: one scandir). ``latest()`` then lists one checkpoint at a time,
     # newest first, instead of every retained one (an S3 listing returns up to 1,000 keys per
     # request, so there one listing is cheaper than two).
     # Optional: ``single_put_limit: int``: ``put`` of fewer bytes is one request (S3Backend: the

@@ -225,13 +225,12 @@ class LocalBackend:
             )
         return out
 
-    def list_dirs(self, prefix: str = "") -> list[str]:
-        """The names of the directories directly below ``prefix`` (``""`` or a key ending in
-        ``/``): one ``scandir``, so the store can list one checkpoint at a time."""
-        path = self.root.joinpath(*prefix.rstrip("/").split("/")) if prefix else self.root
-        with _os_errors(self.uri, prefix):
+    def list_dirs(self) -> list[str]:
+        """The names of the directories at the root: one ``scandir``, so the store can list one
+        checkpoint at a time."""
+        with _os_errors(self.uri):
             try:
-                with os.scandir(path) as entries:
+                with os.scandir(self.root) as entries:
                     return [
                         e.name
                         for e in entries

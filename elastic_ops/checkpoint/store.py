@@ -504,7 +504,7 @@ class CheckpointStore:
             for iteration in sorted(by_it, reverse=True):
                 yield iteration, by_it[iteration]
             return
-        found = ((int(m.group(1)), name) for name in list_dirs("") if (m := _IT_RE.match(name)))
+        found = ((int(m.group(1)), name) for name in list_dirs() if (m := _IT_RE.match(name)))
         for iteration, name in sorted(found, reverse=True):
             sizes = self._scan(self.backend.list(f"{name}/")).get(iteration)
             if sizes:  # None: removed by retention since the first listing

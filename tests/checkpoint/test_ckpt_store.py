@@ -412,7 +412,7 @@ def test_latest_from_a_local_store_lists_only_the_checkpoints_it_reads(tmp_path,
     gone = "it-00000099"  # removed by another process's retention between the two listings
     listed: list[str] = []
     list_dirs, list_objects = store.backend.list_dirs, store.backend.list
-    monkeypatch.setattr(store.backend, "list_dirs", lambda prefix="": [*list_dirs(prefix), gone])
+    monkeypatch.setattr(store.backend, "list_dirs", lambda: [*list_dirs(), gone])
     monkeypatch.setattr(
         store.backend, "list", lambda prefix="": listed.append(prefix) or list_objects(prefix)
     )
