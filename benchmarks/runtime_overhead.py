@@ -1,6 +1,7 @@
 """Training throughput of the elastic runner vs a bare PyTorch DDP loop, side by side.
 
     .venv/bin/python -m benchmarks.runtime_overhead [--iterations 300] [--repeats 5] [--workers 1,2]
+        [--device cpu|cuda]
 
 Same model (the digits MLP from ``elastic_ops.examples``), same data, global batch (64),
 optimizer (AdamW), worker count, thread count (1 per worker) and iterations. For each worker
@@ -15,6 +16,11 @@ count the two are run alternately ``--repeats`` times and the medians are compar
 
 Ratios are ``runner / bare`` (1.0 = no overhead; target for ``loop`` >= 0.95). Runner in
 ``consistency: fast`` (plain allreduce, what DDP does); checkpoints only at the end.
+
+``--device cuda`` (a GPU machine; ``benchmarks/device_check.sh`` runs it there): both sides train
+on the GPUs, one per worker, over NCCL — the runner through its launcher (``CUDA_VISIBLE_DEVICES``
+per worker), the bare loop as a DDP user writes it (``cuda:<rank>``, ``device_ids=[rank]``, the
+data set moved to the GPU once). ``--workers`` must not exceed the GPUs visible.
 """
 
 from __future__ import annotations
@@ -69,7 +75,9 @@ def run_ours(spec, workers: int) -> dict[str, float]:
     }
 
 
-def _bare_worker(rank: int, workers: int, port: int, iterations: int, batch: int, out: str) -> None:
+def _bare_worker(
+    rank: int, workers: int, port: int, iterations: int, batch: int, out: str, device: str = "cpu"
+) -> None:
     """A plain DDP training loop, as a user would write it."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -79,10 +87,15 @@ def _bare_worker(rank: int, workers: int, port: int, iterations: int, batch: int
     os.environ.update(GLOO_SOCKET_IFNAME="lo")
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, is_master=False)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=workers)
+    cuda = device == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=workers)
     trainable = DigitsMLP(**digits_spec(iterations, workers, "file:///tmp/unused").params)
     x, y = trainable.train_dataset().tensors
-    model = DDP(trainable.build_model())
+    dev = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    x, y = x.to(dev), y.to(dev)
+    model = DDP(trainable.build_model().to(dev), device_ids=[rank] if cuda else None)
     opt = torch.optim.AdamW(model.parameters(), lr=0.002, weight_decay=1e-4)
     per = batch // workers
     lo, hi = rank * per, (rank + 1) * per if rank < workers - 1 else batch
@@ -93,7 +106,7 @@ def _bare_worker(rank: int, workers: int, port: int, iterations: int, batch: int
         if pos + batch > len(x):  # next epoch (the tail that does not fill a batch is dropped)
             epoch += 1
             gen.manual_seed(epoch)
-            order, pos = torch.randperm(len(x), generator=gen), 0
+            order, pos = torch.randperm(len(x), generator=gen).to(dev), 0
         idx = order[pos + lo : pos + hi]
         pos += batch
         loss = trainable.loss(model, (x[idx], y[idx]))  # the same user loss code as the runner
@@ -107,7 +120,7 @@ def _bare_worker(rank: int, workers: int, port: int, iterations: int, batch: int
     dist.barrier()  # then just exit: an explicit destroy_process_group once hung a run here
 
 
-def run_bare(iterations: int, workers: int, batch: int) -> dict[str, float]:
+def run_bare(iterations: int, workers: int, batch: int, device: str = "cpu") -> dict[str, float]:
     import torch.distributed as dist
     import torch.multiprocessing as mp
 
@@ -119,7 +132,7 @@ def run_bare(iterations: int, workers: int, batch: int) -> dict[str, float]:
         t0 = time.perf_counter()
         mp.start_processes(
             _bare_worker,
-            args=(workers, store.port, iterations, batch, out),
+            args=(workers, store.port, iterations, batch, out, device),
             nprocs=workers,
             start_method="forkserver",
         )
@@ -134,7 +147,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--workers", default="1,2")
     ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = ap.parse_args(argv)
+    counts = [int(w) for w in args.workers.split(",")]
+    if args.device == "cuda" and (not torch.cuda.is_available() or max(counts) > torch.cuda.device_count()):
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        ap.error(f"--device cuda --workers {args.workers}: this machine shows {gpus} CUDA GPU(s)")
     import multiprocessing
 
     from elastic_ops.runtime.launcher import PRELOAD
@@ -142,13 +160,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     multiprocessing.set_forkserver_preload(PRELOAD)  # the bare loop forks from the same warm server
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for n in (int(w) for w in args.workers.split(",")):
+        for n in counts:
             ours, bare = [], []
-            run_bare(20, n, 64)  # warm the fork server and the data caches before measuring
+            run_bare(20, n, 64, args.device)  # warm the fork server and the data caches before measuring
             for r in range(args.repeats):
-                spec = digits_spec(args.iterations, n, f"file://{tmp}/ckpt-{n}-{r}")
+                spec = digits_spec(args.iterations, n, f"file://{tmp}/ckpt-{n}-{r}", device=args.device)
                 ours.append(run_ours(spec, n))
-                bare.append(run_bare(args.iterations, n, spec.global_batch))
+                bare.append(run_bare(args.iterations, n, spec.global_batch, args.device))
             row = {"workers": n}
             for key in ("loop", "end_to_end"):
                 o = statistics.median(x[key] for x in ours)
@@ -168,7 +186,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "iterations": args.iterations,
         "repeats": args.repeats,
         "target_loop_ratio": 0.95,
-        "device": f"cpu ({os.cpu_count()} cores, 1 thread per worker), torch {torch.__version__}",
+        "device": _describe(args.device),
         "host": platform.node(),
         "load_average_at_end": os.getloadavg()[0],
         "results": rows,
@@ -176,6 +194,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     write_json(args.out, result)
     return result
+
+
+def _describe(device: str) -> str:
+    if device == "cuda":
+        names = sorted({torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())})
+        return (
+            f"cuda: {torch.cuda.device_count()} x {', '.join(names)}, CUDA {torch.version.cuda}, "
+            f"{os.cpu_count()} CPU cores, torch {torch.__version__}"
+        )
+    return f"cpu ({os.cpu_count()} cores, 1 thread per worker), torch {torch.__version__}"
 
 
 if __name__ == "__main__":
