@@ -4,6 +4,7 @@
 #
 #   device run:  bash benchmarks/device_check.sh            (timeout_s 540 leaves time to rerun)
 #   locally:     OUT=/tmp/gpu bash benchmarks/device_check.sh
+#   dry run:     DEVICE=cpu PYTHON=.venv/bin/python bash benchmarks/device_check.sh   (the same steps on the CPU)
 #
 # It runs from the repository root with the machine's own Python (PYTHON, default python3, which
 # on the lent machines holds a CUDA build of PyTorch) and PYTHONPATH=. — nothing is installed:
@@ -14,6 +15,7 @@ OUT=${OUT:-/tmp/elastic-ops-device}
 PY=${PYTHON:-python3}
 ITERATIONS=${ITERATIONS:-300}
 REPEATS=${REPEATS:-3}
+DEVICE=${DEVICE:-cuda}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 log() { echo "[device_check $(date -u +%H:%M:%S)] $*"; }
@@ -39,22 +41,22 @@ if [ -n "$missing" ]; then
   exit 2
 fi
 gpus=$("$PY" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)')
-if [ "$gpus" -lt 1 ]; then
+if [ "$DEVICE" = cuda ] && [ "$gpus" -lt 1 ]; then
   log "no CUDA GPU visible here: nothing to check"
   exit 3
 fi
 
 status=0
 log "CUDA tests ($gpus GPU(s))"
-"$PY" -m pytest -m cuda -q -p no:cacheprovider -rs tests 2>&1 | tee "$OUT/cuda_tests.log"
+"$PY" -m pytest -m cuda -q -p no:cacheprovider -rs tests/runtime 2>&1 | tee "$OUT/cuda_tests.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 workers=1
-[ "$gpus" -ge 2 ] && workers=1,2
-log "runtime benchmark on CUDA, workers $workers, $ITERATIONS iterations x $REPEATS repeats"
-"$PY" -m benchmarks.runtime_overhead --device cuda --workers "$workers" \
-  --iterations "$ITERATIONS" --repeats "$REPEATS" --out "$OUT/runtime_overhead_cuda.json" \
-  2>&1 | tee "$OUT/runtime_overhead_cuda.log"
+[ "$gpus" -ge 2 ] || [ "$DEVICE" = cpu ] && workers=1,2
+log "runtime benchmark on $DEVICE, workers $workers, $ITERATIONS iterations x $REPEATS repeats"
+"$PY" -m benchmarks.runtime_overhead --device "$DEVICE" --workers "$workers" \
+  --iterations "$ITERATIONS" --repeats "$REPEATS" --out "$OUT/runtime_overhead_$DEVICE.json" \
+  2>&1 | tee "$OUT/runtime_overhead_$DEVICE.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 log "done (status $status); results in $OUT"
