@@ -212,7 +212,7 @@ class CheckpointStore:
             self.backend.delete([f"{_FENCE_DIR}/epoch-{e:020d}" for e in lower])
         return max(markers)
 
-    def _check_epoch(self, epoch: int, objects: list[ObjectInfo]) -> None:
+    def _check_epoch(self, epoch: int, objects: list[ObjectInfo] | None) -> None:
         current = max(self._fence_markers(objects), default=0)
         if epoch < current:
             raise StaleEpochError(epoch, current)
@@ -410,12 +410,13 @@ class CheckpointStore:
     ) -> CheckpointRef:
         it_dir = iteration_dir(iteration)
         manifest_key = f"{it_dir}/{MANIFEST_NAME}"
-        # one listing before the commit point serves the fence check and the retention plan
-        # (other writers are fenced). It is made after the upload, or (one-request uploads to a
-        # remote store) during it: either way it is complete before the manifest is written, and
-        # only the manifest makes a checkpoint visible, so a stale writer is still refused before
-        # anything becomes visible; the window in which a fence raised meanwhile is missed is
-        # the manifest write, plus the data write when they overlap.
+        # The fence check lists before the commit point: after the upload (only the fence
+        # markers: what it costs does not grow with the checkpoints kept), or for one-request
+        # uploads to a remote store during it (the whole store, which also serves the retention
+        # plan and saves it a request). Either way the listing is complete before the manifest
+        # is written, and only the manifest makes a checkpoint visible, so a stale writer is
+        # still refused before anything becomes visible; the window in which a fence raised
+        # meanwhile is missed is the manifest write, plus the data write when they overlap.
         listing = _pool().submit(self.backend.list, "") if list_during_upload else None
         try:
             # a writer-unique data directory: racing writers never overwrite each other's bytes
@@ -432,7 +433,7 @@ class CheckpointStore:
             files=entries,
             metrics=check_metrics(metrics),
         )
-        objects = listing.result() if listing is not None else self.backend.list("")
+        objects = listing.result() if listing is not None else None  # None: fence markers only
         try:
             self._check_epoch(epoch, objects)
         except StaleEpochError:
@@ -747,8 +748,11 @@ class CheckpointStore:
 
     # --- retention -------------------------------------------------------------------------
 
-    def _retain(self, *, committed: int, objects: list[ObjectInfo]) -> None:
+    def _retain(self, *, committed: int, objects: list[ObjectInfo] | None) -> None:
         """Delete checkpoints outside the keep set, and orphaned data, older than ``committed``.
+
+        ``objects``: the store as listed during the commit, or ``None`` to list it here (on the
+        background thread, off the caller's path).
 
         Only iterations below the one just committed are candidates, so that checkpoint (whose
         bytes were just verified as written) and anything newer survive; the latest verified
@@ -756,7 +760,7 @@ class CheckpointStore:
         interrupted cleanup leaves an invisible orphan, never a checkpoint with missing files.
         """
         try:
-            by_it = self._scan(objects)  # listed just before our commit
+            by_it = self._scan(objects)
             committed_its = sorted({i for i, keys in by_it.items() if MANIFEST_NAME in keys} | {committed})
             keep = set(committed_its[-self.keep_last :]) | {committed}
             if self.keep_every:

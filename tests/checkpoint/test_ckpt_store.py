@@ -7,6 +7,7 @@ import hashlib
 import json
 import logging
 import multiprocessing as mp
+import threading
 
 import pytest
 import torch
@@ -425,6 +426,28 @@ def test_latest_from_a_local_store_lists_only_the_checkpoints_it_reads(tmp_path,
     assert store.latest(spec_hash="h", decode=False).iteration == 39  # damaged: the one before
     assert listed[-2:] == ["it-00000040/", "it-00000039/"]
     assert [r.iteration for r in store.list()] == list(range(1, 41))  # list() still sees them all
+
+
+def test_local_save_lists_only_the_fence_markers_before_it_returns(tmp_path, monkeypatch) -> None:
+    """What a save waits for must not grow with the checkpoints kept: it lists the fence
+    markers; retention lists the whole store on the store's background thread."""
+    local = StoreTarget("file", f"file://{tmp_path}/s", root=tmp_path / "s")
+    store = local.open(keep_last=3)
+    for i in range(1, 6):
+        store.save(i, small_state(i), epoch=1, spec_hash="h")
+    store.wait()
+    caller, listed = threading.get_ident(), []
+    list_objects = store.backend.list
+    monkeypatch.setattr(
+        store.backend,
+        "list",
+        lambda prefix="": listed.append((threading.get_ident() == caller, prefix)) or list_objects(prefix),
+    )
+    store.save(6, small_state(6), epoch=1, spec_hash="h")
+    store.wait()
+    assert [prefix for on_caller, prefix in listed if on_caller] == ["_fence/"]
+    assert [prefix for on_caller, prefix in listed if not on_caller] == ["it-"]
+    assert [r.iteration for r in store.list()] == [4, 5, 6]
 
 
 def test_save_file_commits_a_staged_state_as_it_is(target: StoreTarget, tmp_path, monkeypatch) -> None:
