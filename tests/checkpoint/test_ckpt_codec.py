@@ -7,6 +7,7 @@ import os
 import pickle
 import random
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -68,28 +69,34 @@ def _plant(target: StoreTarget, evil: bytes) -> None:
 PAYLOADS = ["torch_zip", "legacy_pickle", "builtins_exec", "pickle_protocol_5"]
 
 
-@pytest.mark.parametrize("payload", PAYLOADS)
-def test_the_exploits_are_real(tmp_path: Path, payload: str) -> None:
+class Exploit(NamedTuple):
+    kind: str  # one of PAYLOADS
+    data: bytes
+    marker: Path  # the file the payload creates if it ever runs
+
+
+@pytest.fixture(params=PAYLOADS)
+def exploit(request: pytest.FixtureRequest, tmp_path: Path) -> Exploit:
+    """Each crafted checkpoint in turn."""
+    marker = tmp_path / "pwned"
+    return Exploit(request.param, _malicious_payloads(marker)[request.param], marker)
+
+
+def test_the_exploits_are_real(exploit: Exploit) -> None:
     """Guard against a vacuous test: an unrestricted load of each payload does run it."""
-    marker = tmp_path / "pwned"
-    data = _malicious_payloads(marker)[payload]
-    if payload == "torch_zip":
-        torch.load(io.BytesIO(data), weights_only=False)
+    if exploit.kind == "torch_zip":
+        torch.load(io.BytesIO(exploit.data), weights_only=False)
     else:
-        pickle.loads(data)
-    assert marker.exists()
+        pickle.loads(exploit.data)
+    assert exploit.marker.exists()
 
 
-@pytest.mark.parametrize("payload", PAYLOADS)
 @pytest.mark.filterwarnings("ignore:Detected pickle protocol")
-def test_malicious_checkpoint_with_valid_manifest_is_rejected(
-    target: StoreTarget, tmp_path: Path, payload: str
-) -> None:
-    marker = tmp_path / "pwned"
+def test_malicious_checkpoint_with_valid_manifest_is_rejected(target: StoreTarget, exploit: Exploit) -> None:
     store = target.open()
     store.save(10, small_state(1), epoch=1, spec_hash="h")
     # an attacker with write access plants a checkpoint whose manifest and checksums are valid
-    _plant(target, _malicious_payloads(marker)[payload])
+    _plant(target, exploit.data)
 
     ref = target.open().latest()
     assert ref.iteration == 20, "checksums verify, so it is the latest"
@@ -97,7 +104,7 @@ def test_malicious_checkpoint_with_valid_manifest_is_rejected(
         target.open().load(ref)
     assert err.value.retryable is False
     assert isinstance(err.value, CheckpointCorruptError)
-    assert not marker.exists(), "the payload was never executed"
+    assert not exploit.marker.exists(), "the payload was never executed"
 
 
 def test_truncated_file_is_corrupt_not_unsafe() -> None:
@@ -160,14 +167,12 @@ def test_streamed_encoding_writes_the_same_bytes_and_digest_as_encoding_in_memor
     assert (digest, size) == (algorithm.hexdigest(out.getvalue()), len(out.getvalue()))
 
 
-@pytest.mark.parametrize("payload", PAYLOADS)
 @pytest.mark.filterwarnings("ignore:Detected pickle protocol")
 def test_a_malicious_checkpoint_placed_as_a_file_is_refused_and_removed(
-    target: StoreTarget, tmp_path: Path, payload: str
+    target: StoreTarget, tmp_path: Path, exploit: Exploit
 ) -> None:
     """latest(into=) and export() hand over the file without decoding it, but check its pickle."""
-    marker = tmp_path / "pwned"
-    _plant(target, _malicious_payloads(marker)[payload])
+    _plant(target, exploit.data)
     out = tmp_path / "restore.pt"
     with pytest.raises(UnsafeCheckpointError) as err:
         target.open().latest(spec_hash="h", into=out)
@@ -175,4 +180,4 @@ def test_a_malicious_checkpoint_placed_as_a_file_is_refused_and_removed(
     store = target.open()
     with pytest.raises(UnsafeCheckpointError):
         store.export(store.list()[-1], out)
-    assert not out.exists() and not marker.exists()
+    assert not out.exists() and not exploit.marker.exists()
