@@ -6,6 +6,7 @@ Never imports torch (a task process that delegates its chunk stays light) nor Ai
 from __future__ import annotations
 
 import dataclasses
+import os
 import socket
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -20,6 +21,8 @@ from elastic_ops.agent.protocol import (
     check_socket_path,
     encode,
     error_from_wire,
+    peer_uid,
+    trusted_peer,
 )
 from elastic_ops.errors import WorkerLostError
 from elastic_ops.runtime.outcome import ChunkResult, Progress
@@ -64,6 +67,16 @@ class AgentClient:
                 f"no elastic-ops agent at {self.path}: {exc.strerror or exc}",
                 hint="start one with `elastic-ops agent --socket PATH`",
             ) from None
+        uid = peer_uid(sock)
+        if not trusted_peer(uid):
+            # not our agent: another user's process holds the path; it must not see the store's
+            # credentials nor decide the chunk's outcome
+            sock.close()
+            raise AgentUnavailableError(
+                f"the process serving {self.path} runs as uid {uid}, not as this user "
+                f"(uid {os.getuid()}) or root: not using it",
+                hint="point ELASTIC_OPS_AGENT_SOCKET at a socket in a directory only you can write",
+            )
         sock.settimeout(None)
         return sock
 

@@ -43,6 +43,7 @@ import math
 import os
 import select
 import socket
+import struct
 from typing import Any
 
 from elastic_ops import errors
@@ -97,6 +98,21 @@ def check_socket_path(value: Any, field: str = AGENT_SOCKET_ENV) -> str:
     if len(os.fsencode(value)) > MAX_SOCKET_PATH:
         raise SpecError(field, value, allowed, hint="use a shorter directory, e.g. under /tmp or /run")
     return value
+
+
+def peer_uid(conn: socket.socket) -> int | None:
+    """The uid of the process at the other end of a Unix socket, or None where the OS cannot
+    tell (not Linux: the socket file's 0600 mode is then the only gate)."""
+    try:
+        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    except (AttributeError, OSError):
+        return None
+    return struct.unpack("3i", creds)[1]
+
+
+def trusted_peer(uid: int | None) -> bool:
+    """Whether the agent and a task may talk: the same user, or root."""
+    return uid is None or uid in (os.getuid(), 0)
 
 
 def agent_socket_from_env(environ: Any = None) -> str | None:

@@ -21,7 +21,6 @@ import os
 import signal
 import socket
 import stat
-import struct
 import threading
 import time
 import traceback
@@ -39,10 +38,12 @@ from elastic_ops.agent.protocol import (
     encode,
     error_to_wire,
     jsonable,
+    peer_uid,
     progress_to_wire,
     require_int,
     require_slots,
     require_str,
+    trusted_peer,
 )
 from elastic_ops.errors import SpecError, WorkerLostError
 
@@ -295,14 +296,6 @@ class ChunkSession:
         self.launcher.abort()
 
 
-def _peer_uid(conn: socket.socket) -> int | None:
-    try:
-        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    except (AttributeError, OSError):  # not Linux: the socket's 0600 mode is the only gate
-        return None
-    return struct.unpack("3i", creds)[1]
-
-
 class Agent:
     """The server. :meth:`serve` runs in the main thread until :meth:`stop` or SIGTERM/SIGINT."""
 
@@ -427,8 +420,8 @@ class Agent:
 
     def _handle(self, conn: socket.socket, n: int) -> None:
         with conn:
-            uid = _peer_uid(conn)
-            if uid is not None and uid not in (os.getuid(), 0):
+            uid = peer_uid(conn)
+            if not trusted_peer(uid):
                 log.warning("refused a connection from uid %d", uid)
                 return
             reader = MessageReader(conn)

@@ -20,6 +20,8 @@ from urllib.parse import quote
 from airflow.sdk import BaseHook
 from airflow.sdk.exceptions import AirflowNotFoundException
 
+from elastic_ops.errors import SpecError
+
 DEFAULT_CONN_ID = "elastic_ops_pool_default"
 CONN_TYPE = "elastic_ops_pool"
 LEDGER_FILE = "elastic_ops_pool.db"
@@ -44,8 +46,10 @@ def url_from_connection(conn: Any) -> str:
     if extra.get("url"):
         return str(extra["url"])
     if not conn.host:
-        raise ValueError(
-            f"connection {conn.conn_id!r} of type {CONN_TYPE!r} needs extra {{'url': ...}} or a host"
+        raise SpecError(
+            "connection",
+            conn.conn_id,
+            f"a connection of type {CONN_TYPE!r} needs extra {{'url': ...}} or a host",
         )
     auth = ""
     if conn.login:
@@ -95,6 +99,20 @@ class ElasticOpsHook(BaseHook):
         if self._ledger_url is None:
             try:
                 conn = self.get_connection(self.elastic_ops_conn_id)
+            except AirflowNotFoundException:
+                self._ledger_url = default_ledger_url()
+            else:
+                self._ledger_url = url_from_connection(conn)
+        return self._ledger_url
+
+    async def aledger_url(self) -> str:
+        """:meth:`ledger_url` for triggers, which must not block the triggerer's event loop.
+
+        Triggers carry the connection id, never the URL: trigger kwargs and event payloads are
+        stored in Airflow's database unencrypted, and the URL may hold the ledger's password."""
+        if self._ledger_url is None:
+            try:
+                conn = await self.aget_connection(self.elastic_ops_conn_id)
             except AirflowNotFoundException:
                 self._ledger_url = default_ledger_url()
             else:

@@ -62,8 +62,8 @@ class ElasticOperatorMixin:
     spec_fields: dict[str, Any]
     num_chunks: int | None
 
-    def _hook(self, ledger_url: str | None = None) -> ElasticOpsHook:
-        return ElasticOpsHook(self.elastic_ops_conn_id, aws_conn_id=self.aws_conn_id, ledger_url=ledger_url)
+    def _hook(self) -> ElasticOpsHook:
+        return ElasticOpsHook(self.elastic_ops_conn_id, aws_conn_id=self.aws_conn_id)
 
     def _spec(self, context: Any) -> JobSpec:
         dag_id = context["dag"].dag_id
@@ -120,7 +120,7 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
         state = {
             "spec": spec.to_dict(), "chunk_index": self.chunk_index, "start": start, "end": end,
             "warm_start": self._warm_start(context) if start == 0 else None,
-            "ledger_url": hook.ledger_url(), "preemptions": 0, "timeline": [], "epochs": [],
+            "preemptions": 0, "timeline": [], "epochs": [],
             "hosts": [], "trained": 0, "waited_s": 0.0, "started_at": time.time(),
         }
         done = self._already_done(hook, spec, end) if start < end else None
@@ -142,7 +142,7 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
         deferred_at = state.pop("deferred_at", None)
         waited = time.time() - float(deferred_at) if deferred_at is not None else parsed.waited_s
         state["waited_s"] = float(state.get("waited_s", 0.0)) + max(0.0, waited)
-        return self._run_granted(context, state, parsed, self._hook(state["ledger_url"]))
+        return self._run_granted(context, state, parsed, self._hook())
 
     # --- steps -----------------------------------------------------------------------------
 
@@ -193,7 +193,7 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
         self.log.info("job %s waits for workers (%s); deferring", job, getattr(outcome, "reason", ""))
         state = {**state, "deferred_at": time.time()}
         self.defer(
-            trigger=GrantTrigger(job=job, ledger_url=state["ledger_url"], state=state,
+            trigger=GrantTrigger(job=job, elastic_ops_conn_id=self.elastic_ops_conn_id, state=state,
                                  avoid_hosts=avoid, poll_interval=self.poll_interval),
             method_name="execute_granted",
         )

@@ -19,6 +19,7 @@ import dataclasses
 import json
 import os
 import random
+import re
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -140,17 +141,28 @@ def _check_config(changes: dict[str, Any]) -> dict[str, Any]:
 # --- engine ----------------------------------------------------------------------------------
 
 
+_PASSWORD = re.compile(r"(//[^/?#@]*?:)[^/?#]*@")
+
+
+def shown_url(url: str) -> str:
+    """``url`` as messages and logs may show it: any password replaced by ``***``.
+
+    Done on the text rather than with SQLAlchemy's ``hide_password`` so that a URL SQLAlchemy
+    cannot parse (the case an error message must show) loses its password too."""
+    return _PASSWORD.sub(r"\1***@", url)
+
+
 def _engine(url: str) -> Engine:
     try:
         parsed = make_url(url)
     except ArgumentError:
         raise SpecError(
-            "url", url, "must be an SQLAlchemy URL: sqlite:////abs/pool.db or postgresql+psycopg2://…"
+            "url", shown_url(url), "must be an SQLAlchemy URL: sqlite:////abs/pool.db or postgresql+psycopg2://…"
         ) from None
     backend = parsed.get_backend_name()
     if backend == "sqlite":
         if not parsed.database or parsed.database == ":memory:":
-            raise SpecError("url", url, "an SQLite ledger needs a file path (sqlite:////abs/path/pool.db)")
+            raise SpecError("url", shown_url(url), "an SQLite ledger needs a file path (sqlite:////abs/path/pool.db)")
         os.makedirs(os.path.dirname(os.path.abspath(parsed.database)), exist_ok=True)
         engine = create_engine(parsed, connect_args={"timeout": 30})
 
@@ -170,7 +182,7 @@ def _engine(url: str) -> Engine:
         return engine
     if backend == "postgresql":
         return create_engine(parsed, pool_pre_ping=True)
-    raise SpecError("url", url, "the pool ledger supports sqlite and postgresql URLs")
+    raise SpecError("url", shown_url(url), "the pool ledger supports sqlite and postgresql URLs")
 
 
 def _retryable(exc: DBAPIError) -> bool:

@@ -30,8 +30,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-
 from elastic_ops.errors import (
     CheckpointNotFoundError,
     NonFiniteLossError,
@@ -41,7 +39,7 @@ from elastic_ops.errors import (
     WorkerLostError,
 )
 from elastic_ops.runtime.control import ControlChannel, count_of, moved
-from elastic_ops.runtime.launcher import LaunchRequest, LocalLauncher
+from elastic_ops.runtime.launcher import LaunchRequest, LocalLauncher, loopback_store
 from elastic_ops.runtime.outcome import ChunkResult, ChunkStatus, Progress
 from elastic_ops.runtime.state import load_state, param_sha256, save_atomic
 from elastic_ops.spec import JobSpec
@@ -223,7 +221,7 @@ class _Runner:
         for j in range(1, LOOKAHEAD + 1):
             if not chan.decided(j):
                 chan.decide(j, self.decide(it + j, workers, launch_slots))
-        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        store = loopback_store()
         cfg = {
             "spec": self.spec.to_dict(),
             "start": it,

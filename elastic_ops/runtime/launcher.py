@@ -21,7 +21,7 @@ at top level, without an ``if __name__ == "__main__":`` guard, works too.
 Rendezvous follows torchelastic's agent-store convention: the runner hosts a ``TCPStore`` per
 segment and sets ``TORCHELASTIC_USE_AGENT_STORE=True``, so a plain
 ``dist.init_process_group(backend)`` (``env://``) in a worker or in a user's DDP script
-connects to it as a client.
+connects to it as a client. The store listens on loopback only (:func:`loopback_store`).
 """
 
 from __future__ import annotations
@@ -31,15 +31,39 @@ import importlib.machinery
 import multiprocessing
 import os
 import signal
+import socket
 import sys
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, PContext, Std, start_processes
 
 from elastic_ops.runtime.worker import worker_entry
+
+
+def loopback_store() -> dist.TCPStore:
+    """A segment's rendezvous store, reachable from this host only.
+
+    ``TCPStore("127.0.0.1", 0, is_master=True)`` listens on every interface (the host argument
+    only says where clients connect), so anyone on the network could read or overwrite the
+    rendezvous keys of a running segment. Its socket is bound to 127.0.0.1 here and handed over
+    with ``master_listen_fd``; the store then owns the descriptor and closes it with itself."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(128)
+        store = dist.TCPStore(
+            "127.0.0.1", sock.getsockname()[1], is_master=True, wait_for_workers=False,
+            master_listen_fd=sock.fileno(),
+        )
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store closes it
+    return store
 
 
 @dataclass(frozen=True)

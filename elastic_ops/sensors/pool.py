@@ -64,7 +64,7 @@ class ElasticPoolSensor(BaseSensorOperator):
         timeout = timedelta(seconds=self.timeout) if self.timeout else None
         self.defer(
             trigger=PoolCapacityTrigger(
-                ledger_url=ElasticOpsHook(self.elastic_ops_conn_id).ledger_url(),
+                elastic_ops_conn_id=self.elastic_ops_conn_id,
                 min_workers=self._wanted(), poll_interval=self.poll_interval,
             ),
             method_name="execute_complete",

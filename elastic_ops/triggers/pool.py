@@ -3,6 +3,8 @@
 Both poll the pool ledger from the triggerer in a worker thread (the ledger client is
 synchronous SQLAlchemy). Everything the deferred task needs afterwards travels in the trigger's
 keyword arguments and comes back in the event payload: the task keeps no state across deferral.
+The ledger is named by its Airflow connection id and resolved in the triggerer: kwargs and
+payloads are stored in Airflow's database as plain JSON, and a ledger URL may hold a password.
 """
 
 from __future__ import annotations
@@ -15,15 +17,18 @@ from typing import Any
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from elastic_ops.errors import ElasticOpsError
+from elastic_ops.hooks.elastic_ops import DEFAULT_CONN_ID, ElasticOpsHook
 from elastic_ops.triggers.events import CapacityEvent, GrantEvent, TriggerFailure
 
 _MODULE = "elastic_ops.triggers.pool"
 
 
-def _pool_client(ledger_url: str):
+async def _pool_client(elastic_ops_conn_id: str):
+    """A ledger client for the connection, resolved here in the triggerer (see ``aledger_url``)."""
     from elastic_ops.pool import PoolClient
 
-    return PoolClient(ledger_url)
+    url = await ElasticOpsHook(elastic_ops_conn_id, aws_conn_id=None).aledger_url()
+    return await asyncio.to_thread(PoolClient, url)
 
 
 def free_slots(status: dict[str, Any]) -> int:
@@ -47,14 +52,14 @@ class GrantTrigger(BaseTrigger):
         self,
         *,
         job: str,
-        ledger_url: str,
+        elastic_ops_conn_id: str = DEFAULT_CONN_ID,
         state: dict[str, Any],
         avoid_hosts: list[str] | tuple[str, ...] = (),
         poll_interval: float = 1.0,
     ) -> None:
         super().__init__()
         self.job = job
-        self.ledger_url = ledger_url
+        self.elastic_ops_conn_id = elastic_ops_conn_id
         self.state = dict(state)
         self.avoid_hosts = list(avoid_hosts)
         self.poll_interval = float(poll_interval)
@@ -63,7 +68,7 @@ class GrantTrigger(BaseTrigger):
         return (
             f"{_MODULE}.GrantTrigger",
             {
-                "job": self.job, "ledger_url": self.ledger_url, "state": self.state,
+                "job": self.job, "elastic_ops_conn_id": self.elastic_ops_conn_id, "state": self.state,
                 "avoid_hosts": list(self.avoid_hosts), "poll_interval": self.poll_interval,
             },
         )
@@ -77,7 +82,7 @@ class GrantTrigger(BaseTrigger):
         while True:
             try:
                 if client is None:
-                    client = await asyncio.to_thread(_pool_client, self.ledger_url)
+                    client = await _pool_client(self.elastic_ops_conn_id)
                 outcome = await asyncio.to_thread(self._request_once, client)
             except ElasticOpsError as exc:
                 if not exc.retryable:
@@ -100,23 +105,25 @@ class GrantTrigger(BaseTrigger):
 class PoolCapacityTrigger(BaseTrigger):
     """Fires when the pool has at least ``min_workers`` free slots."""
 
-    def __init__(self, *, ledger_url: str, min_workers: int, poll_interval: float = 2.0) -> None:
+    def __init__(
+        self, *, elastic_ops_conn_id: str = DEFAULT_CONN_ID, min_workers: int, poll_interval: float = 2.0
+    ) -> None:
         super().__init__()
-        self.ledger_url = ledger_url
+        self.elastic_ops_conn_id = elastic_ops_conn_id
         self.min_workers = int(min_workers)
         self.poll_interval = float(poll_interval)
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (
             f"{_MODULE}.PoolCapacityTrigger",
-            {"ledger_url": self.ledger_url, "min_workers": self.min_workers,
+            {"elastic_ops_conn_id": self.elastic_ops_conn_id, "min_workers": self.min_workers,
              "poll_interval": self.poll_interval},
         )
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         started = time.monotonic()
         try:
-            client = await asyncio.to_thread(_pool_client, self.ledger_url)
+            client = await _pool_client(self.elastic_ops_conn_id)
             while True:
                 free = free_slots(await asyncio.to_thread(client.status))
                 if free >= self.min_workers:

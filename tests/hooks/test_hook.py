@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from elastic_ops.errors import SpecError
 from elastic_ops.hooks import ElasticOpsHook, default_ledger_url
 from elastic_ops.provider import get_provider_info
 from tests.s3_server import s3_endpoint, s3_server  # noqa: F401  (fixtures)
@@ -36,7 +37,7 @@ def test_connection_fields_build_a_postgres_url(monkeypatch):
 
 def test_connection_without_url_or_host_is_a_clear_error(monkeypatch):
     set_conn(monkeypatch, "pool_bad", conn_type="elastic_ops_pool")
-    with pytest.raises(ValueError, match="pool_bad.*needs extra"):
+    with pytest.raises(SpecError, match="invalid connection=.pool_bad.*needs extra"):
         ElasticOpsHook("pool_bad").ledger_url()
 
 

@@ -3,6 +3,7 @@ resumed try needs in the trigger), skip finished ranges, re-register an unknown 
 
 from __future__ import annotations
 
+import json
 import time
 from types import SimpleNamespace
 
@@ -58,7 +59,10 @@ def test_a_full_pool_defers_with_everything_the_resumed_try_needs(pool):
         op.execute(context())
     trig = deferred.value.trigger
     assert isinstance(trig, GrantTrigger) and deferred.value.method_name == "execute_granted"
-    assert trig.job == job_id("d", "train", "run1") and trig.ledger_url == pool.url
+    assert trig.job == job_id("d", "train", "run1") and trig.elastic_ops_conn_id == "elastic_ops_pool_default"
+    # kwargs and the event's state are stored as plain JSON: the ledger is named by its
+    # connection, never by its URL (which may hold a password)
+    assert pool.url not in json.dumps(trig.serialize()) + repr(trig)
     state = trig.state
     assert (state["start"], state["end"], state["chunk_index"]) == (20, 40, 1)
     spec = JobSpec.from_dict(state["spec"])  # the whole rendered spec travels with the trigger
@@ -71,7 +75,7 @@ def test_the_wait_for_a_grant_counts_from_the_deferral(pool, monkeypatch):
     seen = {}
     monkeypatch.setattr(ElasticChunkOperator, "_run_granted",
                         lambda self, ctx, state, grant, hook: seen.update(state))
-    state = {"ledger_url": pool.url, "waited_s": 1.0, "deferred_at": time.time() - 30}
+    state = {"waited_s": 1.0, "deferred_at": time.time() - 30}
     event = GrantEvent(job="j", epoch=1, placements=(("h", 0),), ttl_s=60, state=state, waited_s=0.01)
     make_chunk(0).execute_granted(context(), event.to_payload())
     assert 31 <= seen["waited_s"] < 100 and "deferred_at" not in seen

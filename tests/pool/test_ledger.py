@@ -174,6 +174,13 @@ def test_bad_urls_are_rejected(tmp_path):
         PoolClient("sqlite://")
 
 
+@pytest.mark.parametrize("url", ["mysql://pool:S3cr@tPW@db.example/pool", "not a url://pool:S3cr@tPW@db"])
+def test_a_rejected_url_is_shown_without_its_password(url):
+    with pytest.raises(SpecError) as err:
+        PoolClient(url)
+    assert "S3cr@tPW" not in str(err.value) and "pool:***@" in str(err.value)
+
+
 def test_schema_is_versioned_and_reopening_keeps_data(ledger_url, clock):
     a = PoolClient(ledger_url, clock=clock)
     a.add_host("h0", 2)

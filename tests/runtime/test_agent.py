@@ -3,8 +3,10 @@ socket, typed errors, client disconnect (no orphans, last checkpoint intact), ba
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import stat
@@ -361,6 +363,59 @@ def test_the_socket_is_private_to_its_user(agent):
     import stat
 
     assert stat.S_IMODE(os.stat(agent.path).st_mode) == 0o600
+
+
+def _impostor(path: str, report: int) -> None:
+    """In a forked child: serve ``path`` as uid 65534, report how many bytes a client sent."""
+    try:
+        os.setuid(65534)
+        srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        srv.bind(path)
+        srv.listen(1)
+        os.write(report, b"listening\n")
+        srv.settimeout(30)
+        conn, _ = srv.accept()
+        conn.settimeout(30)
+        got = conn.recv(1 << 20)
+        with contextlib.suppress(OSError):
+            conn.sendall(b'{"type": "pong", "version": 1, "pid": 1, "chunks": 0}\n')
+        os.write(report, f"{len(got)}\n".encode())
+    finally:
+        os._exit(0)
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root, to run a listener as another user")
+def test_a_task_does_not_talk_to_a_socket_another_user_serves():
+    """Another user who holds the agent's path (e.g. in a shared /tmp) must not receive the
+    store's credentials nor answer for the agent: the task checks who serves the socket."""
+    import tempfile
+
+    shared = tempfile.mkdtemp(prefix="agent-shared-")
+    os.chmod(shared, 0o1777)  # world-writable and sticky, like /tmp
+    path = os.path.join(shared, "agent.sock")
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        _impostor(path, w)
+    os.close(w)
+    try:
+        with os.fdopen(r) as report:
+            assert report.readline().strip() == "listening"
+            with pytest.raises(AgentUnavailableError, match="runs as uid 65534, not as this user"):
+                AgentClient(path).ping()
+            assert report.readline().strip() == "0"  # the impostor received nothing
+    finally:
+        os.waitpid(pid, 0)
+        shutil.rmtree(shared, ignore_errors=True)
+
+
+def test_only_an_agent_of_the_same_user_or_root_is_used(agent, monkeypatch):
+    import elastic_ops.agent.client as client_module
+
+    assert AgentClient(agent.path).ping()["chunks"] >= 0
+    monkeypatch.setattr(client_module, "peer_uid", lambda sock: 12345)
+    with pytest.raises(AgentUnavailableError, match="runs as uid 12345"):
+        AgentClient(agent.path).ping()
 
 
 def test_no_agent_at_the_path_is_agent_unavailable(tmp_path):

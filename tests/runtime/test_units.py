@@ -14,7 +14,7 @@ from elastic_ops.runtime import load_trainable_class, param_sha256
 from elastic_ops.runtime.chunk import _SlotsByBoundary
 from elastic_ops.runtime.consistency import lr_factor, target_factor
 from elastic_ops.runtime.control import ControlChannel
-from elastic_ops.runtime.launcher import LaunchRequest, slot_gpus, worker_env
+from elastic_ops.runtime.launcher import LaunchRequest, loopback_store, slot_gpus, worker_env
 from elastic_ops.runtime.state import load_state, save_atomic
 from tests.runtime.builders import TinyMLP
 
@@ -70,6 +70,18 @@ def test_control_channel_targets_are_seen_by_readers(tmp_path):
     assert worker.target(1) == 3
     worker.publish(2, 0.5, 24)
     assert parent.reached() == 2 and parent.row(2)[0] == 0.5 and parent.row(2)[2] == 24
+
+
+def test_the_rendezvous_store_listens_on_loopback_only():
+    """Workers join it over loopback; nothing off this host may reach a segment's keys."""
+    psutil = pytest.importorskip("psutil")
+    store = loopback_store()
+    client = torch.distributed.TCPStore("127.0.0.1", store.port, is_master=False)
+    client.set("k", "v")
+    assert store.get("k") == b"v"
+    listening = {c.laddr.ip for c in psutil.Process().net_connections("tcp")
+                 if c.status == psutil.CONN_LISTEN and c.laddr.port == store.port}
+    assert listening == {"127.0.0.1"}
 
 
 def test_worker_environment_has_pytorch_and_wml_names(tmp_path):

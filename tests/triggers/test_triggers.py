@@ -4,6 +4,7 @@ them) and their behaviour against a real SQLite pool ledger."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 from airflow.sdk.serde import deserialize, serialize
@@ -12,10 +13,15 @@ from elastic_ops.pool import PoolClient
 from elastic_ops.triggers import GrantTrigger, PoolCapacityTrigger
 from elastic_ops.triggers.events import CapacityEvent, GrantEvent, TriggerFailure, parse_event
 
+CONN = "pool_t"
 
-def make_pool(tmp_path, slots: int = 2) -> PoolClient:
-    client = PoolClient(f"sqlite:///{tmp_path / 'pool.db'}", policy="priority", preemption="graceful",
-                        aging_s=0.0)
+
+def make_pool(monkeypatch, tmp_path, slots: int = 2) -> PoolClient:
+    """A SQLite ledger the triggers find through the Airflow connection ``CONN``."""
+    url = f"sqlite:///{tmp_path / 'pool.db'}"
+    monkeypatch.setenv(f"AIRFLOW_CONN_{CONN.upper()}",
+                       json.dumps({"conn_type": "elastic_ops_pool", "extra": {"url": url}}))
+    client = PoolClient(url, policy="priority", preemption="graceful", aging_s=0.0)
     client.add_host("h1", slots)
     return client
 
@@ -31,16 +37,17 @@ def roundtrip(trigger):
 def test_grant_trigger_roundtrip_keeps_everything_the_task_needs():
     state = {"spec": {"name": "j", "params": {"lr": 0.1}}, "start": 10, "end": 20, "timeline": [[10, 2, 1.5]],
              "warm_start": None, "preemptions": 1}
-    trig = GrantTrigger(job="j", ledger_url="sqlite:////tmp/x.db", state=state, avoid_hosts=["h2"],
+    trig = GrantTrigger(job="j", elastic_ops_conn_id="pool_pg", state=state, avoid_hosts=["h2"],
                         poll_interval=0.5)
     classpath, kwargs, rebuilt = roundtrip(trig)
     assert classpath == "elastic_ops.triggers.pool.GrantTrigger"
     assert rebuilt.serialize() == (classpath, kwargs)
     assert rebuilt.state == state and rebuilt.avoid_hosts == ["h2"]
+    assert rebuilt.elastic_ops_conn_id == "pool_pg"
 
 
 def test_capacity_trigger_roundtrip():
-    trig = PoolCapacityTrigger(ledger_url="postgresql+psycopg2://u@h/db", min_workers=3, poll_interval=0.2)
+    trig = PoolCapacityTrigger(elastic_ops_conn_id="pool_pg", min_workers=3, poll_interval=0.2)
     classpath, kwargs, rebuilt = roundtrip(trig)
     assert classpath == "elastic_ops.triggers.pool.PoolCapacityTrigger"
     assert rebuilt.serialize() == (classpath, kwargs)
@@ -71,14 +78,14 @@ async def first_event(trigger, timeout: float = 20.0):
         await gen.aclose()
 
 
-def test_grant_trigger_waits_until_the_pool_frees_slots_then_carries_the_grant(tmp_path):
-    pool = make_pool(tmp_path, slots=2)
+def test_grant_trigger_waits_until_the_pool_frees_slots_then_carries_the_grant(monkeypatch, tmp_path):
+    pool = make_pool(monkeypatch, tmp_path, slots=2)
     pool.submit("a", min_workers=2, max_workers=2, priority=1, preemptible=False)
     grant_a = pool.request("a")
     pool.submit("b", min_workers=1, max_workers=2, priority=1)
     assert not hasattr(pool.request("b"), "epoch")  # b must wait: a holds both slots
 
-    trig = GrantTrigger(job="b", ledger_url=pool.url, state={"chunk_index": 4}, poll_interval=0.05)
+    trig = GrantTrigger(job="b", elastic_ops_conn_id=CONN, state={"chunk_index": 4}, poll_interval=0.05)
 
     async def scenario():
         task = asyncio.ensure_future(first_event(trig))
@@ -93,19 +100,19 @@ def test_grant_trigger_waits_until_the_pool_frees_slots_then_carries_the_grant(t
     assert event.epoch == pool.request("b").epoch  # the live lease the task will heartbeat
 
 
-def test_grant_trigger_reports_unknown_job_instead_of_waiting_forever(tmp_path):
-    pool = make_pool(tmp_path)
-    trig = GrantTrigger(job="ghost", ledger_url=pool.url, state={}, poll_interval=0.05)
+def test_grant_trigger_reports_unknown_job_instead_of_waiting_forever(monkeypatch, tmp_path):
+    make_pool(monkeypatch, tmp_path)
+    trig = GrantTrigger(job="ghost", elastic_ops_conn_id=CONN, state={}, poll_interval=0.05)
     event = parse_event(asyncio.run(first_event(trig)).payload)
     assert isinstance(event, TriggerFailure)
     assert event.error_type == "UnknownJobError" and not event.retryable
 
 
-def test_capacity_trigger_fires_when_enough_slots_are_free(tmp_path):
-    pool = make_pool(tmp_path, slots=4)
+def test_capacity_trigger_fires_when_enough_slots_are_free(monkeypatch, tmp_path):
+    pool = make_pool(monkeypatch, tmp_path, slots=4)
     pool.submit("a", min_workers=3, max_workers=3, priority=1, preemptible=False)
     grant = pool.request("a")
-    trig = PoolCapacityTrigger(ledger_url=pool.url, min_workers=2, poll_interval=0.05)
+    trig = PoolCapacityTrigger(elastic_ops_conn_id=CONN, min_workers=2, poll_interval=0.05)
 
     async def scenario():
         task = asyncio.ensure_future(first_event(trig))
@@ -116,3 +123,13 @@ def test_capacity_trigger_fires_when_enough_slots_are_free(tmp_path):
 
     event = parse_event(asyncio.run(scenario()).payload)
     assert event == CapacityEvent(free=4, min_workers=2, waited_s=event.waited_s)
+
+
+def test_a_ledger_connection_that_names_no_database_fails_the_wait_at_once(monkeypatch):
+    monkeypatch.setenv("AIRFLOW_CONN_POOL_BAD", json.dumps({"conn_type": "elastic_ops_pool"}))
+    for trig in (GrantTrigger(job="j", elastic_ops_conn_id="pool_bad", state={}, poll_interval=0.05),
+                 PoolCapacityTrigger(elastic_ops_conn_id="pool_bad", min_workers=1, poll_interval=0.05)):
+        event = parse_event(asyncio.run(first_event(trig)).payload)
+        assert isinstance(event, TriggerFailure) and not event.retryable
+        assert event.error_type == "SpecError"
+        assert "'pool_bad'" in event.error and "needs extra" in event.error
