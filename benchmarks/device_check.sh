@@ -8,7 +8,7 @@
 #
 # It runs from the repository root with the machine's own Python (PYTHON, default python3, which
 # on the lent machines holds a CUDA build of PyTorch) and PYTHONPATH=. — nothing is installed:
-# the runtime needs torch, numpy, scikit-learn, xxhash, pyyaml and psutil (pytest for the tests),
+# the runtime needs torch, numpy, scikit-learn, xxhash, pyyaml (pytest and psutil for the tests),
 # not Airflow, boto3 or tenacity. Without a GPU it stops at once, saying so.
 set -uo pipefail
 OUT=${OUT:-/tmp/elastic-ops-device}

@@ -20,7 +20,7 @@ from elastic_ops.errors import SpecError
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
 _ENTRY_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
-_URI_RE = re.compile(r"^(file://.+|s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/.*)?)$")
+_URI_RE = re.compile(r"^(file://(localhost)?/.*|s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/.*)?)$")
 
 MAX_WORKERS_LIMIT = 4096
 
@@ -128,8 +128,9 @@ class JobSpec:
             raise SpecError(
                 "checkpoint",
                 self.checkpoint,
-                "must be a URI 'file:///path' or 's3://bucket/prefix' (bucket: 3-63 lowercase "
-                "letters, digits, '.', '-')",
+                "must be a URI 'file:///absolute/path' or 's3://bucket/prefix' (bucket: 3-63 "
+                "lowercase letters, digits, '.', '-')",
+                hint="a file:// URI takes an absolute path: note the three slashes in file:///",
             )
         interval = chunk if self.checkpoint_interval is None else self.checkpoint_interval
         _int("checkpoint_interval", interval, 1)

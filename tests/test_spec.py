@@ -22,7 +22,10 @@ def make_spec(**overrides) -> JobSpec:
         ({"total_iterations": 0}, "total_iterations", ">= 1"),
         ({"consistency": "exact"}, "consistency", "'bitwise', 'fast'"),
         ({"scaling": "cubic"}, "scaling", "'fixed'"),
-        ({"checkpoint": "ftp://host/x"}, "checkpoint", "file:///path"),
+        ({"checkpoint": "ftp://host/x"}, "checkpoint", "file:///absolute/path"),
+        ({"checkpoint": "file://./ck"}, "checkpoint", "note the three slashes"),  # relative: refused here,
+        ({"checkpoint": "file://host/ck"}, "checkpoint", "file:///absolute/path"),  # not when training
+
         ({"checkpoint": "s3://B/x"}, "checkpoint", "s3://bucket/prefix"),
         ({"entrypoint": "not an entrypoint"}, "entrypoint", "package.module:TrainableClass"),
         ({"priority": 0}, "priority", "between 1 and 1000"),

@@ -81,7 +81,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     sim.add_argument("--rescale-cost", type=float, default=30.0, help="seconds lost per rescale")
     sim.add_argument("--replan-interval", type=float, default=60.0, help="seconds between re-plans")
     sim.add_argument(
-        "--traces", default=None, help="application traces folder (default: ../shared/traces/pollux/traces)"
+        "--traces", default=None, help="application traces folder (default: $ELASTIC_OPS_TRACES, else "
+        "../shared/traces/pollux/traces beside the repository)"
     )
     sim.add_argument("--min-rescale-interval", type=float, default=0.0, help="anti-thrashing: seconds")
     sim.add_argument("--min-gain", type=float, default=0.0, help="anti-thrashing: least relative change")

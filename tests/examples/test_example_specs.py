@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_spec_validates_and_names_itself(name):
     spec = JobSpec.from_yaml(spec_path(name))
     assert spec.name == name
-    assert spec.checkpoint is None  # defaults to file://./checkpoints/<name>
+    assert spec.checkpoint is None  # defaults to file://<cwd>/checkpoints/<name>
     assert spec.checkpoint_uri("checkpoints").endswith(f"/checkpoints/{name}")
 
 
