@@ -18,11 +18,24 @@ from typing import Any
 
 from elastic_ops.errors import SpecError
 
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
-_ENTRY_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
-_URI_RE = re.compile(r"^(file://(localhost)?/.*|s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/.*)?)$")
+# matched with fullmatch: a trailing newline is not part of a valid value
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}")
+_ENTRY_RE = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
+# No '?', '#', whitespace or an encoded NUL: a query or fragment would swallow the '/<run_id>'
+# the Airflow layer appends (every DAG run would share one store), and the local path needs a
+# name below the root.
+_URI_RE = re.compile(
+    r"(?!.*%00)(file://(localhost)?/[^?#\s]+|s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/[^?#\s]*)?)"
+)
+URI_ALLOWED = (
+    "must be a URI 'file:///absolute/path' or 's3://bucket/prefix' (bucket: 3-63 lowercase letters, "
+    "digits, '.', '-'; no '?', '#' or spaces)"
+)
 
 MAX_WORKERS_LIMIT = 4096
+MAX_ITERATIONS = 10**9
+MAX_GLOBAL_BATCH = 2**31 - 1
+MAX_CHUNKS = 1000  # one Airflow task each
 
 
 class Consistency(enum.StrEnum):
@@ -96,16 +109,27 @@ class JobSpec:
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen dataclass
-        if not isinstance(self.name, str) or not _NAME_RE.match(self.name):
-            raise SpecError("name", self.name, "must be 1-128 characters of letters, digits, '_', '.', '-'")
+        if not isinstance(self.name, str) or not _NAME_RE.fullmatch(self.name):
+            raise SpecError(
+                "name", self.name,
+                "must be 1-128 characters of letters, digits, '_', '.', '-', starting with a letter or digit",
+            )
         self._check_entrypoint()
-        _int("total_iterations", self.total_iterations, 1)
-        _int("global_batch", self.global_batch, 1)
+        _int("total_iterations", self.total_iterations, 1, MAX_ITERATIONS)
+        _int("global_batch", self.global_batch, 1, MAX_GLOBAL_BATCH)
         chunk = self.total_iterations if self.chunk_iterations is None else self.chunk_iterations
         _int("chunk_iterations", chunk, 1)
         if chunk > self.total_iterations:
             raise SpecError(
                 "chunk_iterations", chunk, f"must be <= total_iterations ({self.total_iterations})"
+            )
+        chunks = -(-self.total_iterations // chunk)
+        if chunks > MAX_CHUNKS:
+            raise SpecError(
+                "chunk_iterations", chunk,
+                f"gives {chunks} chunks of total_iterations {self.total_iterations}; at most {MAX_CHUNKS}",
+                hint=f"each chunk is one Airflow task: use chunk_iterations >= "
+                f"{-(-self.total_iterations // MAX_CHUNKS)}",
             )
         set_("chunk_iterations", chunk)
         _int("min_workers", self.min_workers, 1, MAX_WORKERS_LIMIT)
@@ -123,14 +147,12 @@ class JobSpec:
         self._check_batching()
         _int("warmup_iterations", self.warmup_iterations, 0)
         if self.checkpoint is not None and (
-            not isinstance(self.checkpoint, str) or not _URI_RE.match(self.checkpoint)
+            not isinstance(self.checkpoint, str) or not _URI_RE.fullmatch(self.checkpoint)
         ):
             raise SpecError(
-                "checkpoint",
-                self.checkpoint,
-                "must be a URI 'file:///absolute/path' or 's3://bucket/prefix' (bucket: 3-63 "
-                "lowercase letters, digits, '.', '-')",
-                hint="a file:// URI takes an absolute path: note the three slashes in file:///",
+                "checkpoint", self.checkpoint, URI_ALLOWED,
+                hint="a file:// URI takes an absolute path: note the three slashes in file:///"
+                if str(self.checkpoint).startswith("file://") else None,
             )
         interval = chunk if self.checkpoint_interval is None else self.checkpoint_interval
         _int("checkpoint_interval", interval, 1)
@@ -143,14 +165,16 @@ class JobSpec:
         if not isinstance(self.params, Mapping):
             raise SpecError("params", self.params, "must be a mapping of hyperparameters")
         try:
-            json.dumps(dict(self.params), sort_keys=True)
-        except TypeError as exc:
-            raise SpecError("params", self.params, f"must be JSON-serialisable ({exc})") from None
+            json.dumps(dict(self.params), sort_keys=True, allow_nan=False)
+        except (TypeError, ValueError, RecursionError) as exc:  # ValueError: NaN, inf, a cycle
+            raise SpecError(
+                "params", _short(self.params), f"must be JSON-serialisable, numbers finite ({exc})"
+            ) from None
         set_("params", dict(self.params))
 
     def _check_entrypoint(self) -> None:
         ep = self.entrypoint
-        if not isinstance(ep, str) or not (_ENTRY_RE.match(ep) or ep.endswith(".py")):
+        if not isinstance(ep, str) or not (_ENTRY_RE.fullmatch(ep) or (ep.endswith(".py") and "\n" not in ep)):
             raise SpecError(
                 "entrypoint",
                 ep,
@@ -253,14 +277,49 @@ class JobSpec:
 
         p = Path(path)
         try:
-            text = p.read_text()
+            text = p.read_text(encoding="utf-8")
         except OSError as exc:
             raise SpecError("spec", str(path), f"cannot be read ({exc.strerror})") from None
+        except UnicodeDecodeError as exc:
+            raise SpecError("spec", str(path), f"must be UTF-8 text ({exc.reason} at byte {exc.start})") from None
         try:
-            data = yaml.safe_load(text)
+            data = yaml.load(text, Loader=_unique_key_loader())  # noqa: S506 - a SafeLoader subclass
         except yaml.YAMLError as exc:
             raise SpecError("spec", str(path), f"is not valid YAML ({exc})") from None
         return cls.from_dict(data or {})
+
+
+def _short(value: Any, limit: int = 200) -> str:
+    """``repr(value)`` cut to ``limit`` characters (an error message quotes it)."""
+    try:
+        text = repr(value)
+    except RecursionError:
+        text = f"<{type(value).__name__} that contains itself>"
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
+def _unique_key_loader():
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        """``yaml.safe_load`` that refuses a key given twice (the plain loader keeps the last)."""
+
+        def construct_mapping(self, node, deep=False):
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                try:
+                    hash(key)
+                except TypeError:
+                    continue  # the SafeLoader refuses an unhashable key with its own message
+                if key in seen:
+                    raise SpecError(
+                        "spec", key, f"is given twice (line {key_node.start_mark.line + 1}); give each field once"
+                    )
+                seen.add(key)
+            return super().construct_mapping(node, deep=deep)
+
+    return UniqueKeyLoader
 
 
 def _plain(value: Any) -> Any:

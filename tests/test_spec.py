@@ -19,13 +19,25 @@ def make_spec(**overrides) -> JobSpec:
     [
         ({"min_workers": 5, "max_workers": 4}, "min_workers", "<= max_workers (4)"),
         ({"chunk_iterations": 101}, "chunk_iterations", "<= total_iterations (100)"),
-        ({"total_iterations": 0}, "total_iterations", ">= 1"),
+        ({"total_iterations": 0}, "total_iterations", "between 1 and"),
         ({"consistency": "exact"}, "consistency", "'bitwise', 'fast'"),
         ({"scaling": "cubic"}, "scaling", "'fixed'"),
         ({"checkpoint": "ftp://host/x"}, "checkpoint", "file:///absolute/path"),
         ({"checkpoint": "file://./ck"}, "checkpoint", "note the three slashes"),  # relative: refused here,
         ({"checkpoint": "file://host/ck"}, "checkpoint", "file:///absolute/path"),  # not when training
-
+        # a query or fragment would swallow the '/<run_id>' the Airflow layer appends
+        ({"checkpoint": "s3://models/digits?v=2"}, "checkpoint", "no '?', '#'"),
+        ({"checkpoint": "file:///tmp/ck#x"}, "checkpoint", "no '?', '#'"),
+        ({"checkpoint": "file:///"}, "checkpoint", "file:///absolute/path"),
+        ({"checkpoint": "file:///tmp/%00x"}, "checkpoint", "file:///absolute/path"),
+        ({"checkpoint": "file:///tmp/x\n"}, "checkpoint", "file:///absolute/path"),
+        ({"name": "job\n"}, "name", "starting with a letter or digit"),
+        ({"entrypoint": "pkg.mod:Cls\n"}, "entrypoint", "package.module:TrainableClass"),
+        ({"total_iterations": 10**30}, "total_iterations", "between 1 and 1000000000"),
+        ({"global_batch": 2**40}, "global_batch", "between 1 and 2147483647"),
+        ({"total_iterations": 20_000, "chunk_iterations": 1}, "chunk_iterations", "gives 20000 chunks"),
+        ({"params": {"lr": float("nan")}}, "params", "numbers finite"),
+        ({"params": {"lr": float("inf")}}, "params", "numbers finite"),
         ({"checkpoint": "s3://B/x"}, "checkpoint", "s3://bucket/prefix"),
         ({"entrypoint": "not an entrypoint"}, "entrypoint", "package.module:TrainableClass"),
         ({"priority": 0}, "priority", "between 1 and 1000"),
@@ -103,6 +115,18 @@ def test_from_yaml_reports_unreadable_and_invalid_files(tmp_path):
     bad.write_text("name: [unclosed\n")
     with pytest.raises(SpecError, match="not valid YAML"):
         JobSpec.from_yaml(bad)
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("name: j\nentrypoint: a.b:C\ntotal_iterations: 10\ntotal_iterations: 20\nglobal_batch: 8\n")
+    with pytest.raises(SpecError, match=r"invalid spec='total_iterations': is given twice \(line 4\)"):
+        JobSpec.from_yaml(twice)
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"name: j\xff\n")
+    with pytest.raises(SpecError, match="must be UTF-8 text"):
+        JobSpec.from_yaml(binary)
+    cyclic = tmp_path / "cyclic.yaml"
+    cyclic.write_text("name: j\nentrypoint: a.b:C\ntotal_iterations: 10\nglobal_batch: 8\nparams: &a {x: *a}\n")
+    with pytest.raises(SpecError, match="invalid params=.*JSON-serialisable"):
+        JobSpec.from_yaml(cyclic)
     good = tmp_path / "good.yaml"
     good.write_text("name: j\nentrypoint: a.b:C\ntotal_iterations: 10\nglobal_batch: 8\nmax_workers: 2\n")
     assert JobSpec.from_yaml(good).to_dict()["max_workers"] == 2

@@ -67,6 +67,10 @@ def open_store(
     if not isinstance(uri, str):
         raise SpecError("checkpoint", uri, _ALLOWED_URI)
     parsed = urlparse(uri)
+    if parsed.query or parsed.fragment or parsed.params or "\0" in unquote(uri) or uri != uri.strip():
+        # a query or fragment would silently drop what follows it (the Airflow layer appends
+        # '/<run_id>': every run would share one store)
+        raise SpecError("checkpoint", uri, _ALLOWED_URI + " (no '?', '#', NUL or surrounding spaces)")
     extra = {} if clock is None else {"clock": clock}
     if parsed.scheme == "file":
         if parsed.netloc not in ("", "localhost") or not parsed.path.startswith("/"):

@@ -102,6 +102,11 @@ def test_checkpoint_with_invalid_manifest_does_not_exist(tmp_path) -> None:
         ("file://relative", "three slashes"),
         ("gs://bucket/x", "must be 'file:///absolute/path'"),
         ("s3:///prefix-only", "bucket name is missing"),
+        # urlparse would put what follows '?' or '#' (the Airflow layer's '/<run_id>') into the
+        # query or fragment: two runs would open the same store
+        ("s3://bucket/models?v=2/run-1", "no '\\?', '#'"),
+        ("file:///tmp/ck#x/run-1", "no '\\?', '#'"),
+        ("file:///tmp/%00x", "NUL"),
     ],
 )
 def test_bad_uri_names_the_value_and_what_is_allowed(uri: str, message: str) -> None:

@@ -83,7 +83,7 @@ def test_run_prints_progress_and_ends_with_one_json_line(tmp_path):
         ("--workers-schedule", "2@10,1@5", "ascending"),
         ("--iterations", "15:5", "START:END"),
         ("--iterations", "0:99", "START:END"),
-        ("--checkpoint", "ftp://host/x", "file:///path"),
+        ("--checkpoint", "ftp://host/x", "file:///absolute/path"),
     ],
 )
 def test_bad_flag_values_name_the_flag(tmp_path, capsys, flag, value, needle):
