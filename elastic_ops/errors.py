@@ -91,7 +91,10 @@ class CommitConflictError(CheckpointError):
 
 
 class StaleEpochError(CheckpointError):
-    """A writer holding an old fencing epoch tried to commit. Its lease is dead."""
+    """A writer holding an old fencing epoch tried to commit. Its lease is dead; a new try gets a
+    new lease (and epoch), so retrying helps."""
+
+    retryable = True
 
     def __init__(self, epoch: int, current: int, *, hint: str | None = None) -> None:
         self.epoch = epoch
@@ -151,5 +154,11 @@ class LeaseExpiredError(PoolError):
 
 class LedgerBusyError(PoolError):
     """The ledger database stayed locked past the retry budget."""
+
+    retryable = True
+
+
+class LedgerUnavailableError(PoolError):
+    """The ledger database could not be reached (connection refused or lost)."""
 
     retryable = True

@@ -28,7 +28,7 @@ from airflow.sdk import BaseOperator
 
 from elastic_ops.agent.protocol import AGENT_SOCKET_ENV, AgentUnavailableError
 from elastic_ops.agent.protocol import agent_socket_from_env as agent_socket
-from elastic_ops.errors import UnknownJobError, WorkerLostError
+from elastic_ops.errors import ElasticOpsError, UnknownJobError, WorkerLostError
 from elastic_ops.hooks.elastic_ops import DEFAULT_CONN_ID, ElasticOpsHook, default_checkpoint_root
 from elastic_ops.operators.jobs import chunk_range, job_id, runtime_spec, safe_name
 from elastic_ops.operators.lease import LeaseKeeper
@@ -51,6 +51,16 @@ def failed_hosts(client: Any, job: str) -> list[str]:
         if "fail" in kind and event.get("host"):
             hosts.add(str(event["host"]))
     return sorted(hosts)
+
+
+def _final_failure(context: Any, exc: BaseException) -> bool:
+    """Whether this try's failure ends the task for good: a non-retryable error (the retry
+    policy fails it at once) or the last try Airflow allows."""
+    if isinstance(exc, ElasticOpsError) and not exc.retryable:
+        return True
+    ti = context.get("ti") if hasattr(context, "get") else None
+    try_number, max_tries = getattr(ti, "try_number", None), getattr(ti, "max_tries", None)
+    return isinstance(try_number, int) and isinstance(max_tries, int) and try_number > max_tries
 
 
 class ElasticOperatorMixin:
@@ -181,13 +191,15 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
         avoid = failed_hosts(client, job)
         if avoid:
             self.log.info("job %s avoids hosts that failed it: %s", job, ", ".join(avoid))
+        # new_attempt: a lease the job still holds is an earlier try's; it is re-issued under a
+        # new epoch, which run_chunk fences the store with, so that try can no longer commit
         try:
-            outcome = client.request(job, avoid_hosts=tuple(avoid))
+            outcome = client.request(job, avoid_hosts=tuple(avoid), new_attempt=True)
         except UnknownJobError:  # register was skipped or the ledger was reset: register again
             spec = JobSpec.from_dict(state["spec"])
             client.submit(job, min_workers=spec.min_workers, max_workers=spec.max_workers,
                           priority=spec.priority, preemptible=spec.preemptible)
-            outcome = client.request(job, avoid_hosts=tuple(avoid))
+            outcome = client.request(job, avoid_hosts=tuple(avoid), new_attempt=True)
         if hasattr(outcome, "epoch"):
             return self._run_granted(context, state, GrantEvent.from_grant(outcome, state), hook)
         self.log.info("job %s waits for workers (%s); deferring", job, getattr(outcome, "reason", ""))
@@ -207,21 +219,26 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
         self.log.info("job %s: chunk [%d, %d) on %d workers on %s (epoch %d)", spec.name,
                       state["start"], state["end"], grant.workers, ", ".join(grant.hosts), grant.epoch)
         keeper = LeaseKeeper(client, spec.name, grant.epoch, grant.workers,
-                             interval_s=min(self.heartbeat_interval, grant.ttl_s / 3),
+                             interval_s=min(self.heartbeat_interval, grant.ttl_s / 3), ttl_s=grant.ttl_s,
                              placements=grant.placements, host=host).start()
+        # for on_kill only (same process, same try): nothing here outlives a deferral
+        self._running = (keeper, client, spec.name, grant.epoch)
         try:
             result = self._train(spec, state, grant.epoch, host, keeper, hook)
-        except WorkerLostError as exc:
+        except BaseException as exc:
             keeper.stop()
-            failed = exc.host or host
-            self.log.error("job %s lost a worker on host %s: %s", spec.name, failed, exc)
-            client.report_failure(spec.name, failed)
-            self._release(client, spec.name, grant.epoch)
+            killed = getattr(self, "_killed", False)
+            if isinstance(exc, WorkerLostError) and not killed:  # workers killed with the task: not the host
+                failed = exc.host or host
+                self.log.error("job %s lost a worker on host %s: %s", spec.name, failed, exc)
+                self._quietly("report the failed host", client.report_failure, spec.name, failed)
+            final = not killed and _final_failure(context, exc)
+            if final:
+                self.log.info("job %s: this failure is final; ending the job in the pool", spec.name)
+            self._quietly("release the lease", self._release, client, spec.name, grant.epoch, finished=final)
             raise
-        except BaseException:
-            keeper.stop()
-            self._release(client, spec.name, grant.epoch)
-            raise
+        finally:
+            self._running = None
         keeper.stop()
         state = self._account(state, grant, result)
         if result.status == ChunkStatus.PREEMPTED:
@@ -273,6 +290,28 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
             slots=keeper.slots,  # workers on the GPUs granted on this host (a move relaunches them)
             on_segment=keeper.applied,  # report a shrink or move once the old workers have exited
         )
+
+    def on_kill(self) -> None:
+        """Airflow is killing this try (mark failed, clear, timeout): give the slots back now
+        rather than when the lease's TTL runs out. The workers stop with the task (its process
+        group, or the agent when the task's connection closes); a worker lost that way is not
+        the host's fault."""
+        self._killed = True
+        running = getattr(self, "_running", None)
+        if running is None:
+            return
+        keeper, client, job, epoch = running
+        keeper.stop()
+        self._quietly("release the lease", self._release, client, job, epoch)
+
+    def _quietly(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> None:
+        """Clean-up that must not replace the error being raised (the pool's own safety net,
+        the lease TTL, still returns the slots)."""
+        try:
+            fn(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001
+            self.log.warning("could not %s (%s: %s); the lease TTL returns the slots", what,
+                             type(exc).__name__, exc)
 
     def _release(self, client: Any, job: str, epoch: int, finished: bool = False) -> None:
         from elastic_ops.errors import LeaseExpiredError

@@ -18,13 +18,18 @@ its host), every heartbeat also lists them (``placements=``): the pool then rele
 slots its plan takes away that the running workers do not use (a move off a draining host, or a
 shrink), and keeps the ones they do use even when its target has moved on (a move the runner
 could not follow keeps the old slots this job's, so no other job is handed a busy GPU).
+
+A heartbeat that fails (a busy or unreachable ledger, any error) is retried at the next beat;
+once no heartbeat has succeeded for the lease's TTL the pool has expired the lease, and the
+keeper treats it as lost (target 0: the chunk stops at its next boundary).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from elastic_ops.errors import ElasticOpsError, LeaseExpiredError
@@ -46,6 +51,8 @@ class LeaseKeeper:
         interval_s: float,
         placements: Sequence[tuple[str, int]] = (),
         host: str | None = None,
+        ttl_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.client = client
         self.job = job
@@ -63,6 +70,9 @@ class LeaseKeeper:
         self._thread = threading.Thread(target=self._loop, name=f"lease-{job}", daemon=True)
         self.lost = False
         self.reasons: list[str] = []
+        self.ttl_s = ttl_s  # None: never lost by silence (only by the pool saying so)
+        self.clock = clock
+        self._last_ok = clock()  # the grant itself renewed the lease
 
     def start(self) -> LeaseKeeper:
         self._thread.start()
@@ -116,14 +126,17 @@ class LeaseKeeper:
         try:
             target = self.client.heartbeat(self.job, self.epoch, workers=running, **extra)
         except LeaseExpiredError as exc:
-            log.warning("job %s: lease lost (%s); stopping at the next boundary", self.job, exc)
-            self.lost = True
-            with self._lock:
-                self._wanted, self._placements = 0, ()
+            self._lose(str(exc))
             return
-        except ElasticOpsError as exc:  # a busy ledger: try again at the next beat
-            log.warning("job %s: heartbeat failed (%s)", self.job, exc)
+        except Exception as exc:  # noqa: BLE001 - a busy or unreachable ledger, or any bug: keep beating
+            silent = self.clock() - self._last_ok
+            if self.ttl_s is not None and silent >= self.ttl_s:
+                self._lose(f"no heartbeat succeeded for {silent:.0f}s (lease TTL {self.ttl_s:.0f}s): {exc}")
+            else:
+                kind = "" if isinstance(exc, ElasticOpsError) else f"{type(exc).__name__}: "
+                log.warning("job %s: heartbeat failed (%s%s); retrying", self.job, kind, exc)
             return
+        self._last_ok = self.clock()
         action = str(getattr(target.action, "value", target.action))
         wanted = 0 if action == "preempt" else int(target.workers)
         placements = () if wanted == 0 else tuple((str(h), int(s)) for h, s in target.placements)
@@ -132,6 +145,12 @@ class LeaseKeeper:
                 self.reasons.append(f"{action} to {wanted}: {target.reason}")
                 log.info("job %s: pool target %s -> %d workers (%s)", self.job, action, wanted, target.reason)
             self._wanted, self._placements = wanted, placements
+
+    def _lose(self, why: str) -> None:
+        log.warning("job %s: lease lost (%s); stopping at the next boundary", self.job, why)
+        self.lost = True
+        with self._lock:
+            self._wanted, self._placements = 0, ()
 
     def _loop(self) -> None:
         while not self._stop.is_set():

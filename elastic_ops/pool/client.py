@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import random
 import re
@@ -31,6 +32,7 @@ from sqlalchemy.exc import ArgumentError, DBAPIError, OperationalError
 from elastic_ops.errors import (
     LeaseExpiredError,
     LedgerBusyError,
+    LedgerUnavailableError,
     SpecError,
     UnknownHostError,
     UnknownJobError,
@@ -101,9 +103,21 @@ def _check_bounds(min_workers: Any, max_workers: Any) -> None:
         raise SpecError("min_workers", min_workers, f"must be <= max_workers ({max_workers})")
 
 
+_HOST_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,254}")
+
+
 def _check_name(field: str, value: Any) -> str:
     if not isinstance(value, str) or not value or len(value) > 255:
         raise SpecError(field, value, "must be a non-empty string of at most 255 characters")
+    return value
+
+
+def _check_host(field: str, value: Any) -> str:
+    """A host name as hostnames go (it is printed as ``host:slot`` in events and placements)."""
+    if not isinstance(value, str) or not _HOST_RE.fullmatch(value):
+        raise SpecError(
+            field, value, "must be 1-255 letters, digits, '_', '.', '-', starting with a letter or digit"
+        )
     return value
 
 
@@ -130,8 +144,11 @@ def _check_config(changes: dict[str, Any]) -> dict[str, Any]:
             value = Preemption(value).value
         elif key == "failure_threshold":
             _check_int(key, value, 1, 1_000_000)
-        elif isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-            raise SpecError(key, value, "must be a number >= 0")
+        elif (
+            isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value)
+            or value < 0
+        ):
+            raise SpecError(key, value, "must be a finite number >= 0")
         elif key == "lease_ttl_s" and value <= 0:
             raise SpecError(key, value, "must be > 0")
         out[key] = value
@@ -185,6 +202,26 @@ def _engine(url: str) -> Engine:
     raise SpecError("url", shown_url(url), "the pool ledger supports sqlite and postgresql URLs")
 
 
+def _avoidable(avoid: frozenset[str], up_slots: dict[str, int], min_workers: int) -> frozenset[str]:
+    """The hosts a job avoids (those that failed it), unless the other hosts that are up cannot
+    hold even its minimum: then avoiding them would make it wait forever (a one-host pool after
+    one lost worker), and it is retried where it failed."""
+    if avoid and sum(n for h, n in up_slots.items() if h not in avoid) < min_workers:
+        return frozenset()
+    return avoid
+
+
+def _raise_if_error(result: Any) -> Any:
+    if isinstance(result, LeaseExpiredError):
+        raise result
+    return result
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    return (lines[0] if lines else type(exc).__name__)[:300]
+
+
 def _retryable(exc: DBAPIError) -> bool:
     msg = str(exc.orig).lower() if exc.orig is not None else str(exc).lower()
     return any(
@@ -235,13 +272,18 @@ class PoolClient:
                         conn.execute(select(s.pool.c.id).where(s.pool.c.id == 1).with_for_update())
                     return fn(conn, self.clock())
             except OperationalError as exc:
-                if not _retryable(exc) or attempt == self.retries:
-                    if _retryable(exc):
-                        raise LedgerBusyError(
-                            f"pool ledger stayed busy after {self.retries} retries",
-                            hint="too many concurrent clients for SQLite; use PostgreSQL",
-                        ) from exc
-                    raise
+                if not _retryable(exc):
+                    # connection refused or lost: retryable by the caller (a heartbeat, a trigger,
+                    # an Airflow try), never a raw driver error
+                    raise LedgerUnavailableError(
+                        f"pool ledger {shown_url(self.url)} unreachable: {_first_line(exc.orig or exc)}",
+                        hint="check that the database is up and reachable from this host",
+                    ) from exc
+                if attempt == self.retries:
+                    raise LedgerBusyError(
+                        f"pool ledger stayed busy after {self.retries} retries",
+                        hint="too many concurrent clients for SQLite; use PostgreSQL",
+                    ) from exc
             self.sleep(delay * (1 + random.random()))
             delay = min(delay * 2, 0.5)
         raise AssertionError("unreachable")  # pragma: no cover
@@ -267,8 +309,11 @@ class PoolClient:
 
     def add_host(self, name: str, slots: int, labels: dict[str, str] | None = None) -> None:
         """Register (or update) a host with ``slots`` slots; it becomes ``up``."""
-        _check_name("host", name)
+        _check_host("host", name)
         _check_int("slots", slots, 1, 1_000_000)
+        for key, value in dict(labels or {}).items():
+            if not isinstance(key, str) or not key.strip() or not isinstance(value, str):
+                raise SpecError("label", f"{key}={value}", "must be KEY=VALUE with a non-empty key")
         labels_json = json.dumps(dict(labels or {}), sort_keys=True)
 
         def op(conn, now):
@@ -357,11 +402,20 @@ class PoolClient:
 
         self._tx(op)
 
-    def request(self, job: str, *, avoid_hosts: Iterable[str] = ()) -> Grant | Wait:
-        """Ask for workers. Returns the live grant (new or existing) or ``Wait`` with the reason."""
+    def request(
+        self, job: str, *, avoid_hosts: Iterable[str] = (), new_attempt: bool = False
+    ) -> Grant | Wait:
+        """Ask for workers. Returns the live grant (new or existing) or ``Wait`` with the reason.
+
+        ``new_attempt=True`` (the first request of a new try of a chunk): a lease the job still
+        holds belongs to an earlier try, which may not be quite dead (a task killed while its
+        workers still commit): it is re-issued under a new epoch, same slots, so fencing refuses
+        whatever the earlier try still writes.
+        """
         avoid = sorted({_check_name("avoid_hosts", h) for h in avoid_hosts})
 
         def op(conn, now):
+            self._sync(conn, now)  # an overdue lease is not handed out again
             row = self._job_row(conn, job)
             values: dict[str, Any] = {"last_seen": now}
             if avoid:
@@ -370,8 +424,10 @@ class PoolClient:
                 values.update(state=JobState.WAITING.value, waiting_since=now)
             conn.execute(update(s.jobs).where(s.jobs.c.name == job).values(**values))
             lease = self._live_lease(conn, job)
+            if lease is not None and new_attempt:
+                lease = self._reissue(conn, now, job, lease)
             if lease is None:
-                plan = self._replan(conn, now, grant_to=job)
+                plan = self._replan(conn, now, grant_to=job, synced=True)
                 lease = self._live_lease(conn, job)
                 if lease is None:
                     d = plan.get(job)
@@ -380,6 +436,18 @@ class PoolClient:
             return Grant(job, lease.epoch, self._held(conn, job), ttl)
 
         return self._tx(op)
+
+    def _reissue(self, conn: Connection, now: float, job: str, lease: Any) -> Any:
+        """End ``lease`` and give its slots to a new lease of the next epoch."""
+        epoch = self._job_row(conn, job).epoch + 1
+        ttl = self._settings(conn)["lease_ttl_s"]
+        self._end_lease(conn, now, job, lease.epoch, "superseded by a new try")
+        conn.execute(insert(s.leases).values(job=job, epoch=epoch, granted=now, expires=now + ttl))
+        conn.execute(update(s.allocations).where(s.allocations.c.job == job).values(epoch=epoch))
+        conn.execute(update(s.jobs).where(s.jobs.c.name == job).values(epoch=epoch, last_seen=now))
+        self._event(conn, now, "reissue", job=job, epoch=epoch, slots=self._held(conn, job),
+                    reason=f"new try: epoch {lease.epoch} -> {epoch}, same slots")
+        return self._live_lease(conn, job)
 
     def heartbeat(
         self, job: str, epoch: int, *, workers: int, placements: Sequence[Slot] | None = None
@@ -396,7 +464,8 @@ class PoolClient:
         def op(conn, now):
             self._sync(conn, now)
             self._job_row(conn, job)
-            self._require_live(conn, job, epoch)
+            if (dead := self._not_live(conn, job, epoch)) is not None:
+                return dead  # raised after the commit: the expiry _sync found must stick
             if workers == 0:
                 return self._stopped(conn, now, job, epoch)
             ttl = self._settings(conn)["lease_ttl_s"]
@@ -424,7 +493,7 @@ class PoolClient:
             self._mark_releasing(conn, now, job, d.release)
             return self._target(job, workers, d)
 
-        return self._tx(op)
+        return _raise_if_error(self._tx(op))
 
     def _stopped(self, conn: Connection, now: float, job: str, epoch: int) -> Target:
         """The job reports ``workers=0``: it checkpointed and stopped at a boundary (only a
@@ -510,9 +579,9 @@ class PoolClient:
         def op(conn, now):
             self._job_row(conn, job)
             self._sync(conn, now)
-            self._require_live(conn, job, epoch)
+            return self._not_live(conn, job, epoch)
 
-        self._tx(op)
+        _raise_if_error(self._tx(op))
 
     def set_priority(self, job: str, priority: int) -> None:
         _check_int("priority", priority, 1, 1000)
@@ -670,14 +739,16 @@ class PoolClient:
     def _live_lease(self, conn: Connection, job: str):
         return conn.execute(select(s.leases).where(s.leases.c.job == job, s.leases.c.ended.is_(None))).first()
 
-    def _require_live(self, conn: Connection, job: str, epoch: int) -> None:
+    def _not_live(self, conn: Connection, job: str, epoch: int) -> LeaseExpiredError | None:
+        """The error to raise (once the transaction has committed) unless ``epoch`` is live."""
         live = self._live_lease(conn, job)
         if live is None or live.epoch != epoch:
             current = None if live is None else live.epoch
-            raise LeaseExpiredError(
+            return LeaseExpiredError(
                 f"lease epoch {epoch} of job {job!r} is not live (live epoch: {current})",
                 hint="the lease expired, was released or was replaced; request a new grant",
             )
+        return None
 
     def _held(self, conn: Connection, job: str) -> tuple[Slot, ...]:
         rows = conn.execute(
@@ -808,6 +879,7 @@ class PoolClient:
         for r in conn.execute(select(s.allocations.c.job, s.allocations.c.host, s.allocations.c.slot)):
             held.setdefault(r.job, []).append((r.host, r.slot))
         idle_before = now - cfg["job_idle_s"]
+        up_slots = {h.name: h.slots for h in hosts if h.state is HostState.UP}
         jobs = []
         rows = conn.execute(select(s.jobs).where(s.jobs.c.state != JobState.FINISHED.value)).all()
         conn.info["pool_job_rows"] = {r.name: r for r in rows}
@@ -822,7 +894,7 @@ class PoolClient:
                     max_workers=r.max_workers,
                     priority=r.priority,
                     preemptible=bool(r.preemptible),
-                    avoid_hosts=frozenset(json.loads(r.avoid_hosts)),
+                    avoid_hosts=_avoidable(frozenset(json.loads(r.avoid_hosts)), up_slots, r.min_workers),
                     submitted=r.submitted,
                     waiting_since=r.waiting_since,
                     last_rescale=r.last_rescale,

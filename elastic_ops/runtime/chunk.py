@@ -34,6 +34,7 @@ from elastic_ops.errors import (
     CheckpointNotFoundError,
     NonFiniteLossError,
     SpecError,
+    StaleEpochError,
     TrainingError,
     UserCodeError,
     WorkerLostError,
@@ -548,6 +549,13 @@ def run_chunk(
     work = Path(tempfile.mkdtemp(prefix="elastic-ops-")) if own_dir else Path(workdir)
     work.mkdir(parents=True, exist_ok=True)
     try:
+        if epoch > 0:
+            # fence before reading: from here on no writer of an older lease (an earlier try
+            # that is not quite dead) can commit, so the checkpoint read next stays the newest
+            # anyone may build on; a newer fence means this lease is already superseded
+            fenced = store.fence(epoch)
+            if fenced > epoch:
+                raise StaleEpochError(epoch, fenced, hint="a newer lease of this job holds the store")
         # the workers get the restored state as the committed file itself (a local store links
         # it), verified; it is not decoded and encoded again on the way
         restore = work / "restore.pt"

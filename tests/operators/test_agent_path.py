@@ -125,7 +125,7 @@ def test_a_bad_agent_socket_setting_fails_loudly(pool, monkeypatch):
         (NonFiniteLossError("loss is nan at iteration 7"), RetryAction.FAIL),
         (SpecError("max_workers", 0, "must be >= 1"), RetryAction.FAIL),
         (EntrypointError("entrypoint", "x:Y", "cannot be imported"), RetryAction.FAIL),
-        (StaleEpochError(3, 4), RetryAction.FAIL),
+        (StaleEpochError(3, 4), RetryAction.RETRY),  # the next try gets a new lease and epoch
         (RuntimeError("something else"), RetryAction.DEFAULT),
     ],
 )

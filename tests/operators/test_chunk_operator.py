@@ -11,10 +11,11 @@ import pytest
 from airflow.sdk.exceptions import TaskDeferred
 
 from elastic_ops.checkpoint import open_store
-from elastic_ops.errors import PoolError
+from elastic_ops.errors import LeaseExpiredError, LedgerBusyError, PoolError, UserCodeError, WorkerLostError
 from elastic_ops.operators import ElasticChunkOperator, ElasticRegisterOperator
 from elastic_ops.operators.jobs import job_id
 from elastic_ops.pool import PoolClient
+from elastic_ops.runtime.outcome import ChunkStatus
 from elastic_ops.spec import JobSpec
 from elastic_ops.triggers import GrantTrigger
 from elastic_ops.triggers.events import GrantEvent, TriggerFailure
@@ -96,3 +97,76 @@ def test_a_trigger_failure_fails_the_task_without_retry(pool):
         failure = TriggerFailure("gone", "UnknownJobError", False)
         make_chunk(0).execute_granted(context(), failure.to_payload())
     assert not err.value.retryable
+
+
+def ti_context(try_number: int, max_tries: int, run_id: str = "run1") -> dict:
+    return context(run_id) | {"ti": SimpleNamespace(try_number=try_number, max_tries=max_tries)}
+
+
+def train_raising(exc: BaseException):
+    def _train(self, spec, state, epoch, host, keeper, hook):
+        raise exc
+    return _train
+
+
+def job_row(pool: PoolClient, name: str) -> dict:
+    return {j["name"]: j for j in pool.status()["jobs"]}[name]
+
+
+def test_a_new_try_takes_over_the_earlier_tries_lease_under_a_new_epoch(pool, monkeypatch):
+    job = job_id("d", "train", "run1")
+    pool.submit(job, min_workers=1, max_workers=2)
+    earlier = pool.request(job)  # an earlier try, killed before it released
+    epochs = []
+    monkeypatch.setattr(ElasticChunkOperator, "_train",
+                        lambda self, spec, state, epoch, host, keeper, hook: epochs.append(epoch)
+                        or SimpleNamespace(status=ChunkStatus.COMPLETED, workers_timeline=[], iteration=40,
+                                           start=20, samples_per_sec=1.0, duration_s=1.0, checkpoint_uri=None))
+    make_chunk(1).execute(ti_context(1, 3))
+    assert epochs == [earlier.epoch + 1]
+    with pytest.raises(LeaseExpiredError):  # the earlier try's epoch is dead
+        pool.check_epoch(job, earlier.epoch)
+
+
+def test_a_final_failure_ends_the_job_so_others_get_its_slots_at_once(pool, monkeypatch):
+    monkeypatch.setattr(ElasticChunkOperator, "_train", train_raising(UserCodeError("boom in loss()")))
+    with pytest.raises(UserCodeError):
+        make_chunk(1).execute(ti_context(1, 3))  # not retryable: final at the first try
+    job = job_id("d", "train", "run1")
+    assert job_row(pool, job)["state"] == "finished"
+    pool.submit("next", min_workers=2, max_workers=2)
+    assert pool.request("next").workers == 2
+
+
+def test_a_retryable_failure_keeps_the_demand_until_the_last_try(pool, monkeypatch):
+    monkeypatch.setattr(ElasticChunkOperator, "_train",
+                        train_raising(WorkerLostError("rank 1 killed by SIGKILL", host="h1")))
+    job = job_id("d", "train", "run1")
+    with pytest.raises(WorkerLostError):
+        make_chunk(1).execute(ti_context(1, 3))
+    assert job_row(pool, job)["state"] == "waiting"  # the retry comes: the job keeps its place
+    with pytest.raises(WorkerLostError):
+        make_chunk(1).execute(ti_context(4, 3))  # the last try
+    assert job_row(pool, job)["state"] == "finished"
+
+
+def test_a_failing_clean_up_does_not_replace_the_training_error(pool, monkeypatch):
+    monkeypatch.setattr(ElasticChunkOperator, "_train", train_raising(UserCodeError("boom in loss()")))
+    monkeypatch.setattr(PoolClient, "release", lambda *a, **k: (_ for _ in ()).throw(LedgerBusyError("busy")))
+    with pytest.raises(UserCodeError, match="boom in loss"):
+        make_chunk(1).execute(ti_context(1, 3))
+
+
+def test_on_kill_gives_the_slots_back_and_does_not_blame_the_host(pool, monkeypatch):
+    op = make_chunk(1)
+
+    def killed_mid_chunk(self, spec, state, epoch, host, keeper, hook):
+        self.on_kill()  # Airflow's SIGTERM handler runs while the chunk trains
+        assert pool.status()["slots"]["used"] == 0  # released at once, not after the TTL
+        raise WorkerLostError("rank 0 killed by SIGTERM", host=host)  # the workers die with the task
+
+    monkeypatch.setattr(ElasticChunkOperator, "_train", killed_mid_chunk)
+    with pytest.raises(WorkerLostError):
+        op.execute(ti_context(1, 3))
+    assert not [e for e in pool.events() if e["kind"] == "failure"]
+    assert {h["name"]: h for h in pool.status()["hosts"]}["h1"]["failures"] == 0

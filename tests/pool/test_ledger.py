@@ -7,6 +7,7 @@ import sqlalchemy as sa
 
 from elastic_ops.errors import (
     LeaseExpiredError,
+    LedgerUnavailableError,
     SpecError,
     UnknownHostError,
     UnknownJobError,
@@ -131,6 +132,56 @@ def test_failures_make_the_job_avoid_the_host_and_cool_it_down(pool, clock):
     assert {h for h, _ in pool.request("c").placements} == {"h0"}
 
 
+def test_a_one_host_pool_grants_the_job_again_where_it_failed(pool):
+    """Avoiding the only host that can hold the job would make it wait forever."""
+    g = grant(pool, "a", max_workers=4)
+    pool.report_failure("a", "h0")
+    pool.release("a", g.epoch)
+    again = pool.request("a", avoid_hosts=["h0"])
+    assert isinstance(again, Grant) and {h for h, _ in again.placements} == {"h0"}
+
+
+def test_a_new_try_gets_a_new_epoch_on_the_same_slots(pool):
+    g = grant(pool, "a", max_workers=4)
+    assert pool.request("a") == g  # the same try asking again: the same lease
+    g2 = pool.request("a", new_attempt=True)  # a new try while the old lease is still live
+    assert g2.epoch == g.epoch + 1 and g2.placements == g.placements
+    with pytest.raises(LeaseExpiredError, match="lease epoch 1 of job 'a' is not live \\(live epoch: 2\\)"):
+        pool.heartbeat("a", g.epoch, workers=4)
+    assert pool.heartbeat("a", g2.epoch, workers=4).workers == 4
+    assert pool.status()["slots"]["used"] == 4  # re-issued, not granted twice
+    assert [e["kind"] for e in pool.events("a")][-1] == "reissue"
+    replay(pool.events())  # no slot ever held twice
+    assert held_now(pool.events()) == {tuple(slot): "a" for slot in g.placements}
+
+
+def test_an_overdue_lease_is_never_handed_out_again(pool, clock):
+    g = grant(pool, "a")
+    clock.advance(31)  # past the TTL; nothing has synced the ledger since
+    assert pool.request("a").epoch == g.epoch + 1
+
+
+def test_the_expiry_a_heartbeat_finds_is_committed_before_it_raises(pool, clock):
+    g = grant(pool, "a")
+    clock.advance(31)
+    with pytest.raises(LeaseExpiredError):
+        pool.heartbeat("a", g.epoch, workers=4)
+    assert [e["kind"] for e in pool.events("a")][-1] == "expiry"
+
+
+@pytest.mark.parametrize("setting", ["lease_ttl_s", "min_gain", "min_rescale_interval_s", "cooling_s"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_pool_settings_must_be_finite(pool, setting, bad):
+    with pytest.raises(SpecError, match=f"invalid {setting}=.*: must be a finite number >= 0"):
+        pool.configure(**{setting: bad})
+
+
+def test_an_unreachable_ledger_is_a_retryable_error_without_the_password():
+    with pytest.raises(LedgerUnavailableError) as err:
+        PoolClient("postgresql+psycopg2://pool:S3cretPW@127.0.0.1:1/pool")
+    assert err.value.retryable and "S3cretPW" not in str(err.value) and "pool:***@127.0.0.1:1" in str(err.value)
+
+
 def test_runtime_control_replans_at_once(pool):
     g = grant(pool, "a", max_workers=4)
     pool.set_bounds("a", 1, 2)
@@ -165,6 +216,11 @@ def test_invalid_input_gets_clear_errors(pool):
         pool.set_host_state("h0", "broken")
     with pytest.raises(SpecError, match="slots=0"):
         pool.add_host("h1", 0)
+    for bad_host in (" ", "a:b,c", ""):
+        with pytest.raises(SpecError, match="invalid host=.*letters, digits"):
+            pool.add_host(bad_host, 2)
+    with pytest.raises(SpecError, match="invalid label='=x'"):
+        pool.add_host("h1", 2, labels={"": "x"})
 
 
 def test_bad_urls_are_rejected(tmp_path):

@@ -13,6 +13,7 @@ from elastic_ops.checkpoint import open_store
 from elastic_ops.errors import (
     CheckpointNotFoundError,
     NonFiniteLossError,
+    StaleEpochError,
     UnsafeCheckpointError,
     UserCodeError,
     WorkerLostError,
@@ -159,6 +160,22 @@ def test_an_already_done_chunk_returns_at_once_without_workers(tmp_path, referen
     assert result.status is ChunkStatus.ALREADY_DONE and result.iteration == 30
     assert result.param_sha256 == reference["bitwise"]
     assert time.monotonic() - t0 < 5
+
+
+def test_a_chunk_fences_the_store_with_its_epoch_before_it_restores(tmp_path):
+    """A new try (epoch 2) fences first: what an earlier try (epoch 1) still commits afterwards
+    is refused, and a try whose epoch is already superseded does not start."""
+    spec = make_spec(tmp_path)
+    store = open_store(spec.checkpoint)
+    store.save(30, {"model": {}, "iteration": 30}, epoch=1, spec_hash=spec.spec_hash())
+    result = run_chunk(spec, 20, 30, target=one_worker, epoch=2, launcher=_NoLaunch())
+    assert result.status is ChunkStatus.ALREADY_DONE and store.current_epoch() == 2
+    with pytest.raises(StaleEpochError, match="fencing epoch 1 is stale \\(current epoch is 2\\)"):
+        store.save(40, {"model": {}, "iteration": 40}, epoch=1, spec_hash=spec.spec_hash())
+    with pytest.raises(StaleEpochError) as stale:
+        run_chunk(spec, 20, 30, target=one_worker, epoch=1, launcher=_NoLaunch())
+    assert stale.value.retryable  # the next try gets a new lease
+    assert store.latest(spec_hash=spec.spec_hash()).iteration == 30
 
 
 def test_a_later_chunk_without_a_checkpoint_is_refused(tmp_path):
