@@ -11,7 +11,7 @@ from typing import Any
 
 from airflow.api_fastapi.core_api.security import GetUserDep
 from fastapi import FastAPI, HTTPException
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from elastic_ops.errors import ElasticOpsError, UnknownJobError
 
@@ -32,7 +32,11 @@ def _client():
 
 
 class PriorityBody(BaseModel):
-    priority: int = Field(ge=1, le=1000)
+    """``{"priority": N}``: an integer 1..1000, nothing coerced ("5", 5.0, true) and nothing else."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    priority: StrictInt = Field(ge=1, le=1000)
 
 
 app = FastAPI(title="elastic_ops pool", description="Resource pool status and runtime control")

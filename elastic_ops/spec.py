@@ -174,7 +174,8 @@ class JobSpec:
 
     def _check_entrypoint(self) -> None:
         ep = self.entrypoint
-        if not isinstance(ep, str) or not (_ENTRY_RE.fullmatch(ep) or (ep.endswith(".py") and "\n" not in ep)):
+        script = isinstance(ep, str) and ep.endswith(".py") and "\n" not in ep
+        if not isinstance(ep, str) or not (_ENTRY_RE.fullmatch(ep) or script):
             raise SpecError(
                 "entrypoint",
                 ep,
@@ -281,7 +282,8 @@ class JobSpec:
         except OSError as exc:
             raise SpecError("spec", str(path), f"cannot be read ({exc.strerror})") from None
         except UnicodeDecodeError as exc:
-            raise SpecError("spec", str(path), f"must be UTF-8 text ({exc.reason} at byte {exc.start})") from None
+            why = f"must be UTF-8 text ({exc.reason} at byte {exc.start})"
+            raise SpecError("spec", str(path), why) from None
         try:
             data = yaml.load(text, Loader=_unique_key_loader())  # noqa: S506 - a SafeLoader subclass
         except yaml.YAMLError as exc:
@@ -313,9 +315,8 @@ def _unique_key_loader():
                 except TypeError:
                     continue  # the SafeLoader refuses an unhashable key with its own message
                 if key in seen:
-                    raise SpecError(
-                        "spec", key, f"is given twice (line {key_node.start_mark.line + 1}); give each field once"
-                    )
+                    line = key_node.start_mark.line + 1
+                    raise SpecError("spec", key, f"is given twice (line {line}); give each field once")
                 seen.add(key)
             return super().construct_mapping(node, deep=deep)
 

@@ -51,6 +51,12 @@ def validate_fields(fields: dict[str, Any], num_chunks: int | None) -> tuple[Job
     if num_chunks is not None and (isinstance(num_chunks, bool) or not isinstance(num_chunks, int)
                                    or num_chunks < 1):
         raise SpecError("num_chunks", num_chunks, "must be an integer >= 1")
+    if num_chunks is not None and fields.get("chunk_iterations") is not None:
+        raise SpecError(
+            "chunk_iterations", fields["chunk_iterations"],
+            f"cannot be combined with num_chunks ({num_chunks})",
+            hint="give one of them: num_chunks decides the chunk size when total_iterations is a template",
+        )
     concrete = dict(fields)
     for field in templated:
         concrete[field] = _placeholder(field, fields, num_chunks)
@@ -64,6 +70,18 @@ def validate_fields(fields: dict[str, Any], num_chunks: int | None) -> tuple[Job
     if "total_iterations" not in templated:
         return spec, math.ceil(spec.total_iterations / math.ceil(spec.total_iterations / num_chunks))
     return spec, num_chunks
+
+
+def _check_warm_start(value: Any) -> None:
+    if value is None or value == WARM_START_PREVIOUS:
+        return
+    allowed = f"must be a checkpoint URI (as the spec's checkpoint) or {WARM_START_PREVIOUS!r}"
+    if not isinstance(value, str) or is_template(value):
+        raise SpecError("warm_start", value, allowed + ", not a template")
+    try:
+        JobSpec(name="x", entrypoint="a:B", total_iterations=1, global_batch=1, checkpoint=value)
+    except SpecError as exc:
+        raise SpecError("warm_start", value, allowed, hint=exc.allowed) from None
 
 
 def elastic_training(
@@ -89,7 +107,10 @@ def elastic_training(
 
     :param trainable: ``"package.module:TrainableClass"`` (or a script path).
     :param checkpoint: ``file://…`` or ``s3://bucket/prefix``; each DAG run trains under its own
-        ``<checkpoint>/<run_id>`` prefix. Default: ``file://$AIRFLOW_HOME/elastic_ops/checkpoints``.
+        ``<checkpoint>/<run_id>`` prefix. Default:
+        ``file://$AIRFLOW_HOME/elastic_ops/checkpoints/<dag_id>/<task_id>``.
+    :param num_chunks: the number of chunk tasks, instead of ``chunk_iterations`` (required when
+        ``total_iterations`` is a template; giving both is an error).
     :param warm_start: a checkpoint URI, or ``"previous"``: the model of the latest event of
         ``model_asset`` (scheduled retraining continues from the last run's final model).
     :param model_asset: the Asset finalize emits (default: named after the DAG and group).
@@ -103,8 +124,9 @@ def elastic_training(
         "chunk_iterations": chunk_iterations, "min_workers": min_workers, "max_workers": max_workers,
         "priority": priority, "checkpoint": checkpoint, "global_batch": global_batch, **spec,
     }
-    if is_template(warm_start):
-        raise SpecError("warm_start", warm_start, "must be a checkpoint URI or 'previous', not a template")
+    if "name" in spec:
+        raise SpecError("name", spec["name"], "is set by elastic_training: <dag_id>.<task_id>.<run_id>")
+    _check_warm_start(warm_start)
     _, n_chunks = validate_fields(fields, num_chunks)
     fields = {k: v for k, v in fields.items() if k != "name"}
     if model_asset is None:

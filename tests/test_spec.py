@@ -116,7 +116,8 @@ def test_from_yaml_reports_unreadable_and_invalid_files(tmp_path):
     with pytest.raises(SpecError, match="not valid YAML"):
         JobSpec.from_yaml(bad)
     twice = tmp_path / "twice.yaml"
-    twice.write_text("name: j\nentrypoint: a.b:C\ntotal_iterations: 10\ntotal_iterations: 20\nglobal_batch: 8\n")
+    base = "name: j\nentrypoint: a.b:C\ntotal_iterations: 10\n"
+    twice.write_text(base + "total_iterations: 20\nglobal_batch: 8\n")
     with pytest.raises(SpecError, match=r"invalid spec='total_iterations': is given twice \(line 4\)"):
         JobSpec.from_yaml(twice)
     binary = tmp_path / "binary.yaml"
@@ -124,7 +125,7 @@ def test_from_yaml_reports_unreadable_and_invalid_files(tmp_path):
     with pytest.raises(SpecError, match="must be UTF-8 text"):
         JobSpec.from_yaml(binary)
     cyclic = tmp_path / "cyclic.yaml"
-    cyclic.write_text("name: j\nentrypoint: a.b:C\ntotal_iterations: 10\nglobal_batch: 8\nparams: &a {x: *a}\n")
+    cyclic.write_text(base + "global_batch: 8\nparams: &a {x: *a}\n")
     with pytest.raises(SpecError, match="invalid params=.*JSON-serialisable"):
         JobSpec.from_yaml(cyclic)
     good = tmp_path / "good.yaml"

@@ -28,9 +28,9 @@ from airflow.sdk import BaseOperator
 
 from elastic_ops.agent.protocol import AGENT_SOCKET_ENV, AgentUnavailableError
 from elastic_ops.agent.protocol import agent_socket_from_env as agent_socket
-from elastic_ops.errors import ElasticOpsError, UnknownJobError, WorkerLostError
+from elastic_ops.errors import ElasticOpsError, SpecError, UnknownJobError, WorkerLostError
 from elastic_ops.hooks.elastic_ops import DEFAULT_CONN_ID, ElasticOpsHook, default_checkpoint_root
-from elastic_ops.operators.jobs import chunk_range, job_id, runtime_spec, safe_name
+from elastic_ops.operators.jobs import check_seconds, chunk_range, job_id, runtime_spec, safe_name
 from elastic_ops.operators.lease import LeaseKeeper
 from elastic_ops.operators.progress import progress_logger
 from elastic_ops.operators.results import ChunkTaskResult
@@ -105,6 +105,10 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
         heartbeat_interval: float = 2.0,
         **kwargs: Any,
     ) -> None:
+        check_seconds("poll_interval", poll_interval)
+        check_seconds("heartbeat_interval", heartbeat_interval)
+        if isinstance(chunk_index, bool) or not isinstance(chunk_index, int) or chunk_index < 0:
+            raise SpecError("chunk_index", chunk_index, "must be an integer >= 0")
         kwargs.setdefault("retries", 3)
         kwargs.setdefault("retry_delay", timedelta(seconds=5))
         kwargs.setdefault("retry_exponential_backoff", 2.0)

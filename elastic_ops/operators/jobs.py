@@ -91,6 +91,13 @@ def runtime_spec(
     return JobSpec.from_dict(data)
 
 
+def check_seconds(field: str, value: Any) -> None:
+    """An interval an operator or sensor waits (not templated: checked when the DAG is parsed)."""
+    number = not isinstance(value, bool) and isinstance(value, int | float)
+    if not number or not math.isfinite(value) or value <= 0:
+        raise SpecError(field, value, "must be a finite number of seconds > 0")
+
+
 def chunk_range(spec: JobSpec, index: int) -> tuple[int, int]:
     """The ``[start, end)`` of chunk ``index``; an empty range past the last chunk."""
     ranges = spec.chunk_ranges()

@@ -197,10 +197,10 @@ def _events(args: argparse.Namespace) -> None:
 
 def _prune_events(args: argparse.Namespace) -> None:
     days = args.older_than_days
-    if not days > 0:  # also NaN
+    if not 0 < days < float("inf"):  # also NaN
         from elastic_ops.errors import SpecError
 
-        raise SpecError("--older-than-days", days, "must be a positive number of days")
+        raise SpecError("--older-than-days", days, "must be a positive, finite number of days")
     print(f"deleted {_client(args).prune_events(days * 86400.0)} events older than {days:g} days")
 
 

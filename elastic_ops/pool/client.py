@@ -178,8 +178,11 @@ def _engine(url: str) -> Engine:
         ) from None
     backend = parsed.get_backend_name()
     if backend == "sqlite":
-        if not parsed.database or parsed.database == ":memory:":
-            raise SpecError("url", shown_url(url), "an SQLite ledger needs a file path (sqlite:////abs/path/pool.db)")
+        if not parsed.database or parsed.database == ":memory:" or not os.path.isabs(parsed.database):
+            # relative: each process (scheduler, triggerer, agent, CLI) would open its own ledger
+            raise SpecError(
+                "url", shown_url(url), "an SQLite ledger needs an absolute file path (sqlite:////abs/path/pool.db)"
+            )
         os.makedirs(os.path.dirname(os.path.abspath(parsed.database)), exist_ok=True)
         engine = create_engine(parsed, connect_args={"timeout": 30})
 

@@ -107,11 +107,16 @@ class SimConfig:
             raise SpecError("slots", self.slots, "must be an integer >= 1")
         if not isinstance(self.slots_per_host, int) or self.slots_per_host < 1:
             raise SpecError("slots_per_host", self.slots_per_host, "must be an integer >= 1")
-        for f in ("rescale_cost", "replan_interval"):
-            if getattr(self, f) < 0 or (f == "replan_interval" and getattr(self, f) == 0):
-                raise SpecError(
-                    f, getattr(self, f), "must be > 0" if f == "replan_interval" else "must be >= 0"
-                )
+        for f in ("rescale_cost", "min_rescale_interval_s", "min_gain", "aging_s"):
+            _finite(f, getattr(self, f), 0.0)
+        # a re-plan tick more often than every second only makes the run take forever
+        _finite("replan_interval", self.replan_interval, 1.0)
+
+
+def _finite(field: str, value: object, lo: float) -> None:
+    number = not isinstance(value, bool) and isinstance(value, int | float)
+    if not number or not math.isfinite(value) or value < lo:
+        raise SpecError(field, value, f"must be a finite number >= {lo:g}")
 
 
 class Simulation:

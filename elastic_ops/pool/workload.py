@@ -57,21 +57,24 @@ def read_workload(path: str | Path) -> list[WorkloadJob]:
     with path.open() as f:
         for i, row in enumerate(csv.DictReader(f), start=2):
             try:
-                jobs.append(
-                    WorkloadJob(
-                        row["name"],
-                        float(row["time"]),
-                        row["application"],
-                        int(row["num_replicas"]),
-                        int(row["batch_size"]),
-                    )
+                job = WorkloadJob(
+                    row["name"],
+                    float(row["time"]),
+                    row["application"],
+                    int(row["num_replicas"]),
+                    int(row["batch_size"]),
                 )
+                if not math.isfinite(job.submit) or job.submit < 0:
+                    raise ValueError(f"time {row['time']!r} is not a finite number >= 0")
+                if job.num_replicas < 1 or job.batch_size < 1:
+                    raise ValueError("num_replicas and batch_size must be >= 1")
             except (KeyError, TypeError, ValueError) as exc:
                 raise SpecError(
                     "workload",
                     f"{path}:{i}",
                     f"rows need name,time,application,num_replicas,batch_size ({exc})",
                 ) from None
+            jobs.append(job)
     return sorted(jobs, key=lambda j: (j.submit, j.name))
 
 

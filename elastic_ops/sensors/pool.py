@@ -11,7 +11,7 @@ from airflow.sdk import BaseSensorOperator
 
 from elastic_ops.errors import PoolError, SpecError
 from elastic_ops.hooks.elastic_ops import DEFAULT_CONN_ID, ElasticOpsHook
-from elastic_ops.operators.jobs import coerce_rendered, is_template
+from elastic_ops.operators.jobs import check_seconds, coerce_rendered, is_template
 from elastic_ops.triggers.events import CapacityEvent, TriggerFailure, parse_event
 from elastic_ops.triggers.pool import PoolCapacityTrigger, free_slots
 
@@ -38,6 +38,7 @@ class ElasticPoolSensor(BaseSensorOperator):
             isinstance(min_workers, bool) or not isinstance(min_workers, int) or min_workers < 1
         ):
             raise SpecError("min_workers", min_workers, "must be an integer >= 1")
+        check_seconds("poll_interval", poll_interval)
         kwargs.setdefault("poke_interval", poll_interval)
         super().__init__(**kwargs)
         self.min_workers = min_workers

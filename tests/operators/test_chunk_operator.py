@@ -11,7 +11,14 @@ import pytest
 from airflow.sdk.exceptions import TaskDeferred
 
 from elastic_ops.checkpoint import open_store
-from elastic_ops.errors import LeaseExpiredError, LedgerBusyError, PoolError, UserCodeError, WorkerLostError
+from elastic_ops.errors import (
+    LeaseExpiredError,
+    LedgerBusyError,
+    PoolError,
+    SpecError,
+    UserCodeError,
+    WorkerLostError,
+)
 from elastic_ops.operators import ElasticChunkOperator, ElasticRegisterOperator
 from elastic_ops.operators.jobs import job_id
 from elastic_ops.pool import PoolClient
@@ -118,10 +125,10 @@ def test_a_new_try_takes_over_the_earlier_tries_lease_under_a_new_epoch(pool, mo
     pool.submit(job, min_workers=1, max_workers=2)
     earlier = pool.request(job)  # an earlier try, killed before it released
     epochs = []
+    done = SimpleNamespace(status=ChunkStatus.COMPLETED, workers_timeline=[], iteration=40, start=20,
+                           samples_per_sec=1.0, duration_s=1.0, checkpoint_uri=None)
     monkeypatch.setattr(ElasticChunkOperator, "_train",
-                        lambda self, spec, state, epoch, host, keeper, hook: epochs.append(epoch)
-                        or SimpleNamespace(status=ChunkStatus.COMPLETED, workers_timeline=[], iteration=40,
-                                           start=20, samples_per_sec=1.0, duration_s=1.0, checkpoint_uri=None))
+                        lambda self, spec, state, epoch, host, keeper, hook: epochs.append(epoch) or done)
     make_chunk(1).execute(ti_context(1, 3))
     assert epochs == [earlier.epoch + 1]
     with pytest.raises(LeaseExpiredError):  # the earlier try's epoch is dead
@@ -170,3 +177,17 @@ def test_on_kill_gives_the_slots_back_and_does_not_blame_the_host(pool, monkeypa
         op.execute(ti_context(1, 3))
     assert not [e for e in pool.events() if e["kind"] == "failure"]
     assert {h["name"]: h for h in pool.status()["hosts"]}["h1"]["failures"] == 0
+
+
+@pytest.mark.parametrize(("kwargs", "field"), [
+    ({"poll_interval": 0}, "poll_interval"),  # the trigger would re-plan the ledger in a tight loop
+    ({"poll_interval": float("nan")}, "poll_interval"),
+    ({"heartbeat_interval": -5}, "heartbeat_interval"),
+    ({"heartbeat_interval": "2"}, "heartbeat_interval"),
+    ({"chunk_index": -3}, "chunk_index"),  # would train a chunk counted from the end
+])
+def test_operator_arguments_are_checked_when_the_dag_is_parsed(kwargs, field):
+    args = {"task_id": "c", "spec_fields": FIELDS, "chunk_index": 0, "group_id": "train"} | kwargs
+    with pytest.raises(SpecError) as err:
+        ElasticChunkOperator(**args)
+    assert err.value.field == field

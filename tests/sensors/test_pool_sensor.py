@@ -66,3 +66,9 @@ def test_bad_minimum_is_rejected_when_the_dag_is_parsed(bad):
     with pytest.raises(SpecError) as err:
         ElasticPoolSensor(task_id="gate", min_workers=bad)
     assert err.value.field == "min_workers"
+
+
+@pytest.mark.parametrize("bad", [0, -1, float("nan"), "2"])
+def test_a_bad_poll_interval_is_refused_when_the_dag_is_parsed(bad):
+    with pytest.raises(SpecError, match="invalid poll_interval=.*finite number of seconds > 0"):
+        ElasticPoolSensor(task_id="gate", min_workers=1, poll_interval=bad)

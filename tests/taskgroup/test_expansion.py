@@ -81,9 +81,15 @@ def test_chunk_kwargs_reach_the_chunk_tasks():
     ({"consistency": "sloppy"}, "consistency"),
     ({"total_iterations": "{{ params.n }}"}, "num_chunks"),
     ({"trainable": "{{ params.model }}"}, "entrypoint"),
-    ({"num_chunks": 0}, "num_chunks"),
-    ({"num_chunks": 101}, "num_chunks"),
+    ({"num_chunks": 0, "chunk_iterations": None}, "num_chunks"),
+    ({"num_chunks": 101, "chunk_iterations": None}, "num_chunks"),
+    ({"num_chunks": 2}, "chunk_iterations"),  # both given: one would be silently ignored
+    ({"name": "other"}, "name"),
     ({"warm_start": "{{ params.x }}"}, "warm_start"),
+    ({"warm_start": "previos"}, "warm_start"),
+    ({"warm_start": "s3://"}, "warm_start"),
+    ({"warm_start": 5}, "warm_start"),
+    ({"total_iterations": 20_000, "chunk_iterations": 1}, "chunk_iterations"),  # 20,000 tasks
 ])
 def test_bad_arguments_fail_at_parse_time_naming_the_field(kwargs, field):
     with pytest.raises(SpecError) as err:
@@ -93,7 +99,7 @@ def test_bad_arguments_fail_at_parse_time_naming_the_field(kwargs, field):
 
 
 def test_templates_are_accepted_at_parse_time_and_kept_for_rendering():
-    dag, _ = make_dag(total_iterations="{{ params.iterations }}", num_chunks=3,
+    dag, _ = make_dag(total_iterations="{{ params.iterations }}", num_chunks=3, chunk_iterations=None,
                       max_workers="{{ params.max_workers }}", priority="{{ params.priority }}")
     chunks = [t for t in dag.tasks if isinstance(t, ElasticChunkOperator)]
     assert len(chunks) == 3
