@@ -32,6 +32,14 @@ URI_ALLOWED = (
     "digits, '.', '-'; no '?', '#' or spaces)"
 )
 
+def check_checkpoint_uri(field: str, value: Any) -> str:
+    """``value`` as a checkpoint store URI, or :class:`SpecError` naming ``field``."""
+    if not isinstance(value, str) or not _URI_RE.fullmatch(value):
+        hint = "a file:// URI takes an absolute path: note the three slashes in file:///"
+        raise SpecError(field, value, URI_ALLOWED, hint=hint if str(value).startswith("file://") else None)
+    return value
+
+
 MAX_WORKERS_LIMIT = 4096
 MAX_ITERATIONS = 10**9
 MAX_GLOBAL_BATCH = 2**31 - 1
@@ -146,14 +154,8 @@ class JobSpec:
         set_("device", _enum(Device, "device", self.device))
         self._check_batching()
         _int("warmup_iterations", self.warmup_iterations, 0)
-        if self.checkpoint is not None and (
-            not isinstance(self.checkpoint, str) or not _URI_RE.fullmatch(self.checkpoint)
-        ):
-            raise SpecError(
-                "checkpoint", self.checkpoint, URI_ALLOWED,
-                hint="a file:// URI takes an absolute path: note the three slashes in file:///"
-                if str(self.checkpoint).startswith("file://") else None,
-            )
+        if self.checkpoint is not None:
+            check_checkpoint_uri("checkpoint", self.checkpoint)
         interval = chunk if self.checkpoint_interval is None else self.checkpoint_interval
         _int("checkpoint_interval", interval, 1)
         set_("checkpoint_interval", interval)

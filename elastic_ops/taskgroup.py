@@ -21,7 +21,7 @@ from elastic_ops.hooks.elastic_ops import DEFAULT_CONN_ID, airflow_home
 from elastic_ops.operators.chunk import WARM_START_PREVIOUS, ElasticChunkOperator
 from elastic_ops.operators.jobs import is_template, safe_name
 from elastic_ops.operators.lifecycle import ElasticFinalizeOperator, ElasticRegisterOperator
-from elastic_ops.spec import JobSpec
+from elastic_ops.spec import JobSpec, check_checkpoint_uri
 
 # Fields that cannot be templates: they decide the task structure or the training trajectory.
 _STATIC = ("entrypoint", "chunk_iterations", "global_batch", "consistency", "data_seed")
@@ -79,7 +79,7 @@ def _check_warm_start(value: Any) -> None:
     if not isinstance(value, str) or is_template(value):
         raise SpecError("warm_start", value, allowed + ", not a template")
     try:
-        JobSpec(name="x", entrypoint="a:B", total_iterations=1, global_batch=1, checkpoint=value)
+        check_checkpoint_uri("warm_start", value)
     except SpecError as exc:
         raise SpecError("warm_start", value, allowed, hint=exc.allowed) from None
 

@@ -49,7 +49,7 @@ from typing import Any
 from elastic_ops import errors
 from elastic_ops.errors import ElasticOpsError, SpecError
 from elastic_ops.runtime.outcome import Progress
-from elastic_ops.spec import MAX_WORKERS_LIMIT
+from elastic_ops.spec import MAX_WORKERS_LIMIT, check_checkpoint_uri
 
 PROTOCOL_VERSION = 1
 AGENT_SOCKET_ENV = "ELASTIC_OPS_AGENT_SOCKET"
@@ -254,8 +254,7 @@ class StoreConfig:
         if unknown:
             raise SpecError(field, unknown, "known keys are uri, keep_last, keep_every, s3")
         uri = require_str(value, "uri", field=f"{field}.uri")
-        if not uri.startswith(("file://", "s3://")):
-            raise SpecError(f"{field}.uri", uri, "must be 'file:///absolute/path' or 's3://bucket/prefix'")
+        check_checkpoint_uri(f"{field}.uri", uri)
         s3 = S3Config.from_wire(value["s3"]) if value.get("s3") is not None else None
         if s3 is not None and not uri.startswith("s3://"):
             raise SpecError(f"{field}.s3", "...", "S3 settings only apply to s3:// URIs")
@@ -394,9 +393,25 @@ class MessageReader:
         return line
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"key {key!r} appears twice")
+        out[key] = value
+    return out
+
+
 def decode(line: bytes) -> dict[str, Any]:
+    """One message: strict JSON (no NaN/Infinity, no key given twice, bounded nesting)."""
     try:
-        msg = json.loads(line)
+        msg = json.loads(line, parse_constant=_no_constant, object_pairs_hook=_unique_keys)
+    except RecursionError:
+        raise AgentProtocolError("a message is nested too deeply") from None
     except ValueError as exc:
         raise AgentProtocolError(f"a message is not valid JSON: {exc}") from None
     if not isinstance(msg, dict):

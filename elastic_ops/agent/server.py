@@ -441,7 +441,7 @@ class Agent:
         op = req.get("op")
         if op not in OPS:
             raise SpecError("op", op, f"one of {', '.join(OPS)}")
-        if req.get("version") != PROTOCOL_VERSION:
+        if type(req.get("version")) is not int or req["version"] != PROTOCOL_VERSION:  # true == 1
             raise SpecError(
                 "version", req.get("version"), f"{PROTOCOL_VERSION} (this agent's protocol version)"
             )

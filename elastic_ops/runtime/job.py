@@ -49,9 +49,14 @@ class Schedule:
         explicit = ["@" in p for p in items]
         if any(explicit) and not all(explicit):
             raise SpecError(FLAG, text, "must use one form: all 'N' or all 'N@ITERATION'")
+        if len(items) > end - start:
+            why = f"has {len(items)} parts for {end - start} iterations: at most one part per iteration"
+            raise SpecError(FLAG, text, why)
         counts, starts = [], []
         for j, item in enumerate(items):
-            n_text, _, at_text = item.partition("@")
+            n_text, at, at_text = item.partition("@")
+            if at and not at_text.strip():
+                raise SpecError(FLAG, text, f"{item!r} needs the iteration it starts at, like '3@40'")
             n = _int(text, n_text)
             if not spec.min_workers <= n <= spec.max_workers:
                 raise SpecError(
@@ -64,6 +69,10 @@ class Schedule:
             starts.append(_int(text, at_text) if at_text else start + j * (end - start) // len(items))
         if any(b <= a for a, b in zip(starts, starts[1:], strict=False)):
             raise SpecError(FLAG, text, "iteration boundaries must be strictly ascending")
+        outside = [b for b in starts if not start <= b < end]
+        if outside:
+            why = f"iteration {outside[0]} is outside the run's iterations [{start}, {end})"
+            raise SpecError(FLAG, text, why)
         return cls(tuple(starts), tuple(counts))
 
 

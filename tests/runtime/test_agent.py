@@ -327,6 +327,15 @@ def test_an_agent_that_stops_mid_chunk_fails_the_chunk_as_retryable(tmp_path):
             "invalid store.uri='ftp://x'",
         ),
         (b"x" * (MAX_MESSAGE_BYTES + 10), AgentProtocolError, "exceeds the limit"),
+        (line({"op": "ping", "version": True}), SpecError, "invalid version=True"),
+        (b'{"op": "bogus", "op": "ping", "version": 1}\n', AgentProtocolError, "key 'op' appears twice"),
+        (b'{"op": "ping", "version": 1, "x": NaN}\n', AgentProtocolError, "NaN is not a JSON number"),
+        (b"[" * 200_000 + b"\n", AgentProtocolError, "nested too deeply"),
+        (
+            line({"op": "latest", "version": 1, "store": {"uri": "file:///tmp/%00x"}}),
+            SpecError,
+            "invalid store.uri='file:///tmp/%00x'",
+        ),
     ],
 )
 def test_bad_requests_are_rejected_with_clear_errors(agent, data, cls, text):

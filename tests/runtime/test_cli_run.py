@@ -81,6 +81,9 @@ def test_run_prints_progress_and_ends_with_one_json_line(tmp_path):
         ("--workers-schedule", "1,5", "max_workers"),
         ("--workers-schedule", "1@0,2", "one form"),
         ("--workers-schedule", "2@10,1@5", "ascending"),
+        ("--workers-schedule", "1@,2@", "needs the iteration it starts at"),
+        ("--workers-schedule", "1@0,2@100000", "outside the run's iterations"),
+        ("--workers-schedule", ",".join(["1"] * 21), "at most one part per iteration"),  # 20 iterations
         ("--iterations", "15:5", "START:END"),
         ("--iterations", "0:99", "START:END"),
         ("--checkpoint", "ftp://host/x", "file:///absolute/path"),
