@@ -57,4 +57,6 @@ def test_prune_events_command(sqlite_url, monkeypatch, capsys):
     assert run(["pool", "prune-events", "--older-than-days", "1"]) == 0
     assert capsys.readouterr().out.strip() == "deleted 0 events older than 1 days"
     assert run(["pool", "prune-events", "--older-than-days", "0"]) == 2
-    assert "--older-than-days=0.0: must be a positive number of days" in capsys.readouterr().out
+    assert "--older-than-days=0.0: must be a positive, finite number of days" in capsys.readouterr().out
+    assert run(["pool", "prune-events", "--older-than-days", "inf"]) == 2
+    assert "--older-than-days=inf: must be a positive, finite number of days" in capsys.readouterr().out
