@@ -23,12 +23,16 @@ from elastic_ops.triggers.events import CapacityEvent, GrantEvent, TriggerFailur
 _MODULE = "elastic_ops.triggers.pool"
 
 
+def _open_ledger(url: str):
+    from elastic_ops.pool import PoolClient  # imported off the event loop: numpy, SQLAlchemy
+
+    return PoolClient(url)
+
+
 async def _pool_client(elastic_ops_conn_id: str):
     """A ledger client for the connection, resolved here in the triggerer (see ``aledger_url``)."""
-    from elastic_ops.pool import PoolClient
-
     url = await ElasticOpsHook(elastic_ops_conn_id, aws_conn_id=None).aledger_url()
-    return await asyncio.to_thread(PoolClient, url)
+    return await asyncio.to_thread(_open_ledger, url)
 
 
 def free_slots(status: dict[str, Any]) -> int:
