@@ -105,20 +105,6 @@ class ElasticOpsHook(BaseHook):
                 self._ledger_url = url_from_connection(conn)
         return self._ledger_url
 
-    async def aledger_url(self) -> str:
-        """:meth:`ledger_url` for triggers, which must not block the triggerer's event loop.
-
-        Triggers carry the connection id, never the URL: trigger kwargs and event payloads are
-        stored in Airflow's database unencrypted, and the URL may hold the ledger's password."""
-        if self._ledger_url is None:
-            try:
-                conn = await self.aget_connection(self.elastic_ops_conn_id)
-            except AirflowNotFoundException:
-                self._ledger_url = default_ledger_url()
-            else:
-                self._ledger_url = url_from_connection(conn)
-        return self._ledger_url
-
     def pool(self):
         """A ``PoolClient`` on the ledger (created and migrated on first use)."""
         if self._pool is None:

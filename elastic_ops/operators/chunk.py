@@ -209,7 +209,7 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
         self.log.info("job %s waits for workers (%s); deferring", job, getattr(outcome, "reason", ""))
         state = {**state, "deferred_at": time.time()}
         self.defer(
-            trigger=GrantTrigger(job=job, elastic_ops_conn_id=self.elastic_ops_conn_id, state=state,
+            trigger=GrantTrigger(job=job, ledger_url=hook.ledger_url(), state=state,
                                  avoid_hosts=avoid, poll_interval=self.poll_interval),
             method_name="execute_granted",
         )

@@ -53,6 +53,7 @@ from elastic_ops.pool.model import (
 )
 from elastic_ops.pool.policies import get_policy
 from elastic_ops.spec import MAX_WORKERS_LIMIT
+from elastic_ops.urls import shown_url
 
 ENV_URL = "ELASTIC_OPS_POOL_URL"
 
@@ -156,17 +157,6 @@ def _check_config(changes: dict[str, Any]) -> dict[str, Any]:
 
 
 # --- engine ----------------------------------------------------------------------------------
-
-
-_PASSWORD = re.compile(r"(//[^/?#@]*?:)[^/?#]*@")
-
-
-def shown_url(url: str) -> str:
-    """``url`` as messages and logs may show it: any password replaced by ``***``.
-
-    Done on the text rather than with SQLAlchemy's ``hide_password`` so that a URL SQLAlchemy
-    cannot parse (the case an error message must show) loses its password too."""
-    return _PASSWORD.sub(r"\1***@", url)
 
 
 def _engine(url: str) -> Engine:

@@ -65,7 +65,7 @@ class ElasticPoolSensor(BaseSensorOperator):
         timeout = timedelta(seconds=self.timeout) if self.timeout else None
         self.defer(
             trigger=PoolCapacityTrigger(
-                elastic_ops_conn_id=self.elastic_ops_conn_id,
+                ledger_url=ElasticOpsHook(self.elastic_ops_conn_id).ledger_url(),
                 min_workers=self._wanted(), poll_interval=self.poll_interval,
             ),
             method_name="execute_complete",

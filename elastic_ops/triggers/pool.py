@@ -3,8 +3,11 @@
 Both poll the pool ledger from the triggerer in a worker thread (the ledger client is
 synchronous SQLAlchemy). Everything the deferred task needs afterwards travels in the trigger's
 keyword arguments and comes back in the event payload: the task keeps no state across deferral.
-The ledger is named by its Airflow connection id and resolved in the triggerer: kwargs and
-payloads are stored in Airflow's database as plain JSON, and a ledger URL may hold a password.
+The ledger URL (which may hold a password) travels in the kwargs only: Airflow stores trigger
+kwargs encrypted (Fernet) and its REST API does not return them; the triggers' ``repr`` (which
+the triggerer logs) shows it without password, and no event payload carries it. (Resolving the
+connection in the triggerer instead costs ~3 s on a cold triggerer's first lookup, measured,
+which delays the first grant by as much.)
 """
 
 from __future__ import annotations
@@ -17,8 +20,8 @@ from typing import Any
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from elastic_ops.errors import ElasticOpsError
-from elastic_ops.hooks.elastic_ops import DEFAULT_CONN_ID, ElasticOpsHook
 from elastic_ops.triggers.events import CapacityEvent, GrantEvent, TriggerFailure
+from elastic_ops.urls import shown_url
 
 _MODULE = "elastic_ops.triggers.pool"
 
@@ -29,10 +32,16 @@ def _open_ledger(url: str):
     return PoolClient(url)
 
 
-async def _pool_client(elastic_ops_conn_id: str):
-    """A ledger client for the connection, resolved here in the triggerer (see ``aledger_url``)."""
-    url = await ElasticOpsHook(elastic_ops_conn_id, aws_conn_id=None).aledger_url()
-    return await asyncio.to_thread(_open_ledger, url)
+async def _pool_client(ledger_url: str):
+    return await asyncio.to_thread(_open_ledger, ledger_url)
+
+
+class _LedgerTrigger(BaseTrigger):
+    ledger_url: str
+
+    def __repr__(self) -> str:  # the triggerer logs it; BaseTrigger's would print the password
+        classpath, kwargs = self.serialize()
+        return self.repr(classpath, {**kwargs, "ledger_url": shown_url(kwargs["ledger_url"])})
 
 
 def free_slots(status: dict[str, Any]) -> int:
@@ -44,7 +53,7 @@ def free_slots(status: dict[str, Any]) -> int:
     )
 
 
-class GrantTrigger(BaseTrigger):
+class GrantTrigger(_LedgerTrigger):
     """Fires once the pool grants ``job`` at least its minimum, with the grant in the event.
 
     The trigger *requests* (it is the job's place in the pool's queue, so the pool can plan and
@@ -56,14 +65,14 @@ class GrantTrigger(BaseTrigger):
         self,
         *,
         job: str,
-        elastic_ops_conn_id: str = DEFAULT_CONN_ID,
+        ledger_url: str,
         state: dict[str, Any],
         avoid_hosts: list[str] | tuple[str, ...] = (),
         poll_interval: float = 1.0,
     ) -> None:
         super().__init__()
         self.job = job
-        self.elastic_ops_conn_id = elastic_ops_conn_id
+        self.ledger_url = ledger_url
         self.state = dict(state)
         self.avoid_hosts = list(avoid_hosts)
         self.poll_interval = float(poll_interval)
@@ -72,7 +81,7 @@ class GrantTrigger(BaseTrigger):
         return (
             f"{_MODULE}.GrantTrigger",
             {
-                "job": self.job, "elastic_ops_conn_id": self.elastic_ops_conn_id, "state": self.state,
+                "job": self.job, "ledger_url": self.ledger_url, "state": self.state,
                 "avoid_hosts": list(self.avoid_hosts), "poll_interval": self.poll_interval,
             },
         )
@@ -86,7 +95,7 @@ class GrantTrigger(BaseTrigger):
         while True:
             try:
                 if client is None:
-                    client = await _pool_client(self.elastic_ops_conn_id)
+                    client = await _pool_client(self.ledger_url)
                 outcome = await asyncio.to_thread(self._request_once, client)
             except ElasticOpsError as exc:
                 if not exc.retryable:
@@ -106,28 +115,26 @@ class GrantTrigger(BaseTrigger):
             await asyncio.sleep(self.poll_interval)
 
 
-class PoolCapacityTrigger(BaseTrigger):
+class PoolCapacityTrigger(_LedgerTrigger):
     """Fires when the pool has at least ``min_workers`` free slots."""
 
-    def __init__(
-        self, *, elastic_ops_conn_id: str = DEFAULT_CONN_ID, min_workers: int, poll_interval: float = 2.0
-    ) -> None:
+    def __init__(self, *, ledger_url: str, min_workers: int, poll_interval: float = 2.0) -> None:
         super().__init__()
-        self.elastic_ops_conn_id = elastic_ops_conn_id
+        self.ledger_url = ledger_url
         self.min_workers = int(min_workers)
         self.poll_interval = float(poll_interval)
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (
             f"{_MODULE}.PoolCapacityTrigger",
-            {"elastic_ops_conn_id": self.elastic_ops_conn_id, "min_workers": self.min_workers,
+            {"ledger_url": self.ledger_url, "min_workers": self.min_workers,
              "poll_interval": self.poll_interval},
         )
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         started = time.monotonic()
         try:
-            client = await _pool_client(self.elastic_ops_conn_id)
+            client = await _pool_client(self.ledger_url)
             while True:
                 free = free_slots(await asyncio.to_thread(client.status))
                 if free >= self.min_workers:

@@ -13,15 +13,10 @@ from elastic_ops.pool import PoolClient
 from elastic_ops.triggers import GrantTrigger, PoolCapacityTrigger
 from elastic_ops.triggers.events import CapacityEvent, GrantEvent, TriggerFailure, parse_event
 
-CONN = "pool_t"
 
-
-def make_pool(monkeypatch, tmp_path, slots: int = 2) -> PoolClient:
-    """A SQLite ledger the triggers find through the Airflow connection ``CONN``."""
-    url = f"sqlite:///{tmp_path / 'pool.db'}"
-    monkeypatch.setenv(f"AIRFLOW_CONN_{CONN.upper()}",
-                       json.dumps({"conn_type": "elastic_ops_pool", "extra": {"url": url}}))
-    client = PoolClient(url, policy="priority", preemption="graceful", aging_s=0.0)
+def make_pool(tmp_path, slots: int = 2) -> PoolClient:
+    client = PoolClient(f"sqlite:///{tmp_path / 'pool.db'}", policy="priority", preemption="graceful",
+                        aging_s=0.0)
     client.add_host("h1", slots)
     return client
 
@@ -37,17 +32,16 @@ def roundtrip(trigger):
 def test_grant_trigger_roundtrip_keeps_everything_the_task_needs():
     state = {"spec": {"name": "j", "params": {"lr": 0.1}}, "start": 10, "end": 20, "timeline": [[10, 2, 1.5]],
              "warm_start": None, "preemptions": 1}
-    trig = GrantTrigger(job="j", elastic_ops_conn_id="pool_pg", state=state, avoid_hosts=["h2"],
+    trig = GrantTrigger(job="j", ledger_url="sqlite:////tmp/x.db", state=state, avoid_hosts=["h2"],
                         poll_interval=0.5)
     classpath, kwargs, rebuilt = roundtrip(trig)
     assert classpath == "elastic_ops.triggers.pool.GrantTrigger"
     assert rebuilt.serialize() == (classpath, kwargs)
     assert rebuilt.state == state and rebuilt.avoid_hosts == ["h2"]
-    assert rebuilt.elastic_ops_conn_id == "pool_pg"
 
 
 def test_capacity_trigger_roundtrip():
-    trig = PoolCapacityTrigger(elastic_ops_conn_id="pool_pg", min_workers=3, poll_interval=0.2)
+    trig = PoolCapacityTrigger(ledger_url="postgresql+psycopg2://u@h/db", min_workers=3, poll_interval=0.2)
     classpath, kwargs, rebuilt = roundtrip(trig)
     assert classpath == "elastic_ops.triggers.pool.PoolCapacityTrigger"
     assert rebuilt.serialize() == (classpath, kwargs)
@@ -78,14 +72,14 @@ async def first_event(trigger, timeout: float = 20.0):
         await gen.aclose()
 
 
-def test_grant_trigger_waits_until_the_pool_frees_slots_then_carries_the_grant(monkeypatch, tmp_path):
-    pool = make_pool(monkeypatch, tmp_path, slots=2)
+def test_grant_trigger_waits_until_the_pool_frees_slots_then_carries_the_grant(tmp_path):
+    pool = make_pool(tmp_path, slots=2)
     pool.submit("a", min_workers=2, max_workers=2, priority=1, preemptible=False)
     grant_a = pool.request("a")
     pool.submit("b", min_workers=1, max_workers=2, priority=1)
     assert not hasattr(pool.request("b"), "epoch")  # b must wait: a holds both slots
 
-    trig = GrantTrigger(job="b", elastic_ops_conn_id=CONN, state={"chunk_index": 4}, poll_interval=0.05)
+    trig = GrantTrigger(job="b", ledger_url=pool.url, state={"chunk_index": 4}, poll_interval=0.05)
 
     async def scenario():
         task = asyncio.ensure_future(first_event(trig))
@@ -100,19 +94,19 @@ def test_grant_trigger_waits_until_the_pool_frees_slots_then_carries_the_grant(m
     assert event.epoch == pool.request("b").epoch  # the live lease the task will heartbeat
 
 
-def test_grant_trigger_reports_unknown_job_instead_of_waiting_forever(monkeypatch, tmp_path):
-    make_pool(monkeypatch, tmp_path)
-    trig = GrantTrigger(job="ghost", elastic_ops_conn_id=CONN, state={}, poll_interval=0.05)
+def test_grant_trigger_reports_unknown_job_instead_of_waiting_forever(tmp_path):
+    pool = make_pool(tmp_path)
+    trig = GrantTrigger(job="ghost", ledger_url=pool.url, state={}, poll_interval=0.05)
     event = parse_event(asyncio.run(first_event(trig)).payload)
     assert isinstance(event, TriggerFailure)
     assert event.error_type == "UnknownJobError" and not event.retryable
 
 
-def test_capacity_trigger_fires_when_enough_slots_are_free(monkeypatch, tmp_path):
-    pool = make_pool(monkeypatch, tmp_path, slots=4)
+def test_capacity_trigger_fires_when_enough_slots_are_free(tmp_path):
+    pool = make_pool(tmp_path, slots=4)
     pool.submit("a", min_workers=3, max_workers=3, priority=1, preemptible=False)
     grant = pool.request("a")
-    trig = PoolCapacityTrigger(elastic_ops_conn_id=CONN, min_workers=2, poll_interval=0.05)
+    trig = PoolCapacityTrigger(ledger_url=pool.url, min_workers=2, poll_interval=0.05)
 
     async def scenario():
         task = asyncio.ensure_future(first_event(trig))
@@ -125,11 +119,21 @@ def test_capacity_trigger_fires_when_enough_slots_are_free(monkeypatch, tmp_path
     assert event == CapacityEvent(free=4, min_workers=2, waited_s=event.waited_s)
 
 
-def test_a_ledger_connection_that_names_no_database_fails_the_wait_at_once(monkeypatch):
-    monkeypatch.setenv("AIRFLOW_CONN_POOL_BAD", json.dumps({"conn_type": "elastic_ops_pool"}))
-    for trig in (GrantTrigger(job="j", elastic_ops_conn_id="pool_bad", state={}, poll_interval=0.05),
-                 PoolCapacityTrigger(elastic_ops_conn_id="pool_bad", min_workers=1, poll_interval=0.05)):
-        event = parse_event(asyncio.run(first_event(trig)).payload)
-        assert isinstance(event, TriggerFailure) and not event.retryable
-        assert event.error_type == "SpecError"
-        assert "'pool_bad'" in event.error and "needs extra" in event.error
+def test_the_ledger_password_never_shows_in_a_repr_or_an_event():
+    """The triggerer logs triggers and events; kwargs are stored encrypted, payloads are not."""
+    url = "postgresql+psycopg2://pool:S3cretPW@db.internal:5432/pool"
+    grant = GrantTrigger(job="j", ledger_url=url, state={"start": 0}, poll_interval=0.5)
+    capacity = PoolCapacityTrigger(ledger_url=url, min_workers=2)
+    for trig in (grant, capacity):
+        assert "S3cretPW" not in repr(trig) and "pool:***@db.internal" in repr(trig)
+        assert trig.serialize()[1]["ledger_url"] == url  # the triggerer needs it
+    event = GrantEvent("j", 3, (("h1", 0),), 30.0, grant.state, 1.0).to_payload()
+    assert "S3cretPW" not in json.dumps(event) and "db.internal" not in json.dumps(event)
+
+
+def test_an_unreachable_ledger_keeps_the_grant_trigger_waiting():
+    """A ledger that cannot be reached is retryable: the trigger keeps waiting, it does not fail."""
+    trig = GrantTrigger(job="j", ledger_url="postgresql+psycopg2://u:pw@127.0.0.1:1/pool", state={},
+                        poll_interval=0.05)
+    with pytest.raises(TimeoutError):
+        asyncio.run(first_event(trig, timeout=1.0))
