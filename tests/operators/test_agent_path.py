@@ -161,7 +161,7 @@ def test_s3_credentials_never_show_in_a_repr():
     with pytest.raises(SpecError, match="store.s3"):
         StoreConfig.from_wire({"uri": "file:///tmp/x", "s3": {"endpoint_url": "http://x"}})
     with pytest.raises(SpecError, match="store.s3"):
-        StoreConfig.from_wire({"uri": "s3://b/p", "s3": {"password": "x"}})
+        StoreConfig.from_wire({"uri": "s3://bucket/p", "s3": {"password": "x"}})
 
 
 def test_the_agent_gets_the_s3_settings_of_the_aws_connection(monkeypatch, tmp_path):
