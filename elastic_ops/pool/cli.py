@@ -84,7 +84,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         "--traces", default=None, help="application traces folder (default: $ELASTIC_OPS_TRACES, else "
         "../shared/traces/pollux/traces beside the repository)"
     )
-    sim.add_argument("--min-rescale-interval", type=float, default=0.0, help="anti-thrashing: seconds")
+    sim.add_argument(
+        "--min-rescale-interval-s", "--min-rescale-interval", dest="min_rescale_interval", type=float,
+        default=0.0, help="anti-thrashing: seconds (as `pool configure --min-rescale-interval-s`)",
+    )
     sim.add_argument("--min-gain", type=float, default=0.0, help="anti-thrashing: least relative change")
     sim.add_argument("--json", action="store_true", help="last line: one JSON object")
     sim.set_defaults(func=_simulate)

@@ -40,7 +40,7 @@ from elastic_ops.errors import (
     WorkerLostError,
 )
 from elastic_ops.runtime.control import ControlChannel, count_of, moved
-from elastic_ops.runtime.launcher import LaunchRequest, LocalLauncher, loopback_store
+from elastic_ops.runtime.launcher import Launcher, LaunchRequest, LocalLauncher, loopback_store
 from elastic_ops.runtime.outcome import ChunkResult, ChunkStatus, Progress
 from elastic_ops.runtime.state import load_state, param_sha256, save_atomic
 from elastic_ops.spec import JobSpec
@@ -509,7 +509,7 @@ def run_chunk(
     on_progress: Callable[[Progress], None] | None = None,
     host: str = "localhost",
     warm_start: str | None = None,
-    launcher: Any = None,
+    launcher: Launcher | None = None,
     workdir: str | Path | None = None,
     warm_start_store: Any = None,
     slots: Callable[[], Sequence[int]] | None = None,

@@ -37,6 +37,7 @@ import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, PContext, Std, start_processes
@@ -161,6 +162,19 @@ def visible_gpus() -> list[str]:
 
 # torch._dynamo: every torch.optim.Optimizer imports it on construction (~4 s of CPU per process).
 PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "elastic_ops.runtime.worker"]
+
+
+class Launcher(Protocol):
+    """Where a segment's workers run (DESIGN.md "Launchers"); the runner needs only this.
+
+    ``start(req)`` starts ``req.workers`` ranks and returns at once with a handle shaped like
+    ``torch.distributed.elastic.multiprocessing.PContext``: ``wait(timeout, period)`` returns
+    ``None`` while they run and their ``RunProcsResult`` (per-rank exit codes, failures) once
+    they have all exited or one has failed; ``close()`` stops any left. :class:`LocalLauncher`
+    (this host) is the one built in; the agent wraps it to abort a chunk whose task went away.
+    """
+
+    def start(self, req: LaunchRequest) -> PContext: ...
 
 
 class LocalLauncher:
