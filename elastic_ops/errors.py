@@ -152,6 +152,14 @@ class LeaseExpiredError(PoolError):
     retryable = True
 
 
+class WaitFailedError(PoolError):
+    """Waiting for the pool in the triggerer failed; as retryable as the error the trigger met."""
+
+    def __init__(self, message: str, *, retryable: bool, hint: str | None = None) -> None:
+        self.retryable = retryable
+        super().__init__(message, hint=hint)
+
+
 class LedgerBusyError(PoolError):
     """The ledger database stayed locked past the retry budget."""
 

@@ -28,7 +28,7 @@ from airflow.sdk import BaseOperator
 
 from elastic_ops.agent.protocol import AGENT_SOCKET_ENV, AgentUnavailableError
 from elastic_ops.agent.protocol import agent_socket_from_env as agent_socket
-from elastic_ops.errors import ElasticOpsError, SpecError, UnknownJobError, WorkerLostError
+from elastic_ops.errors import ElasticOpsError, SpecError, UnknownJobError, WaitFailedError, WorkerLostError
 from elastic_ops.hooks.elastic_ops import DEFAULT_CONN_ID, ElasticOpsHook, default_checkpoint_root
 from elastic_ops.operators.jobs import check_seconds, chunk_range, job_id, runtime_spec, safe_name
 from elastic_ops.operators.lease import LeaseKeeper
@@ -147,9 +147,8 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
         """Resume after the :class:`GrantTrigger` fired; all state comes from the event."""
         parsed = parse_event(event)
         if isinstance(parsed, TriggerFailure):
-            from elastic_ops.errors import PoolError
-
-            raise PoolError(f"waiting for a grant failed: {parsed.error_type}: {parsed.error}")
+            raise WaitFailedError(f"waiting for a grant failed: {parsed.error_type}: {parsed.error}",
+                                  retryable=parsed.retryable)
         assert isinstance(parsed, GrantEvent)  # noqa: S101 - parse_event's contract, not input
         state = dict(parsed.state)
         # From the deferral (not the trigger's start, which the triggerer may pick up late) to now.

@@ -9,7 +9,7 @@ from typing import Any
 
 from airflow.sdk import BaseSensorOperator
 
-from elastic_ops.errors import PoolError, SpecError
+from elastic_ops.errors import SpecError, WaitFailedError
 from elastic_ops.hooks.elastic_ops import DEFAULT_CONN_ID, ElasticOpsHook
 from elastic_ops.operators.jobs import check_seconds, coerce_rendered, is_template
 from elastic_ops.triggers.events import CapacityEvent, TriggerFailure, parse_event
@@ -75,7 +75,8 @@ class ElasticPoolSensor(BaseSensorOperator):
     def execute_complete(self, context: Any, event: dict[str, Any]) -> dict[str, Any]:
         parsed = parse_event(event)
         if isinstance(parsed, TriggerFailure):
-            raise PoolError(f"watching the pool failed: {parsed.error_type}: {parsed.error}")
+            raise WaitFailedError(f"watching the pool failed: {parsed.error_type}: {parsed.error}",
+                                  retryable=parsed.retryable)
         assert isinstance(parsed, CapacityEvent)  # noqa: S101 - parse_event's contract
         self.log.info("pool has %d free slots (>= %d) after %.1fs", parsed.free, parsed.min_workers,
                       parsed.waited_s)

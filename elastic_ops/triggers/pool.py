@@ -19,7 +19,7 @@ from typing import Any
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
-from elastic_ops.errors import ElasticOpsError
+from elastic_ops.errors import ElasticOpsError, UnknownJobError
 from elastic_ops.triggers.events import CapacityEvent, GrantEvent, TriggerFailure
 from elastic_ops.urls import shown_url
 
@@ -99,7 +99,9 @@ class GrantTrigger(_LedgerTrigger):
                 outcome = await asyncio.to_thread(self._request_once, client)
             except ElasticOpsError as exc:
                 if not exc.retryable:
-                    yield TriggerEvent(TriggerFailure(str(exc), type(exc).__name__, False).to_payload())
+                    # an unknown job (the ledger was reset): the task's next try registers it again
+                    again = isinstance(exc, UnknownJobError)
+                    yield TriggerEvent(TriggerFailure(str(exc), type(exc).__name__, again).to_payload())
                     return
                 # a busy ledger: keep waiting rather than fail the task
                 self.log.warning("pool ledger busy (%s); still waiting", exc)

@@ -98,11 +98,12 @@ def test_a_range_already_in_the_latest_checkpoint_succeeds_without_a_grant(pool,
     assert not [e for e in pool.events() if e["kind"] == "grant"]
 
 
-def test_a_trigger_failure_fails_the_task_without_retry(pool):
-    with pytest.raises(PoolError, match="UnknownJobError") as err:
-        failure = TriggerFailure("gone", "UnknownJobError", False)
+@pytest.mark.parametrize("retryable", [False, True])
+def test_a_trigger_failure_fails_the_task_as_retryable_as_the_trigger_said(pool, retryable):
+    with pytest.raises(PoolError, match="UnknownHostError") as err:
+        failure = TriggerFailure("gone", "UnknownHostError", retryable)
         make_chunk(0).execute_granted(context(), failure.to_payload())
-    assert not err.value.retryable
+    assert err.value.retryable is retryable
 
 
 def ti_context(try_number: int, max_tries: int, run_id: str = "run1") -> dict:

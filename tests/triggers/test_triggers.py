@@ -94,12 +94,13 @@ def test_grant_trigger_waits_until_the_pool_frees_slots_then_carries_the_grant(t
     assert event.epoch == pool.request("b").epoch  # the live lease the task will heartbeat
 
 
-def test_grant_trigger_reports_unknown_job_instead_of_waiting_forever(tmp_path):
+def test_grant_trigger_reports_an_unknown_job_for_a_retry_instead_of_waiting_forever(tmp_path):
     pool = make_pool(tmp_path)
     trig = GrantTrigger(job="ghost", ledger_url=pool.url, state={}, poll_interval=0.05)
     event = parse_event(asyncio.run(first_event(trig)).payload)
     assert isinstance(event, TriggerFailure)
-    assert event.error_type == "UnknownJobError" and not event.retryable
+    # retryable: the task's next try registers the job again (the ledger was reset)
+    assert event.error_type == "UnknownJobError" and event.retryable
 
 
 def test_capacity_trigger_fires_when_enough_slots_are_free(tmp_path):
