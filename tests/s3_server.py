@@ -53,7 +53,7 @@ class Fault:
     remaining: int
     status: int = 503
     code: str = "SlowDown"
-    kind: str = "error"  # "error" | "drop"
+    kind: str = "error"  # "error" | "drop" | "lost_reply" (done, then answered with the error)
     method: str | None = None
     path_contains: str | None = None
 
@@ -116,6 +116,9 @@ class _FaultApp:
                 label = "fault:drop" if fault.kind == "drop" else f"fault:{fault.status}:{fault.code}"
                 self.server.requests.append((method, path, query, label))
         if fault is not None:
+            if fault.kind == "lost_reply":  # the store does the request; its reply never arrives
+                with self.server.write_lock:
+                    list(self.app(environ, lambda *_args, **_kw: None))
             if fault.kind == "drop":
                 sock = environ.get("werkzeug.socket")
                 if sock is not None:
@@ -214,8 +217,8 @@ class S3Server:
         path_contains: str | None = None,
     ) -> Fault:
         """Fail the next ``count`` matching requests. Returns the rule (``.remaining`` counts down)."""
-        if kind not in ("error", "drop"):
-            raise ValueError(f"kind={kind!r}: must be 'error' or 'drop'")
+        if kind not in ("error", "drop", "lost_reply"):
+            raise ValueError(f"kind={kind!r}: must be 'error', 'drop' or 'lost_reply'")
         fault = Fault(count, status, code, kind, method, path_contains)
         with self.fault_lock:
             self.faults.append(fault)

@@ -17,6 +17,7 @@ import ctypes
 import errno
 import os
 import sys
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -103,7 +104,7 @@ class LocalBackend:
         return self.root.joinpath(*parts)
 
     def _write_tmp(self, path: Path, data: bytes) -> Path:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        _make_dirs(path.parent)
         tmp = path.parent / f"{_TMP_PREFIX}{uuid.uuid4().hex}"
         with open(tmp, "wb") as f:
             _EarlyWriteback(f).write_all(data)
@@ -261,6 +262,24 @@ class LocalBackend:
                     except FileNotFoundError:  # deleted while we walked
                         continue
 
+    def sweep_temp(self, dirs: list[str], *, older_than_s: float = 600.0) -> int:
+        """Remove the hidden temporary files a killed writer left under ``dirs`` (top-level
+        directory names; listings never show temporary files, so retention cannot see them),
+        when older than ``older_than_s``, and directories left empty. Returns how many went."""
+        removed, cutoff, parents = 0, time.time() - older_than_s, set()
+        with _os_errors(self.uri):
+            for name in dirs:
+                for tmp in self._path(name).rglob(f"{_TMP_PREFIX}*"):
+                    try:
+                        if tmp.is_file() and tmp.stat().st_mtime < cutoff:
+                            tmp.unlink()
+                            removed += 1
+                            parents.add(tmp.parent)
+                    except FileNotFoundError:
+                        continue
+            self._prune(parents)
+        return removed
+
     def delete(self, keys: list[str]) -> None:
         parents = set()
         with _os_errors(self.uri):
@@ -268,21 +287,24 @@ class LocalBackend:
                 path = self._path(key)
                 path.unlink(missing_ok=True)
                 parents.add(path.parent)
-            # remove directories left empty, deepest first, never the root
-            for parent in sorted(parents, key=lambda p: len(p.parts), reverse=True):
-                while parent != self.root and self.root in parent.parents:
-                    try:
-                        parent.rmdir()
-                    except OSError:
-                        break
-                    parent = parent.parent
+            self._prune(parents)
+
+    def _prune(self, parents: set[Path]) -> None:
+        """Remove directories left empty, deepest first, never the root."""
+        for parent in sorted(parents, key=lambda p: len(p.parts), reverse=True):
+            while parent != self.root and self.root in parent.parents:
+                try:
+                    parent.rmdir()
+                except OSError:
+                    break
+                parent = parent.parent
 
 
 def _publish(path: Path, fill: Callable[[Path], T]) -> T:
     """Create ``path`` atomically and durably: ``fill(tmp)`` creates a temporary file beside it
     (its result is returned), which is fsync'd, renamed into place, and the directory fsync'd.
     On any error the temporary file is removed and nothing appears at ``path``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    _make_dirs(path.parent)
     tmp = path.parent / f"{_TMP_PREFIX}{uuid.uuid4().hex}"
     try:
         result = fill(tmp)
@@ -330,6 +352,22 @@ def _copy_hashing(src: Path, dest: Path, hasher: Hasher) -> int:
     return size
 
 
+def _make_dirs(path: Path) -> None:
+    """``mkdir -p path``, durably: the parent of each directory created is fsync'd, so a new
+    ``it-…/d-…`` survives a power cut together with the files published in it (their own
+    directory is fsync'd after publishing)."""
+    missing = []
+    while not path.is_dir():
+        missing.append(path)
+        path = path.parent
+    for d in reversed(missing):
+        try:
+            d.mkdir()
+        except FileExistsError:  # another writer made it meanwhile: it fsyncs the parent itself
+            continue
+        _fsync_dir(d.parent)
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -352,8 +390,8 @@ class _os_errors:
             return False
         if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
             raise StoragePermanentError(
-                f"no permission to write {self.where} ({exc.strerror})",
-                hint="make the checkpoint directory writable by the user running the job",
+                f"permission denied on {self.where} ({exc.strerror})",
+                hint="make the checkpoint directory readable and writable by the user running the job",
             ) from None
         if exc.errno == errno.ENOSPC:
             raise StoragePermanentError(

@@ -439,9 +439,20 @@ class CheckpointStore:
         except StaleEpochError:
             self.backend.delete([f"{it_dir}/{f.name}" for f in entries])  # a zombie leaves nothing
             raise
-        if not self.backend.put_if_absent(manifest_key, ours.to_json()):
-            existing = self.backend.get(manifest_key) or b""
-            return self._resolve_existing(ours, existing, manifest_key)
+        body = ours.to_json()
+        for _ in range(3):
+            if self.backend.put_if_absent(manifest_key, body):
+                break
+            resolved = self._resolve_existing(ours, body, self.backend.get(manifest_key), manifest_key)
+            if resolved is not None:
+                return resolved
+            # the manifest there was damaged and is gone now (or vanished): commit ours again
+        else:
+            raise CommitConflictError(
+                f"iteration {iteration} at {self.uri} could not be committed: its manifest kept "
+                "changing under this writer",
+                hint="another writer owns this job; only one chunk try may run at a time",
+            )
         ref = self._ref(ours)
         log.info("committed checkpoint %s (epoch %d, %d bytes)", ref.uri, epoch, ref.size)
         if in_background:
@@ -450,19 +461,47 @@ class CheckpointStore:
             self._submit(self._retain, committed=iteration, objects=objects)
         return ref
 
-    def _resolve_existing(self, ours: Manifest, existing: bytes, key: str) -> CheckpointRef:
+    def _resolve_existing(
+        self, ours: Manifest, body: bytes, existing: bytes | None, key: str
+    ) -> CheckpointRef | None:
+        """The conditional manifest write found one there. Returns the checkpoint that stands,
+        or ``None`` when there is none any more (a damaged one was removed): write ours again.
+
+        - exactly our manifest: our own write succeeded but its reply was lost (then retried):
+          committed, keep everything;
+        - a damaged one (unreadable, or a file missing or failing its digest: what ``latest()``
+          skips): it blocks the iteration for good unless removed, so it is (its data after
+          its manifest, never ours);
+        - an intact one: our upload lost (or repeats) the commit: ours is removed (data
+          directories are writer-unique); identical content is success, else a conflict.
+        """
+        where = f"{self.uri}/{key}"
+        if existing is None:
+            return None  # removed since (retention, or a writer superseding a damaged one)
+        if existing == body:
+            log.info("checkpoint %s committed (the first reply to its manifest write was lost)", where)
+            return self._ref(ours)
+        theirs: Manifest | None = None
         try:
-            theirs = parse_manifest(existing, where=f"{self.uri}/{key}")
-        except CheckpointCorruptError:
-            theirs = None
-        # our upload lost (or repeats) a commit: remove it (data directories are writer-unique)
+            theirs = parse_manifest(existing, where=where)
+            if theirs.iteration != ours.iteration:
+                raise CheckpointCorruptError(f"manifest {where} says iteration {theirs.iteration}")
+            self._hash_verified(self._ref(theirs), {})
+        except CheckpointCorruptError as exc:
+            log.warning("replacing the damaged checkpoint %s: %s", where, exc)
+            mine = {f.name for f in ours.files}
+            theirs_files = [] if theirs is None else [f.name for f in theirs.files]
+            self.backend.delete([key])
+            self.backend.delete(
+                [f"{iteration_dir(ours.iteration)}/{n}" for n in theirs_files if n not in mine]
+            )
+            return None
         self.backend.delete([f"{iteration_dir(ours.iteration)}/{f.name}" for f in ours.files])
-        if theirs is not None and theirs.same_content(ours):
-            log.info("checkpoint %s/%s already committed with identical content", self.uri, key)
+        if theirs.same_content(ours):
+            log.info("checkpoint %s already committed with identical content", where)
             return self._ref(theirs)
-        who = f"epoch {theirs.epoch}" if theirs else "an unreadable manifest"
         raise CommitConflictError(
-            f"iteration {ours.iteration} is already committed at {self.uri}/{key} by {who} "
+            f"iteration {ours.iteration} is already committed at {where} by epoch {theirs.epoch} "
             f"with different content",
             hint="another writer owns this job; only one chunk try may run at a time",
         )
@@ -563,11 +602,30 @@ class CheckpointStore:
         its file is put there as :meth:`export` puts it (from a local store the committed file
         itself, checked against the manifest on the way) for the safe loader; a checkpoint
         whose content the safe loader refuses raises here what :meth:`load` would raise.
+
+        A checkpoint removed while it is read (retention after another writer's newer commit)
+        is not damage: the store is listed again (up to three times), so the newer checkpoint
+        is found rather than an older one, or none.
         """
+        ref = None
+        for _ in range(3):
+            ref, moved_on = self._latest_once(spec_hash, into=into, decode=decode)
+            if not moved_on:
+                return ref
+            log.info("a checkpoint of %s was removed while read (a newer one was committed); listing again",
+                     self.uri)
+        return ref
+
+    def _latest_once(
+        self, spec_hash: str | None, *, into: str | os.PathLike[str] | None, decode: bool
+    ) -> tuple[CheckpointRef | None, bool]:
+        """(the checkpoint :meth:`latest` returns, or None; whether one vanished while read)."""
+        moved_on = False
         for iteration, sizes in self._newest_first():
             prefetch = self._prefetch(iteration, sizes)
             m = self._read_manifest(iteration, sizes, quiet=False)
             if m is None:
+                moved_on = moved_on or (MANIFEST_NAME in sizes and not self._has_manifest(iteration))
                 continue
             ref = self._ref(m)
             if spec_hash is not None and m.spec_hash != spec_hash:
@@ -587,16 +645,19 @@ class CheckpointStore:
                 else:
                     loaded = self._read_verified(ref, prefetch)
             except CheckpointCorruptError as exc:
+                if not self._has_manifest(iteration):
+                    moved_on = True  # removed by retention while read: not damage
+                    continue
                 log.warning("skipping damaged checkpoint %s, using an older one: %s", ref.uri, exc)
                 continue
             if into is not None:
                 _check_loadable(ref, into)
             if into is not None or not decode:
-                return ref
+                return ref, moved_on
             with self._lock:
                 self._loaded = (ref, loaded)  # load(ref) right after latest() reads nothing again
-            return ref
-        return None
+            return ref, moved_on
+        return None, moved_on
 
     def _prefetch(self, iteration: int, sizes: dict[str, int]) -> dict[str, Future[bytes | None]]:
         """Start reading the data of ``iteration`` while its manifest is read (saves a round trip).
@@ -748,6 +809,22 @@ class CheckpointStore:
 
     # --- retention -------------------------------------------------------------------------
 
+    def _has_manifest(self, iteration: int) -> bool:
+        return self.backend.get(f"{iteration_dir(iteration)}/{MANIFEST_NAME}") is not None
+
+    def _sweep_temp(self, floor: int, keep: set[int]) -> None:
+        """Local stores: temporary files of killed writers in the iterations below ``floor`` that
+        are not kept (listings hide them, so a directory holding only those is never listed)."""
+        sweep = getattr(self.backend, "sweep_temp", None)
+        if sweep is None:
+            return
+        below = [
+            n for n in self.backend.list_dirs()
+            if (m := _IT_RE.match(n)) and int(m.group(1)) < floor and int(m.group(1)) not in keep
+        ]
+        if below and sweep(below):
+            log.info("retention: removed temporary files of interrupted saves below iteration %d", floor)
+
     def _retain(self, *, committed: int, objects: list[ObjectInfo] | None) -> None:
         """Delete checkpoints outside the keep set, and orphaned data, older than ``committed``.
 
@@ -758,14 +835,25 @@ class CheckpointStore:
         bytes were just verified as written) and anything newer survive; the latest verified
         checkpoint is therefore never deleted. A manifest is deleted before its data, so an
         interrupted cleanup leaves an invisible orphan, never a checkpoint with missing files.
+
+        Data without a manifest may be a save still in flight (``save_async`` followed by
+        ``save``, or another writer) whose manifest the listing predates: it is removed only
+        below the last ``keep_last`` committed checkpoints, and only if it still has no manifest
+        when removed. Temporary files a killed local writer left there go too.
         """
         try:
             by_it = self._scan(objects)
             committed_its = sorted({i for i, keys in by_it.items() if MANIFEST_NAME in keys} | {committed})
-            keep = set(committed_its[-self.keep_last :]) | {committed}
+            recent = set(committed_its[-self.keep_last :]) | {committed}
+            keep = set(recent)
             if self.keep_every:
                 keep |= {i for i in committed_its if i % self.keep_every == 0}
-            doomed = [i for i in sorted(by_it) if i < committed and i not in keep]
+            floor = min(recent)
+            doomed = [
+                i for i in sorted(by_it) if i < committed and i not in keep
+                and (MANIFEST_NAME in by_it[i] or (i < floor and not self._has_manifest(i)))
+            ]
+            self._sweep_temp(floor, keep)
             if not doomed:
                 return
             manifests = [f"{iteration_dir(i)}/{MANIFEST_NAME}" for i in doomed if MANIFEST_NAME in by_it[i]]

@@ -170,3 +170,16 @@ def test_store_against_s3_in_a_separate_process() -> None:
         with pytest.raises(CommitConflictError):
             open_store(ep.uri("job"), s3_client=ep.client()).save(10, small_state(5), epoch=1, spec_hash="h")
         assert open_store(ep.uri("job"), s3_client=ep.client()).load(store.latest())["step"] == 4
+
+
+def test_a_manifest_write_whose_reply_was_lost_is_committed_and_keeps_its_data(s3_endpoint: S3Endpoint) -> None:
+    """S3 stored the manifest but the reply got lost; the retry meets our own manifest (412):
+    that is our commit, and its data must stay."""
+    store = make_s3_store(s3_endpoint)
+    s3_endpoint.inject(1, method="PUT", path_contains="/manifest.json", kind="lost_reply", status=500,
+                       code="InternalError")
+    ref = store.save(10, small_state(7), epoch=1, spec_hash="h")
+    assert len(_faulted(s3_endpoint)) == 1
+    latest = make_s3_store(s3_endpoint).latest(spec_hash="h")
+    assert latest is not None and latest.iteration == 10 and latest.files == ref.files
+    assert store.load(latest)["step"] == 7

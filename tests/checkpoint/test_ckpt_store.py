@@ -513,3 +513,110 @@ def test_save_file_copies_across_file_systems(tmp_path, monkeypatch) -> None:
     assert committed.read_bytes() == staged.read_bytes()
     assert committed.stat().st_ino != staged.stat().st_ino
     assert store.load(store.latest())["step"] == 4
+
+
+@pytest.mark.parametrize("content", ["identical", "different"])
+def test_a_damaged_checkpoint_is_replaced_when_its_iteration_is_committed_again(target, content) -> None:
+    """latest() skips a damaged checkpoint and the job retrains its iteration; the new commit
+    must replace it (identical bytes in bitwise mode, different ones in fast mode)."""
+    store = target.open()
+    store.save(10, small_state(1), epoch=1, spec_hash="h")
+    damaged = store.save(20, small_state(2), epoch=1, spec_hash="h")
+    _flip_byte(target, f"it-00000020/{damaged.files[0].name}")
+    assert target.open().latest().iteration == 10
+    value = 2 if content == "identical" else 3
+    ref = store.save(20, small_state(value), epoch=2, spec_hash="h")
+    latest = target.open().latest()
+    assert latest.iteration == 20 and latest.files == ref.files
+    assert target.open().load(latest)["step"] == value
+    assert [k for k in target.keys() if k.startswith("it-00000020/d-")] == [f"it-00000020/{ref.files[0].name}"]
+
+
+def test_retention_never_removes_the_data_of_a_save_still_in_flight(target: StoreTarget) -> None:
+    """Writer a's save of 30 has written its data, not yet its manifest, when writer b commits
+    40 and plans retention from a listing that shows 30 as data without a manifest."""
+    a, b = target.open(keep_last=3), target.open(keep_last=3)
+    b.save(20, small_state(2), epoch=1, spec_hash="h")
+    release = threading.Event()
+    real_put = a.backend.put_if_absent
+
+    def manifest_later(key: str, data: bytes) -> bool:
+        if key.endswith("it-00000030/manifest.json"):
+            release.wait(60)
+        return real_put(key, data)
+
+    a.backend.put_if_absent = manifest_later
+    saving = threading.Thread(target=lambda: a.save(30, small_state(3), epoch=1, spec_hash="h"))
+    saving.start()
+    try:
+        for _ in range(600):
+            if any(k.startswith("it-00000030/d-") for k in target.keys()):
+                break
+            threading.Event().wait(0.05)
+        b.save(40, small_state(4), epoch=1, spec_hash="h")
+        b.wait()  # b's retention has run
+    finally:
+        release.set()
+        saving.join(60)
+    store = target.open(keep_last=3)
+    assert [r.iteration for r in store.list()] == [20, 30, 40]
+    assert store.load(next(r for r in store.list() if r.iteration == 30))["step"] == 3
+
+
+def test_a_reader_whose_checkpoint_retention_removed_finds_the_newer_one(tmp_path, monkeypatch) -> None:
+    """keep_last=1: another writer commits 20 (and removes 10) while this reader reads 10."""
+    from elastic_ops.checkpoint import open_store
+
+    writer = open_store(f"file://{tmp_path}", keep_last=1)
+    writer.save(10, small_state(1), epoch=1, spec_hash="h")
+    writer.wait()
+    reader = open_store(f"file://{tmp_path}", keep_last=1)
+    real = store_module.CheckpointStore._read_manifest
+    raced = []
+
+    def racing(self, iteration, sizes, *, quiet):
+        m = real(self, iteration, sizes, quiet=quiet)
+        if self is reader and iteration == 10 and not raced:
+            raced.append(True)
+            writer.save(20, small_state(2), epoch=1, spec_hash="h")
+            writer.wait()  # 10 is gone now
+        return m
+
+    monkeypatch.setattr(store_module.CheckpointStore, "_read_manifest", racing)
+    ref = reader.latest(spec_hash="h")
+    assert raced and ref is not None and ref.iteration == 20 and reader.load(ref)["step"] == 2
+
+
+def test_retention_removes_what_a_killed_local_writer_left(tmp_path) -> None:
+    """A save killed mid-write leaves a hidden temporary file that listings never show."""
+    import os
+    import time
+
+    from elastic_ops.checkpoint import open_store
+
+    old = tmp_path / "it-00000010" / "d-killed" / ".tmp-0123"
+    old.parent.mkdir(parents=True)
+    old.write_bytes(b"x" * 1000)
+    fresh = tmp_path / "it-00000015" / "d-writing" / ".tmp-4567"  # may be a save in flight
+    fresh.parent.mkdir(parents=True)
+    fresh.write_bytes(b"y")
+    hour_ago = time.time() - 3600
+    os.utime(old, (hour_ago, hour_ago))
+    store = open_store(f"file://{tmp_path}", keep_last=1)
+    for it in (20, 30):
+        store.save(it, small_state(it), epoch=1, spec_hash="h")
+        store.wait()
+    assert not (tmp_path / "it-00000010").exists()
+    assert fresh.exists()
+    assert [r.iteration for r in store.list()] == [30]
+
+
+def test_a_new_local_checkpoint_directory_is_made_durable(tmp_path, monkeypatch) -> None:
+    """The directory entries of a new it-…/d-… are fsync'd too, not only the files in them."""
+    from elastic_ops.checkpoint import local, open_store
+
+    synced = []
+    real = local._fsync_dir
+    monkeypatch.setattr(local, "_fsync_dir", lambda path: synced.append(path) or real(path))
+    open_store(f"file://{tmp_path}").save(10, small_state(1), epoch=1, spec_hash="h")
+    assert tmp_path in synced and tmp_path / "it-00000010" in synced
