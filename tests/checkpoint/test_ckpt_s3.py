@@ -172,7 +172,7 @@ def test_store_against_s3_in_a_separate_process() -> None:
         assert open_store(ep.uri("job"), s3_client=ep.client()).load(store.latest())["step"] == 4
 
 
-def test_a_manifest_write_whose_reply_was_lost_is_committed_and_keeps_its_data(s3_endpoint: S3Endpoint) -> None:
+def test_a_manifest_write_whose_reply_was_lost_is_committed_and_keeps_its_data(s3_endpoint) -> None:
     """S3 stored the manifest but the reply got lost; the retry meets our own manifest (412):
     that is our commit, and its data must stay."""
     store = make_s3_store(s3_endpoint)

@@ -529,7 +529,8 @@ def test_a_damaged_checkpoint_is_replaced_when_its_iteration_is_committed_again(
     latest = target.open().latest()
     assert latest.iteration == 20 and latest.files == ref.files
     assert target.open().load(latest)["step"] == value
-    assert [k for k in target.keys() if k.startswith("it-00000020/d-")] == [f"it-00000020/{ref.files[0].name}"]
+    data = [k for k in target.keys() if k.startswith("it-00000020/d-")]
+    assert data == [f"it-00000020/{ref.files[0].name}"]
 
 
 def test_retention_never_removes_the_data_of_a_save_still_in_flight(target: StoreTarget) -> None:
