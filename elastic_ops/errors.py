@@ -115,6 +115,14 @@ class StoragePermanentError(CheckpointError):
     """A storage failure that retrying cannot fix (access denied, no such bucket, credentials)."""
 
 
+class StorageCredentialsExpiredError(CheckpointError):
+    """The session credentials expired (or could not be refreshed) mid-task. Not retried in the
+    process, whose credentials are what expired; retryable as a task: the next try gets fresh
+    ones from its connection."""
+
+    retryable = True
+
+
 # --- pool --------------------------------------------------------------------------------
 
 

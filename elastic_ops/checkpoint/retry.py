@@ -5,7 +5,9 @@ Transient (retried with exponential backoff and full jitter, then
 (``SlowDown``, 429, ``Throttling…``), ``RequestTimeout``, a conditional write racing another
 (409 ``ConditionalRequestConflict``), dropped connections and read/connect timeouts.
 Permanent (raised at once as :class:`StoragePermanentError` with a hint saying what to fix):
-bad credentials, access denied, missing bucket, and every other 4xx.
+bad credentials, access denied, missing bucket, and every other 4xx. Expired session
+credentials are raised at once too, as the retryable :class:`StorageCredentialsExpiredError`:
+retrying in the process cannot help, the task's next try gets fresh credentials.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import TypeVar
 import tenacity
 from botocore import exceptions as bce
 
-from elastic_ops.errors import StoragePermanentError, StorageTransientError
+from elastic_ops.errors import StorageCredentialsExpiredError, StoragePermanentError, StorageTransientError
 
 T = TypeVar("T")
 
@@ -31,6 +33,9 @@ TRANSIENT_CODES = frozenset({
     "ConditionalRequestConflict", "OperationAborted", "EC2ThrottledException",
 })
 
+# the session credentials ran out: a new task try (fresh credentials from its connection) helps
+EXPIRED_CODES = frozenset({"ExpiredToken", "ExpiredTokenException", "TokenRefreshRequired", "RequestExpired"})
+
 # code -> what the user should fix. Anything else 4xx is permanent with a generic hint.
 PERMANENT_HINTS = {
     "AccessDenied": "grant the credentials s3:GetObject, s3:PutObject, s3:DeleteObject and "
@@ -41,9 +46,7 @@ PERMANENT_HINTS = {
     "InvalidAccessKeyId": "the access key id is unknown to this endpoint; fix the aws connection / "
                           "AWS_ACCESS_KEY_ID (or the endpoint_url)",
     "SignatureDoesNotMatch": "the secret access key does not match the access key id; fix the credentials",
-    "ExpiredToken": "the session token expired; refresh the credentials",
     "InvalidToken": "the session token is invalid; fix the credentials",
-    "TokenRefreshRequired": "refresh the session credentials",
     "AuthorizationHeaderMalformed": "the region does not match the bucket's; set region_name",
     "PermanentRedirect": "the bucket is in another region; set region_name or the endpoint_url",
     "AccountProblem": "the account has a problem; contact the storage provider",
@@ -86,14 +89,20 @@ def is_transient(exc: BaseException) -> bool:
     )
 
 
-def permanent_error(exc: BaseException, what: str) -> StoragePermanentError:
+def permanent_error(exc: BaseException, what: str) -> StoragePermanentError | StorageCredentialsExpiredError:
+    """The store's error for a storage failure retrying in this process cannot fix."""
+    code, status = error_code(exc)
+    if code in EXPIRED_CODES or isinstance(exc, bce.CredentialRetrievalError):
+        return StorageCredentialsExpiredError(
+            f"{what} failed: the session credentials expired ({code or type(exc).__name__})",
+            hint="the task will be retried with fresh credentials; use longer-lived sessions for long chunks",
+        )
     if isinstance(exc, bce.NoCredentialsError | bce.PartialCredentialsError):
         return StoragePermanentError(
             f"{what}: no usable AWS credentials ({type(exc).__name__})",
             hint="set an aws connection (Airflow), AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, "
             "or an instance role",
         )
-    code, status = error_code(exc)
     hint = PERMANENT_HINTS.get(code, "check the checkpoint URI, credentials and endpoint_url")
     return StoragePermanentError(f"{what} failed: {code or type(exc).__name__} (HTTP {status})", hint=hint)
 
@@ -112,7 +121,7 @@ def call_with_retry(fn: Callable[[], T], what: str, policy: RetryPolicy) -> T:
     )
     try:
         return retrying(fn)
-    except (StoragePermanentError, StorageTransientError):
+    except (StoragePermanentError, StorageTransientError, StorageCredentialsExpiredError):
         raise
     except Exception as exc:
         if is_transient(exc):

@@ -8,7 +8,12 @@ from boto3.s3.transfer import TransferConfig
 
 from elastic_ops.checkpoint import open_store
 from elastic_ops.checkpoint.retry import RetryPolicy, is_transient
-from elastic_ops.errors import CommitConflictError, StoragePermanentError, StorageTransientError
+from elastic_ops.errors import (
+    CommitConflictError,
+    StorageCredentialsExpiredError,
+    StoragePermanentError,
+    StorageTransientError,
+)
 from tests.checkpoint.builders import small_state
 from tests.s3_server import SECRET_KEY, S3Endpoint
 
@@ -87,6 +92,15 @@ def test_permanent_errors_fail_at_once_with_a_fix(s3_endpoint: S3Endpoint, statu
     # the data PUT and the commit's listing (made during the upload) each answered once: no retry
     faulted = sorted((method, query) for method, _, query, _ in _faulted(s3_endpoint))
     assert sleeps == [] and [m for m, _ in faulted] == ["GET", "PUT"], faulted
+
+
+def test_expired_session_credentials_fail_at_once_but_the_task_is_retried(s3_endpoint: S3Endpoint) -> None:
+    sleeps: list[float] = []
+    store = make_s3_store(s3_endpoint, sleeps)
+    s3_endpoint.inject(100, status=400, code="ExpiredToken")
+    with pytest.raises(StorageCredentialsExpiredError, match="session credentials expired") as err:
+        store.save(10, small_state(1), epoch=1, spec_hash="h")
+    assert err.value.retryable is True and sleeps == []  # the next try brings fresh credentials
 
 
 def test_missing_bucket_is_permanent(s3_endpoint: S3Endpoint) -> None:
