@@ -61,6 +61,13 @@ class WorkerLostError(TrainingError):
         super().__init__(message, hint=hint)
 
 
+class AgentLostError(TrainingError):
+    """The host's elastic-ops agent stopped or crashed mid-chunk (its workers went with it).
+    Retryable, and not held against the host: the pool does not count it as the host failing."""
+
+    retryable = True
+
+
 class PreemptedError(TrainingError):
     """The pool took every worker away. Not a failure: the caller checkpoints and waits again."""
 

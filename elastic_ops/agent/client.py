@@ -24,7 +24,7 @@ from elastic_ops.agent.protocol import (
     peer_uid,
     trusted_peer,
 )
-from elastic_ops.errors import WorkerLostError
+from elastic_ops.errors import AgentLostError, SpecError
 from elastic_ops.runtime.outcome import ChunkResult, Progress
 
 POLL_S = 0.05  # how often the client looks for a new pool target between agent messages (the
@@ -80,6 +80,17 @@ class AgentClient:
         sock.settimeout(None)
         return sock
 
+    def _error(self, msg: dict[str, Any]) -> BaseException:
+        """The agent's error; one about the protocol version (an agent of another elastic_ops
+        release) means this agent cannot be used: the chunk runs in the task process instead."""
+        exc = error_from_wire(msg)
+        if isinstance(exc, SpecError) and getattr(exc, "field", None) == "version":
+            return AgentUnavailableError(
+                f"the elastic-ops agent at {self.path} speaks another protocol version ({exc})",
+                hint="restart the agent with the elastic_ops release the tasks use",
+            )
+        return exc
+
     def _call(self, request: dict[str, Any], expect: str) -> dict[str, Any]:
         with self._connect() as sock:
             sock.sendall(encode({"version": PROTOCOL_VERSION, **request}))
@@ -91,7 +102,7 @@ class AgentClient:
             if msg is None:
                 raise AgentUnavailableError(f"the agent at {self.path} did not answer within 60 s")
             if msg.get("type") == "error":
-                raise error_from_wire(msg)
+                raise self._error(msg)
             if msg.get("type") != expect:
                 raise AgentProtocolError(f"expected a {expect!r} message, got {msg.get('type')!r}")
             return msg
@@ -130,8 +141,8 @@ class AgentClient:
         count on other slots (``None`` when the run had no slots), starts at a boundary (the
         previous segment's workers have exited). Raises :class:`AgentUnavailableError` if
         no agent accepts the connection (nothing ran; the caller may run the chunk itself), the
-        chunk's own ``elastic_ops`` error as the runtime raised it, or :class:`WorkerLostError`
-        if the agent went away mid-chunk (its workers went with it).
+        chunk's own ``elastic_ops`` error as the runtime raised it, or :class:`AgentLostError`
+        if the agent went away mid-chunk (its workers went with it; not the host's fault).
         """
 
         def current() -> tuple[int, list[int] | None]:
@@ -163,10 +174,9 @@ class AgentClient:
                 try:
                     msg = reader.read(timeout=poll_s)
                 except EOFError:
-                    raise WorkerLostError(
+                    raise AgentLostError(
                         f"the elastic-ops agent at {self.path} closed the connection mid-chunk "
                         f"(iterations {start}..{end})",
-                        host=host,
                         hint="the agent stopped or crashed; retry resumes from the last committed checkpoint",
                     ) from None
                 now = current()
@@ -186,7 +196,7 @@ class AgentClient:
                 elif kind == "result":
                     return result_from_wire(msg.get("result"))
                 elif kind == "error":
-                    raise error_from_wire(msg)
+                    raise self._error(msg)
                 else:
                     raise AgentProtocolError(f"unexpected message type {kind!r} from the agent")
         finally:

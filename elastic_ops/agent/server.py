@@ -45,7 +45,7 @@ from elastic_ops.agent.protocol import (
     require_str,
     trusted_peer,
 )
-from elastic_ops.errors import SpecError, WorkerLostError
+from elastic_ops.errors import AgentLostError, SpecError, WorkerLostError
 
 log = logging.getLogger("elastic_ops.agent")
 
@@ -116,6 +116,7 @@ class ChunkSession:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.sock, self.reader, self.clock = sock, reader, clock
+        self.stopping = False  # set when the agent itself kills the workers (it is stopping)
         self.progress_every_s = progress_every_s
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()
@@ -277,6 +278,11 @@ class ChunkSession:
             if self.gone.is_set():
                 log.info("job %s: chunk aborted (%s: %s)", spec.name, type(exc).__name__, exc)
                 return
+            if self.stopping and isinstance(exc, WorkerLostError):
+                exc = AgentLostError(  # the agent killed the workers: not the host failing
+                    f"the elastic-ops agent stopped mid-chunk ({exc})",
+                    hint="retry resumes from the last committed checkpoint",
+                )
             log.info("job %s: chunk failed: %s: %s", spec.name, type(exc).__name__, exc)
             self.send(error_to_wire(exc, traceback.format_exc()))
             return
@@ -292,7 +298,8 @@ class ChunkSession:
         self.send({"type": "result", "result": jsonable(result.to_dict())})
 
     def abort(self) -> None:
-        """Kill the workers (the agent is stopping); the task still gets the resulting error."""
+        """Kill the workers (the agent is stopping); the task gets :class:`AgentLostError`."""
+        self.stopping = True
         self.launcher.abort()
 
 
@@ -479,9 +486,8 @@ class Agent:
                 stopping = self._stop.is_set()
             try:
                 if stopping:
-                    raise WorkerLostError(
+                    raise AgentLostError(
                         "the elastic-ops agent is stopping",
-                        host=session.request["host"],
                         hint="retry resumes from the last committed checkpoint",
                     )
                 session.run()

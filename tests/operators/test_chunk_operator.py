@@ -12,6 +12,7 @@ from airflow.sdk.exceptions import TaskDeferred
 
 from elastic_ops.checkpoint import open_store
 from elastic_ops.errors import (
+    AgentLostError,
     LeaseExpiredError,
     LedgerBusyError,
     PoolError,
@@ -191,3 +192,13 @@ def test_operator_arguments_are_checked_when_the_dag_is_parsed(kwargs, field):
     with pytest.raises(SpecError) as err:
         ElasticChunkOperator(**args)
     assert err.value.field == field
+
+
+def test_an_agent_that_went_away_is_retried_and_not_held_against_the_host(pool, monkeypatch):
+    monkeypatch.setattr(ElasticChunkOperator, "_train",
+                        train_raising(AgentLostError("the elastic-ops agent stopped mid-chunk")))
+    with pytest.raises(AgentLostError) as err:
+        make_chunk(1).execute(ti_context(1, 3))
+    assert err.value.retryable
+    assert not [e for e in pool.events() if e["kind"] == "failure"]
+    assert job_row(pool, job_id("d", "train", "run1"))["state"] == "waiting"

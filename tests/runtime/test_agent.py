@@ -30,7 +30,7 @@ from elastic_ops.agent.protocol import (
 )
 from elastic_ops.agent.server import Agent
 from elastic_ops.checkpoint import open_store
-from elastic_ops.errors import SpecError, UserCodeError, WorkerLostError
+from elastic_ops.errors import AgentLostError, SpecError, UserCodeError, WorkerLostError
 from elastic_ops.runtime import ChunkStatus, run_chunk
 from tests.runtime.agent_helpers import line, raw_exchange, running_agent
 from tests.runtime.builders import RecordingLauncher, make_spec
@@ -286,7 +286,7 @@ def test_a_task_that_disconnects_mid_chunk_leaves_no_workers_and_an_intact_check
     assert AgentClient(agent.path).ping()["chunks"] == 0  # and the agent serves on
 
 
-def test_an_agent_that_stops_mid_chunk_fails_the_chunk_as_retryable(tmp_path):
+def test_an_agent_that_stops_mid_chunk_fails_the_chunk_as_retryable_without_blaming_the_host(tmp_path):
     spec = make_spec(tmp_path, total_iterations=100_000, checkpoint_interval=10)
     errors: list[BaseException] = []
     started = threading.Event()
@@ -304,7 +304,8 @@ def test_an_agent_that_stops_mid_chunk_fails_the_chunk_as_retryable(tmp_path):
         # leaving the block stops the agent (as SIGTERM does): it kills the chunk's workers
     thread.join(120)
     (err,) = errors
-    assert isinstance(err, WorkerLostError) and err.retryable and err.host == "h1"
+    # retryable, and not a WorkerLostError: the task does not report the host as failing
+    assert isinstance(err, AgentLostError) and err.retryable and not isinstance(err, WorkerLostError)
     assert not os.path.exists(agent.path)  # and removed its socket
 
 
@@ -424,6 +425,16 @@ def test_only_an_agent_of_the_same_user_or_root_is_used(agent, monkeypatch):
     assert AgentClient(agent.path).ping()["chunks"] >= 0
     monkeypatch.setattr(client_module, "peer_uid", lambda sock: 12345)
     with pytest.raises(AgentUnavailableError, match="runs as uid 12345"):
+        AgentClient(agent.path).ping()
+
+
+def test_an_agent_of_another_protocol_version_is_unavailable_not_an_error(agent, monkeypatch):
+    """After an upgrade the task speaks a newer protocol than a still-running agent: the chunk
+    must run in the task process (AgentUnavailableError), not fail as a bad spec."""
+    import elastic_ops.agent.client as client_module
+
+    monkeypatch.setattr(client_module, "PROTOCOL_VERSION", 99)
+    with pytest.raises(AgentUnavailableError, match="speaks another protocol version"):
         AgentClient(agent.path).ping()
 
 
