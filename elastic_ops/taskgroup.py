@@ -129,13 +129,17 @@ def elastic_training(
     _check_warm_start(warm_start)
     _, n_chunks = validate_fields(fields, num_chunks)
     fields = {k: v for k, v in fields.items() if k != "name"}
-    if model_asset is None:
-        default_root = airflow_home() / "elastic_ops" / "checkpoints" / safe_name(dag_id) / safe_name(task_id)
-        root = checkpoint if checkpoint and not is_template(checkpoint) else f"file://{default_root}"
-        model_asset = Asset(name=f"{dag_id}.{task_id}.model", uri=root, group="model")
-    common = {"spec_fields": fields, "group_id": task_id, "num_chunks": num_chunks,
-              "elastic_ops_conn_id": elastic_ops_conn_id, "aws_conn_id": aws_conn_id}
     with TaskGroup(group_id=task_id, tooltip=f"elastic training of {trainable}") as group:
+        # the full id ("parent.train" inside another group): two groups named alike in one DAG
+        # must not share a pool job, a checkpoint root or a model Asset
+        full_id = group.group_id or task_id
+        if model_asset is None:
+            default_root = airflow_home() / "elastic_ops" / "checkpoints" / safe_name(dag_id)
+            default_root = default_root / safe_name(full_id)
+            root = checkpoint if checkpoint and not is_template(checkpoint) else f"file://{default_root}"
+            model_asset = Asset(name=f"{dag_id}.{full_id}.model", uri=root, group="model")
+        common = {"spec_fields": fields, "group_id": full_id, "num_chunks": num_chunks,
+                  "elastic_ops_conn_id": elastic_ops_conn_id, "aws_conn_id": aws_conn_id}
         register = ElasticRegisterOperator(task_id="register", **common)
         chunks = []
         for i in range(n_chunks):

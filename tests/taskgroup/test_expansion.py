@@ -120,3 +120,21 @@ def test_the_dag_serializes_for_the_scheduler():
     rebuilt = DagSerialization.from_dict(data)
     assert set(rebuilt.task_dict) == set(dag.task_dict)
     assert rebuilt.get_task("train.chunk_01_of_04").has_retry_policy
+
+
+def test_groups_of_the_same_name_in_different_parents_stay_apart():
+    """model_a/train and model_b/train: two pool jobs, two checkpoint roots, two model Assets."""
+    from airflow.sdk import TaskGroup
+
+    with DAG(dag_id="d", schedule=None, start_date=pendulum.datetime(2024, 1, 1, tz="UTC")) as dag:
+        groups = []
+        for parent in ("model_a", "model_b"):
+            with TaskGroup(group_id=parent):
+                groups.append(elastic_training(task_id="train", trainable=DIGITS, total_iterations=20,
+                                               chunk_iterations=10, max_workers=2))
+    chunks = [dag.get_task(f"{p}.train.chunk_01_of_02") for p in ("model_a", "model_b")]
+    assert [c.group_id for c in chunks] == ["model_a.train", "model_b.train"]
+    context = {"dag": dag, "run_id": "r1"}
+    specs = [c._spec(context) for c in chunks]
+    assert specs[0].name != specs[1].name and specs[0].checkpoint != specs[1].checkpoint
+    assert groups[0].model_asset.name != groups[1].model_asset.name
