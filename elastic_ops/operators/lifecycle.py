@@ -93,11 +93,15 @@ class ElasticFinalizeOperator(ElasticOperatorMixin, BaseOperator):
                 f"(latest: {got}) under {spec.checkpoint_uri()}"
             )
         trained = [c for c in chunks if c.status != "already_done"]
-        last = trained[-1] if trained else chunks[-1]
+        # the model's figures come from the final checkpoint itself (its manifest), not from the
+        # chunk results: a rerun whose chunks were all already done trained nothing this time
+        final = dict(ref.metrics)
         summary = {
             "job": spec.name, "checkpoint_uri": ref.uri, "checkpoint_root": spec.checkpoint_uri(),
             "entrypoint": spec.entrypoint, "params": dict(spec.params), "iteration": ref.iteration,
-            "loss": last.loss, "metrics": last.metrics, "param_sha256": last.param_sha256,
+            "loss": final.get("loss"),
+            "metrics": {k: v for k, v in final.items() if k not in ("loss", "param_sha256")},
+            "param_sha256": final.get("param_sha256"),
             "chunks": len(chunks), "preemptions": sum(c.preemptions for c in chunks),
             "waited_s": round(sum(c.waited_s for c in chunks), 3),
             "train_s": round(sum(c.duration_s - c.waited_s for c in trained), 3),

@@ -1,0 +1,48 @@
+"""``ElasticFinalizeOperator``: the model Asset event describes the final checkpoint."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from types import SimpleNamespace
+
+import pytest
+from airflow.sdk import Asset
+
+from elastic_ops.checkpoint import open_store
+from elastic_ops.operators import ElasticChunkOperator
+from elastic_ops.operators.lifecycle import ElasticFinalizeOperator
+from elastic_ops.operators.results import ChunkTaskResult
+from tests.operators.helpers import airflow_pool
+
+FIELDS = {"entrypoint": "elastic_ops.examples.digits:DigitsMLP", "total_iterations": 40,
+          "chunk_iterations": 20, "global_batch": 64, "min_workers": 1, "max_workers": "2"}
+
+
+def already_done(index: int, job: str) -> dict:
+    return ChunkTaskResult(
+        job=job, chunk_index=index, start=20 * index, end=20 * (index + 1), status="already_done",
+        iterations=0, workers_timeline=[], samples_per_sec=0.0, loss=None, metrics={}, checkpoint_uri=None,
+        param_sha256=None, epochs=[], hosts=[], preemptions=0, waited_s=0.0, duration_s=0.1,
+    ).to_dict()
+
+
+def test_a_rerun_that_trained_nothing_still_reports_the_final_models_figures(monkeypatch, tmp_path):
+    pool = airflow_pool(monkeypatch, tmp_path)
+    asset = Asset(name="d.train.model", uri="file:///models/d/train")
+    op = ElasticFinalizeOperator(task_id="finalize", spec_fields=FIELDS, group_id="train",
+                                 chunk_task_ids=["train.c1", "train.c2"], outlets=[asset])
+    dag = SimpleNamespace(dag_id="d")
+    spec = ElasticChunkOperator(task_id="c", spec_fields=FIELDS, chunk_index=0, group_id="train")._spec(
+        {"dag": dag, "run_id": "r1"})
+    pool.submit(spec.name, min_workers=1, max_workers=2)
+    metrics = {"loss": 0.125, "accuracy": 0.97, "param_sha256": "ab" * 32}
+    open_store(spec.checkpoint_uri()).save(40, {"model": {}, "iteration": 40}, epoch=1,
+                                           spec_hash=spec.spec_hash(), metrics=metrics)
+    events: dict = defaultdict(SimpleNamespace)
+    results = {"train.c1": already_done(0, spec.name), "train.c2": already_done(1, spec.name)}
+    context = {"dag": dag, "run_id": "r1", "outlet_events": events,
+               "ti": SimpleNamespace(xcom_pull=lambda task_ids: results[task_ids])}
+    summary = op.execute(context)
+    assert summary["loss"] == pytest.approx(0.125) and summary["metrics"] == {"accuracy": 0.97}
+    assert summary["param_sha256"] == "ab" * 32 and summary["iteration"] == 40
+    assert events[asset].extra == summary
