@@ -44,11 +44,13 @@ WARM_START_PREVIOUS = "previous"
 
 
 def failed_hosts(client: Any, job: str) -> list[str]:
-    """Hosts on which ``job`` failed, from the pool's event log (what a retry must avoid)."""
+    """Hosts on which ``job`` failed since it was last registered (``submit``: a rerun of the
+    DAG run starts over), from the pool's event log: what a retry must avoid."""
     hosts: set[str] = set()
     for event in client.events(job=job):
-        kind = str(event.get("kind") or event.get("type") or event.get("event") or "")
-        if "fail" in kind and event.get("host"):
+        if event.get("kind") == "submit":
+            hosts.clear()
+        elif event.get("kind") == "failure" and event.get("host"):
             hosts.add(str(event["host"]))
     return sorted(hosts)
 
@@ -211,6 +213,9 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
             trigger=GrantTrigger(job=job, ledger_url=hook.ledger_url(), state=state,
                                  avoid_hosts=avoid, poll_interval=self.poll_interval),
             method_name="execute_granted",
+            # a demand the pool cannot meet (min_workers above what its hosts hold) would wait
+            # forever: the task's execution_timeout bounds the wait too (None: no bound)
+            timeout=self.execution_timeout,
         )
 
     def _run_granted(

@@ -386,10 +386,12 @@ class PoolClient:
                     f"priority {priority} preemptible {preemptible}",
                 )
             else:
-                if row.state == JobState.FINISHED.value:
+                if row.state == JobState.FINISHED.value:  # a rerun (the DAG run was cleared)
                     values.update(
                         state=JobState.WAITING.value, waiting_since=now, submitted=now, avoid_hosts="[]"
                     )
+                    self._event(conn, now, "submit", job=job, reason=f"registered again: min {min_workers} "
+                                f"max {max_workers} priority {priority} preemptible {preemptible}")
                 conn.execute(update(s.jobs).where(s.jobs.c.name == job).values(**values))
             self._replan(conn, now)
 

@@ -202,3 +202,29 @@ def test_an_agent_that_went_away_is_retried_and_not_held_against_the_host(pool, 
     assert err.value.retryable
     assert not [e for e in pool.events() if e["kind"] == "failure"]
     assert job_row(pool, job_id("d", "train", "run1"))["state"] == "waiting"
+
+
+def test_the_wait_for_a_grant_is_bounded_by_the_tasks_execution_timeout(pool):
+    from datetime import timedelta
+
+    pool.submit("other", min_workers=2, max_workers=2, priority=5, preemptible=False)
+    pool.request("other")
+    op = ElasticChunkOperator(task_id="chunk_1", spec_fields=FIELDS | {"max_workers": "2"}, chunk_index=1,
+                              group_id="train", execution_timeout=timedelta(minutes=7))
+    with pytest.raises(TaskDeferred) as deferred:
+        op.execute(context())
+    assert deferred.value.timeout == timedelta(minutes=7)
+
+
+def test_a_retry_avoids_the_hosts_that_failed_since_the_job_was_registered(pool):
+    from elastic_ops.operators.chunk import failed_hosts
+
+    pool.add_host("h2", 2)
+    pool.submit("j", min_workers=1, max_workers=2)
+    pool.report_failure("j", "h1")
+    assert failed_hosts(pool, "j") == ["h1"]
+    pool.submit("j", min_workers=1, max_workers=2)  # the register task ran again in the same run
+    assert failed_hosts(pool, "j") == ["h1"]
+    pool.release("j", 0, finished=True)  # the run ended (failed for good) ...
+    pool.submit("j", min_workers=1, max_workers=2)  # ... was cleared, and registers again
+    assert failed_hosts(pool, "j") == []
