@@ -228,7 +228,13 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
                       state["start"], state["end"], grant.workers, ", ".join(grant.hosts), grant.epoch)
         keeper = LeaseKeeper(client, spec.name, grant.epoch, grant.workers,
                              interval_s=min(self.heartbeat_interval, grant.ttl_s / 3), ttl_s=grant.ttl_s,
-                             placements=grant.placements, host=host).start()
+                             placements=grant.placements, host=host)
+        keeper.beat()  # renew now: a grant the task resumed too late for (past its TTL) is gone
+        if keeper.lost:
+            self.log.warning("job %s: the grant of epoch %d expired before this task resumed; asking again",
+                             spec.name, grant.epoch)
+            return self._acquire(context, state, hook)
+        keeper.start()
         # for on_kill only (same process, same try): nothing here outlives a deferral
         self._running = (keeper, client, spec.name, grant.epoch)
         try:

@@ -228,3 +228,23 @@ def test_a_retry_avoids_the_hosts_that_failed_since_the_job_was_registered(pool)
     pool.release("j", 0, finished=True)  # the run ended (failed for good) ...
     pool.submit("j", min_workers=1, max_workers=2)  # ... was cleared, and registers again
     assert failed_hosts(pool, "j") == []
+
+
+def test_a_grant_that_expired_before_the_task_resumed_is_asked_for_again(pool, monkeypatch):
+    pool.configure(lease_ttl_s=1.0)
+    pool.submit("other", min_workers=2, max_workers=2, priority=5, preemptible=False)
+    blocker = pool.request("other")
+    with pytest.raises(TaskDeferred) as deferred:
+        make_chunk(1).execute(context())
+    trig = deferred.value.trigger
+    pool.release("other", blocker.epoch, finished=True)
+    grant = pool.request(trig.job)  # what the trigger does
+    time.sleep(1.5)  # the task resumes after the grant's TTL: the lease has expired
+    epochs = []
+    done = SimpleNamespace(status=ChunkStatus.COMPLETED, workers_timeline=[], iteration=40, start=20,
+                           samples_per_sec=1.0, duration_s=1.0, checkpoint_uri=None)
+    monkeypatch.setattr(ElasticChunkOperator, "_train",
+                        lambda self, spec, state, epoch, host, keeper, hook: epochs.append(epoch) or done)
+    event = GrantEvent(trig.job, grant.epoch, grant.placements, grant.ttl_s, trig.state, 0.1)
+    make_chunk(1).execute_granted(context(), event.to_payload())
+    assert len(epochs) == 1 and epochs[0] > grant.epoch  # a fresh grant, never the dead one
