@@ -25,6 +25,7 @@ from datetime import timedelta
 from typing import Any
 
 from airflow.sdk import BaseOperator
+from airflow.sdk.exceptions import TaskDeferred
 
 from elastic_ops.agent.protocol import AGENT_SOCKET_ENV, AgentUnavailableError
 from elastic_ops.agent.protocol import agent_socket_from_env as agent_socket
@@ -130,6 +131,26 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
     # --- first entry -----------------------------------------------------------------------
 
     def execute(self, context: Any) -> dict[str, Any]:
+        try:
+            return self._first_entry(context)
+        except TaskDeferred:
+            raise
+        except BaseException as exc:
+            self._end_job_if_final(context, exc, lambda: self._spec(context).name)
+            raise
+
+    def _end_job_if_final(self, context: Any, exc: BaseException, job: Any) -> None:
+        """A failure outside any grant (e.g. while deferred, or before asking) that ends the task
+        for good ends the job in the pool too, so its demand stops holding slots back."""
+        if getattr(self, "_killed", False) or not _final_failure(context, exc):
+            return
+        try:
+            name = job()
+        except Exception:  # noqa: BLE001 - no valid spec: no job was registered
+            return
+        self._quietly("end the job in the pool", self._hook().pool().finish, name)
+
+    def _first_entry(self, context: Any) -> dict[str, Any]:
         spec = self._spec(context)
         start, end = chunk_range(spec, self.chunk_index)
         hook = self._hook()
@@ -147,6 +168,15 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
 
     def execute_granted(self, context: Any, event: dict[str, Any]) -> dict[str, Any]:
         """Resume after the :class:`GrantTrigger` fired; all state comes from the event."""
+        try:
+            return self._resumed(context, event)
+        except TaskDeferred:
+            raise
+        except BaseException as exc:
+            self._end_job_if_final(context, exc, lambda: self._spec(context).name)
+            raise
+
+    def _resumed(self, context: Any, event: dict[str, Any]) -> dict[str, Any]:
         parsed = parse_event(event)
         if isinstance(parsed, TriggerFailure):
             raise WaitFailedError(f"waiting for a grant failed: {parsed.error_type}: {parsed.error}",

@@ -547,6 +547,30 @@ class PoolClient:
 
         return self._tx(op)
 
+    def finish(self, job: str) -> None:
+        """End ``job`` whatever it holds: a live lease is released (its slots return), the job
+        leaves the plan. Idempotent. For a job whose run failed for good outside any grant."""
+
+        def op(conn, now):
+            row = self._job_row(conn, job)
+            self._sync(conn, now)
+            if row.state == JobState.FINISHED.value:
+                return
+            live = self._live_lease(conn, job)
+            if live is not None:
+                held = self._held(conn, job)
+                self._free(conn, now, job, held, "release", "finished", epoch=live.epoch, workers=0)
+                self._end_lease(conn, now, job, live.epoch, "finished")
+            conn.execute(
+                update(s.jobs)
+                .where(s.jobs.c.name == job)
+                .values(state=JobState.FINISHED.value, waiting_since=now, target=0, reason="finished")
+            )
+            self._event(conn, now, "finish", job=job, epoch=row.epoch)
+            self._replan(conn, now, synced=True)
+
+        self._tx(op)
+
     def report_failure(self, job: str, host: str) -> None:
         """``job`` failed on ``host``: the job avoids it from now on; enough failures cool it."""
 

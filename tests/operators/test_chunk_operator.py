@@ -248,3 +248,23 @@ def test_a_grant_that_expired_before_the_task_resumed_is_asked_for_again(pool, m
     event = GrantEvent(trig.job, grant.epoch, grant.placements, grant.ttl_s, trig.state, 0.1)
     make_chunk(1).execute_granted(context(), event.to_payload())
     assert len(epochs) == 1 and epochs[0] > grant.epoch  # a fresh grant, never the dead one
+
+
+def test_a_wait_that_failed_for_good_ends_the_job_in_the_pool(pool):
+    """The trigger met an error retrying cannot fix: the task fails for good, and the job's
+    demand must not keep holding slots back from other jobs."""
+    op = make_chunk(1)
+    pool.submit("other", min_workers=2, max_workers=2, priority=5, preemptible=False)
+    blocker = pool.request("other")
+    with pytest.raises(TaskDeferred):
+        op.execute(ti_context(1, 3))
+    job = job_id("d", "train", "run1")
+    assert job_row(pool, job)["state"] == "waiting"
+    failure = TriggerFailure("the ledger refused the job", "SpecError", False)
+    with pytest.raises(PoolError):
+        make_chunk(1).execute_granted(ti_context(1, 3), failure.to_payload())
+    assert job_row(pool, job)["state"] == "finished"
+    pool.release("other", blocker.epoch, finished=True)
+    pool.submit("next", min_workers=2, max_workers=2)
+    assert pool.request("next").workers == 2  # the failed job holds nothing back
+

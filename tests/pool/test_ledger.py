@@ -132,6 +132,18 @@ def test_failures_make_the_job_avoid_the_host_and_cool_it_down(pool, clock):
     assert {h for h, _ in pool.request("c").placements} == {"h0"}
 
 
+def test_finish_releases_what_a_job_holds_and_is_idempotent(pool):
+    g = grant(pool, "j", min_workers=2, max_workers=2)
+    pool.finish("j")
+    pool.finish("j")
+    assert pool.status()["slots"]["used"] == 0
+    assert {j["name"]: j for j in pool.status()["jobs"]}["j"]["state"] == "finished"
+    with pytest.raises(LeaseExpiredError):
+        pool.check_epoch("j", g.epoch)
+    replay(pool.events())  # the slots were released, not just forgotten
+    assert held_now(pool.events()) == {}
+
+
 def test_a_one_host_pool_grants_the_job_again_where_it_failed(pool):
     """Avoiding the only host that can hold the job would make it wait forever."""
     g = grant(pool, "a", max_workers=4)
