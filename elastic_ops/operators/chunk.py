@@ -37,7 +37,7 @@ from elastic_ops.operators.progress import progress_logger
 from elastic_ops.operators.results import ChunkTaskResult
 from elastic_ops.operators.retry import ElasticRetryPolicy
 from elastic_ops.runtime.outcome import ChunkStatus
-from elastic_ops.spec import JobSpec
+from elastic_ops.spec import JobSpec, check_checkpoint_uri
 from elastic_ops.triggers.events import GrantEvent, TriggerFailure, parse_event
 from elastic_ops.triggers.pool import GrantTrigger
 
@@ -54,6 +54,20 @@ def failed_hosts(client: Any, job: str) -> list[str]:
         elif event.get("kind") == "failure" and event.get("host"):
             hosts.add(str(event["host"]))
     return sorted(hosts)
+
+
+def _check_previous_model(uri: Any, asset: Any) -> None:
+    """The previous model an Asset event names must be one this group wrote: a checkpoint URI
+    under the Asset's own URI. Whoever may post Asset events must not be able to point the job
+    at another bucket or directory (read with this job's credentials) to train on from there."""
+    root = str(getattr(asset, "uri", "") or "").rstrip("/")
+    check_checkpoint_uri("warm_start", uri)
+    if not root or not str(uri).startswith(root + "/"):
+        raise SpecError(
+            "warm_start", uri, f"the previous model must lie under the model Asset's URI {root!r}",
+            hint="give elastic_training(model_asset=Asset(uri=<the checkpoint root>)) when the "
+            "checkpoint URI is a template",
+        )
 
 
 def _final_failure(context: Any, exc: BaseException) -> bool:
@@ -198,6 +212,7 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
             events = context["inlet_events"][asset]
             if len(events):
                 uri = (events[-1].extra or {}).get("checkpoint_root")
+                _check_previous_model(uri, asset)
                 self.log.info("warm start from the previous model %s", uri)
                 return uri
         self.log.info("no previous model yet; cold start")

@@ -26,7 +26,6 @@ PARAMS = {"hidden": 16, "depth": 1}
 FIELDS = {"entrypoint": "elastic_ops.examples.digits:DigitsMLP", "total_iterations": 2,
           "chunk_iterations": 2, "global_batch": 64, "min_workers": 1, "max_workers": 1,
           "priority": 2, "params": PARAMS}
-MODEL_ASSET = Asset(name="d.train.model", uri="s3://models/digits")
 
 
 def set_conn(monkeypatch, conn_id: str, **conn) -> None:
@@ -62,7 +61,8 @@ def test_s3_warm_start_reads_the_model_through_the_aws_connection(
              password=s3_endpoint.secret_access_key,
              extra={"endpoint_url": s3_endpoint.endpoint_url, "region_name": s3_endpoint.region})
     PoolClient(ledger, aging_s=0.0).add_host("h1", 1)
-    previous = s3_endpoint.uri("previous-model")
+    model_asset = Asset(name="d.train.model", uri=s3_endpoint.uri("models"))  # where finalize emits
+    previous = s3_endpoint.uri("models/previous-run")
     open_store(previous, s3_client=s3_endpoint.client()).save(
         7, {"model": zero_model(), "iteration": 7}, epoch=1, spec_hash="an-earlier-job")
     with pytest.raises(Exception):  # noqa: B017,PT011 - the default chain cannot read it, whatever the error
@@ -71,10 +71,10 @@ def test_s3_warm_start_reads_the_model_through_the_aws_connection(
     op = ElasticChunkOperator(
         task_id="chunk_01_of_01", spec_fields=FIELDS, chunk_index=0, group_id="train",
         aws_conn_id="models_s3", warm_start=previous if warm_start == "uri" else "previous",
-        inlets=[MODEL_ASSET],
+        inlets=[model_asset],
     )
     context = {"dag": SimpleNamespace(dag_id="d"), "run_id": "run1",
-               "inlet_events": {MODEL_ASSET: [SimpleNamespace(extra={"checkpoint_root": previous})]}}
+               "inlet_events": {model_asset: [SimpleNamespace(extra={"checkpoint_root": previous})]}}
     before = len(s3_endpoint.server.requests)
     result = op.execute(context)
 
@@ -86,3 +86,16 @@ def test_s3_warm_start_reads_the_model_through_the_aws_connection(
     store = open_store(op._spec(context).checkpoint_uri())  # the job's own file:// checkpoints
     final = store.load(store.latest())["model"]
     assert max(float(t.abs().max()) for t in final.values()) < 0.01
+
+
+@pytest.mark.parametrize("named", ["s3://another-bucket/model", "file:///etc/models", "s3://models/digits-x/r"])
+def test_an_asset_event_cannot_point_the_warm_start_outside_the_model_assets_uri(named):
+    """Whoever may post Asset events must not redirect the job to other storage."""
+    from elastic_ops.errors import SpecError
+
+    asset = Asset(name="d.train.model", uri="s3://models/digits")
+    op = ElasticChunkOperator(task_id="chunk_01_of_01", spec_fields=FIELDS, chunk_index=0, group_id="train",
+                              warm_start="previous", inlets=[asset])
+    context = {"inlet_events": {asset: [SimpleNamespace(extra={"checkpoint_root": named})]}}
+    with pytest.raises(SpecError, match="invalid warm_start=.*must lie under the model Asset's URI"):
+        op._warm_start(context)
