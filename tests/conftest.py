@@ -9,6 +9,15 @@ import pytest
 
 REQUIRE_SERVICES = os.environ.get("ELASTIC_OPS_REQUIRE_SERVICES") == "1"
 
+try:  # property tests: no per-example deadline (a wall-clock check on a loaded machine), and
+    # the same examples on every run (a failure reproduces; CI does not pass by luck)
+    from hypothesis import settings
+
+    settings.register_profile("elastic_ops", deadline=None, derandomize=True, database=None)
+    settings.load_profile("elastic_ops")
+except ImportError:  # a machine that only runs the runtime's CUDA tests
+    pass
+
 
 def _reachable(host: str, port: int) -> bool:
     try:

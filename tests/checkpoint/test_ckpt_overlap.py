@@ -45,6 +45,7 @@ class RemoteLike:
         self.list_release = threading.Event()
         self.list_release.set()
         self.list_done = threading.Event()
+        self.upload_failed = threading.Event()
         self.calls: list[str] = []
         self.damaged_reads = 0  # this many data reads come back with one byte flipped
 
@@ -53,6 +54,7 @@ class RemoteLike:
         if "/d-" in key and (self.hold_data_put or self.fail_data_put):
             assert self.list_started.wait(WAIT_S), "the listing did not start during the upload"
             if self.fail_data_put:
+                self.upload_failed.set()
                 raise StorageTransientError("upload failed (injected)")
         self.inner.put(key, data)
 
@@ -124,16 +126,23 @@ def test_failed_upload_raises_with_no_listing_left_in_flight(tmp_path: Path) -> 
     backend = RemoteLike(tmp_path)
     backend.fail_data_put = True
     backend.list_release.clear()  # the listing is still running when the upload fails
-
-    def release_later() -> None:
-        backend.list_started.wait(WAIT_S)
-        threading.Timer(0.05, backend.list_release.set).start()
-
-    threading.Thread(target=release_later, daemon=True).start()
     store = CheckpointStore(backend)
-    with pytest.raises(StorageTransientError, match="injected"):
-        store.save(10, small_state(1), epoch=1, spec_hash="h")
-    assert backend.list_done.is_set(), "save() returned while its listing was still running"
+    raised: list[BaseException] = []
+
+    def save() -> None:
+        try:
+            store.save(10, small_state(1), epoch=1, spec_hash="h")
+        except BaseException as exc:  # checked below
+            raised.append(exc)
+
+    saving = threading.Thread(target=save)
+    saving.start()
+    assert backend.upload_failed.wait(WAIT_S)
+    saving.join(0.2)
+    assert saving.is_alive(), "save() returned while its listing was still running"
+    backend.list_release.set()
+    saving.join(WAIT_S)
+    assert len(raised) == 1 and isinstance(raised[0], StorageTransientError) and backend.list_done.is_set()
     assert "put-manifest" not in backend.calls and store.latest() is None
 
 

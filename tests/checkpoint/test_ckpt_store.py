@@ -240,11 +240,17 @@ def test_concurrent_commit_from_two_processes_exactly_one_wins(target: StoreTarg
         procs = [
             ctx.Process(target=_racer, args=(*target.child_args(), barrier, it, v, out)) for v in (1.0, 2.0)
         ]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(120)
-            assert p.exitcode == 0
+        try:
+            for p in procs:
+                p.start()
+            for p in procs:
+                p.join(120)
+                assert p.exitcode == 0
+        finally:  # no racer outlives a failed round
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                    p.join()
     results = [out.get(timeout=10) for _ in range(2 * rounds)]
     store = target.open(keep_last=100)
     for it in range(rounds):
@@ -550,10 +556,12 @@ def test_retention_never_removes_the_data_of_a_save_still_in_flight(target: Stor
     saving = threading.Thread(target=lambda: a.save(30, small_state(3), epoch=1, spec_hash="h"))
     saving.start()
     try:
-        for _ in range(600):
+        for _ in range(1200):  # up to 60 s on a loaded machine
             if any(k.startswith("it-00000030/d-") for k in target.keys()):
                 break
             threading.Event().wait(0.05)
+        else:
+            raise AssertionError("writer a never wrote the data of iteration 30: the race was not set up")
         b.save(40, small_state(4), epoch=1, spec_hash="h")
         b.wait()  # b's retention has run
     finally:

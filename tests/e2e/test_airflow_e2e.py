@@ -157,9 +157,10 @@ def start_reference(tmp_path: Path) -> subprocess.Popen:
                             text=True)
 
 
-def test_killed_worker_is_retried_on_another_host_from_the_latest_checkpoint(deployment, tmp_path):
+def test_killed_worker_is_retried_on_another_host_from_the_latest_checkpoint(deployment, tmp_path, request):
     af, pool = deployment
     reference = start_reference(tmp_path)
+    request.addfinalizer(lambda: (reference.kill(), reference.wait()))  # not left running on a failure
     from elastic_ops.checkpoint import open_store
 
     run = af.trigger("e2e_sigkill", run_id="kill_run")

@@ -15,6 +15,7 @@ import torch
 from airflow.sdk import Asset
 
 from elastic_ops.checkpoint import open_store
+from elastic_ops.errors import StoragePermanentError
 from elastic_ops.examples.digits import DigitsMLP
 from elastic_ops.operators import ElasticChunkOperator
 from elastic_ops.pool import PoolClient
@@ -65,7 +66,7 @@ def test_s3_warm_start_reads_the_model_through_the_aws_connection(
     previous = s3_endpoint.uri("models/previous-run")
     open_store(previous, s3_client=s3_endpoint.client()).save(
         7, {"model": zero_model(), "iteration": 7}, epoch=1, spec_hash="an-earlier-job")
-    with pytest.raises(Exception):  # noqa: B017,PT011 - the default chain cannot read it, whatever the error
+    with pytest.raises(StoragePermanentError, match="no usable AWS credentials"):  # the default chain
         open_store(previous).latest()
 
     op = ElasticChunkOperator(

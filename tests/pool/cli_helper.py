@@ -1,19 +1,9 @@
-"""Run the pool's CLI commands without importing the other layers' (heavier) commands."""
+"""Run ``elastic-ops`` commands in-process: the real entry point, errors on stderr and exit 2."""
 
 from __future__ import annotations
 
-import argparse
-
-from elastic_ops.errors import ElasticOpsError
-from elastic_ops.pool import cli
+from elastic_ops.cli import main
 
 
 def run(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="elastic-ops")
-    cli.add_commands(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    try:
-        return int(args.func(args) or 0)
-    except ElasticOpsError as exc:
-        print(f"elastic-ops: error: {exc}")
-        return 2
+    return main(argv)

@@ -45,9 +45,9 @@ def test_pool_commands_drive_the_ledger(sqlite_url, monkeypatch, capsys):
 def test_pool_url_flag_and_clear_errors(tmp_path, capsys):
     url = f"sqlite:///{tmp_path / 'other.db'}"
     assert run(["pool", "--pool-url", url, "set-priority", "ghost", "3"]) == 2
-    assert "unknown job 'ghost'" in capsys.readouterr().out
+    assert "elastic-ops: error: unknown job 'ghost'" in capsys.readouterr().err
     assert run(["pool", "--pool-url", url, "configure", "--policy", "nope"]) == 2
-    assert "known policies" in capsys.readouterr().out
+    assert "known policies" in capsys.readouterr().err
 
 
 def test_prune_events_command(sqlite_url, monkeypatch, capsys):
@@ -57,6 +57,6 @@ def test_prune_events_command(sqlite_url, monkeypatch, capsys):
     assert run(["pool", "prune-events", "--older-than-days", "1"]) == 0
     assert capsys.readouterr().out.strip() == "deleted 0 events older than 1 days"
     assert run(["pool", "prune-events", "--older-than-days", "0"]) == 2
-    assert "--older-than-days=0.0: must be a positive, finite number of days" in capsys.readouterr().out
+    assert "--older-than-days=0.0: must be a positive, finite number of days" in capsys.readouterr().err
     assert run(["pool", "prune-events", "--older-than-days", "inf"]) == 2
-    assert "--older-than-days=inf: must be a positive, finite number of days" in capsys.readouterr().out
+    assert "--older-than-days=inf: must be a positive, finite number of days" in capsys.readouterr().err

@@ -58,11 +58,17 @@ def _run(url: str) -> None:
     ctx = mp.get_context("fork")
     out = ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(url, i, 1000 + i, out)) for i in range(PROCS)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=120)
-        assert p.exitcode == 0, f"worker exited with {p.exitcode}"
+    try:
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=120)
+            assert p.exitcode == 0, f"worker exited with {p.exitcode}"
+    finally:  # no worker outlives a failed run
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
     assert sum(out.get(timeout=5) for _ in procs) == PROCS * OPS
 
     events = setup.events()

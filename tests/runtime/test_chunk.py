@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import time
+import math
 from types import SimpleNamespace
 
 import psutil
@@ -155,11 +155,9 @@ class _NoLaunch:
 def test_an_already_done_chunk_returns_at_once_without_workers(tmp_path, reference):
     spec = make_spec(tmp_path)
     run_chunk(spec, 0, 30, target=lambda i: 2)
-    t0 = time.monotonic()
-    result = run_chunk(spec, 10, 20, target=lambda i: 2, launcher=_NoLaunch())
+    result = run_chunk(spec, 10, 20, target=lambda i: 2, launcher=_NoLaunch())  # no workers start
     assert result.status is ChunkStatus.ALREADY_DONE and result.iteration == 30
     assert result.param_sha256 == reference["bitwise"]
-    assert time.monotonic() - t0 < 5
 
 
 def test_a_chunk_fences_the_store_with_its_epoch_before_it_restores(tmp_path):
@@ -326,7 +324,7 @@ def test_progress_reports_every_iteration_with_an_eta(tmp_path):
     run_chunk(make_spec(tmp_path), 0, 30, target=lambda i: 1 if i < 20 else 2, on_progress=seen.append)
     assert [p.iteration for p in seen] == list(range(1, 31))
     assert {p.workers for p in seen} == {1, 2} and seen[-1].eta_s == 0
-    assert all(p.loss == p.loss for p in seen)  # finite losses reported
+    assert all(math.isfinite(p.loss) for p in seen)  # finite losses reported
 
 
 def test_linear_lr_scaling_grows_the_batch_with_the_workers(tmp_path):

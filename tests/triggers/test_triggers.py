@@ -64,6 +64,15 @@ def test_parse_event_rejects_foreign_payloads():
         parse_event({"kind": "bogus"})
 
 
+async def polled(calls: list, times: int, limit_s: float = 60.0) -> None:
+    """Wait until the trigger has asked the ledger ``times`` times (bounded, not a timing claim)."""
+    for _ in range(int(limit_s / 0.01)):
+        if len(calls) >= times:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"the trigger asked the ledger {len(calls)} times, not {times}")
+
+
 async def first_event(trigger, timeout: float = 20.0):
     gen = trigger.run()
     try:
@@ -72,7 +81,7 @@ async def first_event(trigger, timeout: float = 20.0):
         await gen.aclose()
 
 
-def test_grant_trigger_waits_until_the_pool_frees_slots_then_carries_the_grant(tmp_path):
+def test_grant_trigger_waits_until_the_pool_frees_slots_then_carries_the_grant(tmp_path, monkeypatch):
     pool = make_pool(tmp_path, slots=2)
     pool.submit("a", min_workers=2, max_workers=2, priority=1, preemptible=False)
     grant_a = pool.request("a")
@@ -80,11 +89,14 @@ def test_grant_trigger_waits_until_the_pool_frees_slots_then_carries_the_grant(t
     assert not hasattr(pool.request("b"), "epoch")  # b must wait: a holds both slots
 
     trig = GrantTrigger(job="b", ledger_url=pool.url, state={"chunk_index": 4}, poll_interval=0.05)
+    calls: list = []
+    real = GrantTrigger._request_once
+    monkeypatch.setattr(GrantTrigger, "_request_once", lambda self, c: calls.append(1) or real(self, c))
 
     async def scenario():
         task = asyncio.ensure_future(first_event(trig))
-        await asyncio.sleep(0.3)
-        assert not task.done()  # still waiting while a holds the slots
+        await polled(calls, 3)
+        assert not task.done()  # asked three times, still waiting while a holds the slots
         await asyncio.to_thread(pool.release, "a", grant_a.epoch, finished=True)
         return await task
 
@@ -103,16 +115,19 @@ def test_grant_trigger_reports_an_unknown_job_for_a_retry_instead_of_waiting_for
     assert event.error_type == "UnknownJobError" and event.retryable
 
 
-def test_capacity_trigger_fires_when_enough_slots_are_free(tmp_path):
+def test_capacity_trigger_fires_when_enough_slots_are_free(tmp_path, monkeypatch):
     pool = make_pool(tmp_path, slots=4)
     pool.submit("a", min_workers=3, max_workers=3, priority=1, preemptible=False)
     grant = pool.request("a")
     trig = PoolCapacityTrigger(ledger_url=pool.url, min_workers=2, poll_interval=0.05)
+    calls: list = []
+    real = PoolClient.status
+    monkeypatch.setattr(PoolClient, "status", lambda self: calls.append(1) or real(self))
 
     async def scenario():
         task = asyncio.ensure_future(first_event(trig))
-        await asyncio.sleep(0.3)
-        assert not task.done()  # 1 free slot < 2
+        await polled(calls, 3)
+        assert not task.done()  # looked three times: 1 free slot < 2
         await asyncio.to_thread(pool.release, "a", grant.epoch, finished=True)
         return await task
 
@@ -132,9 +147,25 @@ def test_the_ledger_password_never_shows_in_a_repr_or_an_event():
     assert "S3cretPW" not in json.dumps(event) and "db.internal" not in json.dumps(event)
 
 
-def test_an_unreachable_ledger_keeps_the_grant_trigger_waiting():
+def test_an_unreachable_ledger_keeps_the_grant_trigger_waiting(monkeypatch):
     """A ledger that cannot be reached is retryable: the trigger keeps waiting, it does not fail."""
+    import elastic_ops.triggers.pool as trigger_module
+
     trig = GrantTrigger(job="j", ledger_url="postgresql+psycopg2://u:pw@127.0.0.1:1/pool", state={},
                         poll_interval=0.05)
-    with pytest.raises(TimeoutError):
-        asyncio.run(first_event(trig, timeout=1.0))
+    attempts: list = []
+    real = trigger_module._pool_client
+
+    async def counted(url):
+        attempts.append(url)
+        return await real(url)
+
+    monkeypatch.setattr(trigger_module, "_pool_client", counted)
+
+    async def scenario():
+        task = asyncio.ensure_future(first_event(trig))
+        await polled(attempts, 3)
+        assert not task.done()  # three failed connections later: still waiting, no failure event
+        task.cancel()
+
+    asyncio.run(scenario())
