@@ -272,3 +272,26 @@ def test_a_wait_that_failed_for_good_ends_the_job_in_the_pool(pool):
     pool.submit("next", min_workers=2, max_workers=2)
     assert pool.request("next").workers == 2  # the failed job holds nothing back
 
+
+
+def test_a_full_preemption_releases_and_waits_again_without_failing(pool, monkeypatch):
+    """Preemption is never a failure and never a retry: the try gives its slots back and defers."""
+    job = job_id("d", "train", "run1")
+    epochs = []
+
+    def preempted(self, spec, state, epoch, host, keeper, hook):
+        epochs.append(epoch)
+        pool.submit("urgent", min_workers=2, max_workers=2, priority=9, preemptible=False)
+        return SimpleNamespace(status=ChunkStatus.PREEMPTED, workers_timeline=[[20, 2, time.time()]],
+                               iteration=26, start=20, samples_per_sec=1.0, duration_s=1.0,
+                               checkpoint_uri=None)
+
+    monkeypatch.setattr(ElasticChunkOperator, "_train", preempted)
+    with pytest.raises(TaskDeferred) as deferred:
+        make_chunk(1).execute(ti_context(1, 3))
+    state = deferred.value.trigger.state
+    assert state["preemptions"] == 1 and state["trained"] == 6 and state["warm_start"] is None
+    with pytest.raises(LeaseExpiredError):  # the preempted try's lease was released
+        pool.check_epoch(job, epochs[0])
+    assert not [e for e in pool.events() if e["kind"] == "failure"]
+    assert pool.request("urgent").workers == 2  # the slots went to the job that preempted it

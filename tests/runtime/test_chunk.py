@@ -85,6 +85,17 @@ def test_fast_schedule_1_3_2_equals_one_worker_within_tolerance(tmp_path, refere
         torch.testing.assert_close(got[k], ref[k], rtol=1e-5, atol=1e-5)
 
 
+def test_gradient_accumulation_below_a_micro_batch_limit_trains_the_same_model(tmp_path, reference):
+    """micro_batch=2: one worker takes 12 samples as 6 accumulated micro-batches, two workers 3
+    each; the optimisation trajectory is the fixed-batch one (fast mode: within tolerance)."""
+    spec = make_spec(tmp_path, consistency="fast", micro_batch=2, **_mode_fields("fast"))
+    result = run_job(spec, schedule=Schedule.parse("1,2", spec, 0, 30))
+    assert [n for _, n, _ in result.workers_timeline] == [1, 2]
+    ref, got = reference["fast-state"]["model"], final_state(spec)["model"]
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=1e-5, atol=1e-5)
+
+
 def test_samples_are_used_exactly_once_across_rescales_and_a_mid_epoch_resume(tmp_path):
     record = tmp_path / "ids"
     record.mkdir()
@@ -214,8 +225,9 @@ def test_the_granted_slots_reach_every_launch_request(tmp_path):
     assert result.status is ChunkStatus.COMPLETED
     assert [(r.workers, r.slots) for r in launcher.requests] == [(1, (5,)), (2, (5, 2))]
     plain = RecordingLauncher()  # without slots (the CLI): no slots in the request, as before
-    run_chunk(make_spec(tmp_path / "plain"), 0, 5, target=one_worker, launcher=plain)
+    run_chunk(make_spec(tmp_path / "plain", threads_per_worker=2), 0, 5, target=one_worker, launcher=plain)
     assert [r.slots for r in plain.requests] == [None]
+    assert [r.threads_per_worker for r in plain.requests] == [2]  # the spec's CPU threads per worker
 
 
 class _Move:

@@ -94,6 +94,8 @@ def test_worker_environment_has_pytorch_and_wml_names(tmp_path):
     assert (env["LEARNER_ID"], env["NUM_LEARNERS"]) == ("3", "3")  # WML is 1-based
     cuda = worker_env(LaunchRequest(**{**req.__dict__, "device": "cuda"}), 1, ["4", "6"])
     assert cuda["CUDA_VISIBLE_DEVICES"] == "6"
+    threads = worker_env(LaunchRequest(**{**req.__dict__, "threads_per_worker": 3}), 0)
+    assert threads["OMP_NUM_THREADS"] == "3"  # threads_per_worker: the workers' CPU threads
 
 
 def _request(tmp_path, workers: int, slots, device: str = "cuda") -> LaunchRequest:
