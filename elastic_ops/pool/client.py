@@ -311,6 +311,14 @@ class PoolClient:
 
         def op(conn, now):
             row = conn.execute(select(s.hosts).where(s.hosts.c.name == name)).first()
+            a = s.allocations.c
+            busy = conn.execute(select(a.slot).where(a.host == name, a.slot >= slots)).first()
+            if busy is not None:  # slots that would vanish under the jobs running on them
+                raise SpecError(
+                    "slots", slots,
+                    f"must keep the slots jobs hold on host {name!r} (slot {busy.slot} is in use)",
+                    hint=f"drain the host first (elastic-ops pool drain {name}), then shrink it",
+                )
             values = dict(
                 slots=slots, labels=labels_json, state=HostState.UP.value, state_since=now, failures=0
             )
@@ -471,7 +479,10 @@ class PoolClient:
             )
             conn.execute(update(s.jobs).where(s.jobs.c.name == job).values(last_seen=now))
             d = self._replan(conn, now, synced=True)[job]
-            if d.release and workers <= d.target:
+            # the slots a shrink gives up go once the job runs no more workers than the slots it
+            # keeps (not its target: slots the target counts may not be free yet, e.g. when its
+            # host drains while the others are full, and the job still runs on the old ones)
+            if d.release and workers <= len(d.placements):
                 gone = self._given_up(conn, job, d, placements)
                 if gone:
                     self._free(
@@ -607,11 +618,24 @@ class PoolClient:
         self._update_job(job, {"priority": priority}, f"priority -> {priority}")
 
     def set_bounds(self, job: str, min_workers: int, max_workers: int) -> None:
+        """Change a job's demand. A job that may not be preempted and holds fewer slots than the
+        new minimum would have to be preempted to honour it: refused."""
         _check_bounds(min_workers, max_workers)
+
+        def check(conn: Connection, row: Any) -> None:
+            held = len(self._held(conn, job))
+            if not row.preemptible and 0 < held < min_workers:
+                raise SpecError(
+                    "min_workers", min_workers,
+                    f"must be <= the {held} slots job {job!r} holds: it may not be preempted",
+                    hint="raise it once the job has released its slots, or make it preemptible",
+                )
+
         self._update_job(
             job,
             {"min_workers": min_workers, "max_workers": max_workers},
             f"bounds -> {min_workers}..{max_workers}",
+            check=check,
         )
 
     def set_preemptible(self, job: str, preemptible: bool) -> None:
@@ -619,9 +643,17 @@ class PoolClient:
             raise SpecError("preemptible", preemptible, "must be true or false")
         self._update_job(job, {"preemptible": preemptible}, f"preemptible -> {preemptible}")
 
-    def _update_job(self, job: str, values: dict[str, Any], reason: str) -> None:
+    def _update_job(
+        self,
+        job: str,
+        values: dict[str, Any],
+        reason: str,
+        check: Callable[[Connection, Any], None] | None = None,
+    ) -> None:
         def op(conn, now):
-            self._job_row(conn, job)
+            row = self._job_row(conn, job)
+            if check is not None:
+                check(conn, row)
             conn.execute(update(s.jobs).where(s.jobs.c.name == job).values(**values))
             self._event(conn, now, "config", job=job, reason=reason)
             self._replan(conn, now)
@@ -984,7 +1016,7 @@ class PoolClient:
     @staticmethod
     def _target(job: str, workers: int, d: Decision) -> Target:
         n = len(d.placements)
-        if d.target == 0:
+        if d.target == 0 or n == 0:  # nothing usable to run on (e.g. its host drains, others full)
             action = TargetAction.PREEMPT
         elif n > workers or (n == workers and d.release):  # equal count + release: a move
             action = TargetAction.GROW

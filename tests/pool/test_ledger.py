@@ -103,6 +103,39 @@ def test_drain_moves_jobs_off_at_their_boundary(pool, clock):
     assert {h for h, _ in held_now(pool.events())} == {"h1"}
 
 
+def test_a_job_whose_host_drains_while_the_others_are_full_is_preempted_and_keeps_its_slots(pool):
+    """Nothing usable is left for it: the target is a preemption (not a 0-worker shrink), and
+    the slots it still runs on stay its own until it reports that it stopped."""
+    pool.configure(policy="fairshare")
+    pool.add_host("h1", 4)
+    full = grant(pool, "full", max_workers=4)  # all of h0; it would shrink for r, at its boundary
+    assert {h for h, _ in full.placements} == {"h0"}
+    g = grant(pool, "r", max_workers=4)
+    assert {h for h, _ in g.placements} == {"h1"}
+    pool.drain_host("h1")
+    t = pool.heartbeat("r", g.epoch, workers=4)  # r's share waits for slots "full" has not freed
+    assert t.action == TargetAction.PREEMPT and t.workers == 0
+    pool.heartbeat("r", g.epoch, workers=4)  # still running on h1 (count only): nothing released
+    assert {s for s, job in held_now(pool.events()).items() if job == "r"} == set(g.placements)
+    pool.heartbeat("r", g.epoch, workers=0)  # checkpointed and stopped: everything returns
+    assert not [s for s, job in held_now(pool.events()).items() if job == "r"]
+
+
+def test_a_host_cannot_shrink_under_running_jobs(pool):
+    g = grant(pool, "a", min_workers=4, max_workers=4)
+    with pytest.raises(SpecError, match=r"invalid slots=2: must keep the slots jobs hold on host 'h0'"):
+        pool.add_host("h0", 2)
+    assert len(pool.heartbeat("a", g.epoch, workers=4).placements) == 4  # nothing vanished
+    pool.add_host("h0", 8)  # growing is fine
+
+
+def test_a_non_preemptible_jobs_minimum_cannot_rise_above_what_it_holds(pool):
+    grant(pool, "np", min_workers=2, max_workers=2, preemptible=False)
+    with pytest.raises(SpecError, match="invalid min_workers=3: must be <= the 2 slots job 'np' holds"):
+        pool.set_bounds("np", 3, 4)
+    pool.set_bounds("np", 1, 4)  # within what it holds: fine
+
+
 def test_drained_host_takes_no_new_grants(pool):
     pool.drain_host("h0")
     pool.submit("a", min_workers=1, max_workers=4)
