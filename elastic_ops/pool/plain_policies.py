@@ -25,10 +25,13 @@ from elastic_ops.pool.shares import strict_fill, weighted_fill
 
 
 def effective_priority(job: Job, now: float, aging_s: float) -> float:
-    """Priority plus one unit per ``aging_s`` seconds spent waiting (jobs holding no slots)."""
+    """Priority plus one unit per *whole* ``aging_s`` seconds spent waiting (jobs holding no
+    slots). Whole units: a waiting job overtakes a running one of the same priority only after
+    waiting ``aging_s``, so two such jobs take turns instead of preempting each other at every
+    boundary (with fractions, any wait at all outranked the running job)."""
     if job.held or aging_s <= 0 or job.waiting_since is None:
         return float(job.priority)
-    return job.priority + max(0.0, now - job.waiting_since) / aging_s
+    return job.priority + math.floor(max(0.0, now - job.waiting_since) / aging_s)
 
 
 def order_key(job: Job, snap: Snapshot) -> tuple:

@@ -134,7 +134,7 @@ class _Table:
             waiting = (hl == 0) & ~np.isnan(ws)
             if waiting.any():
                 eff = prio.copy()
-                eff[waiting] = prio[waiting] + np.maximum(0.0, snap.now - ws[waiting]) / aging
+                eff[waiting] = prio[waiting] + np.floor(np.maximum(0.0, snap.now - ws[waiting]) / aging)
         order = _rank(-eff, hl == 0, _array(jobs, get, "submitted", np.float64), names)
         ol = order.tolist()
         self.n = n

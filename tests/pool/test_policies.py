@@ -69,9 +69,22 @@ def test_aging_lets_a_starved_waiting_job_overtake():
     young = make_snapshot(jobs=[running, waiting], now=100.0, aging_s=600)
     old = make_snapshot(jobs=[running, waiting], now=1300.0, aging_s=600)
     assert targets(young, "priority") == {"run": 8, "wait": 0}
-    assert effective_priority(old.jobs[1], old.now, 600) == pytest.approx(1 + 1300 / 600)
+    assert effective_priority(old.jobs[1], old.now, 600) == 1 + 2  # two whole aging periods
     plan = decide(old, "priority").by_job()
     assert plan["run"].action == TargetAction.PREEMPT and plan["wait"].target == 8
+
+
+@pytest.mark.parametrize("policy", ["priority", "fairshare", "strict"])
+def test_two_gang_jobs_of_equal_priority_take_turns_instead_of_swapping_at_every_boundary(policy):
+    """Each needs the whole pool. A waiting job overtakes the running one only after waiting a
+    whole aging period; with fractional aging it did so at once, and they preempted each other
+    at every heartbeat."""
+    running = dict(name="a", min_workers=8, max_workers=8, held=slots("h0", *range(8)))
+    waiting = dict(name="b", min_workers=8, max_workers=8, submitted=0.0, waiting_since=0.0)
+    for waited, runner in ((1.0, "a"), (599.0, "a"), (601.0, "b")):
+        snap = make_snapshot(jobs=[running, waiting], now=waited, aging_s=600)
+        plan = decide(snap, policy).by_job()
+        assert (plan["a"].target, plan["b"].target) == ((8, 0) if runner == "a" else (0, 8)), (policy, waited)
 
 
 def test_graceful_shrink_keeps_slots_until_released_and_the_newcomer_waits():
