@@ -99,8 +99,12 @@ def _share_round(
     return targets, left_out
 
 
-def _freeze_reason(job: Job, held_up: int, target: int, snap: Snapshot) -> str | None:
-    """Why a running job must stay at ``held_up`` rather than move to ``target`` (None: it may)."""
+def _freeze_reason(job: Job, held_up: int, target: int, snap: Snapshot, admits: bool = False) -> str | None:
+    """Why a running job must stay at ``held_up`` rather than move to ``target`` (None: it may).
+
+    ``admits``: a higher-ranked job that holds nothing is admitted in this plan. ``min_gain``
+    never freezes a shrink then: it would keep that job waiting for good (a 1-slot newcomer next
+    to an 8-slot job is a 12 % change); ``min_rescale_interval_s`` only delays it."""
     if held_up == 0 or target == held_up or held_up > job.max_workers or held_up < job.min_workers:
         return None
     cfg = snap.config
@@ -111,7 +115,7 @@ def _freeze_reason(job: Job, held_up: int, target: int, snap: Snapshot) -> str |
             return "job is not preemptible"
     if job.last_rescale is not None and snap.now - job.last_rescale < cfg.min_rescale_interval_s:
         return f"rescaled {snap.now - job.last_rescale:.0f}s ago (< {cfg.min_rescale_interval_s:.0f}s)"
-    if target > 0 and abs(target - held_up) / held_up < cfg.min_gain:
+    if target > 0 and abs(target - held_up) / held_up < cfg.min_gain and not (admits and target < held_up):
         return f"gain {abs(target - held_up) / held_up:.2f} below min_gain {cfg.min_gain:.2f}"
     return None
 
@@ -154,11 +158,13 @@ def _targets(snap, share: ShareFn, ordered: list[Job], up: dict[str, int], capac
         for k, i in enumerate(free_idx):
             targets[i] = part[k]
         new = {}
+        admitted_above = False  # a job ranked above i that holds nothing gets slots
         for i in free_idx:
             if held_up[i] and targets[i] != held_up[i]:
-                r = _freeze_reason(ordered[i], held_up[i], targets[i], snap)
+                r = _freeze_reason(ordered[i], held_up[i], targets[i], snap, admits=admitted_above)
                 if r:
                     new[i] = r
+            admitted_above = admitted_above or (held_up[i] == 0 and targets[i] > 0)
         if not new:
             break
         frozen.update(new)

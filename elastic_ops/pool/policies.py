@@ -475,11 +475,15 @@ def _freeze(t: _Table, held_up, targets, free, snap: Snapshot) -> dict[int, str]
         a, b = shrink, np.zeros_like(shrink)
     else:
         a, b = np.zeros_like(shrink), shrink & ~t.preemptible
+    # min_gain never holds back a shrink that lets a higher-ranked job holding nothing in
+    # (see plain_policies._freeze_reason)
+    admitting = free & (held_up == 0) & (targets > 0)
+    admitted_above = (np.cumsum(admitting) - admitting) > 0
     rest = cand & ~a & ~b
     with np.errstate(invalid="ignore"):
         c = rest & ~np.isnan(t.last_rescale) & (snap.now - t.last_rescale < cfg.min_rescale_interval_s)
         gain = np.abs(targets - held_up) / np.maximum(held_up, 1)
-    d = rest & ~c & (targets > 0) & (gain < cfg.min_gain)
+    d = rest & ~c & (targets > 0) & (gain < cfg.min_gain) & ~(shrink & admitted_above)
     out: dict[int, str] = {}
     for i in np.flatnonzero(a).tolist():
         out[i] = "preemption is 'none': running jobs are not shrunk"

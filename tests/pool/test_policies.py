@@ -116,9 +116,21 @@ def test_anti_thrashing_interval_and_min_gain():
     small = make_snapshot(
         hosts=[("h0", 9)],
         jobs=[dict(name="a", held=slots("h0", *range(8))), dict(name="b", max_workers=2)],
-        min_gain=0.25,
+        min_gain=0.25, aging_s=0,  # b does not outrank a
     )
     assert targets(small, "fairshare") == {"a": 8, "b": 1}
+
+
+@pytest.mark.parametrize("policy", ["priority", "fairshare", "strict"])
+def test_min_gain_never_keeps_a_job_that_outranks_the_runner_waiting_for_good(policy):
+    """A 1-slot job next to an 8-slot one on 8 slots: the runner's shrink is a 12 % change,
+    below min_gain 0.3. Once the waiting job outranks the runner (aging), it gets in."""
+    running = dict(name="r", held=slots("h0", *range(8)), max_workers=8)
+    waiting = dict(name="w", min_workers=1, max_workers=1, submitted=0.0, waiting_since=0.0)
+    young = make_snapshot(hosts=[("h0", 8)], jobs=[running, waiting], now=10.0, aging_s=600, min_gain=0.3)
+    assert targets(young, policy) == {"r": 8, "w": 0}  # not yet ranked above r: it waits
+    old = make_snapshot(hosts=[("h0", 8)], jobs=[running, waiting], now=36_000.0, aging_s=600, min_gain=0.3)
+    assert targets(old, policy) == {"r": 7, "w": 1}
 
 
 def test_draining_host_gets_no_grants_and_its_jobs_move_off():
