@@ -135,14 +135,22 @@ class PoolCapacityTrigger(_LedgerTrigger):
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         started = time.monotonic()
-        try:
-            client = await _pool_client(self.ledger_url)
-            while True:
+        client = None
+        while True:
+            try:
+                if client is None:
+                    client = await _pool_client(self.ledger_url)
                 free = free_slots(await asyncio.to_thread(client.status))
-                if free >= self.min_workers:
-                    waited = time.monotonic() - started
-                    yield TriggerEvent(CapacityEvent(free, self.min_workers, waited).to_payload())
+            except ElasticOpsError as exc:
+                if not exc.retryable:
+                    yield TriggerEvent(TriggerFailure(str(exc), type(exc).__name__, False).to_payload())
                     return
+                # a busy or unreachable ledger: keep watching, as GrantTrigger keeps waiting
+                self.log.warning("pool ledger unavailable (%s); still watching", exc)
                 await asyncio.sleep(self.poll_interval)
-        except ElasticOpsError as exc:
-            yield TriggerEvent(TriggerFailure(str(exc), type(exc).__name__, exc.retryable).to_payload())
+                continue
+            if free >= self.min_workers:
+                waited = time.monotonic() - started
+                yield TriggerEvent(CapacityEvent(free, self.min_workers, waited).to_payload())
+                return
+            await asyncio.sleep(self.poll_interval)

@@ -147,12 +147,14 @@ def test_the_ledger_password_never_shows_in_a_repr_or_an_event():
     assert "S3cretPW" not in json.dumps(event) and "db.internal" not in json.dumps(event)
 
 
-def test_an_unreachable_ledger_keeps_the_grant_trigger_waiting(monkeypatch):
+@pytest.mark.parametrize("kind", ["grant", "capacity"])
+def test_an_unreachable_ledger_keeps_the_triggers_waiting(monkeypatch, kind):
     """A ledger that cannot be reached is retryable: the trigger keeps waiting, it does not fail."""
     import elastic_ops.triggers.pool as trigger_module
 
-    trig = GrantTrigger(job="j", ledger_url="postgresql+psycopg2://u:pw@127.0.0.1:1/pool", state={},
-                        poll_interval=0.05)
+    url = "postgresql+psycopg2://u:pw@127.0.0.1:1/pool"
+    trig = (GrantTrigger(job="j", ledger_url=url, state={}, poll_interval=0.05) if kind == "grant"
+            else PoolCapacityTrigger(ledger_url=url, min_workers=1, poll_interval=0.05))
     attempts: list = []
     real = trigger_module._pool_client
 
