@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from sqlalchemy import Connection, create_engine, delete, event, insert, or_, select, update
+from sqlalchemy import Connection, create_engine, delete, event, func, insert, or_, select, update
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, OperationalError
 
@@ -230,13 +230,17 @@ class PoolClient:
     the schema is created or migrated on first use. ``settings`` (``policy``, ``preemption``,
     ``lease_ttl_s``, ``min_rescale_interval_s``, ``min_gain``, ``aging_s``, ``job_idle_s``,
     ``cooling_s``, ``failure_threshold``) are stored in the ledger, shared by all clients.
+
+    ``clock``: seconds since the epoch. By default the database's own clock on PostgreSQL, so
+    that clients on hosts whose clocks disagree cannot expire each other's leases early (or keep
+    them alive too long); this host's ``time.time`` on SQLite (a local file: one host).
     """
 
     def __init__(
         self,
         url: str | None = None,
         *,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] | None = None,
         sleep: Callable[[float], None] = time.sleep,
         retries: int = 20,
         **settings: Any,
@@ -263,7 +267,7 @@ class PoolClient:
                     conn.info.pop("pool_settings", None)
                     if lock and conn.dialect.name == "postgresql":
                         conn.execute(select(s.pool.c.id).where(s.pool.c.id == 1).with_for_update())
-                    return fn(conn, self.clock())
+                    return fn(conn, self._now(conn))
             except OperationalError as exc:
                 if not _retryable(exc):
                     # connection refused or lost: retryable by the caller (a heartbeat, a trigger,
@@ -280,6 +284,13 @@ class PoolClient:
             self.sleep(delay * (1 + random.random()))
             delay = min(delay * 2, 0.5)
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _now(self, conn: Connection) -> float:
+        if self.clock is not None:
+            return float(self.clock())
+        if conn.dialect.name == "postgresql":  # one clock for every client of the ledger
+            return float(conn.execute(select(func.extract("epoch", func.clock_timestamp()))).scalar_one())
+        return time.time()
 
     def close(self) -> None:
         self.engine.dispose()

@@ -379,3 +379,20 @@ def test_pruning_old_events_keeps_what_explains_the_slots_held_now(pool, clock):
 def test_pruning_needs_a_positive_age(pool, bad):
     with pytest.raises(SpecError, match="older_than_s"):
         pool.prune_events(bad)
+
+
+@pytest.mark.postgres
+def test_clients_on_hosts_with_skewed_clocks_share_the_databases_clock(pg_url, monkeypatch):
+    """A client on a host whose clock runs an hour ahead must not expire another's lease."""
+    import time
+
+    a = PoolClient(pg_url, lease_ttl_s=60)
+    a.add_host("h0", 2)
+    a.submit("j", min_workers=1, max_workers=2)
+    g = a.request("j")
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + 3600)  # this "host" is an hour ahead
+    PoolClient(pg_url).status()  # by its own clock every lease is overdue
+    monkeypatch.setattr(time, "time", real)
+    a.check_epoch("j", g.epoch)  # still live: both clients read the database's clock
+    assert a.status()["slots"]["used"] == 2
