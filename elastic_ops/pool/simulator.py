@@ -70,6 +70,7 @@ class _SimJob:
     last_rescale: float | None = None
     rescales: int = 0
     gpu_seconds: float = 0.0
+    waiting_since: float = 0.0  # as the ledger: since submission, or since preempted (set at start)
 
     def rate(self) -> float:
         return 1.0 / self.app.step_time(len(self.held), self.spec.batch_size) if self.held else 0.0
@@ -180,6 +181,8 @@ class Simulation:
 
     def _start_or_rescale(self, j: _SimJob, held: tuple[tuple[str, int], ...]) -> None:
         if len(held) != len(j.held):
+            if j.held and not held:  # preempted: it waits (and ages) from now, as in the ledger
+                j.waiting_since = self.now
             if j.held and held:
                 j.rescales += 1
             if held:
@@ -209,7 +212,7 @@ class Simulation:
                 max_workers=j.max_workers,
                 priority=1,
                 submitted=j.spec.submit,
-                waiting_since=None if j.held else j.spec.submit,
+                waiting_since=None if j.held else max(j.spec.submit, j.waiting_since),
                 last_rescale=j.last_rescale,
                 held=j.held,
             )

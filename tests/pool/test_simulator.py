@@ -89,3 +89,16 @@ def test_synthetic_workloads_sample_the_philly_trace_reproducibly():
     assert all(j.application in SYNTHETIC_BATCH and 1 <= j.num_replicas <= 64 for j in a)
     r = simulate(a, "fairshare", SimConfig(slots=32), TRACES)
     assert r["jobs"] == 20
+
+
+def test_a_preempted_job_ages_from_its_preemption_as_in_the_ledger():
+    from elastic_ops.pool.simulator import Simulation
+
+    sim = Simulation(read_workload(WORKLOAD), "priority", SMALL, TRACES)
+    job = sim.jobs[0]
+    sim.now = 100.0
+    sim._start_or_rescale(job, (("h0", 0),))
+    sim.now = 500.0
+    sim._start_or_rescale(job, ())  # preempted
+    (snap_job,) = sim._snapshot([job]).jobs
+    assert snap_job.waiting_since == 500.0  # not its submission time: aging starts over
