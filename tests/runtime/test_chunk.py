@@ -361,6 +361,11 @@ def test_cuda_workers_with_nccl_are_bitwise_equal_to_one_worker(tmp_path, refere
     spec = make_spec(tmp_path, device="cuda")
     one = run_job(spec, schedule=Schedule.constant(1))
     assert one.status is ChunkStatus.COMPLETED
+    # on any number of GPUs: stopped at 12, restored from the checkpoint in new worker
+    # processes, the run ends on the same bits as the uninterrupted one
+    resumed = make_spec(tmp_path / "resumed", device="cuda")
+    assert run_chunk(resumed, 0, 12, target=one_worker).iteration == 12
+    assert run_chunk(resumed, 12, 30, target=one_worker).param_sha256 == one.param_sha256
     if torch.cuda.device_count() >= 2:
         spec2 = make_spec(tmp_path / "two", device="cuda", max_workers=2)
         two = run_job(spec2, schedule=Schedule.parse("1,2", spec2, 0, 30))
