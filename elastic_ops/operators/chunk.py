@@ -210,8 +210,13 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
             return self.warm_start or None
         for asset in self.inlets:
             events = context["inlet_events"][asset]
-            if len(events):
-                uri = (events[-1].extra or {}).get("checkpoint_root")
+            if hasattr(events, "ascending"):  # Airflow's accessor: fetch the newest event only
+                events = events.ascending(False).limit(1)
+                newest = events[0] if len(events) else None
+            else:  # a plain sequence, oldest first
+                newest = events[-1] if len(events) else None
+            if newest is not None:
+                uri = (newest.extra or {}).get("checkpoint_root")
                 _check_previous_model(uri, asset)
                 self.log.info("warm start from the previous model %s", uri)
                 return uri

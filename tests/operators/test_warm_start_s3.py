@@ -100,3 +100,34 @@ def test_an_asset_event_cannot_point_the_warm_start_outside_the_model_assets_uri
     context = {"inlet_events": {asset: [SimpleNamespace(extra={"checkpoint_root": named})]}}
     with pytest.raises(SpecError, match="invalid warm_start=.*must lie under the model Asset's URI"):
         op._warm_start(context)
+
+
+def test_the_previous_model_is_the_newest_asset_event_fetched_alone():
+    """Years of daily retraining leave thousands of events: only the newest is fetched."""
+    asset = Asset(name="d.train.model", uri="s3://models/digits")
+
+    class Accessor:  # the shape of Airflow's InletEventsAccessor
+        def __init__(self) -> None:
+            self.query: dict = {}
+
+        def ascending(self, ascending: bool = True):
+            self.query["ascending"] = ascending
+            return self
+
+        def limit(self, n: int):
+            self.query["limit"] = n
+            return self
+
+        def _events(self):
+            assert self.query == {"ascending": False, "limit": 1}, self.query
+            return [SimpleNamespace(extra={"checkpoint_root": "s3://models/digits/newest-run"})]
+
+        def __len__(self) -> int:
+            return len(self._events())
+
+        def __getitem__(self, i):
+            return self._events()[i]
+
+    op = ElasticChunkOperator(task_id="chunk_01_of_01", spec_fields=FIELDS, chunk_index=0, group_id="train",
+                              warm_start="previous", inlets=[asset])
+    assert op._warm_start({"inlet_events": {asset: Accessor()}}) == "s3://models/digits/newest-run"
