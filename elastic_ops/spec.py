@@ -11,6 +11,7 @@ import dataclasses
 import enum
 import hashlib
 import json
+import math
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -31,6 +32,16 @@ URI_ALLOWED = (
     "must be a URI 'file:///absolute/path' or 's3://bucket/prefix' (bucket: 3-63 lowercase letters, "
     "digits, '.', '-'; no '?', '#' or spaces)"
 )
+
+def check_number(field: str, value: Any, *, minimum: float, exclusive: bool = False, unit: str = "") -> float:
+    """``value`` as a finite number >= ``minimum`` (> when ``exclusive``), or :class:`SpecError`
+    naming ``field`` (NaN and inf compare false both ways, so they are refused explicitly)."""
+    number = not isinstance(value, bool) and isinstance(value, int | float)
+    if not number or not math.isfinite(value) or value < minimum or (exclusive and value == minimum):
+        op = ">" if exclusive else ">="
+        raise SpecError(field, value, f"must be a finite number{unit} {op} {minimum:g}")
+    return value
+
 
 def check_checkpoint_uri(field: str, value: Any) -> str:
     """``value`` as a checkpoint store URI, or :class:`SpecError` naming ``field``."""

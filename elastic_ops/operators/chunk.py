@@ -145,24 +145,26 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
     # --- first entry -----------------------------------------------------------------------
 
     def execute(self, context: Any) -> dict[str, Any]:
+        return self._ending_job_if_final(context, self._first_entry, context)
+
+    def _ending_job_if_final(self, context: Any, step: Any, *args: Any) -> dict[str, Any]:
+        """Run ``step``; a failure outside any grant (while deferred, or before asking) that ends
+        the task for good ends the job in the pool too, so its demand stops holding slots back."""
         try:
-            return self._first_entry(context)
+            return step(*args)
         except TaskDeferred:
             raise
         except BaseException as exc:
-            self._end_job_if_final(context, exc, lambda: self._spec(context).name)
+            if not getattr(self, "_killed", False) and _final_failure(context, exc):
+                self._quietly("end the job in the pool", self._end_job, context)
             raise
 
-    def _end_job_if_final(self, context: Any, exc: BaseException, job: Any) -> None:
-        """A failure outside any grant (e.g. while deferred, or before asking) that ends the task
-        for good ends the job in the pool too, so its demand stops holding slots back."""
-        if getattr(self, "_killed", False) or not _final_failure(context, exc):
-            return
+    def _end_job(self, context: Any) -> None:
         try:
-            name = job()
-        except Exception:  # noqa: BLE001 - no valid spec: no job was registered
+            name = self._spec(context).name
+        except ElasticOpsError:  # no valid spec: no job was registered
             return
-        self._quietly("end the job in the pool", self._hook().pool().finish, name)
+        self._hook().pool().finish(name)
 
     def _first_entry(self, context: Any) -> dict[str, Any]:
         spec = self._spec(context)
@@ -182,13 +184,7 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
 
     def execute_granted(self, context: Any, event: dict[str, Any]) -> dict[str, Any]:
         """Resume after the :class:`GrantTrigger` fired; all state comes from the event."""
-        try:
-            return self._resumed(context, event)
-        except TaskDeferred:
-            raise
-        except BaseException as exc:
-            self._end_job_if_final(context, exc, lambda: self._spec(context).name)
-            raise
+        return self._ending_job_if_final(context, self._resumed, context, event)
 
     def _resumed(self, context: Any, event: dict[str, Any]) -> dict[str, Any]:
         parsed = parse_event(event)

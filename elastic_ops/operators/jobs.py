@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from elastic_ops.errors import SpecError
-from elastic_ops.spec import JobSpec
+from elastic_ops.spec import JobSpec, check_number
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.\-]+")
 _INT_FIELDS = {
@@ -93,9 +93,7 @@ def runtime_spec(
 
 def check_seconds(field: str, value: Any) -> None:
     """An interval an operator or sensor waits (not templated: checked when the DAG is parsed)."""
-    number = not isinstance(value, bool) and isinstance(value, int | float)
-    if not number or not math.isfinite(value) or value <= 0:
-        raise SpecError(field, value, "must be a finite number of seconds > 0")
+    check_number(field, value, minimum=0, exclusive=True, unit=" of seconds")
 
 
 def chunk_range(spec: JobSpec, index: int) -> tuple[int, int]:

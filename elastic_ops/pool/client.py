@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import random
 import re
@@ -52,7 +51,7 @@ from elastic_ops.pool.model import (
     TargetAction,
 )
 from elastic_ops.pool.policies import get_policy
-from elastic_ops.spec import MAX_WORKERS_LIMIT
+from elastic_ops.spec import MAX_WORKERS_LIMIT, check_number
 from elastic_ops.urls import shown_url
 
 ENV_URL = "ELASTIC_OPS_POOL_URL"
@@ -145,13 +144,10 @@ def _check_config(changes: dict[str, Any]) -> dict[str, Any]:
             value = Preemption(value).value
         elif key == "failure_threshold":
             _check_int(key, value, 1, 1_000_000)
-        elif (
-            isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value)
-            or value < 0
-        ):
-            raise SpecError(key, value, "must be a finite number >= 0")
-        elif key == "lease_ttl_s" and value <= 0:
-            raise SpecError(key, value, "must be > 0")
+        else:
+            check_number(key, value, minimum=0)
+            if key == "lease_ttl_s" and value == 0:
+                raise SpecError(key, value, "must be > 0")
         out[key] = value
     return out
 

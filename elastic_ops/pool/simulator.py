@@ -39,6 +39,7 @@ from elastic_ops.pool.workload import (
     read_workload,
     synthetic_workload,
 )
+from elastic_ops.spec import check_number
 
 STATIC = "static"
 EPS = 1e-6
@@ -109,15 +110,9 @@ class SimConfig:
         if not isinstance(self.slots_per_host, int) or self.slots_per_host < 1:
             raise SpecError("slots_per_host", self.slots_per_host, "must be an integer >= 1")
         for f in ("rescale_cost", "min_rescale_interval_s", "min_gain", "aging_s"):
-            _finite(f, getattr(self, f), 0.0)
+            check_number(f, getattr(self, f), minimum=0)
         # a re-plan tick more often than every second only makes the run take forever
-        _finite("replan_interval", self.replan_interval, 1.0)
-
-
-def _finite(field: str, value: object, lo: float) -> None:
-    number = not isinstance(value, bool) and isinstance(value, int | float)
-    if not number or not math.isfinite(value) or value < lo:
-        raise SpecError(field, value, f"must be a finite number >= {lo:g}")
+        check_number("replan_interval", self.replan_interval, minimum=1)
 
 
 class Simulation:
