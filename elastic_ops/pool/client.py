@@ -536,34 +536,31 @@ class PoolClient:
         def op(conn, now):
             row = self._job_row(conn, job)
             self._sync(conn, now)
-            live = self._live_lease(conn, job)
-            released = live is not None and live.epoch == epoch
-            if released:
-                held = self._held(conn, job)
-                self._free(
-                    conn,
-                    now,
-                    job,
-                    held,
-                    "release",
-                    "finished" if finished else "released",
-                    epoch=epoch,
-                    workers=0,
-                )
-                self._end_lease(conn, now, job, epoch, "finished" if finished else "released")
-            if epoch == row.epoch or released:
-                state = JobState.FINISHED if finished else JobState.WAITING
-                conn.execute(
-                    update(s.jobs)
-                    .where(s.jobs.c.name == job)
-                    .values(state=state.value, waiting_since=now, target=0, reason=state.value)
-                )
-                if finished:
-                    self._event(conn, now, "finish", job=job, epoch=epoch)
-            self._replan(conn, now, synced=True)
-            return released
+            return self._give_back(conn, now, row, epoch, finished)
 
         return self._tx(op)
+
+    def _give_back(self, conn: Connection, now: float, row: Any, epoch: int, finished: bool) -> bool:
+        """:meth:`release` inside its transaction (the ledger synced)."""
+        job = row.name
+        live = self._live_lease(conn, job)
+        released = live is not None and live.epoch == epoch
+        if released:
+            held = self._held(conn, job)
+            why = "finished" if finished else "released"
+            self._free(conn, now, job, held, "release", why, epoch=epoch, workers=0)
+            self._end_lease(conn, now, job, epoch, why)
+        if epoch == row.epoch or released:
+            state = JobState.FINISHED if finished else JobState.WAITING
+            conn.execute(
+                update(s.jobs)
+                .where(s.jobs.c.name == job)
+                .values(state=state.value, waiting_since=now, target=0, reason=state.value)
+            )
+            if finished:
+                self._event(conn, now, "finish", job=job, epoch=epoch)
+        self._replan(conn, now, synced=True)
+        return released
 
     def finish(self, job: str) -> None:
         """End ``job`` whatever it holds: a live lease is released (its slots return), the job
@@ -575,17 +572,7 @@ class PoolClient:
             if row.state == JobState.FINISHED.value:
                 return
             live = self._live_lease(conn, job)
-            if live is not None:
-                held = self._held(conn, job)
-                self._free(conn, now, job, held, "release", "finished", epoch=live.epoch, workers=0)
-                self._end_lease(conn, now, job, live.epoch, "finished")
-            conn.execute(
-                update(s.jobs)
-                .where(s.jobs.c.name == job)
-                .values(state=JobState.FINISHED.value, waiting_since=now, target=0, reason="finished")
-            )
-            self._event(conn, now, "finish", job=job, epoch=row.epoch)
-            self._replan(conn, now, synced=True)
+            self._give_back(conn, now, row, row.epoch if live is None else live.epoch, True)
 
         self._tx(op)
 
