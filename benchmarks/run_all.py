@@ -9,6 +9,7 @@ BENCHMARKS = (
     ["benchmarks.runtime_overhead"],
     ["benchmarks.consistency_modes"],
     ["benchmarks.checkpoint_io"],
+    ["benchmarks.fence_cost"],
     ["benchmarks.pool_decision", "--repeats", "5"],
     ["benchmarks.pool_ledger", "--seconds", "3"],
     ["benchmarks.pool_simulator"],
