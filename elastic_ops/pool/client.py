@@ -432,8 +432,10 @@ class PoolClient:
                 values["avoid_hosts"] = json.dumps(sorted(set(json.loads(row.avoid_hosts)) | set(avoid)))
             if row.state == JobState.FINISHED.value:
                 values.update(state=JobState.WAITING.value, waiting_since=now)
-            conn.execute(update(s.jobs).where(s.jobs.c.name == job).values(**values))
             lease = self._live_lease(conn, job)
+            if lease is not None and row.state == JobState.PARKED.value:
+                values["state"] = JobState.RUNNING.value  # the next chunk takes the parked slots
+            conn.execute(update(s.jobs).where(s.jobs.c.name == job).values(**values))
             if lease is not None and new_attempt:
                 lease = self._reissue(conn, now, job, lease)
             if lease is None:
@@ -473,7 +475,7 @@ class PoolClient:
 
         def op(conn, now):
             self._sync(conn, now)
-            self._job_row(conn, job)
+            row = self._job_row(conn, job)
             if (dead := self._not_live(conn, job, epoch)) is not None:
                 return dead  # raised after the commit: the expiry _sync found must stick
             if workers == 0:
@@ -484,7 +486,10 @@ class PoolClient:
                 .where(s.leases.c.job == job, s.leases.c.epoch == epoch)
                 .values(expires=now + ttl)
             )
-            conn.execute(update(s.jobs).where(s.jobs.c.name == job).values(last_seen=now))
+            values: dict[str, Any] = {"last_seen": now}
+            if row.state == JobState.PARKED.value:  # it runs workers: not parked any more
+                values["state"] = JobState.RUNNING.value
+            conn.execute(update(s.jobs).where(s.jobs.c.name == job).values(**values))
             d = self._replan(conn, now, synced=True)[job]
             # the slots a shrink gives up go once the job runs no more workers than the slots it
             # keeps (not its target: slots the target counts may not be free yet, e.g. when its
@@ -529,16 +534,41 @@ class PoolClient:
         self._replan(conn, now, synced=True)
         return Target(job, 0, TargetAction.PREEMPT, reason, ())
 
-    def release(self, job: str, epoch: int, *, finished: bool = False) -> bool:
+    def release(self, job: str, epoch: int, *, finished: bool = False, handover: bool = False) -> bool:
         """Give back every slot of the lease ``epoch``. Idempotent: a lease already ended (or
-        expired) releases nothing and returns False. ``finished=True`` ends the job."""
+        expired) releases nothing and returns False. ``finished=True`` ends the job.
+
+        ``handover=True`` (a chunk ended and the job's next chunk follows): the job keeps its
+        lease and slots, *parked*, for one lease TTL, so the next chunk's request gets them back
+        (re-issued under a new epoch) instead of the job losing them to whoever asks during the
+        gap between two Airflow tasks and taking them back by preemption. Parked slots are still
+        the plan's to move: a shrink frees them at once. Returns True if the lease was live."""
+        if finished and handover:
+            raise SpecError("handover", handover, "a finished job has no next chunk to hand over to; "
+                            "pass finished=True or handover=True, not both")
 
         def op(conn, now):
             row = self._job_row(conn, job)
             self._sync(conn, now)
+            live = self._live_lease(conn, job)
+            if handover and live is not None and live.epoch == epoch:
+                return self._park(conn, now, job, epoch)
             return self._give_back(conn, now, row, epoch, finished)
 
         return self._tx(op)
+
+    def _park(self, conn: Connection, now: float, job: str, epoch: int) -> bool:
+        ttl = self._settings(conn)["lease_ttl_s"]
+        conn.execute(
+            update(s.leases).where(s.leases.c.job == job, s.leases.c.epoch == epoch).values(expires=now + ttl)
+        )
+        conn.execute(
+            update(s.jobs).where(s.jobs.c.name == job).values(state=JobState.PARKED.value, last_seen=now)
+        )
+        self._event(conn, now, "park", job=job, epoch=epoch, workers=0,
+                    reason=f"chunk done; slots kept for the next chunk for {ttl:.0f}s")
+        self._replan(conn, now, synced=True)
+        return True
 
     def _give_back(self, conn: Connection, now: float, row: Any, epoch: int, finished: bool) -> bool:
         """:meth:`release` inside its transaction (the ledger synced)."""
@@ -965,10 +995,13 @@ class PoolClient:
         if not synced:
             self._sync(conn, now)
         cfg = self._settings(conn)
-        snap = self._snapshot(conn, now, cfg)
-        plan = get_policy(cfg["policy"])(snap)
+        while True:  # each pass that frees parked slots frees at least one: it ends
+            snap = self._snapshot(conn, now, cfg)
+            plan = get_policy(cfg["policy"])(snap)
+            rows = conn.info.pop("pool_job_rows")  # read by _snapshot in this transaction
+            if not self._unpark(conn, now, plan, rows, snap):
+                break
         held_by = {j.name: j.held for j in snap.jobs}
-        rows = conn.info.pop("pool_job_rows")  # read by _snapshot in this transaction
         changed = set(plan.changed())
         for k, (name, target, reason) in enumerate(zip(plan.jobs, plan.target, plan.reason, strict=True)):
             row = rows[name]
@@ -982,6 +1015,8 @@ class PoolClient:
                 if new:
                     self._reserve(conn, now, name, row.epoch, list(new), "grow", plan.decision(k))
                 state = JobState.PREEMPTING if target == 0 else JobState.RUNNING
+                if row.state == JobState.PARKED.value:  # _unpark left it slots to keep
+                    state = JobState.PARKED
                 if row.state != state.value:
                     values["state"] = state.value
                     if state == JobState.PREEMPTING:
@@ -996,6 +1031,32 @@ class PoolClient:
             if values:
                 conn.execute(update(s.jobs).where(s.jobs.c.name == name).values(**values))
         return plan
+
+    def _unpark(self, conn: Connection, now: float, plan: Plan, rows: dict[str, Any], snap: Snapshot) -> bool:
+        """Apply at once what ``plan`` takes from parked jobs (they run nothing, so there is no
+        boundary to wait for): a shrink frees the slots, a preemption ends the lease. Returns
+        whether any slot was freed (the plan must then be made again: they are free now)."""
+        freed = False
+        for job in snap.jobs:
+            row = rows[job.name]
+            if row.state != JobState.PARKED.value or not job.held:
+                continue
+            d = plan.decision(plan.index(job.name))
+            if d.target == 0 or not d.placements:
+                self._free(conn, now, job.name, job.held, "release", f"parked, then preempted: {d.reason}",
+                           epoch=row.epoch, workers=0)
+                self._end_lease(conn, now, job.name, row.epoch, "preempted while parked")
+                conn.execute(
+                    update(s.jobs)
+                    .where(s.jobs.c.name == job.name)
+                    .values(state=JobState.WAITING.value, waiting_since=now)
+                )
+                freed = True
+            elif d.release:
+                self._free(conn, now, job.name, d.release, "shrink", f"parked, released at once: {d.reason}",
+                           epoch=row.epoch, workers=len(d.placements))
+                freed = True
+        return freed
 
     def _reserve(self, conn, now, job, epoch, slots: list[Slot], kind: str, d: Decision) -> None:
         conn.execute(

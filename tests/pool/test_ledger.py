@@ -200,6 +200,67 @@ def test_a_new_try_gets_a_new_epoch_on_the_same_slots(pool):
     assert held_now(pool.events()) == {tuple(slot): "a" for slot in g.placements}
 
 
+def state_of(pool, job):
+    return next(r["state"] for r in pool.status()["jobs"] if r["name"] == job)
+
+
+def test_a_handed_over_lease_keeps_its_slots_for_the_next_chunk(pool):
+    g = grant(pool, "a", max_workers=4)
+    assert pool.release("a", g.epoch, handover=True) is True
+    assert state_of(pool, "a") == "parked" and pool.status()["slots"]["used"] == 4
+    g2 = pool.request("a", new_attempt=True)  # the next chunk's first request
+    assert g2.epoch == g.epoch + 1 and g2.placements == g.placements
+    assert state_of(pool, "a") == "running"
+    with pytest.raises(LeaseExpiredError):
+        pool.heartbeat("a", g.epoch, workers=4)  # the finished chunk's epoch is dead
+    assert [e["kind"] for e in pool.events("a")][-2:] == ["park", "reissue"]
+    replay(pool.events())
+
+
+def test_parked_slots_the_plan_takes_go_at_once_without_a_boundary(pool):
+    g = grant(pool, "a", max_workers=4)
+    pool.release("a", g.epoch, handover=True)
+    b = grant(pool, "b", max_workers=4)  # equal share: 2 / 2, granted on b's own request
+    assert b.workers == 2
+    assert len(pool.request("a", new_attempt=True).placements) == 2
+    kinds = [(e["kind"], e["job"]) for e in pool.events() if e["kind"] in ("shrink", "grant")]
+    assert kinds[-2:] == [("shrink", "a"), ("grant", "b")]  # freed before granted, never both
+    replay(pool.events())
+
+
+def test_a_parked_job_preempted_by_the_plan_ends_its_lease(pool):
+    pool.configure(policy="priority")
+    g = grant(pool, "a", min_workers=3, max_workers=4, priority=1)
+    pool.release("a", g.epoch, handover=True)
+    b = grant(pool, "b", min_workers=3, max_workers=4, priority=5)
+    assert b.workers == 4
+    assert state_of(pool, "a") == "waiting"
+    with pytest.raises(LeaseExpiredError):
+        pool.check_epoch("a", g.epoch)
+    assert isinstance(pool.request("a", new_attempt=True), Wait)
+    replay(pool.events())
+
+
+def test_a_parked_lease_nobody_takes_over_expires_after_one_ttl(pool, clock):
+    g = grant(pool, "a")
+    clock.advance(20)
+    pool.release("a", g.epoch, handover=True)  # kept for one TTL from the hand-over
+    clock.advance(29)
+    assert pool.status()["slots"]["used"] == 4
+    clock.advance(2)
+    assert pool.status()["slots"]["used"] == 0 and state_of(pool, "a") == "waiting"
+    assert pool.request("a").epoch == g.epoch + 1
+
+
+def test_handing_over_a_dead_lease_or_a_finished_job_is_refused_or_a_no_op(pool, clock):
+    g = grant(pool, "a")
+    with pytest.raises(SpecError, match="handover"):
+        pool.release("a", g.epoch, finished=True, handover=True)
+    clock.advance(31)
+    assert pool.release("a", g.epoch, handover=True) is False
+    assert state_of(pool, "a") == "waiting" and pool.status()["slots"]["used"] == 0
+
+
 def test_an_overdue_lease_is_never_handed_out_again(pool, clock):
     g = grant(pool, "a")
     clock.advance(31)  # past the TTL; nothing has synced the ledger since
