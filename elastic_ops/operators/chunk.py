@@ -1,7 +1,8 @@
 """``ElasticChunkOperator``: one Airflow task trains one iteration range of an elastic job.
 
 A try: request a grant (defer to :class:`GrantTrigger` while the pool says wait) → run the
-chunk through the runtime with a heartbeating lease → commit → release → typed XCom result.
+chunk through the runtime with a heartbeating lease → commit → release (a chunk with a next one
+hands its slots over to it) → typed XCom result.
 A full preemption checkpoints, releases and defers again (never a failure, never a retry).
 A lost worker reports the failed host to the pool and raises, so Airflow retries with backoff
 on a grant that avoids that host, resuming from the latest committed checkpoint.
@@ -29,7 +30,15 @@ from airflow.sdk.exceptions import TaskDeferred
 
 from elastic_ops.agent.protocol import AGENT_SOCKET_ENV, AgentUnavailableError
 from elastic_ops.agent.protocol import agent_socket_from_env as agent_socket
-from elastic_ops.errors import ElasticOpsError, SpecError, UnknownJobError, WaitFailedError, WorkerLostError
+from elastic_ops.errors import (
+    ElasticOpsError,
+    LedgerBusyError,
+    LedgerUnavailableError,
+    SpecError,
+    UnknownJobError,
+    WaitFailedError,
+    WorkerLostError,
+)
 from elastic_ops.hooks.elastic_ops import DEFAULT_CONN_ID, ElasticOpsHook, default_checkpoint_root
 from elastic_ops.operators.jobs import check_seconds, chunk_range, job_id, runtime_spec, safe_name
 from elastic_ops.operators.lease import LeaseKeeper
@@ -37,11 +46,15 @@ from elastic_ops.operators.progress import progress_logger
 from elastic_ops.operators.results import ChunkTaskResult
 from elastic_ops.operators.retry import ElasticRetryPolicy
 from elastic_ops.runtime.outcome import ChunkStatus
-from elastic_ops.spec import JobSpec, check_checkpoint_uri
+from elastic_ops.spec import JobSpec, check_checkpoint_uri, check_number
 from elastic_ops.triggers.events import GrantEvent, TriggerFailure, parse_event
 from elastic_ops.triggers.pool import GrantTrigger
 
 WARM_START_PREVIOUS = "previous"
+
+# the in-task wait for a grant (tests replace them)
+_monotonic = time.monotonic
+_sleep = time.sleep
 
 
 def failed_hosts(client: Any, job: str) -> list[str]:
@@ -120,10 +133,12 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
         aws_conn_id: str | None = "aws_default",
         poll_interval: float = 1.0,
         heartbeat_interval: float = 2.0,
+        defer_after: float = 10.0,
         **kwargs: Any,
     ) -> None:
         check_seconds("poll_interval", poll_interval)
         check_seconds("heartbeat_interval", heartbeat_interval)
+        check_number("defer_after", defer_after, minimum=0, unit=" of seconds")
         if isinstance(chunk_index, bool) or not isinstance(chunk_index, int) or chunk_index < 0:
             raise SpecError("chunk_index", chunk_index, "must be an integer >= 0")
         kwargs.setdefault("retries", 3)
@@ -141,6 +156,7 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
         self.aws_conn_id = aws_conn_id
         self.poll_interval = poll_interval
         self.heartbeat_interval = heartbeat_interval
+        self.defer_after = defer_after
 
     # --- first entry -----------------------------------------------------------------------
 
@@ -251,6 +267,7 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
             client.submit(job, min_workers=spec.min_workers, max_workers=spec.max_workers,
                           priority=spec.priority, preemptible=spec.preemptible)
             outcome = client.request(job, avoid_hosts=tuple(avoid), new_attempt=True)
+        outcome = self._wait_in_task(client, job, avoid, outcome)
         if hasattr(outcome, "epoch"):
             return self._run_granted(context, state, GrantEvent.from_grant(outcome, state), hook)
         self.log.info("job %s waits for workers (%s); deferring", job, getattr(outcome, "reason", ""))
@@ -263,6 +280,22 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
             # forever: the task's execution_timeout bounds the wait too (None: no bound)
             timeout=self.execution_timeout,
         )
+
+    def _wait_in_task(self, client: Any, job: str, avoid: list[str], outcome: Any) -> Any:
+        """Keep asking, every ``poll_interval``, for up to ``defer_after`` seconds before deferring.
+
+        Most waits end at another job's next iteration boundary, a heartbeat or two away. A
+        deferral costs a new task process on resume and, in Airflow 3.3, a grant that comes
+        within seconds of the deferral can meet apache/airflow#72716: the scheduler reads the
+        deferring process's stale exit as the resumed try's and fails it (a retry burnt)."""
+        deadline = _monotonic() + self.defer_after
+        while not hasattr(outcome, "epoch") and _monotonic() + self.poll_interval <= deadline:
+            _sleep(self.poll_interval)
+            try:
+                outcome = client.request(job, avoid_hosts=tuple(avoid))
+            except (LedgerBusyError, LedgerUnavailableError) as exc:  # as the trigger does: wait on
+                self.log.info("job %s: the pool is busy or unreachable (%s); still waiting", job, exc)
+        return outcome
 
     def _run_granted(
         self, context: Any, state: dict[str, Any], grant: GrantEvent, hook: ElasticOpsHook
@@ -309,7 +342,9 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
                           spec.name, result.iteration)
             return self._acquire(context, state, hook)
         last = state["end"] >= spec.total_iterations
-        self._release(client, spec.name, grant.epoch, finished=last)
+        # not the last chunk: the slots wait, parked, for the next chunk task (the pool may still
+        # take them meanwhile), rather than going to whoever asks in the gap between two tasks
+        self._release(client, spec.name, grant.epoch, finished=last, handover=not last)
         out = self._result(state, status=result.status.value,
                            checkpoint_uri=result.checkpoint_uri, result=result)
         self.log.info("job %s: chunk [%d, %d) done: loss=%s %.0f samples/s, checkpoint %s",
@@ -373,11 +408,13 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
             self.log.warning("could not %s (%s: %s); the lease TTL returns the slots", what,
                              type(exc).__name__, exc)
 
-    def _release(self, client: Any, job: str, epoch: int, finished: bool = False) -> None:
+    def _release(
+        self, client: Any, job: str, epoch: int, finished: bool = False, handover: bool = False
+    ) -> None:
         from elastic_ops.errors import LeaseExpiredError
 
         try:
-            client.release(job, epoch, finished=finished)
+            client.release(job, epoch, finished=finished, handover=handover)
         except LeaseExpiredError:
             self.log.info("job %s: lease of epoch %d already gone", job, epoch)
 

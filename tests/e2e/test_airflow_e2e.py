@@ -71,11 +71,13 @@ def test_competing_jobs_follow_the_priority_sequence(deployment):
     dags = ("elastic_seed_job1", "elastic_seed_job2")
     runs = ("compete_1", "compete_2")
     jobs = [job_id(d, "train_digits", r) for d, r in zip(dags, runs, strict=True)]
-    # Chunks long enough (as in the demo) that both jobs are mid-chunk when the priority changes:
-    # with the agent a 50-iteration chunk ends in about a second.
-    af.trigger(dags[0], {"iterations": 450, "priority": 3}, run_id=runs[0])
+    # Between two chunks a job keeps its slots (parked), so what matters is that job 1 has not
+    # reached its last chunk when the priority changes (else it may finish before shrinking to
+    # 3): three chunks of 300 iterations, with the agent about 50 iterations a second on 8
+    # workers, while job 2's run starts within a few seconds (more on a slow machine).
+    af.trigger(dags[0], {"iterations": 900, "priority": 3}, run_id=runs[0])
     wait_until("job 1 on 8", lambda: held(pool).get(jobs[0]) == 8, af)
-    af.trigger(dags[1], {"iterations": 750, "priority": 3}, run_id=runs[1])
+    af.trigger(dags[1], {"iterations": 1200, "priority": 3}, run_id=runs[1])
     wait_until("4 / 4", lambda: reached(pool, jobs, [(8, 0), (4, 4)]), af)
 
     # Raise job 2's priority through the plugin's authenticated REST route.

@@ -39,10 +39,10 @@ def pool(monkeypatch, tmp_path) -> PoolClient:
     return airflow_pool(monkeypatch, tmp_path)
 
 
-def make_chunk(index: int = 1, **fields) -> ElasticChunkOperator:
+def make_chunk(index: int = 1, operator_kwargs: dict | None = None, **fields) -> ElasticChunkOperator:
     """A chunk task whose templated fields are already rendered (max_workers=2)."""
     op = ElasticChunkOperator(task_id=f"chunk_{index}", spec_fields=FIELDS | {"max_workers": "2"} | fields,
-                              chunk_index=index, group_id="train")
+                              chunk_index=index, group_id="train", **(operator_kwargs or {}))
     return op
 
 
@@ -79,6 +79,36 @@ def test_a_full_pool_defers_with_everything_the_resumed_try_needs(pool):
     assert spec.max_workers == 2 and spec.name == trig.job
     assert pool.status()["jobs"][0]["name"] == trig.job  # registered on the way (no register task ran)
     assert before <= state["deferred_at"] <= after  # the wait counts from here, not from the trigger's start
+
+
+def test_a_grant_that_comes_within_defer_after_is_trained_without_deferring(pool, monkeypatch, wait_clock):
+    pool.submit("other", min_workers=2, max_workers=2, priority=5, preemptible=False)
+    blocker = pool.request("other")
+    sleep = wait_clock.sleep
+
+    def other_job_ends_during_the_third_poll_interval(seconds):
+        sleep(seconds)
+        if len(wait_clock.sleeps) == 3:
+            pool.release("other", blocker.epoch, finished=True)
+
+    monkeypatch.setattr("elastic_ops.operators.chunk._sleep", other_job_ends_during_the_third_poll_interval)
+    trained = []
+    monkeypatch.setattr(ElasticChunkOperator, "_train", lambda self, spec, state, epoch, host, keeper, hook:
+                        trained.append(epoch) or SimpleNamespace(
+                            status=ChunkStatus.COMPLETED, workers_timeline=[], iteration=40, start=20,
+                            samples_per_sec=1.0, duration_s=1.0, checkpoint_uri=None))
+    result = make_chunk(1).execute(ti_context(1, 3))  # no TaskDeferred
+    assert result["status"] == "completed" and len(trained) == 1
+    assert wait_clock.sleeps == [1.0, 1.0, 1.0]  # polled every poll_interval until the grant
+
+
+@pytest.mark.parametrize(("defer_after", "polls"), [(10.0, 10), (2.5, 2), (0, 0)])
+def test_a_longer_wait_defers_after_defer_after_seconds(pool, wait_clock, defer_after, polls):
+    pool.submit("other", min_workers=2, max_workers=2, priority=5, preemptible=False)
+    pool.request("other")
+    with pytest.raises(TaskDeferred):
+        make_chunk(1, {"defer_after": defer_after}).execute(context())
+    assert wait_clock.sleeps == [1.0] * polls
 
 
 def test_the_wait_for_a_grant_counts_from_the_deferral(pool, monkeypatch):
@@ -140,6 +170,26 @@ def test_a_new_try_takes_over_the_earlier_tries_lease_under_a_new_epoch(pool, mo
         pool.check_epoch(job, earlier.epoch)
 
 
+def test_a_chunk_hands_its_slots_to_the_next_chunk_and_the_last_one_ends_the_job(pool, monkeypatch):
+    job = job_id("d", "train", "run1")
+    grants = []
+
+    def trained(self, spec, state, epoch, host, keeper, hook):
+        grants.append((epoch, keeper.slots()))
+        return SimpleNamespace(status=ChunkStatus.COMPLETED, workers_timeline=[], iteration=state["end"],
+                               start=state["start"], samples_per_sec=1.0, duration_s=1.0, checkpoint_uri=None)
+
+    monkeypatch.setattr(ElasticChunkOperator, "_train", trained)
+    make_chunk(0).execute(ti_context(1, 3))
+    # between the two tasks: the slots stay the job's, parked, and a newcomer waits its turn
+    # through the plan rather than taking them because they were momentarily free
+    assert job_row(pool, job)["state"] == "parked" and pool.status()["slots"]["used"] == 2
+    make_chunk(1).execute(ti_context(1, 3))
+    (e0, slots0), (e1, slots1) = grants
+    assert e1 == e0 + 1 and slots1 == slots0  # the same slots, fenced under a new epoch
+    assert job_row(pool, job)["state"] == "finished" and pool.status()["slots"]["used"] == 0
+
+
 def test_a_final_failure_ends_the_job_so_others_get_its_slots_at_once(pool, monkeypatch):
     monkeypatch.setattr(ElasticChunkOperator, "_train", train_raising(UserCodeError("boom in loss()")))
     with pytest.raises(UserCodeError):
@@ -190,6 +240,8 @@ def test_on_kill_gives_the_slots_back_and_does_not_blame_the_host(pool, monkeypa
     ({"heartbeat_interval": -5}, "heartbeat_interval"),
     ({"heartbeat_interval": "2"}, "heartbeat_interval"),
     ({"chunk_index": -3}, "chunk_index"),  # would train a chunk counted from the end
+    ({"defer_after": -1}, "defer_after"),
+    ({"defer_after": float("inf")}, "defer_after"),
 ])
 def test_operator_arguments_are_checked_when_the_dag_is_parsed(kwargs, field):
     args = {"task_id": "c", "spec_fields": FIELDS, "chunk_index": 0, "group_id": "train"} | kwargs

@@ -98,7 +98,7 @@ def test_a_chunk_defers_while_the_pool_is_full_then_runs_when_slots_free(migrate
     result = run_dag_file(migrated_db, tmp_path, """
         with DAG(dag_id="deferring", schedule=None, start_date=START) as dag:
             elastic_training(task_id="train", trainable=DIGITS, total_iterations=2, min_workers=1,
-                             max_workers=1, **TINY)
+                             max_workers=1, chunk_kwargs={"defer_after": 0}, **TINY)  # defer at once
 
         if __name__ == "__main__":  # dag.test() parses this file again: set up and run only once
             POOL.add_host("h1", 1)
