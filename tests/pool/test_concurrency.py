@@ -16,11 +16,13 @@ PROCS, OPS = 6, 30
 
 
 def _worker(url: str, proc: int, seed: int, out) -> None:
-    """Two jobs per process, driven like chunk runners: request, follow targets, release."""
+    """Two jobs per process, driven like chunk tasks: request, follow targets, release or hand
+    over to the next chunk (whose first request re-takes the parked lease, if the plan left it)."""
     rng = random.Random(seed)
     pool = PoolClient(url)
     jobs = [f"p{proc}-j{k}" for k in range(2)]
     live: dict[str, tuple[int, int]] = {}  # job -> (epoch, workers)
+    parked: set[str] = set()
     for j in jobs:
         pool.submit(
             j, min_workers=rng.randint(1, 3), max_workers=rng.randint(3, 8), priority=rng.randint(1, 5)
@@ -29,14 +31,18 @@ def _worker(url: str, proc: int, seed: int, out) -> None:
     for _ in range(OPS):
         j = rng.choice(jobs)
         if j not in live:
-            g = pool.request(j)
+            g = pool.request(j, new_attempt=j in parked)
+            parked.discard(j)
             if isinstance(g, Grant):
                 live[j] = (g.epoch, g.workers)
             done += 1
             continue
         epoch, workers = live[j]
         if rng.random() < 0.2:
-            pool.release(j, epoch, finished=rng.random() < 0.5)
+            how = rng.choice(["finished", "unfinished", "handover"])
+            pool.release(j, epoch, finished=how == "finished", handover=how == "handover")
+            if how == "handover":
+                parked.add(j)
             del live[j]
         else:
             t = pool.heartbeat(j, epoch, workers=workers)
@@ -47,6 +53,8 @@ def _worker(url: str, proc: int, seed: int, out) -> None:
         done += 1
     for j, (epoch, _) in live.items():
         pool.release(j, epoch, finished=True)
+    for j in parked:  # the run ended between two chunks
+        pool.finish(j)
     pool.close()
     out.put(done)
 
@@ -85,6 +93,7 @@ def _run(url: str) -> None:
     assert held == {}, f"slots never given back; {tables}"
     assert not live, f"leases never ended; {tables}"
     assert sum(1 for e in events if e["kind"] == "grant") >= PROCS
+    assert any(e["kind"] == "park" for e in events) and any(e["kind"] == "reissue" for e in events)
     assert setup.status()["slots"]["used"] == 0
 
 

@@ -241,6 +241,18 @@ def test_a_parked_job_preempted_by_the_plan_ends_its_lease(pool):
     replay(pool.events())
 
 
+def test_a_heartbeat_that_reports_workers_unparks_the_lease(pool):
+    """A parked job runs nothing, so the plan frees its slots at once: a job that heartbeats
+    workers under the same lease is running again, and its slots go only at a boundary."""
+    g = grant(pool, "a", max_workers=4)
+    pool.release("a", g.epoch, handover=True)
+    assert pool.heartbeat("a", g.epoch, workers=4).workers == 4
+    assert state_of(pool, "a") == "running"
+    pool.submit("b", min_workers=1, max_workers=4)
+    assert isinstance(pool.request("b"), Wait)  # a's 2 slots are released at its next boundary
+    assert pool.status()["slots"]["used"] == 4
+
+
 def test_a_parked_lease_nobody_takes_over_expires_after_one_ttl(pool, clock):
     g = grant(pool, "a")
     clock.advance(20)
