@@ -55,6 +55,8 @@ WARM_START_PREVIOUS = "previous"
 # the in-task wait for a grant (tests replace them)
 _monotonic = time.monotonic
 _sleep = time.sleep
+# the trigger's first request waits this long after the deferral (GrantTrigger's not_before)
+DEFER_SETTLE_S = 5.0
 
 
 def failed_hosts(client: Any, job: str) -> list[str]:
@@ -274,7 +276,8 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
         state = {**state, "deferred_at": time.time()}
         self.defer(
             trigger=GrantTrigger(job=job, ledger_url=hook.ledger_url(), state=state,
-                                 avoid_hosts=avoid, poll_interval=self.poll_interval),
+                                 avoid_hosts=avoid, poll_interval=self.poll_interval,
+                                 not_before=state["deferred_at"] + DEFER_SETTLE_S),
             method_name="execute_granted",
             # a demand the pool cannot meet (min_workers above what its hosts hold) would wait
             # forever: the task's execution_timeout bounds the wait too (None: no bound)

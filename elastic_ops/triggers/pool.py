@@ -25,6 +25,10 @@ from elastic_ops.urls import shown_url
 
 _MODULE = "elastic_ops.triggers.pool"
 
+# GrantTrigger's wait for ``not_before`` (tests replace them)
+_wall_clock = time.time
+_sleep = asyncio.sleep
+
 
 def _open_ledger(url: str):
     from elastic_ops.pool import PoolClient  # imported off the event loop: numpy, SQLAlchemy
@@ -59,6 +63,12 @@ class GrantTrigger(_LedgerTrigger):
     The trigger *requests* (it is the job's place in the pool's queue, so the pool can plan and
     preempt for it); the resumed task heartbeats the grant at once. On a ledger error that
     retrying cannot fix it fires a ``TriggerFailure`` event instead of looping forever.
+
+    ``not_before`` (Unix time): the first request waits until then. A grant that fires within
+    seconds of the deferral can meet apache/airflow#72716 (Airflow 3.3): the scheduler takes the
+    deferring process's late exit event for the resumed try's and fails the resumed try
+    mid-chunk. The chunk task asked in-process for ``defer_after`` seconds already; a few more
+    before the first request here cost little and give the scheduler time to see that exit.
     """
 
     def __init__(
@@ -69,6 +79,7 @@ class GrantTrigger(_LedgerTrigger):
         state: dict[str, Any],
         avoid_hosts: list[str] | tuple[str, ...] = (),
         poll_interval: float = 1.0,
+        not_before: float | None = None,
     ) -> None:
         super().__init__()
         self.job = job
@@ -76,6 +87,7 @@ class GrantTrigger(_LedgerTrigger):
         self.state = dict(state)
         self.avoid_hosts = list(avoid_hosts)
         self.poll_interval = float(poll_interval)
+        self.not_before = None if not_before is None else float(not_before)
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (
@@ -83,6 +95,7 @@ class GrantTrigger(_LedgerTrigger):
             {
                 "job": self.job, "ledger_url": self.ledger_url, "state": self.state,
                 "avoid_hosts": list(self.avoid_hosts), "poll_interval": self.poll_interval,
+                "not_before": self.not_before,
             },
         )
 
@@ -91,6 +104,8 @@ class GrantTrigger(_LedgerTrigger):
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         started = time.monotonic()
+        if self.not_before is not None and (delay := self.not_before - _wall_clock()) > 0:
+            await _sleep(delay)
         client = None
         while True:
             try:

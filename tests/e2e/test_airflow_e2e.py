@@ -94,6 +94,10 @@ def test_competing_jobs_follow_the_priority_sequence(deployment):
     seq = allocation_sequence(events, jobs)
     assert is_subsequence([(8, 0), (4, 4), (3, 5), (0, 8)], seq), seq
     assert max_concurrent_holders(events) == 1
+    for n in (0, 1):  # each job kept slots from its first grant to its end: chunks handed over
+        holds = [state[n] > 0 for state in seq]
+        first, last = holds.index(True), len(holds) - 1 - holds[::-1].index(True)
+        assert all(holds[first:last + 1]), f"job {n + 1} dropped to 0 workers mid-run: {seq}"
 
 
 def test_form_params_reject_bad_values_and_s3_checkpoints_use_the_aws_connection(deployment, s3_endpoint):  # noqa: F811

@@ -79,6 +79,7 @@ def test_a_full_pool_defers_with_everything_the_resumed_try_needs(pool):
     assert spec.max_workers == 2 and spec.name == trig.job
     assert pool.status()["jobs"][0]["name"] == trig.job  # registered on the way (no register task ran)
     assert before <= state["deferred_at"] <= after  # the wait counts from here, not from the trigger's start
+    assert trig.not_before == state["deferred_at"] + 5.0  # the scheduler sees this process exit first
 
 
 def test_a_grant_that_comes_within_defer_after_is_trained_without_deferring(pool, monkeypatch, wait_clock):

@@ -33,11 +33,11 @@ def test_grant_trigger_roundtrip_keeps_everything_the_task_needs():
     state = {"spec": {"name": "j", "params": {"lr": 0.1}}, "start": 10, "end": 20, "timeline": [[10, 2, 1.5]],
              "warm_start": None, "preemptions": 1}
     trig = GrantTrigger(job="j", ledger_url="sqlite:////tmp/x.db", state=state, avoid_hosts=["h2"],
-                        poll_interval=0.5)
+                        poll_interval=0.5, not_before=1_800_000_000.25)
     classpath, kwargs, rebuilt = roundtrip(trig)
     assert classpath == "elastic_ops.triggers.pool.GrantTrigger"
     assert rebuilt.serialize() == (classpath, kwargs)
-    assert rebuilt.state == state and rebuilt.avoid_hosts == ["h2"]
+    assert rebuilt.state == state and rebuilt.avoid_hosts == ["h2"] and rebuilt.not_before == 1_800_000_000.25
 
 
 def test_capacity_trigger_roundtrip():
@@ -104,6 +104,30 @@ def test_grant_trigger_waits_until_the_pool_frees_slots_then_carries_the_grant(t
     assert isinstance(event, GrantEvent)
     assert event.job == "b" and event.workers == 2 and event.state == {"chunk_index": 4}
     assert event.epoch == pool.request("b").epoch  # the live lease the task will heartbeat
+
+
+def test_grant_trigger_asks_first_at_not_before(tmp_path, monkeypatch):
+    """The first request waits for ``not_before`` (Airflow's scheduler must see the deferring
+    process exit before the resumed try starts), even when the pool could grant at once."""
+    pool = make_pool(tmp_path, slots=2)
+    pool.submit("b", min_workers=1, max_workers=2, priority=1)
+    steps: list = []
+
+    async def sleep(seconds):
+        steps.append(("sleep", seconds))
+
+    monkeypatch.setattr("elastic_ops.triggers.pool._wall_clock", lambda: 1_000.0)
+    monkeypatch.setattr("elastic_ops.triggers.pool._sleep", sleep)
+    real = GrantTrigger._request_once
+    monkeypatch.setattr(GrantTrigger, "_request_once",
+                        lambda self, c: steps.append(("request",)) or real(self, c))
+    trig = GrantTrigger(job="b", ledger_url=pool.url, state={}, not_before=1_004.5)
+    assert isinstance(parse_event(asyncio.run(first_event(trig)).payload), GrantEvent)
+    assert steps == [("sleep", 4.5), ("request",)]
+    steps.clear()
+    late = GrantTrigger(job="b", ledger_url=pool.url, state={}, not_before=999.0)  # already past
+    asyncio.run(first_event(late))
+    assert steps == [("request",)]
 
 
 def test_grant_trigger_reports_an_unknown_job_for_a_retry_instead_of_waiting_forever(tmp_path):
