@@ -10,6 +10,7 @@ BENCHMARKS = (
     ["benchmarks.consistency_modes"],
     ["benchmarks.checkpoint_io"],
     ["benchmarks.fence_cost"],
+    ["benchmarks.handover"],
     ["benchmarks.pool_decision", "--repeats", "5"],
     ["benchmarks.pool_ledger", "--seconds", "3"],
     ["benchmarks.pool_simulator"],

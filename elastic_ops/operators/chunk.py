@@ -345,8 +345,8 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
                           spec.name, result.iteration)
             return self._acquire(context, state, hook)
         last = state["end"] >= spec.total_iterations
-        # not the last chunk: the slots wait, parked, for the next chunk task (the pool may still
-        # take them meanwhile), rather than going to whoever asks in the gap between two tasks
+        # not the last chunk: the slots wait, parked, for the next chunk task, which runs on them
+        # again (the pool may still take them meanwhile); released, a new grant may land elsewhere
         self._release(client, spec.name, grant.epoch, finished=last, handover=not last)
         out = self._result(state, status=result.status.value,
                            checkpoint_uri=result.checkpoint_uri, result=result)

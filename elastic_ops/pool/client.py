@@ -539,10 +539,11 @@ class PoolClient:
         expired) releases nothing and returns False. ``finished=True`` ends the job.
 
         ``handover=True`` (a chunk ended and the job's next chunk follows): the job keeps its
-        lease and slots, *parked*, for one lease TTL, so the next chunk's request gets them back
-        (re-issued under a new epoch) instead of the job losing them to whoever asks during the
-        gap between two Airflow tasks and taking them back by preemption. Parked slots are still
-        the plan's to move: a shrink frees them at once. Returns True if the lease was live."""
+        lease and slots, *parked*, for one lease TTL, so the next chunk's request gets the same
+        slots back (re-issued under a new epoch) rather than a new grant that may place it
+        elsewhere, and the slots do not show as free in the gap between two Airflow tasks.
+        Parked slots are still the plan's to move: a shrink frees them at once. Returns True if
+        the lease was live."""
         if finished and handover:
             raise SpecError("handover", handover, "a finished job has no next chunk to hand over to; "
                             "pass finished=True or handover=True, not both")
