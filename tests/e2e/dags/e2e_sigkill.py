@@ -1,5 +1,6 @@
 """E2E: a bitwise elastic job (one 240-iteration chunk, checkpoints every 20) whose worker the
-test SIGKILLs mid-chunk."""
+test SIGKILLs mid-chunk. The digits MLP is paced (``e2e_paced``, next to this file: at least
+30 ms an iteration) so that the chunk is still training when the test looks for a worker."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ from airflow.sdk import DAG
 from elastic_ops.taskgroup import elastic_training
 
 SPEC = {
-    "trainable": "elastic_ops.examples.digits:DigitsMLP", "total_iterations": 240, "chunk_iterations": 240,
+    "trainable": "e2e_paced:PacedDigitsMLP", "total_iterations": 240, "chunk_iterations": 240,
     "global_batch": 64, "consistency": "bitwise", "virtual_shards": 2, "data_seed": 3,
-    "params": {"hidden": 32, "depth": 1},
+    "params": {"hidden": 32, "depth": 1, "pace_s": 0.03},
 }
 
 with DAG(dag_id="e2e_sigkill", schedule=None, start_date=pendulum.datetime(2024, 1, 1, tz="UTC"),
