@@ -1035,18 +1035,21 @@ class PoolClient:
 
     def _unpark(self, conn: Connection, now: float, plan: Plan, rows: dict[str, Any], snap: Snapshot) -> bool:
         """Apply at once what ``plan`` takes from parked jobs (they run nothing, so there is no
-        boundary to wait for): a shrink frees the slots, a preemption ends the lease. Returns
-        whether any slot was freed (the plan must then be made again: they are free now)."""
+        boundary to wait for): a shrink frees the slots; a preemption, or a move of all its
+        slots (e.g. off a draining host), ends the lease, and the next chunk's request is granted
+        afresh. Returns whether any slot was freed (the plan must then be made again: they are
+        free now)."""
         freed = False
         for job in snap.jobs:
             row = rows[job.name]
             if row.state != JobState.PARKED.value or not job.held:
                 continue
             d = plan.decision(plan.index(job.name))
-            if d.target == 0 or not d.placements:
-                self._free(conn, now, job.name, job.held, "release", f"parked, then preempted: {d.reason}",
+            if d.target == 0 or not d.placements or len(d.release) == len(job.held):
+                why = "preempted" if d.target == 0 or not d.placements else "moved"
+                self._free(conn, now, job.name, job.held, "release", f"parked, then {why}: {d.reason}",
                            epoch=row.epoch, workers=0)
-                self._end_lease(conn, now, job.name, row.epoch, "preempted while parked")
+                self._end_lease(conn, now, job.name, row.epoch, f"{why} while parked")
                 conn.execute(
                     update(s.jobs)
                     .where(s.jobs.c.name == job.name)

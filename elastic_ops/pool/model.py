@@ -47,7 +47,7 @@ class JobState(enum.StrEnum):
         running / waiting ──release(finished=True)──▶ finished ──request / submit──▶ waiting
         running ──release(finished=False)──▶ waiting
         running ──release(handover=True)──▶ parked ──request──▶ running (new epoch, same slots)
-        parked ──target 0 / lease expires──▶ waiting
+        parked ──target 0 / all its slots moved / lease expires──▶ waiting
 
     ``parked``: a chunk ended and the job's next chunk follows. The job keeps its lease and
     slots for one lease TTL, running nothing; a shrink the plan decides meanwhile frees slots at

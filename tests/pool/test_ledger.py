@@ -253,6 +253,16 @@ def test_a_heartbeat_that_reports_workers_unparks_the_lease(pool):
     assert pool.status()["slots"]["used"] == 4
 
 
+def test_a_parked_job_on_a_draining_host_moves_before_its_next_chunk_starts(pool):
+    g = grant(pool, "a", max_workers=4)
+    pool.add_host("h1", 4)
+    pool.release("a", g.epoch, handover=True)
+    pool.drain_host("h0")  # nothing runs on h0: its slots go at once, the job's share moves to h1
+    nxt = pool.request("a", new_attempt=True)
+    assert {h for h, _ in nxt.placements} == {"h1"} and nxt.workers == 4
+    replay(pool.events())
+
+
 def test_a_parked_lease_nobody_takes_over_expires_after_one_ttl(pool, clock):
     g = grant(pool, "a")
     clock.advance(20)
