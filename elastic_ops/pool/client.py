@@ -200,6 +200,20 @@ def _avoidable(avoid: frozenset[str], up_slots: dict[str, int], min_workers: int
     return avoid
 
 
+def _within_minimum(d: Decision, min_workers: int) -> Decision:
+    """``d`` for a running job, never below its minimum while it moves: a job moved off an
+    unhealthy host whose new slots are not all free yet (others release them at their next
+    boundary) keeps enough of its old slots to run ``min_workers`` meanwhile, rather than shrink
+    under its minimum and grow back. (With no new slot at all it is preempted, as planned.)"""
+    short = min_workers - len(d.placements)
+    if short <= 0 or not d.placements or not d.release:
+        return d
+    return dataclasses.replace(
+        d, placements=d.placements + d.release[:short], release=d.release[short:],
+        reason=f"{d.reason}; keeps {min(short, len(d.release))} old slots until its minimum fits on up hosts",
+    )
+
+
 def _raise_if_error(result: Any) -> Any:
     if isinstance(result, LeaseExpiredError):
         raise result
@@ -490,7 +504,8 @@ class PoolClient:
             if row.state == JobState.PARKED.value:  # it runs workers: not parked any more
                 values["state"] = JobState.RUNNING.value
             conn.execute(update(s.jobs).where(s.jobs.c.name == job).values(**values))
-            d = self._replan(conn, now, synced=True)[job]
+            lo = row.min_workers
+            d = _within_minimum(self._replan(conn, now, synced=True)[job], lo)
             # the slots a shrink gives up go once the job runs no more workers than the slots it
             # keeps (not its target: slots the target counts may not be free yet, e.g. when its
             # host drains while the others are full, and the job still runs on the old ones)
@@ -507,7 +522,7 @@ class PoolClient:
                         epoch=epoch,
                         workers=d.target,
                     )
-                    d = self._replan(conn, now, synced=True)[job]
+                    d = _within_minimum(self._replan(conn, now, synced=True)[job], lo)
             self._mark_releasing(conn, now, job, d.release)
             return self._target(job, workers, d)
 
@@ -1044,7 +1059,8 @@ class PoolClient:
             row = rows[job.name]
             if row.state != JobState.PARKED.value or not job.held:
                 continue
-            d = plan.decision(plan.index(job.name))
+            # a parked job too keeps old slots rather than hand its next chunk less than its minimum
+            d = _within_minimum(plan.decision(plan.index(job.name)), row.min_workers)
             if d.target == 0 or not d.placements or len(d.release) == len(job.held):
                 why = "preempted" if d.target == 0 or not d.placements else "moved"
                 self._free(conn, now, job.name, job.held, "release", f"parked, then {why}: {d.reason}",

@@ -121,6 +121,28 @@ def test_a_job_whose_host_drains_while_the_others_are_full_is_preempted_and_keep
     assert not [s for s, job in held_now(pool.events()).items() if job == "r"]
 
 
+def test_a_job_moving_off_a_draining_host_never_runs_below_its_minimum(pool):
+    """Its new slots are not all free yet (another job gives them up at its boundary): it keeps
+    enough of its old ones meanwhile, and moves the rest when they are."""
+    pool.configure(policy="priority")
+    pool.add_host("h1", 4)
+    grant(pool, "x", min_workers=2, max_workers=2, priority=1)  # h0:0-1
+    a = grant(pool, "a", min_workers=3, max_workers=3, priority=5)  # h0:2-3 and h1:0
+    y = grant(pool, "y", min_workers=1, max_workers=3, priority=1)  # h1:1-3
+    assert {h for h, _ in a.placements} == {"h0", "h1"} and len(y.placements) == 3
+    pool.drain_host("h0")
+    t = pool.heartbeat("a", a.epoch, workers=3, placements=a.placements)
+    assert t.workers == 3 and t.action == TargetAction.KEEP, t  # not a shrink to its 1 slot on h1
+    ty = pool.heartbeat("y", y.epoch, workers=3)
+    assert ty.workers == 1  # y makes room for a on h1, at its boundary
+    pool.heartbeat("y", y.epoch, workers=1, placements=ty.placements)
+    t = pool.heartbeat("a", a.epoch, workers=3, placements=a.placements)
+    assert t.workers == 3 and {h for h, _ in t.placements} == {"h1"}, t  # now it moves
+    pool.heartbeat("a", a.epoch, workers=3, placements=t.placements)
+    assert {s[0] for s, job in held_now(pool.events()).items() if job == "a"} == {"h1"}
+    replay(pool.events())
+
+
 def test_a_host_cannot_shrink_under_running_jobs(pool):
     g = grant(pool, "a", min_workers=4, max_workers=4)
     with pytest.raises(SpecError, match=r"invalid slots=2: must keep the slots jobs hold on host 'h0'"):

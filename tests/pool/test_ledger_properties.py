@@ -53,6 +53,8 @@ class Driver:
             epoch, workers = self.live[job]
             try:
                 target = pool.heartbeat(job, epoch, workers=workers)
+                lo, hi = self.bounds[job]
+                assert target.action == TargetAction.PREEMPT or lo <= target.workers <= hi, target
                 if target.action == TargetAction.PREEMPT:
                     pool.heartbeat(job, epoch, workers=0)
                     del self.live[job]
