@@ -39,8 +39,8 @@ class Driver:
     def step(self) -> None:
         rng, pool = self.rng, self.pool
         job = rng.choice(JOBS)
-        op = rng.choices(["request", "beat", "end", "host", "priority", "bounds", "time"],
-                         weights=[3, 3, 2, 2, 1, 1, 1])[0]
+        op = rng.choices(["request", "beat", "end", "host", "priority", "bounds", "time", "fail", "finish"],
+                         weights=[3, 3, 2, 2, 1, 1, 1, 1, 1])[0]
         if op == "request" and job not in self.live:
             pool.submit(job, min_workers=self.bounds[job][0], max_workers=self.bounds[job][1],
                         priority=rng.randint(1, 5))
@@ -78,6 +78,15 @@ class Driver:
             lo = rng.randint(1, 3)
             self.bounds[job] = (lo, rng.randint(lo, 6))
             pool.submit(job, min_workers=self.bounds[job][0], max_workers=self.bounds[job][1])
+        elif op == "fail" and job in self.live:  # a worker lost: the host is reported, the try ends
+            epoch, _ = self.live.pop(job)
+            pool.report_failure(job, rng.choice(HOSTS))
+            pool.release(job, epoch)
+        elif op == "finish":  # the run failed for good, whatever the job holds (parked or not)
+            pool.submit(job, min_workers=self.bounds[job][0], max_workers=self.bounds[job][1])
+            pool.finish(job)
+            self.live.pop(job, None)
+            self.parked.discard(job)
         elif op == "time":
             self.clock.advance(rng.choice([1.0, 5.0, 31.0]))  # 31: past the lease TTL
 
