@@ -8,14 +8,15 @@ import random
 import tempfile
 from pathlib import Path
 
+import pytest
 import sqlalchemy as sa
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from elastic_ops.errors import LeaseExpiredError
 from elastic_ops.pool import Grant, PoolClient, TargetAction
 
-from .conftest import Clock
+from .conftest import Clock, pg_schema_url
 from .timeline import held_now, replay
 
 JOBS = ("a", "b", "c")
@@ -103,19 +104,34 @@ class Driver:
         assert leases <= holders, f"live leases that hold no slot: {leases - holders}"
 
 
+def play(url: str, seed: int, steps: int = 60) -> None:
+    clock = Clock()
+    pool = PoolClient(url, clock=clock, lease_ttl_s=30,
+                      policy=random.Random(seed).choice(["priority", "fairshare"]), aging_s=0.0)
+    for host in HOSTS:
+        pool.add_host(host, 4)
+    driver = Driver(pool, clock, random.Random(seed))
+    try:
+        for _ in range(steps):
+            driver.step()
+            driver.check_ledger()
+    finally:
+        pool.close()
+
+
 @settings(max_examples=60)
 @given(seed=st.integers(0, 2**32 - 1))
 def test_random_operations_keep_the_ledger_consistent_and_every_grant_within_bounds(seed):
     with tempfile.TemporaryDirectory() as tmp:
-        clock = Clock()
-        pool = PoolClient(f"sqlite:///{Path(tmp) / 'pool.db'}", clock=clock, lease_ttl_s=30,
-                          policy=random.Random(seed).choice(["priority", "fairshare"]), aging_s=0.0)
-        for host in HOSTS:
-            pool.add_host(host, 4)
-        driver = Driver(pool, clock, random.Random(seed))
-        try:
-            for _ in range(60):
-                driver.step()
-                driver.check_ledger()
-        finally:
-            pool.close()
+        play(f"sqlite:///{Path(tmp) / 'pool.db'}", seed)
+
+
+@pytest.mark.postgres
+@settings(max_examples=20, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**32 - 1))
+def test_the_same_on_postgresql(postgres_url, seed):
+    url, cleanup = pg_schema_url(postgres_url)  # a fresh schema per example
+    try:
+        play(url, seed)
+    finally:
+        cleanup()
