@@ -1054,11 +1054,14 @@ class PoolClient:
         slots (e.g. off a draining host), ends the lease, and the next chunk's request is granted
         afresh. Returns whether any slot was freed (the plan must then be made again: they are
         free now)."""
+        parked = {name for name, r in rows.items() if r.state == JobState.PARKED.value}
+        if not parked:  # the common case: one pass over the rows, on every re-plan
+            return False
         freed = False
         for job in snap.jobs:
-            row = rows[job.name]
-            if row.state != JobState.PARKED.value or not job.held:
+            if job.name not in parked or not job.held:
                 continue
+            row = rows[job.name]
             # a parked job too keeps old slots rather than hand its next chunk less than its minimum
             d = _within_minimum(plan.decision(plan.index(job.name)), row.min_workers)
             if d.target == 0 or not d.placements or len(d.release) == len(job.held):
