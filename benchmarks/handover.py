@@ -63,6 +63,7 @@ class Job:
     rescales: int = 0
     slots: tuple = ()  # where its workers run (the grant's, then each target's placements)
     moved: int = 0  # chunks that started on other slots than the previous chunk ended on
+    between_chunks: bool = False  # a chunk has ended and the next has not started yet
     preemptions: int = 0
     finished: float | None = None
 
@@ -120,8 +121,10 @@ def step(pool: PoolClient, sc: Scenario, job: Job, now: float, handover: bool) -
         if job.phase == "arriving":
             job.left = sc.chunk_work
         if isinstance(outcome, Grant):
-            if job.phase == "gap" and set(outcome.placements) != set(job.slots):
+            # counted also when the next chunk had to wait for its grant after the gap
+            if job.between_chunks and set(outcome.placements) != set(job.slots):
                 job.moved += 1
+            job.between_chunks = False
             job.slots = outcome.placements
             job.phase, job.epoch, job.workers = "running", outcome.epoch, outcome.workers
             job.next_beat = now + sc.heartbeat_s
@@ -157,6 +160,7 @@ def step(pool: PoolClient, sc: Scenario, job: Job, now: float, handover: bool) -
         job.phase, job.finished = "done", now + DT
     else:
         job.phase, job.next_at, job.left = "gap", now + sc.gap_s, sc.chunk_work
+        job.between_chunks = True
     return trained
 
 
