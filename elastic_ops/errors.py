@@ -61,6 +61,17 @@ class WorkerLostError(TrainingError):
         super().__init__(message, hint=hint)
 
 
+class NodeUnavailableError(WorkerLostError):
+    """No node agent took the chunk for the host the pool granted (none is running for it, or it
+    did not answer in time). Retryable, and held against the host: the task reports it, so the
+    retry's grant avoids that host, like a host whose workers died."""
+
+
+class NodeLostError(WorkerLostError):
+    """The node agent running the chunk went silent mid-chunk (its host or its process died, or
+    the network between them failed). Retryable, and held against the host."""
+
+
 class AgentLostError(TrainingError):
     """The host's elastic-ops agent stopped or crashed mid-chunk (its workers went with it).
     Retryable, and not held against the host: the pool does not count it as the host failing."""

@@ -21,6 +21,7 @@ from elastic_ops.errors import SpecError
 
 # matched with fullmatch: a trailing newline is not part of a valid value
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}")
+_HOST_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,254}")
 _ENTRY_RE = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 # No '?', '#', whitespace or an encoded NUL: a query or fragment would swallow the '/<run_id>'
 # the Airflow layer appends (every DAG run would share one store), and the local path needs a
@@ -32,6 +33,16 @@ URI_ALLOWED = (
     "must be a URI 'file:///absolute/path' or 's3://bucket/prefix' (bucket: 3-63 lowercase letters, "
     "digits, '.', '-'; no '?', '#' or spaces)"
 )
+
+
+def check_host_name(field: str, value: Any) -> str:
+    """A host name as hostnames go (the pool prints it as ``host:slot`` in events and placements;
+    node agents are found by it)."""
+    if not isinstance(value, str) or not _HOST_RE.fullmatch(value):
+        raise SpecError(
+            field, value, "must be 1-255 letters, digits, '_', '.', '-', starting with a letter or digit"
+        )
+    return value
 
 def check_number(field: str, value: Any, *, minimum: float, exclusive: bool = False, unit: str = "") -> float:
     """``value`` as a finite number >= ``minimum`` (> when ``exclusive``), or :class:`SpecError`

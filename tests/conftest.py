@@ -42,3 +42,10 @@ def postgres_url() -> str:
     """A URL to the local PostgreSQL ``test`` database (trust auth)."""
     require_service("PostgreSQL", "127.0.0.1", 5432)
     return os.environ.get("ELASTIC_OPS_TEST_POSTGRES", "postgresql+psycopg2://postgres@127.0.0.1:5432/test")
+
+
+@pytest.fixture
+def redis_url() -> str:
+    """A URL to the local Redis (database 0; tests use a namespace of their own)."""
+    require_service("Redis", "127.0.0.1", 6379)
+    return os.environ.get("ELASTIC_OPS_TEST_REDIS", "redis://127.0.0.1:6379/0")

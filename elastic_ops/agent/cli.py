@@ -1,13 +1,17 @@
-"""``elastic-ops agent --socket PATH``: run the per-host chunk agent in the foreground."""
+"""``elastic-ops agent --socket PATH`` (the per-host chunk agent) and ``elastic-ops node --host
+NAME`` (a cluster's node agent), each in the foreground."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import socket
 import sys
 from typing import Any
 
+from elastic_ops.agent.cluster import NAMESPACE_ENV, URL_ENV
 from elastic_ops.agent.protocol import AGENT_SOCKET_ENV
+from elastic_ops.agent.redis_channel import SECRET_ENV
 
 
 def add_commands(subparsers: Any) -> None:
@@ -22,14 +26,47 @@ def add_commands(subparsers: Any) -> None:
     p.add_argument("--socket", required=True, help="Unix socket path to listen on (absolute)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     p.set_defaults(func=cmd_agent)
+    n = subparsers.add_parser(
+        "node",
+        help="run the chunks the pool grants on this host, for tasks anywhere in the cluster",
+        description="Run a cluster's node agent for one host: it keeps torch and the workers' fork server "
+        "warm, announces the host in Redis and runs the chunks that Airflow tasks on any machine send for "
+        f"it. Settings come from the environment, never the command line: {URL_ENV} (the cluster's Redis, "
+        f"e.g. redis://:password@redis-host:6379/0), {SECRET_ENV} (the secret the tasks share, at least 16 "
+        f"characters) and optionally {NAMESPACE_ENV}. Stops on SIGTERM/SIGINT, killing the workers of "
+        "running chunks.",
+    )
+    n.add_argument(
+        "--host",
+        default=socket.gethostname(),
+        help="this host's name in the pool (default: the hostname, %(default)s)",
+    )
+    n.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    n.set_defaults(func=cmd_node)
+
+
+def cmd_node(args: argparse.Namespace) -> int:
+    from elastic_ops.agent.cluster import node_config_from_env
+    from elastic_ops.agent.node import main
+    from elastic_ops.errors import SpecError
+
+    config = node_config_from_env()
+    if config is None:
+        raise SpecError(URL_ENV, "unset", "the URL of the cluster's Redis, e.g. redis://redis-host:6379/0")
+    _log_to_stderr(args.log_level)
+    return main(args.host, config)
+
+
+def _log_to_stderr(level: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(threadName)s %(name)s %(levelname)s: %(message)s"))
+    logger = logging.getLogger("elastic_ops")
+    logger.addHandler(handler)
+    logger.setLevel(level)
 
 
 def cmd_agent(args: argparse.Namespace) -> int:
     from elastic_ops.agent.server import main
 
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(threadName)s %(name)s %(levelname)s: %(message)s"))
-    logger = logging.getLogger("elastic_ops")
-    logger.addHandler(handler)
-    logger.setLevel(args.log_level)
+    _log_to_stderr(args.log_level)
     return main(args.socket)

@@ -11,6 +11,7 @@ import socket
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from elastic_ops.agent.channel import Channel, SocketChannel
 from elastic_ops.agent.protocol import (
     PROTOCOL_VERSION,
     AgentProtocolError,
@@ -150,54 +151,80 @@ class AgentClient:
             return workers, None if slots is None else [int(s) for s in slots()]
 
         sock = self._connect()
+        channel = SocketChannel(sock)
         try:
             sent = current()
-            sock.sendall(
-                encode(
-                    {
-                        "op": "run",
-                        "version": PROTOCOL_VERSION,
-                        "spec": spec,
-                        "start": start,
-                        "end": end,
-                        "epoch": epoch,
-                        "host": host,
-                        "workers": sent[0],
-                        "slots": sent[1],
-                        "store": store.to_wire(),
-                        "warm_start": warm_start.to_wire() if warm_start is not None else None,
-                    }
-                )
+            channel.send(
+                {
+                    "op": "run",
+                    "version": PROTOCOL_VERSION,
+                    "spec": spec,
+                    "start": start,
+                    "end": end,
+                    "epoch": epoch,
+                    "host": host,
+                    "workers": sent[0],
+                    "slots": sent[1],
+                    "store": store.to_wire(),
+                    "warm_start": warm_start.to_wire() if warm_start is not None else None,
+                }
             )
-            reader = MessageReader(sock)
-            while True:
-                try:
-                    msg = reader.read(timeout=poll_s)
-                except EOFError:
-                    raise AgentLostError(
-                        f"the elastic-ops agent at {self.path} closed the connection mid-chunk "
-                        f"(iterations {start}..{end})",
-                        hint="the agent stopped or crashed; retry resumes from the last committed checkpoint",
-                    ) from None
-                now = current()
-                if now != sent:
-                    sock.sendall(encode({"op": "target", "workers": now[0], "slots": now[1]}))
-                    sent = now
-                if msg is None:
-                    continue
-                kind = msg.get("type")
-                if kind == "progress":
-                    if on_progress is not None:
-                        on_progress(progress_from_wire(msg))
-                elif kind == "applied":
-                    applied = applied_from_wire(msg)
-                    if on_applied is not None:
-                        on_applied(*applied)
-                elif kind == "result":
-                    return result_from_wire(msg.get("result"))
-                elif kind == "error":
-                    raise self._error(msg)
-                else:
-                    raise AgentProtocolError(f"unexpected message type {kind!r} from the agent")
+
+            def lost(_: str) -> BaseException:
+                return AgentLostError(
+                    f"the elastic-ops agent at {self.path} closed the connection mid-chunk "
+                    f"(iterations {start}..{end})",
+                    hint="the agent stopped or crashed; retry resumes from the last committed checkpoint",
+                )
+
+            return drive_chunk(
+                channel, sent, current, on_progress=on_progress, on_applied=on_applied,
+                poll_s=poll_s, lost=lost, error=self._error,
+            )
         finally:
             sock.close()
+
+
+def drive_chunk(
+    channel: Channel,
+    sent: tuple[int, list[int] | None],
+    current: Callable[[], tuple[int, list[int] | None]],
+    *,
+    on_progress: Callable[[Progress], None] | None,
+    on_applied: Callable[[int, int, tuple[int, ...] | None], None] | None,
+    poll_s: float,
+    lost: Callable[[str], BaseException],
+    error: Callable[[dict[str, Any]], BaseException],
+) -> ChunkResult:
+    """The task's side of a running chunk, once its run request has gone: forward the pool's
+    target (``current()``: workers and slots) whenever it changes from ``sent``, hand progress and
+    segment changes to the callbacks, return the result or raise the chunk's error
+    (``error(msg)``) or, when the channel ends first, ``lost(why)``."""
+    while True:
+        try:
+            msg = channel.read(timeout=poll_s)
+        except EOFError as exc:
+            raise lost(str(exc)) from None
+        now = current()
+        if now != sent:
+            try:
+                channel.send({"op": "target", "workers": now[0], "slots": now[1]})
+            except OSError as exc:
+                raise lost(str(exc)) from None
+            sent = now
+        if msg is None:
+            continue
+        kind = msg.get("type")
+        if kind == "progress":
+            if on_progress is not None:
+                on_progress(progress_from_wire(msg))
+        elif kind == "applied":
+            applied = applied_from_wire(msg)
+            if on_applied is not None:
+                on_applied(*applied)
+        elif kind == "result":
+            return result_from_wire(msg.get("result"))
+        elif kind == "error":
+            raise error(msg)
+        else:
+            raise AgentProtocolError(f"unexpected message type {kind!r} from the agent")

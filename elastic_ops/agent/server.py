@@ -28,11 +28,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from elastic_ops.agent.channel import Channel, SocketChannel
 from elastic_ops.agent.protocol import (
     OPS,
     PROTOCOL_VERSION,
     AgentProtocolError,
-    MessageReader,
     StoreConfig,
     check_socket_path,
     encode,
@@ -108,14 +108,13 @@ class ChunkSession:
 
     def __init__(
         self,
-        sock: socket.socket,
-        reader: MessageReader,
+        channel: Channel,
         request: dict[str, Any],
         launcher: Any,
         progress_every_s: float = PROGRESS_EVERY_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.sock, self.reader, self.clock = sock, reader, clock
+        self.channel, self.clock = channel, clock
         self.stopping = False  # set when the agent itself kills the workers (it is stopping)
         self.progress_every_s = progress_every_s
         self._send_lock = threading.Lock()
@@ -161,10 +160,9 @@ class ChunkSession:
     def send(self, msg: dict[str, Any]) -> None:
         if self.gone.is_set():
             return
-        data = encode(msg)
         with self._send_lock:
             try:
-                self.sock.sendall(data)
+                self.channel.send(msg)
             except OSError:  # the task is gone; the reader thread sees it too and aborts
                 self.gone.set()
 
@@ -202,7 +200,9 @@ class ChunkSession:
         """Apply target messages until the task closes the connection; then kill the workers."""
         try:
             while True:
-                msg = self.reader.read()
+                msg = self.channel.read()
+                if msg is None:
+                    continue
                 if msg.get("op") != "target":
                     raise SpecError("op", msg.get("op"), "only 'target' messages may follow a run request")
                 workers = require_int(msg, "workers")
@@ -249,10 +249,7 @@ class ChunkSession:
         try:
             self._run(run_chunk, spec, r)
         finally:
-            # wake the reader (a recv blocked on a socket that another thread closes never
-            # returns); what was sent is still delivered
-            with contextlib.suppress(OSError):
-                self.sock.shutdown(socket.SHUT_RDWR)
+            self.channel.close()  # wakes the reader; what was sent is still delivered
             reader.join(timeout=10)
 
     def _run(self, run_chunk: Callable[..., Any], spec: Any, r: dict[str, Any]) -> None:
@@ -303,6 +300,28 @@ class ChunkSession:
         self.launcher.abort()
 
 
+def warm_launcher(launcher: Any = None, warm: bool = True) -> Any:
+    """Import the runtime (torch) and start the fork server with its preload, once; returns the
+    launcher every chunk of this process shares (``launcher`` if given, else a ``LocalLauncher``)."""
+    t0 = time.monotonic()
+    import multiprocessing
+
+    from elastic_ops.runtime.launcher import LocalLauncher, _main_not_rerun
+
+    if launcher is None:
+        launcher = LocalLauncher()
+    if warm:
+        # One throwaway process through the fork server: it returns once the server has
+        # imported its preload, so "serving" below means warm.
+        with _main_not_rerun():
+            proc = multiprocessing.get_context("forkserver").Process(target=os.getpid, daemon=True)
+            proc.start()
+        proc.join()
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_ChildThreadWarning())
+    log.info("runtime loaded and fork server warm in %.1fs", time.monotonic() - t0)
+    return launcher
+
+
 class Agent:
     """The server. :meth:`serve` runs in the main thread until :meth:`stop` or SIGTERM/SIGINT."""
 
@@ -328,23 +347,7 @@ class Agent:
     # --- start-up ----------------------------------------------------------------------------
 
     def _warm_up(self) -> None:
-        """Import the runtime (torch) and start the fork server with its preload, once."""
-        t0 = time.monotonic()
-        import multiprocessing
-
-        from elastic_ops.runtime.launcher import LocalLauncher, _main_not_rerun
-
-        if self._launcher is None:
-            self._launcher = LocalLauncher()
-        if self.warm:
-            # One throwaway process through the fork server: it returns once the server has
-            # imported its preload, so "serving" below means warm.
-            with _main_not_rerun():
-                proc = multiprocessing.get_context("forkserver").Process(target=os.getpid, daemon=True)
-                proc.start()
-            proc.join()
-        logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_ChildThreadWarning())
-        log.info("runtime loaded and fork server warm in %.1fs", time.monotonic() - t0)
+        self._launcher = warm_launcher(self._launcher, self.warm)
 
     def _bind(self) -> socket.socket:
         path = Path(self.path)
@@ -431,12 +434,12 @@ class Agent:
             if not trusted_peer(uid):
                 log.warning("refused a connection from uid %d", uid)
                 return
-            reader = MessageReader(conn)
+            channel = SocketChannel(conn)
             try:
-                request = reader.read(timeout=30)
+                request = channel.read(timeout=30)
                 if request is None:
                     raise AgentProtocolError("no request within 30 s")
-                self._dispatch(conn, reader, request, n)
+                self._dispatch(conn, channel, request, n)
             except EOFError:
                 return
             except Exception as exc:  # noqa: BLE001 - a bad request is answered, never fatal
@@ -444,7 +447,7 @@ class Agent:
                 with contextlib.suppress(OSError):
                     conn.sendall(encode(error_to_wire(exc)))
 
-    def _dispatch(self, conn: socket.socket, reader: MessageReader, req: dict[str, Any], n: int) -> None:
+    def _dispatch(self, conn: socket.socket, channel: SocketChannel, req: dict[str, Any], n: int) -> None:
         op = req.get("op")
         if op not in OPS:
             raise SpecError("op", op, f"one of {', '.join(OPS)}")
@@ -479,7 +482,7 @@ class Agent:
                 )
             )
         else:
-            session = ChunkSession(conn, reader, req, self._launcher, self.progress_every_s)
+            session = ChunkSession(channel, req, self._launcher, self.progress_every_s)
             threading.current_thread().name = f"chunk-{session.request['spec'].name}"
             with self._lock:
                 self.sessions[n] = session

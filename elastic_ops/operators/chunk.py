@@ -7,7 +7,10 @@ A full preemption checkpoints, releases and defers again (never a failure, never
 A lost worker reports the failed host to the pool and raises, so Airflow retries with backoff
 on a grant that avoids that host, resuming from the latest committed checkpoint.
 
-Where the chunk trains: with ``ELASTIC_OPS_AGENT_SOCKET`` set (the per-host agent,
+Where the chunk trains: in a cluster (``ELASTIC_OPS_NODE_REDIS_URL`` set), on the node agent of
+the host the pool granted (:mod:`elastic_ops.agent.node`), whichever machine runs this task; a
+host without a live node agent is reported like a host whose workers died, so the retry's grant
+avoids it. Otherwise, with ``ELASTIC_OPS_AGENT_SOCKET`` set (the per-host agent,
 :mod:`elastic_ops.agent`), the task sends the chunk to the agent, forwards the lease's target to
 it and logs its progress; the agent's error comes back as the same ``elastic_ops.errors`` class,
 so retry classification is unchanged. Without it, or when no agent answers there, the chunk runs
@@ -28,6 +31,7 @@ from typing import Any
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import TaskDeferred
 
+from elastic_ops.agent.cluster import node_config_from_env
 from elastic_ops.agent.protocol import AGENT_SOCKET_ENV, AgentUnavailableError
 from elastic_ops.agent.protocol import agent_socket_from_env as agent_socket
 from elastic_ops.errors import (
@@ -359,6 +363,23 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
         """Run the chunk on this host's agent if one is configured and answers, else here."""
         on_progress = progress_logger(self.log, spec.name)
         warm_start = state.get("warm_start")
+        nodes = node_config_from_env()
+        if nodes is not None:  # a cluster: the chunk trains on the granted host, wherever this task is
+            from elastic_ops.agent.node_client import NodeClient
+
+            self.log.info("sending the chunk to the node agent of host %s (%r)", host, nodes)
+            self._node_client = NodeClient(nodes)
+            try:
+                return self._node_client.run_chunk(
+                    spec.to_dict(), state["start"], state["end"], epoch=epoch, host=host,
+                    store=hook.store_config(spec.checkpoint_uri(), keep_last=spec.keep_last,
+                                            keep_every=spec.keep_every),
+                    warm_start=hook.store_config(warm_start) if warm_start else None,
+                    wanted=keeper.wanted, slots=keeper.slots, on_applied=keeper.applied,
+                    on_progress=on_progress,
+                )
+            finally:
+                self._node_client = None
         path = agent_socket()
         if path is None:
             self.log.info("%s is not set: training in this task process", AGENT_SOCKET_ENV)
@@ -395,6 +416,9 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
         group, or the agent when the task's connection closes); a worker lost that way is not
         the host's fault."""
         self._killed = True
+        node_client = getattr(self, "_node_client", None)
+        if node_client is not None:  # the node agent kills the workers now, not after its timeout
+            node_client.abort()
         running = getattr(self, "_running", None)
         if running is None:
             return

@@ -19,7 +19,6 @@ import dataclasses
 import json
 import os
 import random
-import re
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -51,7 +50,7 @@ from elastic_ops.pool.model import (
     TargetAction,
 )
 from elastic_ops.pool.policies import get_policy
-from elastic_ops.spec import MAX_WORKERS_LIMIT, check_number
+from elastic_ops.spec import MAX_WORKERS_LIMIT, check_host_name, check_number
 from elastic_ops.urls import shown_url
 
 ENV_URL = "ELASTIC_OPS_POOL_URL"
@@ -103,22 +102,13 @@ def _check_bounds(min_workers: Any, max_workers: Any) -> None:
         raise SpecError("min_workers", min_workers, f"must be <= max_workers ({max_workers})")
 
 
-_HOST_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,254}")
-
-
 def _check_name(field: str, value: Any) -> str:
     if not isinstance(value, str) or not value or len(value) > 255:
         raise SpecError(field, value, "must be a non-empty string of at most 255 characters")
     return value
 
 
-def _check_host(field: str, value: Any) -> str:
-    """A host name as hostnames go (it is printed as ``host:slot`` in events and placements)."""
-    if not isinstance(value, str) or not _HOST_RE.fullmatch(value):
-        raise SpecError(
-            field, value, "must be 1-255 letters, digits, '_', '.', '-', starting with a letter or digit"
-        )
-    return value
+_check_host = check_host_name
 
 
 def _check_host_state(value: Any) -> HostState:

@@ -1,0 +1,87 @@
+"""Where the tasks and the node agents of a cluster meet: a Redis server, a namespace, a secret.
+
+The tasks (``ElasticChunkOperator``) and every ``elastic-ops node`` read the same three settings
+(:func:`node_config_from_env`). The key names live here so both sides agree on them::
+
+    {ns}:node:{host}               the node agent of ``host`` is alive (JSON; expires 10 s after
+                                   its last refresh, every 2 s)
+    {ns}:node:{host}:runs          run requests for ``host`` (sealed envelopes; the node pops)
+    {ns}:session:{id}:claimed      a request was taken (SET NX: a replayed request runs nothing)
+    {ns}:session:{id}:to_node      targets, task → node    (``RedisChannel`` lists)
+    {ns}:session:{id}:to_task      progress, outcome, node → task
+
+Never imports torch or Airflow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from typing import Any
+from urllib.parse import urlsplit
+
+from elastic_ops.agent.redis_channel import SECRET_ENV, Signer
+from elastic_ops.errors import SpecError
+from elastic_ops.urls import shown_url
+
+URL_ENV = "ELASTIC_OPS_NODE_REDIS_URL"
+NAMESPACE_ENV = "ELASTIC_OPS_NODE_NAMESPACE"
+DEFAULT_NAMESPACE = "elastic_ops"
+ALIVE_TTL_S = 10
+ALIVE_EVERY_S = 2.0
+URL_SCHEMES = ("redis", "rediss", "unix")
+_NAMESPACE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}")
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeConfig:
+    """The Redis server (URL, may carry a password), namespace and shared secret of a cluster."""
+
+    url: str = dataclasses.field(repr=False)
+    secret: str = dataclasses.field(repr=False)
+    namespace: str = DEFAULT_NAMESPACE
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.url, str) or urlsplit(self.url).scheme not in URL_SCHEMES:
+            raise SpecError(
+                URL_ENV,
+                shown_url(self.url) if isinstance(self.url, str) else self.url,
+                f"a Redis URL ({', '.join(s + '://' for s in URL_SCHEMES)}), e.g. redis://redis-host:6379/0",
+            )
+        if not isinstance(self.namespace, str) or not _NAMESPACE_RE.fullmatch(self.namespace):
+            raise SpecError(NAMESPACE_ENV, self.namespace, "1-64 letters, digits, '_', '.', '-'")
+        Signer(self.secret)  # validates it
+
+    def __repr__(self) -> str:
+        return f"NodeConfig(url={shown_url(self.url)!r}, namespace={self.namespace!r}, secret=***)"
+
+    def signer(self) -> Signer:
+        return Signer(self.secret)
+
+    def redis(self) -> Any:
+        import redis
+
+        return redis.Redis.from_url(self.url, socket_connect_timeout=5, health_check_interval=30)
+
+    # --- key names -------------------------------------------------------------------------------
+
+    def alive_key(self, host: str) -> str:
+        return f"{self.namespace}:node:{host}"
+
+    def runs_key(self, host: str) -> str:
+        return f"{self.namespace}:node:{host}:runs"
+
+    def session_key(self, session: str, part: str) -> str:
+        return f"{self.namespace}:session:{session}:{part}"
+
+
+def node_config_from_env(environ: Any = None) -> NodeConfig | None:
+    """The cluster settings if ``ELASTIC_OPS_NODE_REDIS_URL`` is set (then the secret must be
+    too), else ``None``: chunks run on this host."""
+    env = os.environ if environ is None else environ
+    url = env.get(URL_ENV)
+    if not url:
+        return None
+    namespace = env.get(NAMESPACE_ENV) or DEFAULT_NAMESPACE
+    return NodeConfig(url=url, secret=env.get(SECRET_ENV, ""), namespace=namespace)

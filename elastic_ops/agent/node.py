@@ -1,0 +1,258 @@
+"""``elastic-ops node --host NAME``: the node agent that runs chunks granted on its host.
+
+In a cluster the Airflow task of a chunk runs wherever the executor put it, but the pool grants
+slots on named hosts: the chunk must train *there*. Each host runs one node agent. It keeps the
+runtime warm (like the per-host agent), announces itself in Redis (``{ns}:node:{host}``, renewed
+every 2 s, gone 10 s after the agent is), and pops the run requests that tasks push for its host
+(:mod:`elastic_ops.agent.cluster`). A request is a sealed envelope (HMAC with the cluster's
+secret, :mod:`elastic_ops.agent.redis_channel`); a verified one is claimed once (a replay runs
+nothing) and must be fresh. The chunk then runs exactly as on the per-host agent
+(``ChunkSession``: the runtime's ``run_chunk``, the pool's targets streamed in, progress and the
+outcome streamed out), over a :class:`RedisChannel` instead of a Unix socket.
+
+If the task goes silent (its process or host died, or it was killed) the node kills that chunk's
+workers after the channel's peer timeout, so nothing past the last committed checkpoint is
+committed. On SIGTERM/SIGINT the node withdraws its announcement first (no new chunks come), kills
+the workers of running chunks (their tasks get the retryable ``AgentLostError``) and exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import signal
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from elastic_ops.agent.cluster import ALIVE_EVERY_S, ALIVE_TTL_S, NodeConfig
+from elastic_ops.agent.protocol import PROTOCOL_VERSION, AgentProtocolError, error_to_wire
+from elastic_ops.agent.redis_channel import (
+    BEAT_S,
+    PEER_TIMEOUT_S,
+    SESSION_TTL_S,
+    RedisChannel,
+    redis_error_types,
+)
+from elastic_ops.agent.server import PROGRESS_EVERY_S, ChunkSession, warm_launcher
+from elastic_ops.errors import AgentLostError, SpecError
+from elastic_ops.spec import check_host_name
+from elastic_ops.urls import shown_url
+
+log = logging.getLogger("elastic_ops.node")
+
+REQUEST_MAX_AGE_S = 120.0  # a request older than this (by the sender's clock) is refused
+_SESSION_RE = re.compile(r"[0-9a-f]{32}")
+
+
+class NodeAgent:
+    """The server. :meth:`serve` runs until :meth:`stop` or SIGTERM/SIGINT."""
+
+    def __init__(
+        self,
+        host: str,
+        config: NodeConfig,
+        *,
+        launcher: Any = None,
+        warm: bool = True,
+        progress_every_s: float = PROGRESS_EVERY_S,
+        peer_timeout_s: float = PEER_TIMEOUT_S,
+        beat_s: float = BEAT_S,
+        request_max_age_s: float = REQUEST_MAX_AGE_S,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.host = check_host_name("--host", host)
+        self.config = config
+        self.signer = config.signer()
+        self._launcher, self.warm = launcher, warm
+        self.progress_every_s, self.peer_timeout_s, self.beat_s = progress_every_s, peer_timeout_s, beat_s
+        self.request_max_age_s, self.wall_clock = request_max_age_s, wall_clock
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self.sessions: dict[str, ChunkSession] = {}
+        self.accepted = 0  # chunks taken since the start
+        self._threads: list[threading.Thread] = []
+        self._redis: Any = None
+        self.ready = threading.Event()
+
+    def __repr__(self) -> str:
+        return f"NodeAgent(host={self.host!r}, {self.config!r})"
+
+    # --- announcing ------------------------------------------------------------------------------
+
+    def _announce(self) -> None:
+        info = {
+            "host": self.host,
+            "pid": os.getpid(),
+            "version": PROTOCOL_VERSION,
+            "chunks": len(self.sessions),
+        }
+        self._redis.set(self.config.alive_key(self.host), json.dumps(info), ex=ALIVE_TTL_S)
+
+    def _keep_announcing(self) -> None:
+        while not self._stop.wait(ALIVE_EVERY_S):
+            try:
+                self._announce()
+            except redis_error_types() as exc:
+                log.warning("cannot reach Redis to renew this node's announcement: %s", exc)
+
+    # --- serving ---------------------------------------------------------------------------------
+
+    def serve(self) -> None:
+        self._redis = self.config.redis()
+        try:
+            self._redis.ping()
+        except redis_error_types() as exc:
+            raise SpecError(
+                "ELASTIC_OPS_NODE_REDIS_URL",
+                shown_url(self.config.url),
+                "a Redis server this host can reach",
+                hint=str(exc),
+            ) from None
+        self._launcher = warm_launcher(self._launcher, self.warm)
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                signal.signal(sig, lambda *_: self._stop.set())
+        self._announce()
+        announcer = threading.Thread(target=self._keep_announcing, name="announce", daemon=True)
+        announcer.start()
+        log.info(
+            "elastic-ops node agent for host %s (pid %d) serving %s, namespace %s",
+            self.host,
+            os.getpid(),
+            shown_url(self.config.url),
+            self.config.namespace,
+        )
+        self.ready.set()
+        runs = self.config.runs_key(self.host)
+        try:
+            while not self._stop.is_set():
+                try:
+                    item = self._redis.blpop([runs], timeout=1)
+                except redis_error_types() as exc:
+                    log.warning("cannot reach Redis (%s); retrying", exc)
+                    self._stop.wait(1.0)
+                    continue
+                if item is None:
+                    continue
+                t = threading.Thread(target=self._handle, args=(item[1],), name="request", daemon=True)
+                t.start()
+                self._threads = [x for x in self._threads if x.is_alive()] + [t]
+        finally:
+            self._shutdown()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _shutdown(self) -> None:
+        self._stop.set()
+        with contextlib.suppress(*redis_error_types()):
+            self._redis.delete(self.config.alive_key(self.host))  # first: no task routes here any more
+        with self._lock:
+            sessions = list(self.sessions.values())
+        if sessions:
+            log.info("stopping: killing the workers of %d running chunk(s)", len(sessions))
+        for s in sessions:
+            s.abort()
+        for t in self._threads:
+            t.join(timeout=60)
+        log.info("elastic-ops node agent for host %s stopped", self.host)
+
+    # --- one request -----------------------------------------------------------------------------
+
+    def _verified(self, raw: bytes) -> tuple[str, dict[str, Any]] | None:
+        """``(session, run request)`` of a genuine, fresh, first-seen envelope, else ``None``
+        (logged: an unverified sender gets no answer)."""
+        runs = self.config.runs_key(self.host)
+        try:
+            body = self.signer.open(runs, raw)
+        except AgentProtocolError as exc:
+            log.warning("refused a run request: %s", exc)
+            return None
+        session, issued, msg = body.get("session"), body.get("issued"), body.get("msg")
+        if body.get("kind") != "run" or not isinstance(session, str) or not _SESSION_RE.fullmatch(session):
+            log.warning("refused a run request: malformed envelope (kind %r)", body.get("kind"))
+            return None
+        if not isinstance(issued, (int, float)) or not isinstance(msg, dict):
+            log.warning("refused run request %s: needs a numeric 'issued' and an object 'msg'", session)
+            return None
+        age = self.wall_clock() - float(issued)
+        if abs(age) > self.request_max_age_s:
+            log.warning(
+                "refused run request %s: issued %.0f s ago (at most %.0f s; are the clocks in sync?)",
+                session,
+                age,
+                self.request_max_age_s,
+            )
+            return None
+        if not self._redis.set(
+            self.config.session_key(session, "claimed"), self.host, nx=True, ex=SESSION_TTL_S
+        ):
+            log.warning("refused run request %s: already taken (a replay)", session)
+            return None
+        return session, msg
+
+    def _handle(self, raw: bytes) -> None:
+        try:
+            verified = self._verified(raw)
+        except redis_error_types() as exc:
+            log.warning("dropped a run request: Redis unreachable (%s); its task times out and retries", exc)
+            return
+        if verified is None:
+            return
+        session_id, req = verified
+        channel = RedisChannel(
+            self._redis,
+            self.signer,
+            inbox=self.config.session_key(session_id, "to_node"),
+            outbox=self.config.session_key(session_id, "to_task"),
+            peer_timeout_s=self.peer_timeout_s,
+            beat_s=self.beat_s,
+        )
+        threading.current_thread().name = f"session-{session_id[:8]}"
+        try:
+            self._run(session_id, channel, req)
+        except Exception as exc:  # noqa: BLE001 - a bad request is answered, never fatal
+            log.warning("session %s: rejected: %s", session_id[:8], exc)
+            with contextlib.suppress(OSError):
+                channel.send(error_to_wire(exc))
+        finally:
+            channel.close()
+
+    def _run(self, session_id: str, channel: RedisChannel, req: dict[str, Any]) -> None:
+        if req.get("op") != "run":
+            raise SpecError("op", req.get("op"), "'run' (a node agent only runs chunks)")
+        if type(req.get("version")) is not int or req["version"] != PROTOCOL_VERSION:
+            raise SpecError(
+                "version", req.get("version"), f"{PROTOCOL_VERSION} (this node's protocol version)"
+            )
+        if req.get("host") != self.host:
+            raise SpecError("host", req.get("host"), f"{self.host!r}, the host this node agent runs on")
+        session = ChunkSession(channel, req, self._launcher, self.progress_every_s)
+        threading.current_thread().name = f"chunk-{session.request['spec'].name}"
+        with self._lock:
+            self.sessions[session_id] = session
+            stopping = self._stop.is_set()
+        try:
+            if stopping:
+                raise AgentLostError(
+                    f"the elastic-ops node agent of host {self.host} is stopping",
+                    hint="retry resumes from the last committed checkpoint",
+                )
+            channel.send({"type": "accepted", "host": self.host, "pid": os.getpid()})
+            with self._lock:
+                self.accepted += 1
+            session.run()
+        finally:
+            with self._lock:
+                self.sessions.pop(session_id, None)
+
+
+def main(host: str, config: NodeConfig) -> int:
+    """Run a node agent in this process (the CLI's ``elastic-ops node``)."""
+    NodeAgent(host, config).serve()
+    return 0

@@ -1,0 +1,224 @@
+"""The task side of a node agent: send a chunk to the host the pool granted, stream its target,
+get its outcome. Never imports torch nor Airflow.
+
+The S3 credentials the task resolved from its Airflow connection are *not* sent: Redis is shared
+by the whole cluster, so a node agent opens ``s3://`` stores with its own host's credentials
+(boto3's standard chain: instance role, environment, config files); the endpoint and region do
+travel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import secrets
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from elastic_ops.agent.client import POLL_S, drive_chunk
+from elastic_ops.agent.cluster import NodeConfig
+from elastic_ops.agent.protocol import (
+    PROTOCOL_VERSION,
+    AgentProtocolError,
+    StoreConfig,
+    error_from_wire,
+)
+from elastic_ops.agent.redis_channel import BEAT_S, PEER_TIMEOUT_S, RedisChannel, redis_error_types
+from elastic_ops.errors import AgentLostError, NodeLostError, NodeUnavailableError
+from elastic_ops.runtime.outcome import ChunkResult, Progress
+from elastic_ops.spec import check_host_name
+from elastic_ops.urls import shown_url
+
+ACCEPT_TIMEOUT_S = 30.0  # a live node takes a request within a second; this covers a busy Redis
+
+
+def without_credentials(store: StoreConfig | None) -> StoreConfig | None:
+    """``store`` as a node agent gets it: endpoint and region, no keys."""
+    if store is None or store.s3 is None:
+        return store
+    s3 = dataclasses.replace(store.s3, access_key_id=None, secret_access_key=None, session_token=None)
+    return dataclasses.replace(store, s3=s3)
+
+
+class NodeClient:
+    """Runs chunks on the node agents of a cluster (one Redis, one namespace, one secret)."""
+
+    def __init__(
+        self,
+        config: NodeConfig,
+        *,
+        accept_timeout_s: float = ACCEPT_TIMEOUT_S,
+        peer_timeout_s: float = PEER_TIMEOUT_S,
+        beat_s: float = BEAT_S,
+        redis: Any = None,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.config = config
+        self.signer = config.signer()
+        self.accept_timeout_s, self.peer_timeout_s, self.beat_s = accept_timeout_s, peer_timeout_s, beat_s
+        self._redis = redis if redis is not None else config.redis()
+        self.wall_clock = wall_clock
+        self._lock = threading.Lock()
+        self._channels: list[RedisChannel] = []
+
+    def __repr__(self) -> str:
+        return f"NodeClient({self.config!r})"
+
+    def _unreachable(self, exc: BaseException) -> AgentLostError:
+        # not the granted host's fault: retryable, and not reported against it
+        return AgentLostError(
+            f"the cluster's Redis at {shown_url(self.config.url)} is unreachable: {exc}",
+            hint="check ELASTIC_OPS_NODE_REDIS_URL and the Redis server; the retry resumes from the last "
+            "committed checkpoint",
+        )
+
+    def alive(self, host: str) -> dict[str, Any] | None:
+        """The announcement of ``host``'s node agent (pid, protocol version, chunks), or ``None``."""
+        try:
+            raw = self._redis.get(self.config.alive_key(check_host_name("host", host)))
+        except redis_error_types() as exc:
+            raise self._unreachable(exc) from None
+        if raw is None:
+            return None
+        try:
+            info = json.loads(raw)
+        except ValueError:
+            return None
+        return info if isinstance(info, dict) else None
+
+    def abort(self) -> None:
+        """End every chunk this client is running (the task is being killed): each node agent
+        sees the session close and kills its workers now rather than after the peer timeout."""
+        with self._lock:
+            channels = list(self._channels)
+        for ch in channels:
+            ch.close()
+
+    def run_chunk(
+        self,
+        spec: dict[str, Any],
+        start: int,
+        end: int,
+        *,
+        epoch: int,
+        host: str,
+        store: StoreConfig,
+        wanted: Callable[[], int],
+        warm_start: StoreConfig | None = None,
+        on_progress: Callable[[Progress], None] | None = None,
+        on_applied: Callable[[int, int, tuple[int, ...] | None], None] | None = None,
+        poll_s: float = POLL_S,
+        slots: Callable[[], Sequence[int]] | None = None,
+    ) -> ChunkResult:
+        """Run iterations ``[start, end)`` of ``spec`` on the node agent of ``host``; the arguments
+        are those of :meth:`AgentClient.run_chunk`. Raises :class:`NodeUnavailableError` (naming
+        the host) when no node agent runs for ``host`` or none took the chunk in time,
+        :class:`NodeLostError` when the node went silent mid-chunk, the chunk's own error as the
+        runtime raised it, or :class:`AgentLostError` when Redis is unreachable or the node agent
+        stopped (neither is the host's fault)."""
+        info = self.alive(host)
+        if info is None:
+            raise NodeUnavailableError(
+                f"no elastic-ops node agent is running for host {host} "
+                f"(namespace {self.config.namespace!r} on {shown_url(self.config.url)})",
+                host=host,
+                hint=f"start `elastic-ops node --host {host}` on that host with the same Redis URL, "
+                "namespace and secret; the retry's grant avoids this host meanwhile",
+            )
+        if info.get("version") != PROTOCOL_VERSION:
+            raise NodeUnavailableError(
+                f"the node agent of host {host} speaks protocol version {info.get('version')!r}, "
+                f"this task {PROTOCOL_VERSION}",
+                host=host,
+                hint="run the same elastic_ops release on the node agents and the Airflow workers",
+            )
+
+        def current() -> tuple[int, list[int] | None]:
+            workers = int(wanted())
+            return workers, None if slots is None else [int(s) for s in slots()]
+
+        sent = current()
+        warm = without_credentials(warm_start)
+        run = {
+            "op": "run",
+            "version": PROTOCOL_VERSION,
+            "spec": spec,
+            "start": start,
+            "end": end,
+            "epoch": epoch,
+            "host": host,
+            "workers": sent[0],
+            "slots": sent[1],
+            "store": without_credentials(store).to_wire(),
+            "warm_start": warm.to_wire() if warm is not None else None,
+        }
+        session = secrets.token_hex(16)
+        runs = self.config.runs_key(host)
+        envelope = self.signer.seal(
+            runs, {"seq": 1, "kind": "run", "session": session, "issued": self.wall_clock(), "msg": run}
+        )
+        channel = RedisChannel(
+            self._redis,
+            self.signer,
+            inbox=self.config.session_key(session, "to_task"),
+            outbox=self.config.session_key(session, "to_node"),
+            peer_timeout_s=max(self.peer_timeout_s, self.accept_timeout_s),
+            beat_s=self.beat_s,
+        )
+        with self._lock:
+            self._channels.append(channel)
+        try:
+            try:
+                self._redis.rpush(runs, envelope)
+                first = channel.read(timeout=self.accept_timeout_s)
+            except redis_error_types() as exc:
+                raise self._unreachable(exc) from None
+            except EOFError:
+                first = None
+            if first is None:
+                with_drawn = self._withdraw(runs, envelope)
+                raise NodeUnavailableError(
+                    f"the node agent of host {host} did not take the chunk within "
+                    f"{self.accept_timeout_s:g} s" + ("" if with_drawn else " (it took it too late; ended)"),
+                    host=host,
+                    hint="the node agent may be hung or its clock far off; see its log",
+                )
+            if first.get("type") == "error":
+                raise error_from_wire(first)
+            if first.get("type") != "accepted":
+                raise AgentProtocolError(
+                    f"expected 'accepted' from the node agent, got {first.get('type')!r}"
+                )
+            channel.peer_timeout_s = self.peer_timeout_s
+
+            def lost(why: str) -> BaseException:
+                return NodeLostError(
+                    f"the node agent of host {host} went away mid-chunk (iterations {start}..{end}): {why}",
+                    host=host,
+                    hint="its host or process died or the network failed; the retry's grant avoids this "
+                    "host and resumes from the last committed checkpoint",
+                )
+
+            return drive_chunk(
+                channel,
+                sent,
+                current,
+                on_progress=on_progress,
+                on_applied=on_applied,
+                poll_s=poll_s,
+                lost=lost,
+                error=error_from_wire,
+            )
+        finally:
+            channel.close()
+            with self._lock:
+                self._channels.remove(channel)
+
+    def _withdraw(self, runs: str, envelope: bytes) -> bool:
+        """Take a request nobody took back off the queue; ``False`` if a node took it meanwhile."""
+        try:
+            return bool(self._redis.lrem(runs, 1, envelope))
+        except redis_error_types():
+            return False

@@ -1,0 +1,204 @@
+"""The agent protocol over Redis, for node agents on other hosts (:mod:`elastic_ops.agent.node`).
+
+Every message is a Redis list element: a sealed envelope ``{"mac": HEX, "body": JSON}`` where
+``body`` is ``{"seq": n, "kind": "msg" | "beat" | "close", "msg": {...}}`` and ``mac`` is
+HMAC-SHA256 over the list's name and ``body`` with the cluster's shared secret
+(``ELASTIC_OPS_NODE_SECRET``). So whoever can write to Redis but lacks the secret cannot start a
+chunk, change a target or forge an outcome; an envelope moved to another list (another session,
+the other direction) fails its MAC; ``seq`` must grow by one, so a message replayed or lost
+inside a session is an error, not a silent skip. Never pickle: bodies are parsed with the
+protocol's strict JSON decoder.
+
+Redis lists have no "connection closed", so each side sends a ``beat`` every ``beat_s`` and
+treats ``peer_timeout_s`` without any envelope as the peer gone (``EOFError``, as a closed
+socket); a side that ends normally sends ``close``. Both lists expire ``ttl_s`` after their
+last write, so an abandoned session leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from elastic_ops.agent.protocol import MAX_MESSAGE_BYTES, AgentProtocolError, decode
+from elastic_ops.errors import SpecError
+
+SECRET_ENV = "ELASTIC_OPS_NODE_SECRET"
+MIN_SECRET_CHARS = 16
+BEAT_S = 1.0
+PEER_TIMEOUT_S = 10.0
+SESSION_TTL_S = 3600
+
+
+class PeerSilentError(EOFError):
+    """No envelope from the other side within the peer timeout."""
+
+
+class Signer:
+    """Seals and opens envelopes with the cluster's shared secret."""
+
+    def __init__(self, secret: str | None, *, field: str = SECRET_ENV) -> None:
+        if not isinstance(secret, str) or len(secret) < MIN_SECRET_CHARS:
+            shown = "unset" if not secret else f"<{len(secret)} characters, hidden>"
+            raise SpecError(
+                field,
+                shown,
+                f"a shared secret of at least {MIN_SECRET_CHARS} characters, the same on the tasks "
+                "and every node agent",
+                hint="e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`",
+            )
+        self._key = secret.encode()
+
+    def __repr__(self) -> str:
+        return "Signer(***)"
+
+    def _mac(self, where: str, body: bytes) -> str:
+        return hmac.new(self._key, where.encode() + b"\n" + body, hashlib.sha256).hexdigest()
+
+    def seal(self, where: str, body: dict[str, Any]) -> bytes:
+        """The envelope for ``body`` on the list named ``where``."""
+        data = json.dumps(body, separators=(",", ":"), allow_nan=False)
+        return json.dumps({"mac": self._mac(where, data.encode()), "body": data}).encode()
+
+    def open(self, where: str, raw: bytes) -> dict[str, Any]:
+        """``body`` of an envelope read from ``where``; :class:`AgentProtocolError` if it is not
+        one, or its MAC does not verify (wrong secret, forged, or moved from another list)."""
+        if len(raw) > 2 * MAX_MESSAGE_BYTES:
+            raise AgentProtocolError(f"an envelope on {where} exceeds {2 * MAX_MESSAGE_BYTES} bytes")
+        env = decode(raw)
+        mac, body = env.get("mac"), env.get("body")
+        if not isinstance(mac, str) or not isinstance(body, str):
+            raise AgentProtocolError(f"an envelope on {where} needs string 'mac' and 'body'")
+        if not hmac.compare_digest(mac, self._mac(where, body.encode())):
+            raise AgentProtocolError(
+                f"an envelope on {where} failed its signature check: not from a holder of "
+                f"{SECRET_ENV} (or the tasks and the node agents use different secrets)"
+            )
+        return decode(body.encode())
+
+
+def redis_error_types() -> tuple[type[BaseException], ...]:
+    import redis
+
+    return (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+
+
+class RedisChannel:
+    """One session's pair of lists: this side pops ``inbox`` and pushes ``outbox``.
+
+    ``send`` is safe from several threads; ``read`` belongs to one thread. A beat thread keeps
+    the peer from timing out while this side is quiet (a long checkpoint, a waiting task)."""
+
+    def __init__(
+        self,
+        redis: Any,
+        signer: Signer,
+        *,
+        inbox: str,
+        outbox: str,
+        peer_timeout_s: float = PEER_TIMEOUT_S,
+        beat_s: float = BEAT_S,
+        ttl_s: int = SESSION_TTL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.redis, self.signer = redis, signer
+        self.inbox, self.outbox = inbox, outbox
+        self.peer_timeout_s, self.beat_s, self.ttl_s, self.clock = peer_timeout_s, beat_s, ttl_s, clock
+        self._lock = threading.Lock()
+        self._seq_out = 0
+        self._seq_in = 0
+        self._last_in = clock()
+        self._closed = threading.Event()
+        self._peer_closed = False
+        self._beats = threading.Thread(target=self._beat, name=f"beat-{outbox}", daemon=True)
+        self._beats.start()
+
+    def __repr__(self) -> str:
+        return f"RedisChannel(inbox={self.inbox!r}, outbox={self.outbox!r})"
+
+    def _push(self, kind: str, msg: dict[str, Any] | None = None) -> None:
+        with self._lock:
+            self._seq_out += 1
+            raw = self.signer.seal(self.outbox, {"seq": self._seq_out, "kind": kind, "msg": msg})
+            try:
+                pipe = self.redis.pipeline()
+                pipe.rpush(self.outbox, raw)
+                pipe.expire(self.outbox, self.ttl_s)
+                pipe.execute()
+            except redis_error_types() as exc:
+                raise OSError(f"Redis unreachable: {exc}") from None
+
+    def _beat(self) -> None:
+        while not self._closed.wait(self.beat_s):
+            try:
+                self._push("beat")
+            except OSError:
+                pass  # Redis is away; the peer times out unless it comes back in time
+
+    def send(self, msg: dict[str, Any]) -> None:
+        if self._closed.is_set():
+            raise OSError(f"{self!r} is closed")
+        self._push("msg", msg)
+
+    def read(self, timeout: float | None = None) -> dict[str, Any] | None:
+        deadline = None if timeout is None else self.clock() + timeout
+        while True:
+            if self._peer_closed:
+                raise EOFError("the peer closed the session")
+            if self._closed.is_set():
+                raise EOFError("this side closed the session")
+            silent = self.clock() - self._last_in
+            if silent > self.peer_timeout_s:
+                raise PeerSilentError(
+                    f"nothing from the peer for {silent:.0f} s (it sends every {self.beat_s:g} s)"
+                )
+            wait = 1.0 if deadline is None else min(1.0, deadline - self.clock())
+            try:
+                if wait > 0.001:
+                    item = self.redis.blpop([self.inbox], timeout=wait)
+                    raw = item[1] if item is not None else None
+                else:
+                    raw = self.redis.lpop(self.inbox)
+            except redis_error_types():
+                raw = None  # counts as silence: the peer timeout decides
+                time.sleep(min(0.2, max(wait, 0.0)))
+            if raw is None:
+                if deadline is not None and self.clock() >= deadline:
+                    return None
+                continue
+            msg = self._accept(raw)
+            if msg is not None:
+                return msg
+
+    def _accept(self, raw: bytes) -> dict[str, Any] | None:
+        body = self.signer.open(self.inbox, raw)
+        seq, kind = body.get("seq"), body.get("kind")
+        if type(seq) is not int or seq != self._seq_in + 1:
+            raise AgentProtocolError(
+                f"message {seq!r} on {self.inbox} out of order "
+                f"(expected {self._seq_in + 1}): replayed or lost"
+            )
+        self._seq_in = seq
+        self._last_in = self.clock()
+        if kind == "beat":
+            return None
+        if kind == "close":
+            self._peer_closed = True
+            raise EOFError("the peer closed the session")
+        if kind != "msg" or not isinstance(body.get("msg"), dict):
+            raise AgentProtocolError(f"envelope kind {kind!r} on {self.inbox}: expected msg, beat or close")
+        return body["msg"]
+
+    def close(self) -> None:
+        if self._closed.is_set():
+            return
+        try:
+            self._push("close")
+        except OSError:
+            pass  # the peer times out instead
+        self._closed.set()

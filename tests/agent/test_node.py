@@ -1,0 +1,366 @@
+"""Node agents over a real Redis: a chunk trains on the node of the host it names (bitwise the same
+model as in-process), targets reach it, a missing or dead node is a retryable error naming the
+host, a silent task's workers are killed with the last checkpoint intact, and nothing but a
+fresh, first-seen request sealed with the cluster's secret runs anything."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from elastic_ops.agent.cluster import NodeConfig, node_config_from_env
+from elastic_ops.agent.node import NodeAgent
+from elastic_ops.agent.node_client import NodeClient, without_credentials
+from elastic_ops.agent.protocol import AgentProtocolError, S3Config, StoreConfig
+from elastic_ops.agent.redis_channel import RedisChannel, Signer
+from elastic_ops.checkpoint import open_store
+from elastic_ops.errors import AgentLostError, NodeLostError, NodeUnavailableError, SpecError, WorkerLostError
+from elastic_ops.runtime import ChunkStatus, run_chunk
+from tests.conftest import require_service
+from tests.runtime.builders import make_spec
+
+pytestmark = pytest.mark.timeout(300)
+
+REPO = Path(__file__).resolve().parents[2]
+SECRET = "test-secret-of-the-cluster-0123456789"
+REDIS_URL = os.environ.get("ELASTIC_OPS_TEST_REDIS", "redis://127.0.0.1:6379/0")
+
+
+def make_config(namespace: str | None = None, secret: str = SECRET) -> NodeConfig:
+    return NodeConfig(url=REDIS_URL, secret=secret, namespace=namespace or f"test-{uuid.uuid4().hex[:12]}")
+
+
+@contextlib.contextmanager
+def running_node(host: str, config: NodeConfig, **options) -> Iterator[NodeAgent]:
+    """A node agent served from a thread of the test process (every progress message sent)."""
+    options.setdefault("progress_every_s", 0.0)
+    node = NodeAgent(host, config, **options)
+    errors: list[BaseException] = []
+
+    def serve() -> None:
+        try:
+            node.serve()
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+            node.ready.set()
+
+    thread = threading.Thread(target=serve, name=f"test-node-{host}", daemon=True)
+    thread.start()
+    node.ready.wait(300)
+    if errors:
+        raise errors[0]
+    try:
+        yield node
+    finally:
+        node.stop()
+        thread.join(120)
+
+
+def drop_namespace(config: NodeConfig) -> None:
+    r = config.redis()
+    keys = list(r.scan_iter(f"{config.namespace}:*"))
+    if keys:
+        r.delete(*keys)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[tuple[NodeConfig, NodeAgent, NodeAgent]]:
+    """Two node agents, ``host-a`` and ``host-b``, of one namespace (a silent task: 5 s)."""
+    require_service("Redis", "127.0.0.1", 6379)
+    config = make_config()
+    try:
+        with (
+            running_node("host-a", config, peer_timeout_s=5.0) as a,
+            running_node("host-b", config, peer_timeout_s=5.0) as b,
+        ):
+            yield config, a, b
+    finally:
+        drop_namespace(config)
+
+
+def store_of(spec) -> StoreConfig:
+    return StoreConfig(spec.checkpoint_uri(), keep_last=spec.keep_last, keep_every=spec.keep_every)
+
+
+def run_on(config, host, spec, start=0, end=30, *, wanted=lambda: 1, client=None, **kwargs):
+    client = client or NodeClient(config, accept_timeout_s=10.0, peer_timeout_s=5.0)
+    return client.run_chunk(
+        spec.to_dict(), start, end, epoch=1, host=host, store=store_of(spec), wanted=wanted, **kwargs
+    )
+
+
+def wait_for(what: str, check, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout:.0f}s: {what}")
+        time.sleep(0.05)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_chunks_train_on_the_node_of_their_host_and_give_the_in_process_model(cluster, tmp_path):
+    config, a, b = cluster
+    reference = run_chunk(make_spec(tmp_path / "ref"), 0, 30, target=lambda i: 1).param_sha256
+    spec = make_spec(tmp_path / "job")
+    before = (a.accepted, b.accepted)
+    applied: list[tuple[int, int, tuple[int, ...] | None]] = []
+    first = run_on(config, "host-a", spec, 0, 15, on_applied=lambda *x: applied.append(x))
+    assert (a.accepted, b.accepted) == (before[0] + 1, before[1])
+    second = run_on(config, "host-b", spec, 15, 30, wanted=lambda: 2)  # the other host, 2 workers
+    assert (a.accepted, b.accepted) == (before[0] + 1, before[1] + 1)
+    assert first.status == second.status == ChunkStatus.COMPLETED and second.iteration == 30
+    assert applied == [(0, 1, None)]
+    assert second.param_sha256 == reference  # bitwise: hosts and worker counts change nothing
+    assert open_store(spec.checkpoint).latest().iteration == 30
+
+
+def test_the_pools_target_reaches_the_workers_on_the_node(cluster, tmp_path):
+    config, _, _ = cluster
+    spec = make_spec(tmp_path, total_iterations=100_000)
+    seen: list[int] = []
+    applied: list[tuple[int, int, tuple[int, ...] | None]] = []
+
+    def wanted() -> int:  # grow once 8 iterations are trained; preempt once the grow is applied
+        if any(n == 2 for _, n, _ in applied):
+            return 0
+        return 2 if seen and seen[-1] >= 8 else 1
+
+    result = run_on(
+        config,
+        "host-b",
+        spec,
+        0,
+        100_000,
+        wanted=wanted,
+        on_progress=lambda p: seen.append(p.iteration),
+        on_applied=lambda *x: applied.append(x),
+    )
+    assert result.status == ChunkStatus.PREEMPTED
+    assert [n for _, n, _ in result.workers_timeline][:2] == [1, 2]
+    assert open_store(spec.checkpoint).latest().iteration == result.iteration  # committed at preemption
+
+
+def test_a_host_without_a_node_agent_is_a_retryable_error_naming_it(cluster, tmp_path):
+    config, _, _ = cluster
+    with pytest.raises(NodeUnavailableError) as info:
+        run_on(config, "host-c", make_spec(tmp_path))
+    err = info.value
+    assert isinstance(err, WorkerLostError) and err.retryable and err.host == "host-c"
+    assert "no elastic-ops node agent is running for host host-c" in str(err)
+    assert "elastic-ops node --host host-c" in str(err)
+
+
+def test_a_task_that_goes_silent_mid_chunk_leaves_no_workers_and_an_intact_checkpoint(cluster, tmp_path):
+    config, a, _ = cluster
+    spec = make_spec(tmp_path, total_iterations=100_000, checkpoint_interval=10)
+    # a client whose channel never beats and is never closed: its process froze or died
+    client = NodeClient(config, accept_timeout_s=10.0, peer_timeout_s=5.0, beat_s=10_000.0)
+    errors: list[BaseException] = []
+    progress = threading.Event()
+
+    def task() -> None:
+        try:
+            run_on(
+                config,
+                "host-a",
+                spec,
+                0,
+                100_000,
+                wanted=lambda: 2,
+                client=client,
+                on_progress=lambda p: p.iteration >= 35 and progress.set(),
+            )
+        except BaseException as exc:  # the node's end of the session is what is tested
+            errors.append(exc)
+
+    thread = threading.Thread(target=task, daemon=True)
+    thread.start()
+    assert progress.wait(120)
+    # from here the client's reads go on, but a beatless channel looks dead to the node
+    (session,) = [s for s in a.sessions.values() if s.request["spec"].name == spec.name]
+    pids = [pid for pc in session.launcher._contexts for pid in pc.pids().values()]
+    assert len(pids) == 2
+    wait_for("the node to kill the silent task's workers", lambda: all(_gone(p) for p in pids), 30)
+    wait_for("the chunk to end on the node", lambda: session not in a.sessions.values())
+    store = open_store(spec.checkpoint)
+    ref = store.latest(spec_hash=spec.spec_hash())
+    assert 30 <= ref.iteration < 100_000 and ref.iteration % 10 == 0
+    assert store.load(ref)["iteration"] == ref.iteration  # checksums verify
+    thread.join(30)
+    (err,) = errors  # and the client learns the session is over
+    assert isinstance(err, NodeLostError) and err.host == "host-a"
+
+
+def test_a_forged_stale_or_replayed_request_runs_nothing(cluster, tmp_path, caplog):
+    config, a, _ = cluster
+    r = config.redis()
+    runs = config.runs_key("host-a")
+    spec = make_spec(tmp_path)
+    run = {
+        "op": "run",
+        "version": 1,
+        "spec": spec.to_dict(),
+        "start": 0,
+        "end": 30,
+        "epoch": 1,
+        "host": "host-a",
+        "workers": 1,
+        "slots": None,
+        "store": store_of(spec).to_wire(),
+        "warm_start": None,
+    }
+
+    def envelope(signer: Signer, issued: float, session: str) -> bytes:
+        return signer.seal(runs, {"seq": 1, "kind": "run", "session": session, "issued": issued, "msg": run})
+
+    before = a.accepted
+    forged = envelope(Signer("not-the-cluster-secret!!"), time.time(), uuid.uuid4().hex)
+    stale = envelope(config.signer(), time.time() - 3600, uuid.uuid4().hex)
+    moved = config.signer().seal(  # genuine, but sealed for another host's list
+        config.runs_key("host-b"),
+        {"seq": 1, "kind": "run", "session": uuid.uuid4().hex, "issued": time.time(), "msg": run},
+    )
+    with caplog.at_level("WARNING", logger="elastic_ops.node"):
+        for raw in (forged, stale, moved, b"not json", b'{"mac": 1}'):
+            r.rpush(runs, raw)
+        wait_for("the node to refuse five requests", lambda: caplog.text.count("refused") >= 5)
+        assert "failed its signature check" in caplog.text and "issued 3600 s ago" in caplog.text
+        # a genuine request runs once; the same bytes again run nothing
+        session = uuid.uuid4().hex
+        genuine = envelope(config.signer(), time.time(), session)
+        r.rpush(runs, genuine)
+        wait_for("the genuine request to be taken", lambda: a.accepted == before + 1)
+        r.rpush(runs, genuine)
+        wait_for("the replay to be refused", lambda: "already taken (a replay)" in caplog.text)
+    assert a.accepted == before + 1
+    reply = RedisChannel(
+        r,
+        config.signer(),
+        inbox=config.session_key(session, "to_task"),
+        outbox=config.session_key(session, "to_node"),
+    )
+    try:
+        assert reply.read(timeout=30)["type"] == "accepted"
+    finally:
+        reply.close()  # the test's "task" leaves: the node ends that chunk
+
+
+def test_tampered_or_out_of_order_messages_inside_a_session_are_protocol_errors(redis_url):
+    config = make_config()
+    r = config.redis()
+    try:
+        a = RedisChannel(r, config.signer(), inbox="x", outbox=f"{config.namespace}:s:ab", beat_s=100)
+        b = RedisChannel(r, config.signer(), inbox=f"{config.namespace}:s:ab", outbox="y", beat_s=100)
+        a.send({"type": "progress", "iteration": 1})
+        assert b.read(timeout=5) == {"type": "progress", "iteration": 1}
+        a.send({"type": "progress", "iteration": 2})
+        raw = r.lpop(f"{config.namespace}:s:ab")
+        r.rpush(f"{config.namespace}:s:ab", raw.replace(b'iteration\\":2', b'iteration\\":3'))
+        with pytest.raises(AgentProtocolError, match="failed its signature check"):
+            b.read(timeout=5)
+        r.rpush(f"{config.namespace}:s:ab", raw)  # the genuine one, again
+        b.read(timeout=5)
+        r.rpush(f"{config.namespace}:s:ab", raw)  # replayed inside the session
+        with pytest.raises(AgentProtocolError, match="out of order"):
+            b.read(timeout=5)
+        a.close()
+        b.close()
+    finally:
+        drop_namespace(config)
+
+
+def test_settings_are_validated_where_they_enter():
+    assert node_config_from_env({}) is None
+    with pytest.raises(SpecError, match="ELASTIC_OPS_NODE_SECRET.*unset.*at least 16 characters"):
+        node_config_from_env({"ELASTIC_OPS_NODE_REDIS_URL": "redis://127.0.0.1:6379/0"})
+    with pytest.raises(SpecError, match=r"ELASTIC_OPS_NODE_SECRET.*<5 characters, hidden>"):
+        NodeConfig(url="redis://h:6379/0", secret="short")
+    with pytest.raises(SpecError, match=r"ELASTIC_OPS_NODE_REDIS_URL='http://:\*\*\*@h'.*a Redis URL"):
+        NodeConfig(url="http://:pw@h", secret=SECRET)
+    with pytest.raises(SpecError, match="ELASTIC_OPS_NODE_NAMESPACE"):
+        NodeConfig(url="redis://h", secret=SECRET, namespace="a b")
+    with pytest.raises(SpecError, match="--host"):
+        NodeAgent("bad host!", make_config())
+    config = NodeConfig(url="redis://:hunter2-password@h:6379/0", secret=SECRET)
+    assert "hunter2" not in repr(config) and SECRET not in repr(config) and "***" in repr(config)
+
+
+def test_s3_keys_never_travel_to_a_node():
+    s3 = S3Config(
+        endpoint_url="http://127.0.0.1:9000",
+        region_name="eu-west-1",
+        access_key_id="AKIAEXAMPLE",
+        secret_access_key="very-secret",
+        session_token="tok",
+    )
+    sent = without_credentials(StoreConfig("s3://bucket/p", s3=s3)).to_wire()
+    assert sent["s3"] == {"endpoint_url": "http://127.0.0.1:9000", "region_name": "eu-west-1"}
+    assert "very-secret" not in json.dumps(sent) and "AKIAEXAMPLE" not in json.dumps(sent)
+
+
+def test_the_cli_node_stops_on_sigterm_and_a_frozen_node_is_node_lost(redis_url, tmp_path):
+    config = make_config()
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(REPO),
+        ELASTIC_OPS_NODE_REDIS_URL=REDIS_URL,
+        ELASTIC_OPS_NODE_SECRET=SECRET,
+        ELASTIC_OPS_NODE_NAMESPACE=config.namespace,
+    )
+    client = NodeClient(config, accept_timeout_s=10.0, peer_timeout_s=4.0)
+    cli = [sys.executable, "-m", "elastic_ops.cli", "node", "--host", "host-d"]
+    node = subprocess.Popen(cli, env=env, cwd=tmp_path, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for("the node to announce itself", lambda: client.alive("host-d") is not None, 120)
+        assert client.alive("host-d")["pid"] == node.pid
+        node.send_signal(signal.SIGTERM)
+        assert node.wait(60) == 0
+        assert client.alive("host-d") is None  # withdrawn at once, not after its TTL
+        assert "serving" in node.stderr.read()
+
+        node = subprocess.Popen(cli, env=env, cwd=tmp_path, stderr=subprocess.DEVNULL)
+        wait_for("the node to announce itself", lambda: client.alive("host-d") is not None, 120)
+        spec = make_spec(tmp_path, total_iterations=100_000)
+        started = threading.Event()
+        errors: list[BaseException] = []
+
+        def task() -> None:
+            try:
+                run_on(config, "host-d", spec, 0, 100_000, client=client, on_progress=lambda p: started.set())
+            except BaseException as exc:
+                errors.append(exc)
+
+        thread = threading.Thread(target=task, daemon=True)
+        thread.start()
+        assert started.wait(120)
+        os.kill(node.pid, signal.SIGSTOP)  # the host hangs (or is cut off): nothing more comes
+        thread.join(60)
+        (err,) = errors
+        assert isinstance(err, NodeLostError) and err.retryable and err.host == "host-d"
+        assert not isinstance(err, AgentLostError)  # held against the host: the retry avoids it
+    finally:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            procs = psutil.Process(node.pid).children(recursive=True) + [psutil.Process(node.pid)]
+            for p in procs:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    p.kill()
+        node.wait(30)
+        drop_namespace(config)
