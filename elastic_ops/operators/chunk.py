@@ -330,7 +330,7 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
             killed = getattr(self, "_killed", False)
             if isinstance(exc, WorkerLostError) and not killed:  # workers killed with the task: not the host
                 failed = exc.host or host
-                self.log.error("job %s lost a worker on host %s: %s", spec.name, failed, exc)
+                self.log.error("job %s: host %s failed the chunk: %s", spec.name, failed, exc)
                 self._quietly("report the failed host", client.report_failure, spec.name, failed)
             final = not killed and _final_failure(context, exc)
             if final:
