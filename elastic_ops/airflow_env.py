@@ -64,6 +64,9 @@ class AirflowDeployment:
     extra_env: dict[str, str] = dataclasses.field(default_factory=dict)
     python: str = sys.executable
     agent: bool = True  # start the per-host elastic-ops agent and point the tasks at it
+    # a cluster on one machine: a node agent per host name (ELASTIC_OPS_NODE_* in extra_env);
+    # the tasks then send each chunk to the node of its granted host
+    nodes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         self.home = Path(self.home).resolve()
@@ -139,6 +142,10 @@ class AirflowDeployment:
     def start(self, components: tuple[str, ...] = COMPONENTS, timeout: float = 180) -> AirflowDeployment:
         if self.agent:  # first: it warms up (torch, fork server) while Airflow starts
             self._start_agent()
+        if self.nodes and self.node_config() is None:
+            raise ValueError("nodes= needs ELASTIC_OPS_NODE_REDIS_URL and _SECRET in extra_env")
+        for host in self.nodes:
+            self._start_runner(f"node-{host}", "node", "--host", host)
         for name in components:
             log = open(self.home / "logs" / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
             self.procs[name] = subprocess.Popen(
@@ -150,17 +157,46 @@ class AirflowDeployment:
         return self
 
     def _start_agent(self) -> None:
+        self._start_runner("agent", "agent", "--socket", self.agent_socket)
+
+    def _start_runner(self, name: str, *args: str) -> None:
+        """An ``elastic-ops`` agent or node process in its own process group, logging to ``name``."""
         env = self.env()
         # Trainables next to the DAGs import in the agent as they do in a task
         plugins = self.plugins_folder or self.home / "plugins"
         paths = [str(self.dags_folder), str(plugins), env.get("PYTHONPATH")]
         env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
-        log = open(self.home / "logs" / "agent.log", "ab")  # noqa: SIM115 - owned by the child
-        self.procs["agent"] = subprocess.Popen(
-            [self.python, "-m", "elastic_ops.cli", "agent", "--socket", self.agent_socket], env=env,
+        log = open(self.home / "logs" / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
+        self.procs[name] = subprocess.Popen(
+            [self.python, "-m", "elastic_ops.cli", *args], env=env,
             cwd=self.home, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )
         log.close()
+
+    def node_config(self) -> Any:
+        from elastic_ops.agent.cluster import node_config_from_env
+
+        return node_config_from_env(self.env())
+
+    def wait_nodes(self, timeout: float) -> None:
+        """Wait until every node agent has announced itself (torch imported, fork server warm)."""
+        from elastic_ops.agent.node_client import NodeClient
+
+        client = NodeClient(self.node_config())
+        deadline = time.monotonic() + timeout
+        while not all(client.alive(host) for host in self.nodes):
+            self.check_alive()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"node agents {', '.join(self.nodes)} not announced after {timeout:.0f}s")
+            time.sleep(0.5)
+
+    def kill_node(self, host: str) -> None:
+        """SIGKILL the node agent of ``host`` with everything it started (its workers): the host
+        died."""
+        proc = self.procs.pop(f"node-{host}")
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
 
     def wait_agent(self, timeout: float) -> None:
         """Wait until the agent answers a ping (it has imported torch and warmed its fork server)."""
@@ -187,6 +223,8 @@ class AirflowDeployment:
         deadline = time.monotonic() + timeout
         if "agent" in self.procs:
             self.wait_agent(timeout)
+        if self.nodes:
+            self.wait_nodes(timeout)
         while time.monotonic() < deadline:
             self.check_alive()
             with contextlib.suppress(httpx.HTTPError):

@@ -1,0 +1,85 @@
+"""End to end, a cluster on one machine: a real Airflow (scheduler, dag-processor, triggerer and
+api-server; LocalExecutor) whose chunk tasks send their chunks over the local Redis to the node
+agents of two pool hosts, ``host1`` and ``host2``, each a separate ``elastic-ops node`` process.
+
+The host running a chunk dies (its node agent is SIGKILLed with everything it started, workers
+included): the chunk's try fails with ``NodeLostError``, which reports the host to the pool;
+Airflow retries the chunk on a grant that avoids that host, on the other host's node, from the
+latest committed checkpoint; the model is bitwise the one an uninterrupted run trains.
+"""
+
+from __future__ import annotations
+
+import shutil
+import uuid
+from pathlib import Path
+
+import pytest
+
+from elastic_ops.airflow_env import AirflowDeployment
+from elastic_ops.demo import setup_pool
+from elastic_ops.operators.jobs import job_id
+from tests.agent.node_helpers import REDIS_URL, SECRET, drop_namespace
+from tests.conftest import require_service
+from tests.e2e.test_airflow_e2e import start_reference, wait_until
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+
+REPO = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    require_service("Redis", "127.0.0.1", 6379)
+    root = tmp_path_factory.mktemp("cluster")
+    dags = root / "dags"
+    dags.mkdir()
+    for src in (HERE / "dags").glob("*.py"):
+        shutil.copy(src, dags / src.name)
+    env = {
+        "ELASTIC_OPS_NODE_REDIS_URL": REDIS_URL,
+        "ELASTIC_OPS_NODE_SECRET": SECRET,
+        "ELASTIC_OPS_NODE_NAMESPACE": f"e2e-{uuid.uuid4().hex[:12]}",
+    }
+    af = AirflowDeployment(home=root / "airflow", dags_folder=dags, plugins_folder=REPO / "plugins",
+                           parallelism=2, agent=False, nodes=("host1", "host2"), extra_env=env)
+    try:
+        with af:
+            pool = setup_pool(f"sqlite:///{af.home / 'elastic_ops_pool.db'}", slots=4, hosts=2)
+            yield af, pool
+    finally:
+        drop_namespace(af.node_config())
+
+
+def test_a_chunk_whose_host_dies_is_retried_on_the_other_hosts_node(cluster, tmp_path, request):
+    af, pool = cluster
+    reference = start_reference(tmp_path)
+    request.addfinalizer(lambda: (reference.kill(), reference.wait()))
+    from elastic_ops.checkpoint import open_store
+
+    af.wait_dag("e2e_sigkill")
+    run = af.trigger("e2e_sigkill", run_id="host_dies")
+    job = job_id("e2e_sigkill", "train", run)
+    store = open_store(f"file://{af.home}/elastic_ops/checkpoints/e2e_sigkill/train/{run}")
+    wait_until("the first checkpoints", lambda: (r := store.latest()) is not None and r.iteration >= 20, af)
+    killed_at = store.latest().iteration
+    (holding,) = [j for j in pool.status()["jobs"] if j["name"] == job]
+    (host,) = {h for h, _ in holding["placements"]}  # the job's slots are on one host
+    af.kill_node(host)  # the host dies: its node agent, fork server and workers at once
+
+    assert af.wait_run("e2e_sigkill", run, timeout=500) == "success"
+    out, _ = reference.communicate(timeout=300)
+    ref_sha = out.split("SHA ")[-1].strip()
+    tries = {t["task_id"]: t["try_number"] for t in af.task_instances("e2e_sigkill", run)}
+    retried = [tid for tid, n in tries.items() if n > 1]
+    assert len(retried) == 1 and tries[retried[0]] == 2, tries  # exactly one retry, of the chunk
+    failures = [e for e in pool.events(job=job) if e["kind"] == "failure"]
+    assert [e["host"] for e in failures] == [host]  # the task reported the dead host
+    result = af.xcom("e2e_sigkill", run, retried[0])
+    assert result["hosts"] == [h for h in ("host1", "host2") if h != host]  # trained on the other node
+    assert 0 < killed_at <= result["workers_timeline"][0][0] < 240  # resumed mid-chunk from a checkpoint
+    summary = af.xcom("e2e_sigkill", run, "train.finalize")
+    assert summary["param_sha256"] == ref_sha  # bitwise identical to an uninterrupted run
+    log = (af.home / "logs" / f"node-{host}.log").read_text(errors="replace")
+    assert "chunk [0, 240)" in log  # the dead node had been running it
