@@ -6,6 +6,11 @@ of CPU each). The agent (``elastic-ops agent --socket PATH``) pays for both once
 fork server warm; chunk tasks send it their chunk over a Unix socket (newline-delimited JSON,
 never pickle) and receive progress, the result, or a typed error. See docs/runtime.md "Agent".
 
+In a cluster, a node agent per host (``elastic-ops node --host NAME``,
+:mod:`elastic_ops.agent.node`) runs the chunks the pool grants on that host for tasks on any
+machine; tasks reach it through the cluster's Redis (:mod:`elastic_ops.agent.node_client`,
+sealed envelopes: :mod:`elastic_ops.agent.redis_channel`). See docs/runtime.md "Node agents".
+
 This package never imports Airflow; :mod:`elastic_ops.agent.client` and
 :mod:`elastic_ops.agent.protocol` never import torch either, so a task process that talks to the
 agent stays light. The server (:mod:`elastic_ops.agent.server`) imports the runtime.

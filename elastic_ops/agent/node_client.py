@@ -42,6 +42,21 @@ def without_credentials(store: StoreConfig | None) -> StoreConfig | None:
     return dataclasses.replace(store, s3=s3)
 
 
+def _announcement(raw: bytes | None) -> dict[str, Any] | None:
+    if raw is None:
+        return None
+    try:
+        info = json.loads(raw)
+    except ValueError:
+        return None
+    return info if isinstance(info, dict) else None
+
+
+def _announced(raw: bytes | None) -> bool:
+    info = _announcement(raw)
+    return info is not None and info.get("version") == PROTOCOL_VERSION
+
+
 class NodeClient:
     """Runs chunks on the node agents of a cluster (one Redis, one namespace, one secret)."""
 
@@ -49,7 +64,7 @@ class NodeClient:
         self,
         config: NodeConfig,
         *,
-        accept_timeout_s: float = ACCEPT_TIMEOUT_S,
+        accept_timeout_s: float | None = None,  # None: ACCEPT_TIMEOUT_S
         peer_timeout_s: float = PEER_TIMEOUT_S,
         beat_s: float = BEAT_S,
         redis: Any = None,
@@ -57,7 +72,8 @@ class NodeClient:
     ) -> None:
         self.config = config
         self.signer = config.signer()
-        self.accept_timeout_s, self.peer_timeout_s, self.beat_s = accept_timeout_s, peer_timeout_s, beat_s
+        self.accept_timeout_s = ACCEPT_TIMEOUT_S if accept_timeout_s is None else accept_timeout_s
+        self.peer_timeout_s, self.beat_s = peer_timeout_s, beat_s
         self._redis = redis if redis is not None else config.redis()
         self.wall_clock = wall_clock
         self._lock = threading.Lock()
@@ -80,13 +96,18 @@ class NodeClient:
             raw = self._redis.get(self.config.alive_key(check_host_name("host", host)))
         except redis_error_types() as exc:
             raise self._unreachable(exc) from None
-        if raw is None:
-            return None
+        return _announcement(raw)
+
+    def live_hosts(self, hosts: Sequence[str]) -> set[str]:
+        """Those of ``hosts`` whose node agent is announced and speaks this protocol version."""
+        hosts = [check_host_name("host", h) for h in hosts]
+        if not hosts:
+            return set()
         try:
-            info = json.loads(raw)
-        except ValueError:
-            return None
-        return info if isinstance(info, dict) else None
+            raws = self._redis.mget([self.config.alive_key(h) for h in hosts])
+        except redis_error_types() as exc:
+            raise self._unreachable(exc) from None
+        return {h for h, raw in zip(hosts, raws, strict=True) if _announced(raw)}
 
     def abort(self) -> None:
         """End every chunk this client is running (the task is being killed): each node agent

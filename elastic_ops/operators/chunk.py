@@ -63,6 +63,16 @@ _sleep = time.sleep
 DEFER_SETTLE_S = 5.0
 
 
+def hosts_without_node(client: Any, nodes: Any) -> list[str]:
+    """The pool's hosts that no node agent of the cluster announces (not started, stopped, dead
+    for 10 s, or of another protocol version): a grant there could not train."""
+    from elastic_ops.agent.node_client import NodeClient
+
+    names = [h["name"] for h in client.status()["hosts"]]
+    live = NodeClient(nodes).live_hosts(names)
+    return [n for n in names if n not in live]
+
+
 def failed_hosts(client: Any, job: str) -> list[str]:
     """Hosts on which ``job`` failed since it was last registered (``submit``: a rerun of the
     DAG run starts over), from the pool's event log: what a retry must avoid."""
@@ -264,6 +274,12 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
         avoid = failed_hosts(client, job)
         if avoid:
             self.log.info("job %s avoids hosts that failed it: %s", job, ", ".join(avoid))
+        nodes = node_config_from_env()
+        if nodes is not None:  # a chunk can only train where a node agent runs
+            down = hosts_without_node(client, nodes)
+            if down:
+                self.log.info("job %s avoids hosts with no live node agent: %s", job, ", ".join(down))
+                avoid = sorted(set(avoid) | set(down))
         # new_attempt: a lease the job still holds is an earlier try's; it is re-issued under a
         # new epoch, which run_chunk fences the store with, so that try can no longer commit
         try:
@@ -368,12 +384,15 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
             from elastic_ops.agent.node_client import NodeClient
 
             self.log.info("sending the chunk to the node agent of host %s (%r)", host, nodes)
+            store = hook.store_config(spec.checkpoint_uri(), keep_last=spec.keep_last,
+                                      keep_every=spec.keep_every)
+            if store.s3 is not None and (store.s3.access_key_id or store.s3.session_token):
+                self.log.info("the aws connection's keys are not sent to node agents: the node opens %s "
+                              "with its own host's credentials (endpoint and region are sent)", store.uri)
             self._node_client = NodeClient(nodes)
             try:
                 return self._node_client.run_chunk(
-                    spec.to_dict(), state["start"], state["end"], epoch=epoch, host=host,
-                    store=hook.store_config(spec.checkpoint_uri(), keep_last=spec.keep_last,
-                                            keep_every=spec.keep_every),
+                    spec.to_dict(), state["start"], state["end"], epoch=epoch, host=host, store=store,
                     warm_start=hook.store_config(warm_start) if warm_start else None,
                     wanted=keeper.wanted, slots=keeper.slots, on_applied=keeper.applied,
                     on_progress=on_progress,

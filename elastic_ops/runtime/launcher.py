@@ -42,7 +42,7 @@ from typing import Protocol
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, PContext, Std, start_processes
 
-from elastic_ops.runtime.worker import worker_entry
+from elastic_ops.runtime.worker import LAUNCHER_PID_ENV, worker_entry
 
 
 def loopback_store() -> dist.TCPStore:
@@ -104,6 +104,7 @@ def worker_env(req: LaunchRequest, rank: int, gpus: Sequence[str] = ()) -> dict[
         "ELASTIC_OPS_DEVICE": req.device,
         # All ranks share this host: gloo on loopback, no hostname resolution (seconds when DNS is slow).
         "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+        LAUNCHER_PID_ENV: str(os.getpid()),  # the workers exit if this process dies (worker.py)
         **req.env,
     }
     if req.device == "cuda":

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import math
 import os
+import select
 import sys
+import threading
 import time
 import traceback
 from typing import Any
@@ -165,8 +167,42 @@ class TrainableWorker:
         )
 
 
+LAUNCHER_PID_ENV = "ELASTIC_OPS_LAUNCHER_PID"
+
+
+def die_with_launcher(environ: Any = None) -> threading.Thread | None:
+    """On Linux, end this worker at once when the process that launched it dies.
+
+    The launcher is the process running the chunk (a task, the per-host agent, a node agent:
+    ``ELASTIC_OPS_LAUNCHER_PID``); the worker's parent is the fork server, which outlives it (it
+    only exits once every holder of its "alive" pipe is gone, and each worker holds one). A
+    launcher killed outright (SIGKILL, OOM kill) would otherwise leave its workers waiting at
+    their next boundary for a decision that never comes (10 minutes), holding their GPU memory
+    after the pool has given their slots to another job. Nothing of theirs is lost: the
+    launcher, which commits, is gone. A thread waits on a pidfd (no polling; no pid reuse)."""
+    env = os.environ if environ is None else environ
+    pid = env.get(LAUNCHER_PID_ENV)
+    if not pid or not hasattr(os, "pidfd_open"):
+        return None
+    try:
+        fd = os.pidfd_open(int(pid))
+    except ProcessLookupError:  # gone before this worker got here
+        os._exit(1)
+    except (OSError, ValueError):  # an old kernel, a foreign pid namespace: no watchdog
+        return None
+
+    def watch() -> None:
+        select.select([fd], [], [])  # readable once the launcher has exited
+        os._exit(1)
+
+    thread = threading.Thread(target=watch, name="elastic-ops-launcher-watch", daemon=True)
+    thread.start()
+    return thread
+
+
 def worker_entry(script: str | None) -> None:
     """What each worker process runs (a picklable function for the fork server)."""
+    die_with_launcher()
     code = run_script(script) if script else main()
     if code:
         raise SystemExit(code)

@@ -35,6 +35,8 @@ from tests.runtime.builders import make_spec
 pytestmark = pytest.mark.timeout(300)
 
 REPO = Path(__file__).resolve().parents[2]
+
+
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[tuple[NodeConfig, NodeAgent, NodeAgent]]:
     """Two node agents, ``host-a`` and ``host-b``, of one namespace (a silent task: 5 s)."""
@@ -276,7 +278,9 @@ def test_s3_keys_never_travel_to_a_node():
     assert "very-secret" not in json.dumps(sent) and "AKIAEXAMPLE" not in json.dumps(sent)
 
 
-def test_the_cli_node_stops_on_sigterm_and_a_frozen_node_is_node_lost(redis_url, tmp_path):
+def test_the_cli_node_stops_on_sigterm_a_frozen_node_is_node_lost_and_its_workers_die_with_it(
+    redis_url, tmp_path
+):
     config = make_config()
     env = dict(
         os.environ,
@@ -304,7 +308,16 @@ def test_the_cli_node_stops_on_sigterm_and_a_frozen_node_is_node_lost(redis_url,
 
         def task() -> None:
             try:
-                run_on(config, "host-d", spec, 0, 100_000, client=client, on_progress=lambda p: started.set())
+                run_on(
+                    config,
+                    "host-d",
+                    spec,
+                    0,
+                    100_000,
+                    wanted=lambda: 2,
+                    client=client,
+                    on_progress=lambda p: started.set(),
+                )
             except BaseException as exc:
                 errors.append(exc)
 
@@ -316,6 +329,15 @@ def test_the_cli_node_stops_on_sigterm_and_a_frozen_node_is_node_lost(redis_url,
         (err,) = errors
         assert isinstance(err, NodeLostError) and err.retryable and err.host == "host-d"
         assert not isinstance(err, AgentLostError)  # held against the host: the retry avoids it
+        # the node process dies alone (SIGKILL, its host still up): nothing it started survives it
+        # (the fork server exits, and the kernel kills the workers with it: PR_SET_PDEATHSIG)
+        started_by_node = psutil.Process(node.pid).children(recursive=True)
+        assert len(started_by_node) >= 3  # the fork server and at least the chunk's 2 workers
+        os.kill(node.pid, signal.SIGKILL)
+        node.wait(30)
+        wait_for(
+            "everything the node started to exit", lambda: all(_gone(p.pid) for p in started_by_node), 30
+        )
     finally:
         with contextlib.suppress(psutil.NoSuchProcess):
             procs = psutil.Process(node.pid).children(recursive=True) + [psutil.Process(node.pid)]

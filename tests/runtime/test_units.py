@@ -79,8 +79,11 @@ def test_the_rendezvous_store_listens_on_loopback_only():
     client = torch.distributed.TCPStore("127.0.0.1", store.port, is_master=False)
     client.set("k", "v")
     assert store.get("k") == b"v"
-    listening = {c.laddr.ip for c in psutil.Process().net_connections("tcp")
-                 if c.status == psutil.CONN_LISTEN and c.laddr.port == store.port}
+    listening = {
+        c.laddr.ip
+        for c in psutil.Process().net_connections("tcp")
+        if c.status == psutil.CONN_LISTEN and c.laddr.port == store.port
+    }
     assert listening == {"127.0.0.1"}
 
 
@@ -165,3 +168,40 @@ def test_state_round_trips_safely_and_the_hash_sees_every_bit(tmp_path):
     bumped = {k: v.clone() for k, v in loaded["model"].items()}
     bumped["bias"].view(torch.int32)[0] ^= 1  # flip the lowest mantissa bit
     assert param_sha256(bumped) != param_sha256(loaded["model"])
+
+
+WATCHED_WORKER = """
+import sys, time
+from elastic_ops.runtime.worker import die_with_launcher
+assert die_with_launcher() is not None
+print("watching", flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "pidfd_open"), reason="needs Linux pidfds")
+def test_a_worker_ends_at_once_when_the_process_that_launched_it_dies():
+    import os
+    import subprocess
+    import sys
+
+    launcher = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    env = dict(os.environ, ELASTIC_OPS_LAUNCHER_PID=str(launcher.pid))
+    worker = subprocess.Popen(
+        [sys.executable, "-c", WATCHED_WORKER], env=env, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert worker.stdout.readline().strip() == "watching"
+        assert worker.poll() is None  # the launcher lives: the worker goes on
+        launcher.kill()  # SIGKILL: no chance to clean up
+        launcher.wait()
+        assert worker.wait(timeout=30) == 1
+    finally:
+        for proc in (launcher, worker):
+            proc.kill()
+            proc.wait()
+    # a launcher already gone when the worker starts: the worker does not start at all
+    late = subprocess.run(
+        [sys.executable, "-c", WATCHED_WORKER], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert late.returncode == 1 and "watching" not in late.stdout
