@@ -15,6 +15,7 @@ BENCHMARKS = (
     ["benchmarks.pool_ledger", "--seconds", "3"],
     ["benchmarks.pool_simulator"],
     ["benchmarks.airflow_overhead", "--iterations", "400"],
+    ["benchmarks.node_dispatch", "--repeats", "9"],
 )
 
 
