@@ -41,6 +41,15 @@ def add_commands(subparsers: Any) -> None:
         default=socket.gethostname(),
         help="this host's name in the pool (default: the hostname, %(default)s)",
     )
+    n.add_argument(
+        "--register-slots",
+        type=int,
+        default=None,
+        metavar="N",
+        help="if the pool has no host of this name yet, add it with N slots (the ledger from "
+        "--pool-url or $ELASTIC_OPS_POOL_URL); a known host's slots and state are left as they are",
+    )
+    n.add_argument("--pool-url", default=None, help="SQLAlchemy URL of the pool ledger, for --register-slots")
     n.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     n.set_defaults(func=cmd_node)
 
@@ -54,6 +63,10 @@ def cmd_node(args: argparse.Namespace) -> int:
     if config is None:
         raise SpecError(URL_ENV, "unset", "the URL of the cluster's Redis, e.g. redis://redis-host:6379/0")
     _log_to_stderr(args.log_level)
+    if args.register_slots is not None:
+        from elastic_ops.agent.node import register_host
+
+        register_host(args.host, args.register_slots, args.pool_url)
     return main(args.host, config)
 
 

@@ -252,6 +252,26 @@ class NodeAgent:
                 self.sessions.pop(session_id, None)
 
 
+def register_host(host: str, slots: int, pool_url: str | None = None) -> bool:
+    """Add ``host`` with ``slots`` slots to the pool ledger unless the pool knows it already
+    (then its slots and state, e.g. a drain an operator set, stay as they are). True if added."""
+    from elastic_ops.pool import PoolClient
+
+    check_host_name("--host", host)
+    if type(slots) is not int or slots < 1:
+        raise SpecError("--register-slots", slots, "a whole number of slots >= 1")
+    client = PoolClient(pool_url)
+    try:
+        if any(h["name"] == host for h in client.status()["hosts"]):
+            log.info("host %s is in the pool already; its slots and state are left as they are", host)
+            return False
+        client.add_host(host, slots)
+        log.info("added host %s with %d slots to the pool", host, slots)
+        return True
+    finally:
+        client.close()
+
+
 def main(host: str, config: NodeConfig) -> int:
     """Run a node agent in this process (the CLI's ``elastic-ops node``)."""
     NodeAgent(host, config).serve()

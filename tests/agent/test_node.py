@@ -346,3 +346,26 @@ def test_the_cli_node_stops_on_sigterm_a_frozen_node_is_node_lost_and_its_worker
                     p.kill()
         node.wait(30)
         drop_namespace(config)
+
+
+def test_a_node_adds_its_host_to_the_pool_once_and_leaves_a_known_host_alone(tmp_path, monkeypatch, capsys):
+    from elastic_ops.agent.node import register_host
+    from elastic_ops.cli import main as cli_main
+    from elastic_ops.pool import PoolClient
+
+    url = f"sqlite:///{tmp_path / 'pool.db'}"
+    assert register_host("host-x", 4, url) is True
+    pool = PoolClient(url)
+    pool.set_host_state("host-x", "draining")  # an operator drains it
+    assert register_host("host-x", 8, url) is False  # the node restarts: nothing changes
+    (host,) = pool.status()["hosts"]
+    assert (host["name"], host["slots"], host["state"]) == ("host-x", 4, "draining")
+    with pytest.raises(SpecError, match="--register-slots"):
+        register_host("host-y", 0, url)
+    monkeypatch.setenv("ELASTIC_OPS_NODE_REDIS_URL", REDIS_URL)
+    monkeypatch.setenv("ELASTIC_OPS_NODE_SECRET", SECRET)
+    assert cli_main(["node", "--host", "bad host", "--register-slots", "2", "--pool-url", url]) == 2
+    assert "invalid --host='bad host'" in capsys.readouterr().err
+    monkeypatch.delenv("ELASTIC_OPS_NODE_REDIS_URL")
+    assert cli_main(["node", "--host", "h"]) == 2
+    assert "ELASTIC_OPS_NODE_REDIS_URL" in capsys.readouterr().err
