@@ -77,6 +77,7 @@ class NodeAgent:
         self.accepted = 0  # chunks taken since the start
         self._threads: list[threading.Thread] = []
         self._redis: Any = None
+        self._announcer: threading.Thread | None = None
         self.ready = threading.Event()
 
     def __repr__(self) -> str:
@@ -118,8 +119,8 @@ class NodeAgent:
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 signal.signal(sig, lambda *_: self._stop.set())
         self._announce()
-        announcer = threading.Thread(target=self._keep_announcing, name="announce", daemon=True)
-        announcer.start()
+        self._announcer = threading.Thread(target=self._keep_announcing, name="announce", daemon=True)
+        self._announcer.start()
         log.info(
             "elastic-ops node agent for host %s (pid %d) serving %s, namespace %s",
             self.host,
@@ -150,6 +151,8 @@ class NodeAgent:
 
     def _shutdown(self) -> None:
         self._stop.set()
+        if self._announcer is not None:
+            self._announcer.join(timeout=10)  # no renewal may land after the withdrawal below
         with contextlib.suppress(*redis_error_types()):
             self._redis.delete(self.config.alive_key(self.host))  # first: no task routes here any more
         with self._lock:

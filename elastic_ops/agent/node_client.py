@@ -114,8 +114,13 @@ class NodeClient:
         sees the session close and kills its workers now rather than after the peer timeout."""
         with self._lock:
             channels = list(self._channels)
-        for ch in channels:
-            ch.close()
+        # from threads: abort() runs in a signal handler (Airflow's on_kill), possibly while this
+        # very thread is inside a channel's send holding its lock; waiting here would deadlock
+        closers = [threading.Thread(target=ch.close, name="abort", daemon=True) for ch in channels]
+        for t in closers:
+            t.start()
+        for t in closers:
+            t.join(timeout=1.0)
 
     def run_chunk(
         self,

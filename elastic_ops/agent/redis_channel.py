@@ -83,9 +83,11 @@ class Signer:
 
 
 def redis_error_types() -> tuple[type[BaseException], ...]:
+    """What redis-py raises when Redis cannot serve a command (unreachable, timed out, refused
+    it: out of memory, read-only replica, wrong password, ...)."""
     import redis
 
-    return (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+    return (redis.exceptions.RedisError,)
 
 
 class RedisChannel:

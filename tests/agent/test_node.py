@@ -369,3 +369,43 @@ def test_a_node_adds_its_host_to_the_pool_once_and_leaves_a_known_host_alone(tmp
     monkeypatch.delenv("ELASTIC_OPS_NODE_REDIS_URL")
     assert cli_main(["node", "--host", "h"]) == 2
     assert "ELASTIC_OPS_NODE_REDIS_URL" in capsys.readouterr().err
+
+
+def test_abort_ends_the_chunk_on_the_node_at_once(redis_url, tmp_path):
+    """What the operator's ``on_kill`` does: the node kills the workers now, not after its peer
+    timeout (here 300 s, so only the explicit close can end the chunk within the wait)."""
+    config = make_config()
+    try:
+        with running_node("host-e", config, peer_timeout_s=300.0) as node:
+            client = NodeClient(config, accept_timeout_s=10.0)
+            spec = make_spec(tmp_path, total_iterations=100_000)
+            started = threading.Event()
+            errors: list[BaseException] = []
+
+            def task() -> None:
+                try:
+                    run_on(
+                        config,
+                        "host-e",
+                        spec,
+                        0,
+                        100_000,
+                        wanted=lambda: 2,
+                        client=client,
+                        on_progress=lambda p: started.set(),
+                    )
+                except BaseException as exc:
+                    errors.append(exc)
+
+            thread = threading.Thread(target=task, daemon=True)
+            thread.start()
+            assert started.wait(120)
+            (session,) = node.sessions.values()
+            pids = [pid for pc in session.launcher._contexts for pid in pc.pids().values()]
+            client.abort()
+            wait_for("the node to kill the workers", lambda: all(_gone(p) for p in pids), 60)
+            wait_for("the chunk to end on the node", lambda: not node.sessions, 60)
+            thread.join(30)
+            assert len(errors) == 1 and isinstance(errors[0], NodeLostError)
+    finally:
+        drop_namespace(config)
