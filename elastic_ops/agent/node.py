@@ -38,7 +38,7 @@ from elastic_ops.agent.redis_channel import (
     RedisChannel,
     redis_error_types,
 )
-from elastic_ops.agent.server import PROGRESS_EVERY_S, ChunkSession, warm_launcher
+from elastic_ops.agent.server import PROGRESS_EVERY_S, ChunkSession, latest_reply, warm_launcher
 from elastic_ops.errors import AgentLostError, SpecError
 from elastic_ops.spec import check_host_name
 from elastic_ops.urls import shown_url
@@ -227,14 +227,17 @@ class NodeAgent:
             channel.close()
 
     def _run(self, session_id: str, channel: RedisChannel, req: dict[str, Any]) -> None:
-        if req.get("op") != "run":
-            raise SpecError("op", req.get("op"), "'run' (a node agent only runs chunks)")
+        if req.get("op") not in ("run", "latest"):
+            raise SpecError("op", req.get("op"), "'run' or 'latest' (what a node agent does)")
         if type(req.get("version")) is not int or req["version"] != PROTOCOL_VERSION:
             raise SpecError(
                 "version", req.get("version"), f"{PROTOCOL_VERSION} (this node's protocol version)"
             )
         if req.get("host") != self.host:
             raise SpecError("host", req.get("host"), f"{self.host!r}, the host this node agent runs on")
+        if req["op"] == "latest":
+            channel.send(latest_reply(req))
+            return
         session = ChunkSession(channel, req, self._launcher, self.progress_every_s)
         threading.current_thread().name = f"chunk-{session.request['spec'].name}"
         with self._lock:

@@ -144,22 +144,7 @@ class NodeClient:
         :class:`NodeLostError` when the node went silent mid-chunk, the chunk's own error as the
         runtime raised it, or :class:`AgentLostError` when Redis is unreachable or the node agent
         stopped (neither is the host's fault)."""
-        info = self.alive(host)
-        if info is None:
-            raise NodeUnavailableError(
-                f"no elastic-ops node agent is running for host {host} "
-                f"(namespace {self.config.namespace!r} on {shown_url(self.config.url)})",
-                host=host,
-                hint=f"start `elastic-ops node --host {host}` on that host with the same Redis URL, "
-                "namespace and secret; the retry's grant avoids this host meanwhile",
-            )
-        if info.get("version") != PROTOCOL_VERSION:
-            raise NodeUnavailableError(
-                f"the node agent of host {host} speaks protocol version {info.get('version')!r}, "
-                f"this task {PROTOCOL_VERSION}",
-                host=host,
-                hint="run the same elastic_ops release on the node agents and the Airflow workers",
-            )
+        self._require_node(host)
 
         def current() -> tuple[int, list[int] | None]:
             workers = int(wanted())
@@ -180,44 +165,13 @@ class NodeClient:
             "store": without_credentials(store).to_wire(),
             "warm_start": warm.to_wire() if warm is not None else None,
         }
-        session = secrets.token_hex(16)
-        runs = self.config.runs_key(host)
-        envelope = self.signer.seal(
-            runs, {"seq": 1, "kind": "run", "session": session, "issued": self.wall_clock(), "msg": run}
-        )
-        channel = RedisChannel(
-            self._redis,
-            self.signer,
-            inbox=self.config.session_key(session, "to_task"),
-            outbox=self.config.session_key(session, "to_node"),
-            peer_timeout_s=max(self.peer_timeout_s, self.accept_timeout_s),
-            beat_s=self.beat_s,
-        )
-        with self._lock:
-            self._channels.append(channel)
+        channel, request = self._open(host, run)
         try:
-            try:
-                self._redis.rpush(runs, envelope)
-                first = channel.read(timeout=self.accept_timeout_s)
-            except redis_error_types() as exc:
-                raise self._unreachable(exc) from None
-            except EOFError:
-                first = None
-            if first is None:
-                with_drawn = self._withdraw(runs, envelope)
-                raise NodeUnavailableError(
-                    f"the node agent of host {host} did not take the chunk within "
-                    f"{self.accept_timeout_s:g} s" + ("" if with_drawn else " (it took it too late; ended)"),
-                    host=host,
-                    hint="the node agent may be hung or its clock far off; see its log",
-                )
-            if first.get("type") == "error":
-                raise error_from_wire(first)
+            first = self._first(channel, request, host, "the chunk")
             if first.get("type") != "accepted":
                 raise AgentProtocolError(
                     f"expected 'accepted' from the node agent, got {first.get('type')!r}"
                 )
-            channel.peer_timeout_s = self.peer_timeout_s
 
             def lost(why: str) -> BaseException:
                 return NodeLostError(
@@ -238,8 +192,97 @@ class NodeClient:
                 error=error_from_wire,
             )
         finally:
-            channel.close()
-            with self._lock:
+            self._close(channel)
+
+    def latest(self, host: str, store: StoreConfig, spec_hash: str | None) -> tuple[int, str] | None:
+        """``(iteration, uri)`` of the latest committed checkpoint of ``spec_hash`` in ``store``,
+        read by ``host``'s node agent (verified by its checksums, not decoded): the task's
+        "already done?" check without importing torch. Raises as :meth:`run_chunk` does."""
+        self._require_node(host)
+        msg = {"op": "latest", "version": PROTOCOL_VERSION, "host": host,
+               "store": without_credentials(store).to_wire(), "spec_hash": spec_hash}
+        channel, request = self._open(host, msg)
+        try:
+            reply = self._first(channel, request, host, "the question")
+        finally:
+            self._close(channel)
+        if reply.get("type") != "latest":
+            raise AgentProtocolError(f"expected 'latest' from the node agent, got {reply.get('type')!r}")
+        return None if reply.get("iteration") is None else (int(reply["iteration"]), str(reply["uri"]))
+
+    # --- sessions --------------------------------------------------------------------------------
+
+    def _require_node(self, host: str) -> None:
+        info = self.alive(host)
+        if info is None:
+            raise NodeUnavailableError(
+                f"no elastic-ops node agent is running for host {host} "
+                f"(namespace {self.config.namespace!r} on {shown_url(self.config.url)})",
+                host=host,
+                hint=f"start `elastic-ops node --host {host}` on that host with the same Redis URL, "
+                "namespace and secret; the retry's grant avoids this host meanwhile",
+            )
+        if info.get("version") != PROTOCOL_VERSION:
+            raise NodeUnavailableError(
+                f"the node agent of host {host} speaks protocol version {info.get('version')!r}, "
+                f"this task {PROTOCOL_VERSION}",
+                host=host,
+                hint="run the same elastic_ops release on the node agents and the Airflow workers",
+            )
+
+    def _open(self, host: str, msg: dict[str, Any]) -> tuple[RedisChannel, tuple[str, bytes]]:
+        """Push the sealed request ``msg`` onto ``host``'s queue; the session's channel and
+        ``(queue, envelope)``, to withdraw it if no node takes it."""
+        session = secrets.token_hex(16)
+        runs = self.config.runs_key(host)
+        envelope = self.signer.seal(
+            runs, {"seq": 1, "kind": "run", "session": session, "issued": self.wall_clock(), "msg": msg}
+        )
+        channel = RedisChannel(
+            self._redis,
+            self.signer,
+            inbox=self.config.session_key(session, "to_task"),
+            outbox=self.config.session_key(session, "to_node"),
+            peer_timeout_s=max(self.peer_timeout_s, self.accept_timeout_s),
+            beat_s=self.beat_s,
+        )
+        with self._lock:
+            self._channels.append(channel)
+        try:
+            self._redis.rpush(runs, envelope)
+        except redis_error_types() as exc:
+            self._close(channel)
+            raise self._unreachable(exc) from None
+        return channel, (runs, envelope)
+
+    def _first(
+        self, channel: RedisChannel, request: tuple[str, bytes], host: str, what: str
+    ) -> dict[str, Any]:
+        """The node's first reply (raised if an error); :class:`NodeUnavailableError` if none
+        comes within the accept timeout (the request is withdrawn)."""
+        try:
+            first = channel.read(timeout=self.accept_timeout_s)
+        except redis_error_types() as exc:
+            raise self._unreachable(exc) from None
+        except EOFError:
+            first = None
+        if first is None:
+            withdrawn = self._withdraw(*request)
+            raise NodeUnavailableError(
+                f"the node agent of host {host} did not take {what} within {self.accept_timeout_s:g} s"
+                + ("" if withdrawn else " (it took it too late; ended)"),
+                host=host,
+                hint="the node agent may be hung or its clock far off; see its log",
+            )
+        if first.get("type") == "error":
+            raise error_from_wire(first)
+        channel.peer_timeout_s = self.peer_timeout_s
+        return first
+
+    def _close(self, channel: RedisChannel) -> None:
+        channel.close()
+        with self._lock:
+            if channel in self._channels:
                 self._channels.remove(channel)
 
     def _withdraw(self, runs: str, envelope: bytes) -> bool:

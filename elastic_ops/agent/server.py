@@ -300,6 +300,17 @@ class ChunkSession:
         self.launcher.abort()
 
 
+def latest_reply(req: dict[str, Any]) -> dict[str, Any]:
+    """The answer to a ``latest`` request: the newest committed checkpoint of ``spec_hash`` in
+    ``store``, verified by its checksums and not decoded (which one, not its state)."""
+    store = StoreConfig.from_wire(req.get("store"))
+    spec_hash = req.get("spec_hash")
+    if spec_hash is not None and not isinstance(spec_hash, str):
+        raise SpecError("spec_hash", spec_hash, "a string or null")
+    ref = store.open().latest(spec_hash=spec_hash, decode=False)
+    return {"type": "latest", "iteration": ref.iteration if ref else None, "uri": ref.uri if ref else None}
+
+
 def warm_launcher(launcher: Any = None, warm: bool = True) -> Any:
     """Import the runtime (torch) and start the fork server with its preload, once; returns the
     launcher every chunk of this process shares (``launcher`` if given, else a ``LocalLauncher``)."""
@@ -467,20 +478,7 @@ class Agent:
                 )
             )
         elif op == "latest":
-            store = StoreConfig.from_wire(req.get("store"))
-            spec_hash = req.get("spec_hash")
-            if spec_hash is not None and not isinstance(spec_hash, str):
-                raise SpecError("spec_hash", spec_hash, "a string or null")
-            ref = store.open().latest(spec_hash=spec_hash, decode=False)  # which one, not its state
-            conn.sendall(
-                encode(
-                    {
-                        "type": "latest",
-                        "iteration": ref.iteration if ref else None,
-                        "uri": ref.uri if ref else None,
-                    }
-                )
-            )
+            conn.sendall(encode(latest_reply(req)))
         else:
             session = ChunkSession(channel, req, self._launcher, self.progress_every_s)
             threading.current_thread().name = f"chunk-{session.request['spec'].name}"

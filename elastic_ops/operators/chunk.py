@@ -35,9 +35,11 @@ from elastic_ops.agent.cluster import node_config_from_env
 from elastic_ops.agent.protocol import AGENT_SOCKET_ENV, AgentUnavailableError
 from elastic_ops.agent.protocol import agent_socket_from_env as agent_socket
 from elastic_ops.errors import (
+    AgentLostError,
     ElasticOpsError,
     LedgerBusyError,
     LedgerUnavailableError,
+    NodeUnavailableError,
     SpecError,
     UnknownJobError,
     WaitFailedError,
@@ -61,6 +63,9 @@ _monotonic = time.monotonic
 _sleep = time.sleep
 # the trigger's first request waits this long after the deferral (GrantTrigger's not_before)
 DEFER_SETTLE_S = 5.0
+
+
+_UNASKED = object()  # no node agent answered the "already done?" question
 
 
 def hosts_without_node(client: Any, nodes: Any) -> list[str]:
@@ -252,6 +257,11 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
         return None
 
     def _already_done(self, hook: ElasticOpsHook, spec: JobSpec, end: int) -> str | None:
+        nodes = node_config_from_env()
+        if nodes is not None:  # ask a node agent: opening a store here would import torch
+            latest = self._latest_on_a_node(hook, spec, nodes)
+            if latest is not _UNASKED:
+                return latest[1] if latest is not None and latest[0] >= end else None
         path = agent_socket()
         if path is not None:  # ask the agent: opening a store here would import torch
             from elastic_ops.agent.client import AgentClient
@@ -267,6 +277,24 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
         store = hook.store(spec.checkpoint_uri(), keep_last=spec.keep_last, keep_every=spec.keep_every)
         ref = store.latest(spec_hash=spec.spec_hash(), decode=False)
         return ref.uri if ref is not None and ref.iteration >= end else None
+
+    def _latest_on_a_node(self, hook: ElasticOpsHook, spec: JobSpec, nodes: Any) -> Any:
+        """The latest checkpoint ``(iteration, uri)`` or ``None``, as a live node agent reads the
+        store (the store is shared: every node sees the same checkpoints); ``_UNASKED`` when no
+        node could answer (the task then reads the store itself)."""
+        from elastic_ops.agent.node_client import NodeClient
+
+        try:
+            client = NodeClient(nodes)
+            live = sorted(client.live_hosts([h["name"] for h in hook.pool().status()["hosts"]]))
+            if live:
+                store = hook.store_config(spec.checkpoint_uri(), keep_last=spec.keep_last,
+                                          keep_every=spec.keep_every)
+                return client.latest(live[0], store, spec.spec_hash())
+            self.log.warning("no node agent is live; reading the checkpoint store in this task process")
+        except (NodeUnavailableError, AgentLostError) as exc:
+            self.log.warning("%s; reading the checkpoint store in this task process", exc)
+        return _UNASKED
 
     def _acquire(self, context: Any, state: dict[str, Any], hook: ElasticOpsHook) -> dict[str, Any]:
         job = state["spec"]["name"]
