@@ -8,9 +8,10 @@ A lost worker reports the failed host to the pool and raises, so Airflow retries
 on a grant that avoids that host, resuming from the latest committed checkpoint.
 
 Where the chunk trains: in a cluster (``ELASTIC_OPS_NODE_REDIS_URL`` set), on the node agent of
-the host the pool granted (:mod:`elastic_ops.agent.node`), whichever machine runs this task; a
-host without a live node agent is reported like a host whose workers died, so the retry's grant
-avoids it. Otherwise, with ``ELASTIC_OPS_AGENT_SOCKET`` set (the per-host agent,
+the host the pool granted (:mod:`elastic_ops.agent.node`), whichever machine runs this task;
+hosts without a live node agent are avoided when the task asks, and a granted host whose node
+does not take the chunk is reported like a host whose workers died, so the retry's grant avoids
+it. Otherwise, with ``ELASTIC_OPS_AGENT_SOCKET`` set (the per-host agent,
 :mod:`elastic_ops.agent`), the task sends the chunk to the agent, forwards the lease's target to
 it and logs its progress; the agent's error comes back as the same ``elastic_ops.errors`` class,
 so retry classification is unchanged. Without it, or when no agent answers there, the chunk runs
