@@ -52,16 +52,46 @@ def add_commands(subparsers: Any) -> None:
     n.add_argument("--pool-url", default=None, help="SQLAlchemy URL of the pool ledger, for --register-slots")
     n.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     n.set_defaults(func=cmd_node)
+    ls = subparsers.add_parser(
+        "nodes",
+        help="list the node agents announced in the cluster's Redis",
+        description=f"List the node agents announced in the cluster's Redis ({URL_ENV}, {SECRET_ENV} and "
+        f"optionally {NAMESPACE_ENV} from the environment): host, pid, protocol version, chunks running.",
+    )
+    ls.add_argument("--json", action="store_true", help="one JSON object")
+    ls.set_defaults(func=cmd_nodes)
 
 
-def cmd_node(args: argparse.Namespace) -> int:
+def _cluster_config():
     from elastic_ops.agent.cluster import node_config_from_env
-    from elastic_ops.agent.node import main
     from elastic_ops.errors import SpecError
 
     config = node_config_from_env()
     if config is None:
         raise SpecError(URL_ENV, "unset", "the URL of the cluster's Redis, e.g. redis://redis-host:6379/0")
+    return config
+
+
+def cmd_nodes(args: argparse.Namespace) -> int:
+    import json
+
+    from elastic_ops.agent.node_client import NodeClient
+
+    nodes = NodeClient(_cluster_config()).announced()
+    if args.json:
+        print(json.dumps(nodes, sort_keys=True))
+        return 0
+    print(f"{'host':<24} {'pid':>8} {'version':>7} {'chunks':>6}")
+    for host, info in nodes.items():
+        pid, version, chunks = (str(info.get(k, "?")) for k in ("pid", "version", "chunks"))
+        print(f"{host:<24} {pid:>8} {version:>7} {chunks:>6}")
+    return 0
+
+
+def cmd_node(args: argparse.Namespace) -> int:
+    from elastic_ops.agent.node import main
+
+    config = _cluster_config()
     _log_to_stderr(args.log_level)
     if args.register_slots is not None:
         from elastic_ops.agent.node import register_host

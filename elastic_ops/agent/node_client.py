@@ -109,6 +109,23 @@ class NodeClient:
             raise self._unreachable(exc) from None
         return {h for h, raw in zip(hosts, raws, strict=True) if _announced(raw)}
 
+    def announced(self) -> dict[str, dict[str, Any]]:
+        """Every node agent announced in this namespace: host → its announcement (pid, protocol
+        version, chunks running)."""
+        prefix = self.config.alive_key("")
+        try:
+            keys = sorted(k for k in self._redis.scan_iter(match=f"{prefix}*", count=500)
+                          if not k.endswith(b":runs"))
+            raws = self._redis.mget(keys) if keys else []
+        except redis_error_types() as exc:
+            raise self._unreachable(exc) from None
+        out = {}
+        for key, raw in zip(keys, raws, strict=True):
+            info = _announcement(raw)
+            if info is not None:
+                out[key.decode()[len(prefix):]] = info
+        return out
+
     def abort(self) -> None:
         """End every chunk this client is running (the task is being killed): each node agent
         sees the session close and kills its workers now rather than after the peer timeout."""

@@ -120,6 +120,22 @@ def test_the_pools_target_reaches_the_workers_on_the_node(cluster, tmp_path):
     assert open_store(spec.checkpoint).latest().iteration == result.iteration  # committed at preemption
 
 
+def test_the_announced_nodes_are_listed(cluster, monkeypatch, capsys):
+    from elastic_ops.cli import main as cli_main
+
+    config, a, b = cluster
+    nodes = NodeClient(config).announced()
+    assert sorted(nodes) == ["host-a", "host-b"] and nodes["host-a"]["pid"] == os.getpid()
+    monkeypatch.setenv("ELASTIC_OPS_NODE_REDIS_URL", REDIS_URL)
+    monkeypatch.setenv("ELASTIC_OPS_NODE_SECRET", SECRET)
+    monkeypatch.setenv("ELASTIC_OPS_NODE_NAMESPACE", config.namespace)
+    assert cli_main(["nodes", "--json"]) == 0
+    assert sorted(json.loads(capsys.readouterr().out)) == ["host-a", "host-b"]
+    assert cli_main(["nodes"]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].split() == ["host", "pid", "version", "chunks"] and table[1].split()[0] == "host-a"
+
+
 def test_a_host_without_a_node_agent_is_a_retryable_error_naming_it(cluster, tmp_path):
     config, _, _ = cluster
     with pytest.raises(NodeUnavailableError) as info:
