@@ -146,29 +146,12 @@ class AgentClient:
         if the agent went away mid-chunk (its workers went with it; not the host's fault).
         """
 
-        def current() -> tuple[int, list[int] | None]:
-            workers = int(wanted())
-            return workers, None if slots is None else [int(s) for s in slots()]
-
+        current = target_reader(wanted, slots)
         sock = self._connect()
         channel = SocketChannel(sock)
         try:
             sent = current()
-            channel.send(
-                {
-                    "op": "run",
-                    "version": PROTOCOL_VERSION,
-                    "spec": spec,
-                    "start": start,
-                    "end": end,
-                    "epoch": epoch,
-                    "host": host,
-                    "workers": sent[0],
-                    "slots": sent[1],
-                    "store": store.to_wire(),
-                    "warm_start": warm_start.to_wire() if warm_start is not None else None,
-                }
-            )
+            channel.send(run_request(spec, start, end, epoch, host, sent, store, warm_start))
 
             def lost(_: str) -> BaseException:
                 return AgentLostError(
@@ -183,6 +166,44 @@ class AgentClient:
             )
         finally:
             sock.close()
+
+
+def target_reader(
+    wanted: Callable[[], int], slots: Callable[[], Sequence[int]] | None
+) -> Callable[[], tuple[int, list[int] | None]]:
+    """``() -> (workers, slots)``: the pool's current target as the protocol sends it."""
+
+    def current() -> tuple[int, list[int] | None]:
+        workers = int(wanted())
+        return workers, None if slots is None else [int(s) for s in slots()]
+
+    return current
+
+
+def run_request(
+    spec: dict[str, Any],
+    start: int,
+    end: int,
+    epoch: int,
+    host: str,
+    target: tuple[int, list[int] | None],
+    store: StoreConfig,
+    warm_start: StoreConfig | None,
+) -> dict[str, Any]:
+    """The ``run`` message (docs: :mod:`elastic_ops.agent.protocol`)."""
+    return {
+        "op": "run",
+        "version": PROTOCOL_VERSION,
+        "spec": spec,
+        "start": start,
+        "end": end,
+        "epoch": epoch,
+        "host": host,
+        "workers": target[0],
+        "slots": target[1],
+        "store": store.to_wire(),
+        "warm_start": warm_start.to_wire() if warm_start is not None else None,
+    }
 
 
 def drive_chunk(

@@ -38,7 +38,13 @@ from elastic_ops.agent.redis_channel import (
     RedisChannel,
     redis_error_types,
 )
-from elastic_ops.agent.server import PROGRESS_EVERY_S, ChunkSession, latest_reply, warm_launcher
+from elastic_ops.agent.server import (
+    PROGRESS_EVERY_S,
+    ChunkSession,
+    end_sessions,
+    latest_reply,
+    warm_launcher,
+)
 from elastic_ops.errors import AgentLostError, SpecError
 from elastic_ops.spec import check_host_name
 from elastic_ops.urls import shown_url
@@ -155,14 +161,7 @@ class NodeAgent:
             self._announcer.join(timeout=10)  # no renewal may land after the withdrawal below
         with contextlib.suppress(*redis_error_types()):
             self._redis.delete(self.config.alive_key(self.host))  # first: no task routes here any more
-        with self._lock:
-            sessions = list(self.sessions.values())
-        if sessions:
-            log.info("stopping: killing the workers of %d running chunk(s)", len(sessions))
-        for s in sessions:
-            s.abort()
-        for t in self._threads:
-            t.join(timeout=60)
+        end_sessions(self._lock, self.sessions, self._threads)
         log.info("elastic-ops node agent for host %s stopped", self.host)
 
     # --- one request -----------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from elastic_ops.agent.client import POLL_S, drive_chunk
+from elastic_ops.agent.client import POLL_S, drive_chunk, run_request, target_reader
 from elastic_ops.agent.cluster import NodeConfig
 from elastic_ops.agent.protocol import (
     PROTOCOL_VERSION,
@@ -163,25 +163,10 @@ class NodeClient:
         stopped (neither is the host's fault)."""
         self._require_node(host)
 
-        def current() -> tuple[int, list[int] | None]:
-            workers = int(wanted())
-            return workers, None if slots is None else [int(s) for s in slots()]
-
+        current = target_reader(wanted, slots)
         sent = current()
-        warm = without_credentials(warm_start)
-        run = {
-            "op": "run",
-            "version": PROTOCOL_VERSION,
-            "spec": spec,
-            "start": start,
-            "end": end,
-            "epoch": epoch,
-            "host": host,
-            "workers": sent[0],
-            "slots": sent[1],
-            "store": without_credentials(store).to_wire(),
-            "warm_start": warm.to_wire() if warm is not None else None,
-        }
+        run = run_request(spec, start, end, epoch, host, sent, without_credentials(store),
+                          without_credentials(warm_start))
         channel, request = self._open(host, run)
         try:
             first = self._first(channel, request, host, "the chunk")

@@ -300,6 +300,21 @@ class ChunkSession:
         self.launcher.abort()
 
 
+def end_sessions(
+    lock: threading.Lock, sessions: dict[Any, ChunkSession], threads: list[threading.Thread]
+) -> None:
+    """Kill the workers of every running chunk (each task gets ``AgentLostError``), then wait for
+    the request threads to send that and end."""
+    with lock:
+        running = list(sessions.values())
+    if running:
+        log.info("stopping: killing the workers of %d running chunk(s)", len(running))
+    for s in running:
+        s.abort()
+    for t in threads:
+        t.join(timeout=60)
+
+
 def latest_reply(req: dict[str, Any]) -> dict[str, Any]:
     """The answer to a ``latest`` request: the newest committed checkpoint of ``spec_hash`` in
     ``store``, verified by its checksums and not decoded (which one, not its state)."""
@@ -425,14 +440,7 @@ class Agent:
         self._stop.set()
 
     def _shutdown(self) -> None:
-        with self._lock:
-            sessions = list(self.sessions.values())
-        if sessions:
-            log.info("stopping: killing the workers of %d running chunk(s)", len(sessions))
-        for s in sessions:
-            s.abort()
-        for t in self._threads:
-            t.join(timeout=60)
+        end_sessions(self._lock, self.sessions, self._threads)
         if self._sock is not None:
             self._sock.close()
             with contextlib.suppress(FileNotFoundError):

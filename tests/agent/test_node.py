@@ -63,6 +63,33 @@ def run_on(config, host, spec, start=0, end=30, *, wanted=lambda: 1, client=None
     )
 
 
+def chunk_in_background(config, host, spec, client, *, ready=lambda p: True):
+    """A long chunk on 2 workers in a thread, returned once a progress message passes ``ready``:
+    ``(thread, errors)``, the errors it ended with."""
+    started = threading.Event()
+    errors: list[BaseException] = []
+
+    def task() -> None:
+        try:
+            run_on(
+                config,
+                host,
+                spec,
+                0,
+                100_000,
+                wanted=lambda: 2,
+                client=client,
+                on_progress=lambda p: ready(p) and started.set(),
+            )
+        except BaseException as exc:  # the caller checks them
+            errors.append(exc)
+
+    thread = threading.Thread(target=task, daemon=True)
+    thread.start()
+    assert started.wait(120), f"no progress of the chunk on {host}"
+    return thread, errors
+
+
 def wait_for(what: str, check, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while not check():
@@ -151,27 +178,7 @@ def test_a_task_that_goes_silent_mid_chunk_leaves_no_workers_and_an_intact_check
     spec = make_spec(tmp_path, total_iterations=100_000, checkpoint_interval=10)
     # a client whose channel never beats and is never closed: its process froze or died
     client = NodeClient(config, accept_timeout_s=10.0, peer_timeout_s=5.0, beat_s=10_000.0)
-    errors: list[BaseException] = []
-    progress = threading.Event()
-
-    def task() -> None:
-        try:
-            run_on(
-                config,
-                "host-a",
-                spec,
-                0,
-                100_000,
-                wanted=lambda: 2,
-                client=client,
-                on_progress=lambda p: p.iteration >= 35 and progress.set(),
-            )
-        except BaseException as exc:  # the node's end of the session is what is tested
-            errors.append(exc)
-
-    thread = threading.Thread(target=task, daemon=True)
-    thread.start()
-    assert progress.wait(120)
+    thread, errors = chunk_in_background(config, "host-a", spec, client, ready=lambda p: p.iteration >= 35)
     # from here the client's reads go on, but a beatless channel looks dead to the node
     (session,) = [s for s in a.sessions.values() if s.request["spec"].name == spec.name]
     pids = [pid for pc in session.launcher._contexts for pid in pc.pids().values()]
@@ -319,27 +326,7 @@ def test_the_cli_node_stops_on_sigterm_a_frozen_node_is_node_lost_and_its_worker
         node = subprocess.Popen(cli, env=env, cwd=tmp_path, stderr=subprocess.DEVNULL)
         wait_for("the node to announce itself", lambda: client.alive("host-d") is not None, 120)
         spec = make_spec(tmp_path, total_iterations=100_000)
-        started = threading.Event()
-        errors: list[BaseException] = []
-
-        def task() -> None:
-            try:
-                run_on(
-                    config,
-                    "host-d",
-                    spec,
-                    0,
-                    100_000,
-                    wanted=lambda: 2,
-                    client=client,
-                    on_progress=lambda p: started.set(),
-                )
-            except BaseException as exc:
-                errors.append(exc)
-
-        thread = threading.Thread(target=task, daemon=True)
-        thread.start()
-        assert started.wait(120)
+        thread, errors = chunk_in_background(config, "host-d", spec, client)
         os.kill(node.pid, signal.SIGSTOP)  # the host hangs (or is cut off): nothing more comes
         thread.join(60)
         (err,) = errors
@@ -395,27 +382,7 @@ def test_abort_ends_the_chunk_on_the_node_at_once(redis_url, tmp_path):
         with running_node("host-e", config, peer_timeout_s=300.0) as node:
             client = NodeClient(config, accept_timeout_s=10.0)
             spec = make_spec(tmp_path, total_iterations=100_000)
-            started = threading.Event()
-            errors: list[BaseException] = []
-
-            def task() -> None:
-                try:
-                    run_on(
-                        config,
-                        "host-e",
-                        spec,
-                        0,
-                        100_000,
-                        wanted=lambda: 2,
-                        client=client,
-                        on_progress=lambda p: started.set(),
-                    )
-                except BaseException as exc:
-                    errors.append(exc)
-
-            thread = threading.Thread(target=task, daemon=True)
-            thread.start()
-            assert started.wait(120)
+            thread, errors = chunk_in_background(config, "host-e", spec, client)
             (session,) = node.sessions.values()
             pids = [pid for pc in session.launcher._contexts for pid in pc.pids().values()]
             client.abort()
