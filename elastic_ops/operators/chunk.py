@@ -69,6 +69,26 @@ DEFER_SETTLE_S = 5.0
 _UNASKED = object()  # no node agent answered the "already done?" question
 
 
+def busiest_host(placements: Sequence[tuple[str, int]]) -> str:
+    """The host holding most of ``placements`` (the first of those tied, in grant order)."""
+    counts: dict[str, int] = {}
+    for host, _ in placements:
+        counts[host] = counts.get(host, 0) + 1
+    return max(counts, key=counts.__getitem__)  # dicts keep insertion order: ties go to the first
+
+
+def node_target(keeper: Any, min_workers: int) -> int:
+    """The pool's target as a node agent can follow it: at most the job's slots on the keeper's
+    host (a node starts workers on its own host only). Fewer there than ``min_workers`` (the
+    pool moved the job off this host, e.g. a drain) → 0: the chunk commits at its next boundary,
+    gives the lease back and asks again, and its new grant trains on the other host's node."""
+    wanted = keeper.wanted()
+    here = len(keeper.slots())  # the slots of the very target wanted() returned
+    if wanted <= here:
+        return wanted
+    return here if here >= min_workers else 0
+
+
 def hosts_without_node(client: Any, nodes: Any) -> list[str]:
     """The pool's hosts that no node agent of the cluster announces (not started, stopped, dead
     for 10 s, or of another protocol version): a grant there could not train."""
@@ -354,7 +374,8 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
     ) -> dict[str, Any]:
         spec = JobSpec.from_dict(state["spec"])
         client = hook.pool()
-        host = grant.placements[0][0]
+        # a node agent trains on its own host only: the one holding most of the grant's slots
+        host = busiest_host(grant.placements) if node_config_from_env() else grant.placements[0][0]
         self.log.info("job %s: chunk [%d, %d) on %d workers on %s (epoch %d)", spec.name,
                       state["start"], state["end"], grant.workers, ", ".join(grant.hosts), grant.epoch)
         keeper = LeaseKeeper(client, spec.name, grant.epoch, grant.workers,
@@ -423,7 +444,8 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
                 return self._node_client.run_chunk(
                     spec.to_dict(), state["start"], state["end"], epoch=epoch, host=host, store=store,
                     warm_start=hook.store_config(warm_start) if warm_start else None,
-                    wanted=keeper.wanted, slots=keeper.slots, on_applied=keeper.applied,
+                    wanted=lambda: node_target(keeper, spec.min_workers), slots=keeper.slots,
+                    on_applied=keeper.applied,
                     on_progress=on_progress,
                 )
             finally:
@@ -499,7 +521,10 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
         state["timeline"] = list(state["timeline"]) + [list(t) for t in result.workers_timeline]
         state["epochs"] = list(state["epochs"]) + [grant.epoch]
         state["hosts"] = sorted(set(state["hosts"]) | set(grant.hosts))
-        state["trained"] = int(state["trained"]) + max(0, result.iteration - result.start)
+        # from where this run resumed (its first segment's start), not the chunk's start: after a
+        # preemption the same try resumes mid-chunk, and those iterations were counted already
+        begun = result.workers_timeline[0][0] if result.workers_timeline else result.start
+        state["trained"] = int(state["trained"]) + max(0, result.iteration - int(begun))
         state["last"] = {"samples_per_sec": result.samples_per_sec, "duration_s": result.duration_s}
         return state
 

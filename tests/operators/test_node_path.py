@@ -99,3 +99,76 @@ def test_a_chunk_task_in_a_cluster_never_imports_torch(cluster, monkeypatch, tmp
     log = proc.stdout + proc.stderr
     assert "sending the chunk to the node agent of host h1" in log and "in this task process" not in log
     assert [e["kind"] for e in pool.events() if e["kind"] in ("grant", "release")] == ["grant", "release"]
+
+
+class FakeKeeper:
+    """The pool's target as a lease keeper holds it: a count and its slots on the keeper's host."""
+
+    def __init__(self, wanted: int, slots_here: int) -> None:
+        self._wanted, self._slots = wanted, tuple(range(slots_here))
+
+    def wanted(self) -> int:
+        return self._wanted
+
+    def slots(self) -> tuple[int, ...]:
+        return self._slots
+
+
+@pytest.mark.parametrize(
+    ("wanted", "here", "min_workers", "follows"),
+    [
+        (2, 2, 1, 2),  # all of the target is on this host
+        (0, 2, 1, 0),  # a preemption
+        (4, 2, 1, 2),  # a grant across hosts: the workers this host has slots for
+        (4, 2, 3, 0),  # ...fewer than the minimum: give the lease back and ask again
+        (2, 0, 1, 0),  # moved off this host (a drain): ask again, the new grant is elsewhere
+    ],
+)
+def test_a_node_follows_the_target_with_the_slots_on_its_own_host(wanted, here, min_workers, follows):
+    from elastic_ops.operators.chunk import node_target
+
+    assert node_target(FakeKeeper(wanted, here), min_workers) == follows
+
+
+def test_the_node_of_the_host_holding_most_of_the_grant_trains_it():
+    from elastic_ops.operators.chunk import busiest_host
+
+    assert busiest_host([("a", 0), ("b", 0), ("b", 1)]) == "b"
+    assert busiest_host([("a", 0), ("a", 1), ("b", 0), ("b", 1)]) == "a"  # a tie: the first
+
+
+def test_a_grant_across_hosts_trains_on_one_node_with_that_hosts_slots(cluster, monkeypatch, tmp_path):
+    pool = airflow_pool(monkeypatch, tmp_path, host="host-a", slots=2)
+    pool.add_host("host-b", 2)
+    fields = {**TINY_FIELDS, "max_workers": 4}
+    op = ElasticChunkOperator(task_id="chunk_0", spec_fields=fields, chunk_index=0, group_id="train")
+    with running_node("host-a", cluster) as node_a, running_node("host-b", cluster) as node_b:
+        result = op.execute(CONTEXT)
+        assert (node_a.accepted, node_b.accepted) == (1, 0)
+    grant = next(e for e in pool.events() if e["kind"] == "grant")
+    assert {h for h, _ in grant["slots"]} == {"host-a", "host-b"}  # 4 slots on 2 hosts were granted
+    assert result["status"] == "completed" and {n for _, n, _ in result["workers_timeline"]} == {2}
+
+
+def test_a_drained_hosts_running_chunk_moves_to_the_other_hosts_node(cluster, monkeypatch, tmp_path):
+    import threading
+    import time
+
+    pool = airflow_pool(monkeypatch, tmp_path, host="host-a", slots=2)
+    pool.add_host("host-b", 2)
+    fields = {**TINY_FIELDS, "total_iterations": 4000, "chunk_iterations": 4000}
+    op = ElasticChunkOperator(task_id="chunk_0", spec_fields=fields, chunk_index=0, group_id="train")
+    out: list = []
+    with running_node("host-a", cluster) as node_a, running_node("host-b", cluster) as node_b:
+        thread = threading.Thread(target=lambda: out.append(op.execute(CONTEXT)), daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 120
+        while not node_a.sessions:  # training on host-a
+            assert time.monotonic() < deadline and thread.is_alive(), "the chunk never ran on host-a"
+            time.sleep(0.05)
+        pool.drain_host("host-a")  # the pool moves the job to host-b at its next boundary
+        thread.join(240)
+        assert (node_a.accepted, node_b.accepted) == (1, 1)
+    (result,) = out
+    assert result["status"] == "completed" and result["iterations"] == 4000 and result["preemptions"] == 1
+    assert not [e for e in pool.events() if e["kind"] == "failure"]  # a move, not a failure
