@@ -1,4 +1,6 @@
-"""The agent's wire protocol: one JSON object per line over a Unix stream socket.
+"""The agent's wire protocol: one JSON object per line over a Unix stream socket (the per-host
+agent), or the same objects as sealed envelopes on Redis lists (a cluster's node agents, which
+take ``run`` and ``latest``: :mod:`elastic_ops.agent.redis_channel`).
 
 Never pickle: a message is data only, parsed with ``json`` and validated field by field, so a
 peer can make the other side do nothing but what the protocol names.

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -38,3 +43,42 @@ def airflow_pool(
     client = PoolClient(url, aging_s=0.0)
     client.add_host(host, slots)
     return client
+
+
+TASK = """  # a chunk task that must not import torch: it runs chunk 0 twice
+
+import json, logging, sys
+from types import SimpleNamespace
+
+class NoTorch:  # the task process must not import torch on the agent path
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError(f"the task process imported {name}")
+
+sys.meta_path.insert(0, NoTorch())
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+from elastic_ops.operators import ElasticChunkOperator
+
+op = ElasticChunkOperator(task_id="chunk_0", spec_fields=json.loads(sys.argv[1]), chunk_index=0,
+                          group_id="train")
+context = {"dag": SimpleNamespace(dag_id="d"), "run_id": sys.argv[2]}
+print("RESULT", json.dumps(op.execute(context)))
+print("RESULT", json.dumps(op.execute(context)))  # again: done (asked of the agent or a node)
+"""
+
+
+def run_torchless_task(
+    fields: dict[str, Any], run_id: str, cwd: Path, **env: str
+) -> tuple[dict[str, Any], dict[str, Any], str]:
+    """Run ``TASK`` in a subprocess (this environment plus ``env``): the results of its two runs
+    and its log (stdout and stderr: Airflow's logging setup decides which)."""
+    repo = Path(__file__).resolve().parents[2]
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(TASK), json.dumps(fields), run_id],
+        env=dict(os.environ, PYTHONPATH=str(repo), **env), capture_output=True, text=True,
+        timeout=240, cwd=cwd,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = [json.loads(x.split(" ", 1)[1]) for x in proc.stdout.splitlines() if x.startswith("RESULT")]
+    first, again = results
+    return first, again, proc.stdout + proc.stderr

@@ -6,10 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -34,33 +30,13 @@ from elastic_ops.errors import (
 from elastic_ops.operators import ElasticChunkOperator
 from elastic_ops.operators.retry import ElasticRetryPolicy
 from elastic_ops.pool import PoolClient
-from tests.operators.helpers import TINY_FIELDS, airflow_pool
+from tests.operators.helpers import TINY_FIELDS, airflow_pool, run_torchless_task
 from tests.runtime.agent_helpers import running_agent
 
 pytestmark = pytest.mark.timeout(300)
 
-REPO = Path(__file__).resolve().parents[2]
 FIELDS = TINY_FIELDS
 
-TASK = """
-import json, logging, sys
-from types import SimpleNamespace
-
-class NoTorch:  # the task process must not import torch on the agent path
-    def find_spec(self, name, path=None, target=None):
-        if name == "torch" or name.startswith("torch."):
-            raise ImportError(f"the task process imported {name}")
-
-sys.meta_path.insert(0, NoTorch())
-logging.basicConfig(level=logging.INFO, stream=sys.stderr)
-from elastic_ops.operators import ElasticChunkOperator
-
-op = ElasticChunkOperator(task_id="chunk_0", spec_fields=json.loads(sys.argv[1]), chunk_index=0,
-                          group_id="train")
-context = {"dag": SimpleNamespace(dag_id="d"), "run_id": sys.argv[2]}
-print("RESULT", json.dumps(op.execute(context)))
-print("RESULT", json.dumps(op.execute(context)))  # again: the range is done (asked through the agent)
-"""
 
 
 @pytest.fixture
@@ -74,22 +50,10 @@ def context(run_id: str = "run1") -> dict:
 
 def test_a_chunk_task_trains_on_the_agent_without_importing_torch(pool, tmp_path):
     with running_agent(tmp_path / "agent") as agent:
-        env = dict(os.environ, ELASTIC_OPS_AGENT_SOCKET=agent.path, PYTHONPATH=str(REPO))
-        proc = subprocess.run(
-            [sys.executable, "-c", textwrap.dedent(TASK), json.dumps(FIELDS), "run1"],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=240,
-            cwd=tmp_path,
-        )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    first, again = (
-        json.loads(x.split(" ", 1)[1]) for x in proc.stdout.splitlines() if x.startswith("RESULT")
-    )
+        first, again, log = run_torchless_task(FIELDS, "run1", tmp_path,
+                                               ELASTIC_OPS_AGENT_SOCKET=agent.path)
     assert first["status"] == "completed" and first["iterations"] == 20 and first["hosts"] == ["h1"]
     assert first["param_sha256"] and again["status"] == "already_done"
-    log = proc.stdout + proc.stderr  # Airflow's logging setup decides which
     assert f"sending the chunk to the elastic-ops agent at {agent.path}" in log
     assert "in this task process" not in log
     assert "iteration 20/20" in log and "ETA" in log  # progress in the task log, as in-process

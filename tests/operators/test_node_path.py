@@ -14,7 +14,7 @@ from elastic_ops.agent import node_client
 from elastic_ops.errors import NodeUnavailableError
 from elastic_ops.operators import ElasticChunkOperator
 from tests.agent.node_helpers import REDIS_URL, SECRET, drop_namespace, make_config, running_node
-from tests.operators.helpers import TINY_FIELDS, airflow_pool
+from tests.operators.helpers import TINY_FIELDS, airflow_pool, run_torchless_task
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -71,32 +71,11 @@ def test_a_granted_host_whose_node_does_not_take_the_chunk_is_reported_and_avoid
 
 def test_a_chunk_task_in_a_cluster_never_imports_torch(cluster, monkeypatch, tmp_path):
     """The task trains on the node and asks a node whether its range is done (the second run)."""
-    import os
-    import subprocess
-    import sys
-    import textwrap
-    from pathlib import Path
-
-    from tests.operators.test_agent_path import TASK
-
     pool = airflow_pool(monkeypatch, tmp_path, host="h1", slots=2)
     with running_node("h1", cluster) as node:
-        env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
-        proc = subprocess.run(
-            [sys.executable, "-c", textwrap.dedent(TASK), json.dumps(TINY_FIELDS), "run1"],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=240,
-            cwd=tmp_path,
-        )
-        assert proc.returncode == 0, proc.stderr[-4000:]
+        first, again, log = run_torchless_task(TINY_FIELDS, "run1", tmp_path)
         assert node.accepted == 1  # the second run asked the node, and ran nothing
-    first, again = (
-        json.loads(x.split(" ", 1)[1]) for x in proc.stdout.splitlines() if x.startswith("RESULT")
-    )
     assert first["status"] == "completed" and first["hosts"] == ["h1"] and again["status"] == "already_done"
-    log = proc.stdout + proc.stderr
     assert "sending the chunk to the node agent of host h1" in log and "in this task process" not in log
     assert [e["kind"] for e in pool.events() if e["kind"] in ("grant", "release")] == ["grant", "release"]
 

@@ -15,29 +15,34 @@ from elastic_ops.agent.server import Agent
 
 
 @contextlib.contextmanager
-def running_agent(directory: Path, **options: Any) -> Iterator[Agent]:
-    """An agent on ``directory/agent.sock`` (every progress message sent unless told otherwise)."""
-    options.setdefault("progress_every_s", 0.0)
-    agent = Agent(str(directory / "agent.sock"), **options)
+def serving(server: Any, name: str) -> Iterator[Any]:
+    """``server.serve()`` (an agent or a node agent) in a thread of the test process, yielded once
+    ready; its start-up error is raised here, not lost in the thread; stopped on exit."""
     errors: list[BaseException] = []
 
     def serve() -> None:
         try:
-            agent.serve()
+            server.serve()
         except BaseException as exc:  # surfaced below, not lost in the thread
             errors.append(exc)
-            agent.ready.set()
+            server.ready.set()
 
-    thread = threading.Thread(target=serve, name="test-agent", daemon=True)
+    thread = threading.Thread(target=serve, name=name, daemon=True)
     thread.start()
-    agent.ready.wait(300)
+    server.ready.wait(300)
     if errors:
         raise errors[0]
     try:
-        yield agent
+        yield server
     finally:
-        agent.stop()
+        server.stop()
         thread.join(120)
+
+
+def running_agent(directory: Path, **options: Any) -> contextlib.AbstractContextManager[Agent]:
+    """An agent on ``directory/agent.sock`` (every progress message sent unless told otherwise)."""
+    options.setdefault("progress_every_s", 0.0)
+    return serving(Agent(str(directory / "agent.sock"), **options), "test-agent")
 
 
 def raw_exchange(path: str, data: bytes, timeout: float = 60) -> dict[str, Any]:
