@@ -30,7 +30,7 @@ class ElasticOpsPlugin(AirflowPlugin):
     name = PLUGIN_NAME
     fastapi_apps = _fastapi_apps()
     external_views = [
-        {"name": "Elastic pool status", "href": f"{URL_PREFIX}/status", "destination": "nav",
+        {"name": "Elastic pool status", "href": f"{URL_PREFIX}/ui", "destination": "nav",
          "category": "admin", "url_route": "elastic-pool"},
     ]
 

@@ -1,19 +1,30 @@
-"""The plugin's HTTP API, mounted by the api-server at ``/elastic-ops``.
+"""The plugin's HTTP API, mounted by the api-server at ``/elastic-ops``: the pool's status and
+every runtime control the ``elastic-ops pool`` CLI has, for operators who have an Airflow login
+but no credentials for the ledger's database.
 
-Every route needs an authenticated Airflow user (JWT bearer token or the UI's session cookie);
-reading needs pool read access, changing a job's priority needs pool edit access, both through
-the configured auth manager.
+Every route needs an authenticated Airflow user (JWT bearer token or the UI's session cookie),
+authorized through the configured auth manager as an Airflow pool named ``elastic_ops``:
+reading needs ``GET`` (read) access, changing a job, a host or a setting ``PUT`` (edit), adding a
+host ``POST`` (create), pruning events ``DELETE``. Bodies are strict JSON (nothing coerced, no
+unknown fields: 422, naming the field); values the pool refuses are 400 with its message (field,
+value, what is allowed), an unknown job or host 404.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+import math
+from typing import Any, Literal
 
 from airflow.api_fastapi.core_api.security import GetUserDep
-from fastapi import FastAPI, HTTPException
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from fastapi import FastAPI, HTTPException, Query
+from fastapi.responses import HTMLResponse
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
-from elastic_ops.errors import ElasticOpsError, UnknownJobError
+from elastic_ops.errors import ElasticOpsError, UnknownHostError, UnknownJobError
+from elastic_ops.spec import MAX_WORKERS_LIMIT
+
+HostStateName = Literal["up", "draining", "down", "cooling"]
 
 
 def _authorize(method: str, user: Any) -> None:
@@ -25,21 +36,74 @@ def _authorize(method: str, user: Any) -> None:
         raise HTTPException(status_code=403, detail=f"user may not {method} the elastic_ops pool")
 
 
+@functools.cache
 def _client():
+    """One ``PoolClient`` (one engine and connection pool) per api-server process."""
     from elastic_ops.hooks.elastic_ops import ElasticOpsHook
 
     return ElasticOpsHook().pool()
 
 
-class PriorityBody(BaseModel):
-    """``{"priority": N}``: an integer 1..1000, nothing coerced ("5", 5.0, true) and nothing else."""
+def _call(fn, *args, **kwargs) -> Any:
+    """Run a pool call, mapping its errors onto HTTP: unknown job/host 404, refused value 400."""
+    try:
+        return fn(*args, **kwargs)
+    except (UnknownJobError, UnknownHostError) as exc:
+        raise HTTPException(status_code=404, detail=str(exc)) from None
+    except ElasticOpsError as exc:
+        raise HTTPException(status_code=400, detail=str(exc)) from None
 
+
+class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+class PriorityBody(_Body):
+    """``{"priority": N}``: an integer 1..1000, nothing coerced ("5", 5.0, true) and nothing else."""
 
     priority: StrictInt = Field(ge=1, le=1000)
 
 
+class BoundsBody(_Body):
+    """``{"min_workers": A, "max_workers": B}``, 1 <= A <= B (the pool checks A <= B)."""
+
+    min_workers: StrictInt = Field(ge=1, le=MAX_WORKERS_LIMIT)
+    max_workers: StrictInt = Field(ge=1, le=MAX_WORKERS_LIMIT)
+
+
+class PreemptibleBody(_Body):
+    preemptible: StrictBool
+
+
+class HostStateBody(_Body):
+    state: HostStateName
+
+
+class HostBody(_Body):
+    """``{"slots": N, "labels": {"gpu": "h200"}}``: register a host, or re-enable and resize one."""
+
+    slots: StrictInt = Field(ge=1, le=1_000_000)
+    labels: dict[StrictStr, StrictStr] = Field(default_factory=dict)
+
+
+class SettingsBody(_Body):
+    """Pool-wide settings to change (any subset); the pool validates the values."""
+
+    policy: StrictStr | None = None
+    preemption: Literal["none", "graceful"] | None = None
+    lease_ttl_s: StrictFloat | StrictInt | None = None
+    min_rescale_interval_s: StrictFloat | StrictInt | None = None
+    min_gain: StrictFloat | StrictInt | None = None
+    aging_s: StrictFloat | StrictInt | None = None
+    job_idle_s: StrictFloat | StrictInt | None = None
+    cooling_s: StrictFloat | StrictInt | None = None
+    failure_threshold: StrictInt | None = None
+
+
 app = FastAPI(title="elastic_ops pool", description="Resource pool status and runtime control")
+
+
+# --- reading ----------------------------------------------------------------------------------
 
 
 @app.get("/status")
@@ -49,18 +113,85 @@ def pool_status(user: GetUserDep) -> dict[str, Any]:
 
 
 @app.get("/events")
-def pool_events(user: GetUserDep, job: str | None = None) -> list[dict[str, Any]]:
+def pool_events(
+    user: GetUserDep,
+    job: str | None = None,
+    since_id: int = Query(0, ge=0),
+    last: int | None = Query(None, ge=1, le=1_000_000),
+) -> list[dict[str, Any]]:
+    """The event log, oldest first: one job's, after ``since_id``, the ``last`` N (any subset)."""
     _authorize("GET", user)
-    return _client().events(job=job)
+    return _client().events(job=job, since_id=since_id, last=last)
+
+
+@app.get("/ui", response_class=HTMLResponse)
+def status_page(user: GetUserDep) -> HTMLResponse:
+    """The status as a page (the "Elastic pool" entry in the Airflow UI's Admin menu)."""
+    from elastic_ops.plugin_page import CSP, render
+
+    _authorize("GET", user)
+    client = _client()
+    page = render(client.status(), client.events(last=50))
+    return HTMLResponse(page, headers={"Content-Security-Policy": CSP, "Cache-Control": "no-store"})
+
+
+# --- jobs -------------------------------------------------------------------------------------
 
 
 @app.post("/jobs/{job}/priority")
 def set_priority(job: str, body: PriorityBody, user: GetUserDep) -> dict[str, Any]:
     _authorize("PUT", user)
-    try:
-        _client().set_priority(job, body.priority)
-    except UnknownJobError as exc:
-        raise HTTPException(status_code=404, detail=str(exc)) from None
-    except ElasticOpsError as exc:
-        raise HTTPException(status_code=400, detail=str(exc)) from None
+    _call(_client().set_priority, job, body.priority)
     return {"job": job, "priority": body.priority}
+
+
+@app.post("/jobs/{job}/bounds")
+def set_bounds(job: str, body: BoundsBody, user: GetUserDep) -> dict[str, Any]:
+    _authorize("PUT", user)
+    _call(_client().set_bounds, job, body.min_workers, body.max_workers)
+    return {"job": job, "min_workers": body.min_workers, "max_workers": body.max_workers}
+
+
+@app.post("/jobs/{job}/preemptible")
+def set_preemptible(job: str, body: PreemptibleBody, user: GetUserDep) -> dict[str, Any]:
+    _authorize("PUT", user)
+    _call(_client().set_preemptible, job, body.preemptible)
+    return {"job": job, "preemptible": body.preemptible}
+
+
+# --- hosts ------------------------------------------------------------------------------------
+
+
+@app.put("/hosts/{host}")
+def add_host(host: str, body: HostBody, user: GetUserDep) -> dict[str, Any]:
+    _authorize("POST", user)
+    _call(_client().add_host, host, body.slots, body.labels)
+    return {"host": host, "slots": body.slots, "labels": body.labels, "state": "up"}
+
+
+@app.post("/hosts/{host}/state")
+def set_host_state(host: str, body: HostStateBody, user: GetUserDep) -> dict[str, Any]:
+    """``{"state": "draining"}`` drains a host: no new grants, its jobs move off at their next
+    iteration boundary."""
+    _authorize("PUT", user)
+    _call(_client().set_host_state, host, body.state)
+    return {"host": host, "state": body.state}
+
+
+# --- pool -------------------------------------------------------------------------------------
+
+
+@app.patch("/settings")
+def configure(body: SettingsBody, user: GetUserDep) -> dict[str, Any]:
+    """Change the given settings (none: re-plan only); returns every setting."""
+    _authorize("PUT", user)
+    return _call(_client().configure, **body.model_dump(exclude_none=True))
+
+
+@app.delete("/events")
+def prune_events(user: GetUserDep, older_than_days: float = Query(gt=0)) -> dict[str, Any]:
+    """Delete events older than ``older_than_days`` (a job holding a lease keeps its events)."""
+    _authorize("DELETE", user)
+    if not math.isfinite(older_than_days):
+        raise HTTPException(status_code=422, detail=f"older_than_days={older_than_days}: must be finite")
+    return {"deleted": _call(_client().prune_events, older_than_days * 86400.0)}

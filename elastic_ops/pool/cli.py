@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from collections.abc import Sequence
 from typing import Any
 
+from elastic_ops.pool import report
 from elastic_ops.pool.client import ENV_URL
 
 
@@ -127,7 +129,7 @@ def _configure(args: argparse.Namespace) -> None:
     print(json.dumps(_client(args).configure(**changes), sort_keys=True))
 
 
-def _table(rows: list[list[Any]], header: list[str]) -> str:
+def _table(rows: list[list[Any]], header: Sequence[str]) -> str:
     cells = [header] + [[str(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells)
@@ -138,48 +140,11 @@ def _status(args: argparse.Namespace) -> None:
     if args.json:
         print(json.dumps(st, sort_keys=True))
         return
-    cfg = st["settings"]
-    print(
-        f"policy {cfg['policy']} (preemption {cfg['preemption']}), lease ttl {cfg['lease_ttl_s']:g}s; "
-        f"slots used {st['slots']['used']} of {st['slots']['up']} up"
-    )
+    print(report.summary(st))
     print()
-    print(
-        _table(
-            [
-                [
-                    h["name"],
-                    h["state"],
-                    h["slots"],
-                    h["used"],
-                    ",".join(f"{k}={v}" for k, v in h["labels"].items()) or "-",
-                ]
-                for h in st["hosts"]
-            ],
-            ["HOST", "STATE", "SLOTS", "USED", "LABELS"],
-        )
-    )
+    print(_table(report.host_rows(st), report.HOST_COLUMNS))
     print()
-    print(
-        _table(
-            [
-                [
-                    j["name"],
-                    j["state"],
-                    f"{j['min_workers']}..{j['max_workers']}",
-                    j["priority"],
-                    "yes" if j["preemptible"] else "no",
-                    j["workers"],
-                    j["target"],
-                    j["epoch"],
-                    "-" if j["lease_expires_in"] is None else f"{j['lease_expires_in']:.0f}s",
-                    j["reason"],
-                ]
-                for j in st["jobs"]
-            ],
-            ["JOB", "STATE", "MIN..MAX", "PRIO", "PREEMPT", "WORKERS", "TARGET", "EPOCH", "LEASE", "REASON"],
-        )
-    )
+    print(_table(report.job_rows(st), report.JOB_COLUMNS))
 
 
 def _events(args: argparse.Namespace) -> None:

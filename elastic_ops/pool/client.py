@@ -746,13 +746,23 @@ class PoolClient:
 
         return self._tx(op)
 
-    def events(self, job: str | None = None, *, since_id: int = 0) -> list[dict[str, Any]]:
-        """The event log, oldest first (optionally one job's, or only ids above ``since_id``)."""
+    def events(
+        self, job: str | None = None, *, since_id: int = 0, last: int | None = None
+    ) -> list[dict[str, Any]]:
+        """The event log, oldest first (optionally one job's, only ids above ``since_id``, only the
+        ``last`` N)."""
+        if last is not None:
+            _check_int("last", last, 1, 1_000_000)
 
         def op(conn, now):
-            q = select(s.events).where(s.events.c.id > since_id).order_by(s.events.c.id)
+            q = select(s.events).where(s.events.c.id > since_id)
             if job is not None:
                 q = q.where(s.events.c.job == job)
+            if last is not None:  # the newest N, still returned oldest first
+                q = select(q.order_by(s.events.c.id.desc()).limit(last).subquery())
+                q = q.order_by(q.selected_columns.id)
+            else:
+                q = q.order_by(s.events.c.id)
             return [
                 {
                     "id": r.id,

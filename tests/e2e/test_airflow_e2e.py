@@ -66,6 +66,34 @@ def test_example_dags_parse_without_import_errors(deployment):
     assert af.api("GET", "/importErrors")["total_entries"] == 0
 
 
+def test_pool_page_and_controls_through_the_api_server(deployment):
+    """The plugin's routes in the real api-server: the UI's menu entry, the status page with a
+    bearer token or the UI's session cookie (how the page loads in the UI's frame), a drain and
+    its undo through the authenticated route; nothing without a login."""
+    af, pool = deployment
+    base, token = f"{af.url}/elastic-ops", af.token()
+    bearer = {"Authorization": f"Bearer {token}"}
+    plugins = {p["name"]: p for p in af.api("GET", "/plugins")["plugins"]}
+    assert [v["href"] for v in plugins["elastic_ops"]["external_views"]] == ["/elastic-ops/ui"]
+
+    assert httpx.get(f"{base}/ui", timeout=30).status_code == 401
+    for auth in ({"headers": bearer}, {"cookies": {"_token": token}}):
+        page = httpx.get(f"{base}/ui", timeout=30, **auth)
+        assert page.status_code == 200, page.text
+        assert "<td>host1</td>" in page.text and "<td>host2</td>" in page.text
+
+    url = f"{base}/hosts/host2/state"
+    assert httpx.post(url, json={"state": "draining"}, timeout=30).status_code == 401
+    try:
+        r = httpx.post(url, json={"state": "draining"}, headers=bearer, timeout=30)
+        assert r.status_code == 200, r.text
+        assert {h["name"]: h["state"] for h in pool.status()["hosts"]}["host2"] == "draining"
+    finally:
+        pool.set_host_state("host2", "up")
+    r = httpx.post(url, json={"state": "broken"}, headers=bearer, timeout=30)
+    assert r.status_code == 422 and "state" in r.text
+
+
 def test_competing_jobs_follow_the_priority_sequence(deployment):
     af, pool = deployment
     dags = ("elastic_seed_job1", "elastic_seed_job2")

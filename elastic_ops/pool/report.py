@@ -1,0 +1,36 @@
+"""The pool's status as rows, for people: the CLI's tables and the api-server's status page
+show the same columns from the same ``PoolClient.status()`` object."""
+
+from __future__ import annotations
+
+from typing import Any
+
+HOST_COLUMNS = ("HOST", "STATE", "SLOTS", "USED", "LABELS")
+JOB_COLUMNS = ("JOB", "STATE", "MIN..MAX", "PRIO", "PREEMPT", "WORKERS", "TARGET", "EPOCH", "LEASE", "REASON")
+
+
+def summary(st: dict[str, Any]) -> str:
+    cfg = st["settings"]
+    return (
+        f"policy {cfg['policy']} (preemption {cfg['preemption']}), lease ttl {cfg['lease_ttl_s']:g}s; "
+        f"slots used {st['slots']['used']} of {st['slots']['up']} up"
+    )
+
+
+def host_rows(st: dict[str, Any]) -> list[list[str]]:
+    return [
+        [h["name"], h["state"], str(h["slots"]), str(h["used"]),
+         ",".join(f"{k}={v}" for k, v in h["labels"].items()) or "-"]
+        for h in st["hosts"]
+    ]
+
+
+def job_rows(st: dict[str, Any]) -> list[list[str]]:
+    return [
+        [
+            j["name"], j["state"], f"{j['min_workers']}..{j['max_workers']}", str(j["priority"]),
+            "yes" if j["preemptible"] else "no", str(j["workers"]), str(j["target"]), str(j["epoch"]),
+            "-" if j["lease_expires_in"] is None else f"{j['lease_expires_in']:.0f}s", str(j["reason"]),
+        ]
+        for j in st["jobs"]
+    ]

@@ -1,0 +1,152 @@
+"""The plugin's HTTP API (``/elastic-ops``): every route needs an Airflow login, the auth
+manager's pool permissions decide who may read and who may change, bodies are strict, refused
+values name the field, and the status page escapes what the ledger holds.
+
+Authorization runs Airflow's real ``SimpleAuthManager`` on users of its roles; only the token
+check is bypassed here (the e2e test does it with real tokens against a real api-server)."""
+
+from __future__ import annotations
+
+import pytest
+from airflow.api_fastapi.auth.managers.simple.simple_auth_manager import SimpleAuthManager
+from airflow.api_fastapi.auth.managers.simple.user import SimpleAuthManagerUser
+from airflow.api_fastapi.core_api.security import get_user
+from fastapi.testclient import TestClient
+
+from elastic_ops import plugin_api
+from elastic_ops.pool import PoolClient
+
+# (method, path, json body or None): one of each route, with a valid request
+CHANGES = [
+    ("POST", "/jobs/j/priority", {"priority": 5}),
+    ("POST", "/jobs/j/bounds", {"min_workers": 2, "max_workers": 3}),
+    ("POST", "/jobs/j/preemptible", {"preemptible": False}),
+    ("PUT", "/hosts/h3", {"slots": 2, "labels": {"gpu": "h200"}}),
+    ("POST", "/hosts/h2/state", {"state": "draining"}),
+    ("PATCH", "/settings", {"policy": "fairshare", "lease_ttl_s": 30}),
+    ("DELETE", "/events?older_than_days=1", None),
+]
+READS = [("GET", "/status", None), ("GET", "/events", None), ("GET", "/ui", None)]
+
+
+def make_api(tmp_path, monkeypatch, role: str | None = "op") -> tuple[TestClient, PoolClient]:
+    """The API on a fresh ledger (hosts h1, h2 with 4 slots; job ``j`` 1..4, priority 2), called
+    as a user of ``role`` (None: no user override, so the real token check runs)."""
+    pool = PoolClient(f"sqlite:///{tmp_path / 'pool.db'}")
+    pool.add_host("h1", 4)
+    pool.add_host("h2", 4)
+    pool.submit("j", min_workers=1, max_workers=4, priority=2)
+    monkeypatch.setattr(plugin_api, "_client", lambda: pool)
+    monkeypatch.setattr("airflow.api_fastapi.app.get_auth_manager", SimpleAuthManager)
+    if role is not None:
+        user = SimpleAuthManagerUser(username=f"a-{role}", role=role)
+        monkeypatch.setitem(plugin_api.app.dependency_overrides, get_user, lambda: user)
+    return TestClient(plugin_api.app), pool
+
+
+def call(client: TestClient, method: str, path: str, body):
+    return client.request(method, path, json=body) if body is not None else client.request(method, path)
+
+
+def job(pool: PoolClient) -> dict:
+    return next(j for j in pool.status()["jobs"] if j["name"] == "j")
+
+
+def host(pool: PoolClient, name: str) -> dict | None:
+    return next((h for h in pool.status()["hosts"] if h["name"] == name), None)
+
+
+@pytest.mark.parametrize(("method", "path", "body"), CHANGES + READS)
+def test_every_route_refuses_requests_without_a_login(tmp_path, monkeypatch, method, path, body):
+    client, pool = make_api(tmp_path, monkeypatch, role=None)
+    before = pool.status()
+    assert call(client, method, path, body).status_code == 401
+    assert pool.status()["jobs"] == before["jobs"] and pool.status()["hosts"] == before["hosts"]
+
+
+def test_a_viewer_reads_the_pool_but_changes_nothing(tmp_path, monkeypatch):
+    client, pool = make_api(tmp_path, monkeypatch, role="viewer")
+    for method, path, body in READS:
+        assert call(client, method, path, body).status_code == 200, path
+    events = len(pool.events())
+    for method, path, body in CHANGES:
+        r = call(client, method, path, body)
+        assert r.status_code == 403, (path, r.text)
+        assert "elastic_ops pool" in r.json()["detail"]
+    assert job(pool)["priority"] == 2 and job(pool)["preemptible"]
+    assert host(pool, "h2")["state"] == "up" and host(pool, "h3") is None
+    assert pool.status()["settings"]["policy"] == "priority"
+    assert len(pool.events()) == events
+
+
+def test_an_operator_controls_jobs_hosts_and_settings(tmp_path, monkeypatch):
+    client, pool = make_api(tmp_path, monkeypatch, role="op")
+    for method, path, body in CHANGES:
+        r = call(client, method, path, body)
+        assert r.status_code == 200, (path, r.text)
+    j = job(pool)
+    assert (j["priority"], j["min_workers"], j["max_workers"], j["preemptible"]) == (5, 2, 3, False)
+    assert host(pool, "h2")["state"] == "draining"
+    assert host(pool, "h3") == {**host(pool, "h3"), "slots": 2, "state": "up", "labels": {"gpu": "h200"}}
+    settings = pool.status()["settings"]
+    assert (settings["policy"], settings["lease_ttl_s"]) == ("fairshare", 30)
+    assert client.patch("/settings", json={}).json() == settings  # nothing to change: every setting
+    assert client.post("/hosts/h2/state", json={"state": "up"}).status_code == 200
+    assert host(pool, "h2")["state"] == "up"
+
+
+@pytest.mark.parametrize(("method", "path", "body", "code", "says"), [
+    ("POST", "/jobs/j/bounds", {"min_workers": 3, "max_workers": 2}, 400, "min_workers"),
+    ("POST", "/jobs/nope/bounds", {"min_workers": 1, "max_workers": 2}, 404, "unknown job 'nope'"),
+    ("POST", "/jobs/nope/priority", {"priority": 3}, 404, "unknown job 'nope'"),
+    ("POST", "/jobs/nope/preemptible", {"preemptible": True}, 404, "unknown job 'nope'"),
+    ("POST", "/hosts/nope/state", {"state": "down"}, 404, "unknown host 'nope'"),
+    ("PATCH", "/settings", {"policy": "fastest"}, 400, "unknown policy 'fastest'"),
+    ("PATCH", "/settings", {"lease_ttl_s": 0}, 400, "lease_ttl_s"),
+    ("PATCH", "/settings", {"failure_threshold": 0}, 400, "failure_threshold"),
+    ("PUT", "/hosts/bad%20name", {"slots": 2}, 400, "host"),
+    # strict bodies: nothing coerced, nothing unknown, nothing missing (422 names the field)
+    ("POST", "/jobs/j/bounds", {"min_workers": "1", "max_workers": 2}, 422, "min_workers"),
+    ("POST", "/jobs/j/bounds", {"min_workers": 0, "max_workers": 2}, 422, "min_workers"),
+    ("POST", "/jobs/j/preemptible", {"preemptible": "yes"}, 422, "preemptible"),
+    ("POST", "/jobs/j/priority", {"priority": 3, "extra": 1}, 422, "extra"),
+    ("PUT", "/hosts/h3", {"slots": 2.0}, 422, "slots"),
+    ("PUT", "/hosts/h3", {"slots": 2, "labels": {"gpu": 1}}, 422, "labels"),
+    ("POST", "/hosts/h1/state", {"state": "broken"}, 422, "state"),
+    ("PATCH", "/settings", {"lease_ttl_s": "30"}, 422, "lease_ttl_s"),
+    ("PATCH", "/settings", {"policies": "fairshare"}, 422, "policies"),
+    ("DELETE", "/events?older_than_days=0", None, 422, "older_than_days"),
+    ("DELETE", "/events?older_than_days=inf", None, 422, "older_than_days"),
+    ("DELETE", "/events", None, 422, "older_than_days"),
+    ("GET", "/events?last=0", None, 422, "last"),
+])
+def test_refused_values_change_nothing_and_say_why(tmp_path, monkeypatch, method, path, body, code, says):
+    client, pool = make_api(tmp_path, monkeypatch)
+    before = pool.status()
+    r = call(client, method, path, body)
+    assert r.status_code == code, r.text
+    assert says in r.text
+    after = pool.status()
+    for part in ("jobs", "hosts", "settings"):
+        assert after[part] == before[part], part
+
+
+def test_events_filter_by_job_since_and_last(tmp_path, monkeypatch):
+    client, pool = make_api(tmp_path, monkeypatch, role="viewer")
+    every = client.get("/events").json()
+    assert [e["id"] for e in every] == sorted(e["id"] for e in every) and len(every) >= 3
+    assert client.get("/events?last=2").json() == every[-2:]
+    assert client.get(f"/events?since_id={every[0]['id']}").json() == every[1:]
+    assert {e["job"] for e in client.get("/events?job=j").json()} == {"j"}
+
+
+def test_status_page_shows_the_pool_and_escapes_what_the_ledger_holds(tmp_path, monkeypatch):
+    client, pool = make_api(tmp_path, monkeypatch, role="viewer")
+    pool.add_host("h4", 1, {"owner": "<script>alert(1)</script>"})
+    r = client.get("/ui")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+    assert "default-src 'none'" in r.headers["content-security-policy"]
+    page = r.text
+    assert "<script" not in page and "&lt;script&gt;alert(1)&lt;/script&gt;" in page
+    for text in ("h1", "h2", "<td>j</td>", "<td>1..4</td>", "slots used 0 of 9 up", "policy priority"):
+        assert text in page, text
