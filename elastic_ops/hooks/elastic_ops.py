@@ -110,8 +110,15 @@ class ElasticOpsHook(BaseHook):
         if self._pool is None:
             from elastic_ops.pool import PoolClient
 
-            self._pool = PoolClient(self.ledger_url())
+            self._pool = PoolClient(self.ledger_url(), metrics=self.metrics())
         return self._pool
+
+    @staticmethod
+    def metrics():
+        """Where elastic_ops' metrics go: Airflow's Stats (the deployment's ``[metrics]``)."""
+        from elastic_ops.hooks.metrics import AirflowMetrics
+
+        return AirflowMetrics()
 
     # --- checkpoints -----------------------------------------------------------------------
 

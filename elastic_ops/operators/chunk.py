@@ -253,9 +253,17 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
         state = dict(parsed.state)
         # From the deferral (not the trigger's start, which the triggerer may pick up late) to now.
         deferred_at = state.pop("deferred_at", None)
+        asked_at = state.pop("asked_at", deferred_at)
         waited = time.time() - float(deferred_at) if deferred_at is not None else parsed.waited_s
         state["waited_s"] = float(state.get("waited_s", 0.0)) + max(0.0, waited)
-        return self._run_granted(context, state, parsed, self._hook())
+        hook = self._hook()
+        asked_for = time.time() - float(asked_at) if asked_at is not None else waited
+        hook.metrics().timing("chunk.wait", max(0.0, asked_for), tags=self._tags(context, parsed.job))
+        return self._run_granted(context, state, parsed, hook)
+
+    def _tags(self, context: Any, job: str) -> dict[str, str]:
+        """What a chunk's metrics are tagged with."""
+        return {"job": job, "dag_id": context["dag"].dag_id, "task_id": self.task_id}
 
     # --- steps -----------------------------------------------------------------------------
 
@@ -319,6 +327,7 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
 
     def _acquire(self, context: Any, state: dict[str, Any], hook: ElasticOpsHook) -> dict[str, Any]:
         job = state["spec"]["name"]
+        asked = time.time()
         client = hook.pool()
         avoid = failed_hosts(client, job)
         if avoid:
@@ -340,9 +349,10 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
             outcome = client.request(job, avoid_hosts=tuple(avoid), new_attempt=True)
         outcome = self._wait_in_task(client, job, avoid, outcome)
         if hasattr(outcome, "epoch"):
+            hook.metrics().timing("chunk.wait", time.time() - asked, tags=self._tags(context, job))
             return self._run_granted(context, state, GrantEvent.from_grant(outcome, state), hook)
         self.log.info("job %s waits for workers (%s); deferring", job, getattr(outcome, "reason", ""))
-        state = {**state, "deferred_at": time.time()}
+        state = {**state, "deferred_at": time.time(), "asked_at": asked}
         self.defer(
             trigger=GrantTrigger(job=job, ledger_url=hook.ledger_url(), state=state,
                                  avoid_hosts=avoid, poll_interval=self.poll_interval,
@@ -378,15 +388,17 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
         host = busiest_host(grant.placements) if node_config_from_env() else grant.placements[0][0]
         self.log.info("job %s: chunk [%d, %d) on %d workers on %s (epoch %d)", spec.name,
                       state["start"], state["end"], grant.workers, ", ".join(grant.hosts), grant.epoch)
+        metrics, tags = hook.metrics(), self._tags(context, spec.name)
         keeper = LeaseKeeper(client, spec.name, grant.epoch, grant.workers,
                              interval_s=min(self.heartbeat_interval, grant.ttl_s / 3), ttl_s=grant.ttl_s,
-                             placements=grant.placements, host=host)
+                             placements=grant.placements, host=host, metrics=metrics, tags=tags)
         keeper.beat()  # renew now: a grant the task resumed too late for (past its TTL) is gone
         if keeper.lost:
             self.log.warning("job %s: the grant of epoch %d expired before this task resumed; asking again",
                              spec.name, grant.epoch)
             return self._acquire(context, state, hook)
         keeper.start()
+        metrics.gauge("chunk.workers", grant.workers, tags=tags)
         # for on_kill only (same process, same try): nothing here outlives a deferral
         self._running = (keeper, client, spec.name, grant.epoch)
         try:
@@ -398,6 +410,8 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
                 failed = exc.host or host
                 self.log.error("job %s: host %s failed the chunk: %s", spec.name, failed, exc)
                 self._quietly("report the failed host", client.report_failure, spec.name, failed)
+                metrics.incr("chunk.host_failures", tags={**tags, "host": failed})
+            metrics.gauge("chunk.workers", 0, tags=tags)
             final = not killed and _final_failure(context, exc)
             if final:
                 self.log.info("job %s: this failure is final; ending the job in the pool", spec.name)
@@ -406,8 +420,13 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
         finally:
             self._running = None
         keeper.stop()
+        trained_before = int(state["trained"])
         state = self._account(state, grant, result)
+        metrics.gauge("chunk.workers", 0, tags=tags)
+        metrics.incr("chunk.iterations", int(state["trained"]) - trained_before, tags=tags)
+        metrics.gauge("chunk.samples_per_s", float(result.samples_per_sec or 0.0), tags=tags)
         if result.status == ChunkStatus.PREEMPTED:
+            metrics.incr("chunk.preemptions", tags=tags)
             self._release(client, spec.name, grant.epoch)
             state["preemptions"] += 1
             state["warm_start"] = None  # the checkpoint it just wrote is where it resumes

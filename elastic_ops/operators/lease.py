@@ -29,10 +29,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from elastic_ops.errors import ElasticOpsError, LeaseExpiredError
+from elastic_ops.metrics import NO_METRICS, Metrics
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +54,11 @@ class LeaseKeeper:
         host: str | None = None,
         ttl_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
+        metrics: Metrics = NO_METRICS,
+        tags: Mapping[str, str] | None = None,
     ) -> None:
         self.client = client
+        self.metrics, self.tags = metrics, tags  # ``chunk.workers`` at every change
         self.job = job
         self.epoch = epoch
         self.host = host
@@ -114,6 +118,7 @@ class LeaseKeeper:
             changed = workers != self._running or placements != self._running_on
             self._running, self._running_on = workers, placements
         if changed:
+            self.metrics.gauge("chunk.workers", workers, tags=self.tags)
             where = "" if placements is None else f" on slots {[s for _, s in placements]} of {self.host}"
             log.info("job %s: %d workers from iteration %d%s", self.job, workers, iteration, where)
             self._wake.set()

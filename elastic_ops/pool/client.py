@@ -35,6 +35,7 @@ from elastic_ops.errors import (
     UnknownHostError,
     UnknownJobError,
 )
+from elastic_ops.metrics import NO_METRICS, Metrics
 from elastic_ops.pool import schema as s
 from elastic_ops.pool.model import (
     Decision,
@@ -243,6 +244,7 @@ class PoolClient:
         clock: Callable[[], float] | None = None,
         sleep: Callable[[float], None] = time.sleep,
         retries: int = 20,
+        metrics: Metrics = NO_METRICS,
         **settings: Any,
     ) -> None:
         url = url or os.environ.get(ENV_URL)
@@ -252,6 +254,7 @@ class PoolClient:
         self.clock = clock
         self.sleep = sleep
         self.retries = retries
+        self.metrics = metrics
         self.engine = _engine(url)
         self._tx(lambda conn, now: s.migrate(conn), lock=False)
         if settings:
@@ -263,11 +266,16 @@ class PoolClient:
         delay = 0.005
         for attempt in range(self.retries + 1):
             try:
+                sent: list[tuple[str, str, float]] = []  # metrics, sent once the transaction commits
                 with self.engine.begin() as conn:
                     conn.info.pop("pool_settings", None)
+                    conn.info["pool_metrics"] = sent
                     if lock and conn.dialect.name == "postgresql":
                         conn.execute(select(s.pool.c.id).where(s.pool.c.id == 1).with_for_update())
-                    return fn(conn, self._now(conn))
+                    out = fn(conn, self._now(conn))
+                    conn.info.pop("pool_metrics", None)
+                self._send(sent)
+                return out
             except OperationalError as exc:
                 if not _retryable(exc):
                     # connection refused or lost: retryable by the caller (a heartbeat, a trigger,
@@ -284,6 +292,24 @@ class PoolClient:
             self.sleep(delay * (1 + random.random()))
             delay = min(delay * 2, 0.5)
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _send(self, sent: list[tuple[str, str, float]]) -> None:
+        for kind, name, value in sent:
+            if kind == "incr":
+                self.metrics.incr(name, int(value))
+            else:
+                self.metrics.gauge(name, value)
+
+    @staticmethod
+    def _gauges(conn: Connection, snap: Snapshot) -> None:
+        """The pool as this decision found it (before it applies its own changes)."""
+        running = sum(1 for j in snap.jobs if j.held)
+        conn.info["pool_metrics"].extend([
+            ("gauge", "pool.slots_up", sum(h.slots for h in snap.hosts if h.state == HostState.UP)),
+            ("gauge", "pool.slots_used", sum(len(j.held) for j in snap.jobs)),
+            ("gauge", "pool.jobs_running", running),
+            ("gauge", "pool.jobs_waiting", len(snap.jobs) - running),
+        ])
 
     def _now(self, conn: Connection) -> float:
         if self.clock is not None:
@@ -862,6 +888,7 @@ class PoolClient:
         workers: int | None = None,
         reason: str = "",
     ) -> None:
+        conn.info["pool_metrics"].append(("incr", f"pool.event.{kind}", 1))
         conn.execute(
             insert(s.events).values(
                 ts=now,
@@ -1017,6 +1044,8 @@ class PoolClient:
             rows = conn.info.pop("pool_job_rows")  # read by _snapshot in this transaction
             if not self._unpark(conn, now, plan, rows, snap):
                 break
+        if self.metrics is not NO_METRICS:
+            self._gauges(conn, snap)
         held_by = {j.name: j.held for j in snap.jobs}
         changed = set(plan.changed())
         for k, (name, target, reason) in enumerate(zip(plan.jobs, plan.target, plan.reason, strict=True)):

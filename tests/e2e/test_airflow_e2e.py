@@ -11,8 +11,10 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -32,16 +34,58 @@ REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 
 
+class StatsdListener:
+    """A StatsD server as far as Airflow can tell: a UDP socket that keeps every line it gets."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.settimeout(0.2)
+        self.port = self.sock.getsockname()[1]
+        self.lines: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                data = self.sock.recv(65536)
+            except TimeoutError:
+                continue
+            self.lines.extend(data.decode(errors="replace").splitlines())
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.sock.close()
+
+    def named(self, name: str) -> list[str]:
+        """``value|type`` of every line for metric ``name``."""
+        return [ln.split(":", 1)[1] for ln in list(self.lines) if ln.split(":", 1)[0] == name]
+
+
 @pytest.fixture(scope="module")
-def deployment(tmp_path_factory):
-    """Airflow with the example DAGs + the e2e DAGs, and an 8-slot pool on 2 logical hosts."""
+def statsd():
+    listener = StatsdListener()
+    yield listener
+    listener.close()
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory, statsd):
+    """Airflow with the example DAGs + the e2e DAGs, and an 8-slot pool on 2 logical hosts;
+    Airflow's metrics go to a StatsD listener."""
     root = tmp_path_factory.mktemp("e2e")
     dags = root / "dags"
     dags.mkdir()
     for src in [*(REPO / "dags").glob("*.py"), *(HERE / "dags").glob("*.py")]:
         shutil.copy(src, dags / src.name)
+    metrics = {"AIRFLOW__METRICS__STATSD_ON": "True", "AIRFLOW__METRICS__STATSD_HOST": "127.0.0.1",
+               "AIRFLOW__METRICS__STATSD_PORT": str(statsd.port),
+               "AIRFLOW__METRICS__STATSD_PREFIX": "airflow"}
     af = AirflowDeployment(home=root / "airflow", dags_folder=dags, plugins_folder=REPO / "plugins",
-                           parallelism=4)
+                           parallelism=4, extra_env=metrics)
     with af:
         pool = setup_pool(f"sqlite:///{af.home / 'elastic_ops_pool.db'}", slots=8, hosts=2)
         yield af, pool
@@ -94,7 +138,7 @@ def test_pool_page_and_controls_through_the_api_server(deployment):
     assert r.status_code == 422 and "state" in r.text
 
 
-def test_competing_jobs_follow_the_priority_sequence(deployment):
+def test_competing_jobs_follow_the_priority_sequence(deployment, statsd):
     af, pool = deployment
     dags = ("elastic_seed_job1", "elastic_seed_job2")
     runs = ("compete_1", "compete_2")
@@ -122,6 +166,17 @@ def test_competing_jobs_follow_the_priority_sequence(deployment):
     seq = allocation_sequence(events, jobs)
     assert is_subsequence([(8, 0), (4, 4), (3, 5), (0, 8)], seq), seq
     assert max_concurrent_holders(events) == 1
+    # the chunk tasks' and the pool's metrics reached the deployment's StatsD (sent when a
+    # chunk ends: wait a moment for the last UDP datagrams)
+    wait_until("metrics", lambda: sum(int(v.split("|")[0]) for v in statsd.named(
+        "airflow.elastic_ops.chunk.iterations")) == 900 + 1200, af, timeout=30,
+        detail=lambda: str(statsd.named("airflow.elastic_ops.chunk.iterations")))
+    workers = {int(v.split("|")[0]) for v in statsd.named("airflow.elastic_ops.chunk.workers")}
+    assert {8, 4, 3, 5, 0} <= workers, workers
+    assert "8|g" in statsd.named("airflow.elastic_ops.pool.slots_up")
+    assert statsd.named("airflow.elastic_ops.pool.event.grant")
+    assert statsd.named("airflow.elastic_ops.chunk.wait")
+    assert statsd.named("airflow.elastic_ops.chunk.samples_per_s")
     for n in (0, 1):  # each job kept slots from its first grant to its end: chunks handed over
         holds = [state[n] > 0 for state in seq]
         first, last = holds.index(True), len(holds) - 1 - holds[::-1].index(True)
