@@ -81,6 +81,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     sim.add_argument("--policy", default="all", help="a registered policy, 'static', or 'all'")
     sim.add_argument("--preemption", default="graceful", choices=["none", "graceful"])
     sim.add_argument("--rescale-cost", type=float, default=30.0, help="seconds lost per rescale")
+    sim.add_argument(
+        "--placement", default="actual", choices=["actual", "packed"],
+        help="step times for each job's real spread over hosts (default), or as if tightly packed",
+    )
     sim.add_argument("--replan-interval", type=float, default=60.0, help="seconds between re-plans")
     sim.add_argument(
         "--traces", default=None, help="application traces folder (default: $ELASTIC_OPS_TRACES, else "

@@ -11,8 +11,13 @@ is called again until the plan is stable, so grows see the freed slots in the sa
 
 Every change of a running job's worker count, and every start, costs ``rescale_cost``
 seconds without progress (checkpoint, restart, rendezvous; the artifact charges 30 s). A job
-runs at ``1 / step_time(workers, global_batch)`` iterations per second and finishes after the
-iterations its application needs (see :mod:`elastic_ops.pool.workload`).
+runs at ``1 / step_time(workers, global_batch, spread)`` iterations per second, where the
+spread is how its slots lie on the hosts (``placement="actual"``, the default: a job scattered
+over more hosts than it needs runs at the speed measured for that spread) or the tightest
+packing whatever its slots (``placement="packed"``, the optimistic model of earlier versions),
+and finishes after the iterations its application needs (see :mod:`elastic_ops.pool.workload`).
+With ``placement="actual"`` a *move* (same count, other slots) relaunches the workers and costs
+``rescale_cost`` too.
 
 Baseline ``static``: each job gets exactly the GPUs it asked for, strictly first come first
 served (no backfilling), never rescaled; it starts as soon as its GPUs are free (not only at
@@ -32,17 +37,20 @@ from elastic_ops.errors import SpecError
 from elastic_ops.pool.model import Host, Job, PolicyConfig, Preemption, Snapshot
 from elastic_ops.pool.policies import POLICIES, get_policy
 from elastic_ops.pool.workload import (
+    GPUS_PER_NODE,
     Application,
     WorkloadJob,
     default_traces_dir,
     load_application,
     read_workload,
+    spread_of,
     synthetic_workload,
 )
 from elastic_ops.spec import check_number
 
 STATIC = "static"
 EPS = 1e-6
+PLACEMENTS = ("actual", "packed")
 
 
 def tuned_max_workers(app: Application, batch: int, limit: int, min_efficiency: float = 0.5) -> int:
@@ -70,11 +78,27 @@ class _SimJob:
     finished: float | None = None
     last_rescale: float | None = None
     rescales: int = 0
+    moves: int = 0
     gpu_seconds: float = 0.0
+    scattered_gpu_seconds: float = 0.0  # on more hosts than the tightest packing needs
     waiting_since: float = 0.0  # as the ledger: since submission, or since preempted (set at start)
+    spread_aware: bool = True
+    slots_per_host: int = GPUS_PER_NODE
+    _rate: float = 0.0
+    _scattered: bool = False
+
+    def place(self, held: tuple[tuple[str, int], ...]) -> None:
+        self.held = held
+        spread = spread_of(held)
+        self._scattered = len(spread) > math.ceil(len(held) / self.slots_per_host)
+        if not held:
+            self._rate = 0.0
+        else:
+            where = spread if self.spread_aware else None
+            self._rate = 1.0 / self.app.step_time(len(held), self.spec.batch_size, where)
 
     def rate(self) -> float:
-        return 1.0 / self.app.step_time(len(self.held), self.spec.batch_size) if self.held else 0.0
+        return self._rate
 
     def time_to_finish(self) -> float:
         if not self.held:
@@ -83,6 +107,8 @@ class _SimJob:
 
     def advance(self, dt: float) -> None:
         self.gpu_seconds += dt * len(self.held)
+        if self._scattered:
+            self.scattered_gpu_seconds += dt * len(self.held)
         if not self.held:
             return
         stall = min(self.penalty, dt)
@@ -103,8 +129,11 @@ class SimConfig:
     # Like the ledger, which decides on every request and release: re-plan at arrivals and
     # completions too, not only at ticks. False = the artifact's tick-only re-planning.
     replan_on_events: bool = True
+    placement: str = "actual"  # step times for the job's real spread over hosts, or "packed"
 
     def __post_init__(self) -> None:
+        if self.placement not in PLACEMENTS:
+            raise SpecError("placement", self.placement, f"must be one of {', '.join(PLACEMENTS)}")
         if not isinstance(self.slots, int) or self.slots < 1:
             raise SpecError("slots", self.slots, "must be an integer >= 1")
         if not isinstance(self.slots_per_host, int) or self.slots_per_host < 1:
@@ -136,7 +165,8 @@ class Simulation:
         for w in workload:
             app = load_application(str(traces), w.application)
             job = _SimJob(
-                w, app.iterations(w.batch_size), tuned_max_workers(app, w.batch_size, config.slots), app
+                w, app.iterations(w.batch_size), tuned_max_workers(app, w.batch_size, config.slots), app,
+                spread_aware=config.placement == "actual", slots_per_host=config.slots_per_host,
             )
             job.remaining = job.iterations
             self.jobs.append(job)
@@ -163,7 +193,8 @@ class Simulation:
             changed = False
             for j in running:
                 if j.time_to_finish() <= EPS * max(1.0, self.now):
-                    j.finished, j.held, changed = self.now, (), True
+                    j.finished, changed = self.now, True
+                    j.place(())
             while pending and pending[0].spec.submit <= self.now + EPS:
                 arrived.append(pending.pop(0))
                 changed = True
@@ -185,7 +216,10 @@ class Simulation:
                 j.last_rescale = self.now
                 if j.started is None:
                     j.started = self.now
-        j.held = held
+        elif held and j.spread_aware and set(held) != set(j.held):  # a move relaunches the workers
+            j.moves += 1
+            j.penalty = self.cfg.rescale_cost
+        j.place(held)
 
     def _static(self, arrived: list[_SimJob]) -> None:
         used = {s for j in arrived for s in j.held}
@@ -242,6 +276,10 @@ class Simulation:
             "makespan": round(makespan, 3),
             "utilization": round(busy / (self.cfg.slots * makespan), 4) if makespan > 0 else 0.0,
             "rescales": sum(j.rescales for j in self.jobs),
+            "moves": sum(j.moves for j in self.jobs),
+            # GPU time of jobs spread over more hosts than the tightest packing needs
+            "scattered": round(sum(j.scattered_gpu_seconds for j in self.jobs) / busy, 4) if busy else 0.0,
+            "placement": self.cfg.placement,
         }
 
 
@@ -275,6 +313,7 @@ def main_simulate(args) -> int:
         preemption=args.preemption,
         min_rescale_interval_s=args.min_rescale_interval,
         min_gain=args.min_gain,
+        placement=args.placement,
     )
     traces = Path(args.traces) if args.traces else default_traces_dir()
     if args.synthetic is not None:

@@ -14,6 +14,12 @@ the application traces (``<traces>/<application>/``):
   interpolation in the per-GPU batch. A per-GPU batch above the largest measured one is run as
   gradient accumulation (``k`` micro-steps of ``batch / (r k)``); one below the smallest
   measured batch is not allowed, which bounds a job's useful workers (``max_workers``).
+  Given the job's real **spread** (GPUs on each node it runs on), the step time is the one
+  measured for that spread: ``placements.csv`` holds every spread over up to 4 nodes (``1111``
+  = 4 nodes with 1 GPU each, ``13`` = 1 + 3), ``scalability.csv`` replica counts from 6 up on
+  6, 8, 12 and 16 nodes (the measured node count nearest the spread's, more nodes on a tie).
+  A spread the traces do not cover (nodes of more than 4 GPUs; 5+ nodes for fewer than 6
+  GPUs) falls back to the packed estimate.
 """
 
 from __future__ import annotations
@@ -96,6 +102,17 @@ def _interp(xs: list[float], ys: list[float], x: float) -> float:
     return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
+Spread = tuple[int, ...]  # GPUs per node a job runs on, ascending
+
+
+def spread_of(slots) -> Spread:
+    """The spread of a job holding ``slots`` (``(host, index)`` pairs)."""
+    per_host: dict[str, int] = {}
+    for host, _ in slots:
+        per_host[host] = per_host.get(host, 0) + 1
+    return tuple(sorted(per_host.values()))
+
+
 def placement_for(r: int) -> str:
     """The packing of ``r`` GPUs on 4-GPU nodes, as the artifact spells it (digits ascending)."""
     full, rest = divmod(r, GPUS_PER_NODE)
@@ -115,13 +132,19 @@ class Application:
                 (float(row["local_bsz"]), float(row["step_time"]))
             )
         self.by_placement = {p: sorted(v) for p, v in curves.items()}
+        # each measured spread once, under its smallest spelling (the traces spell some spreads
+        # several ways: the nodes in another order)
+        self.by_spread: dict[Spread, str] = {}
+        for p in sorted(self.by_placement):
+            self.by_spread.setdefault(tuple(sorted(int(c) for c in p)), p)
         scal: dict[int, dict[int, list[tuple[float, float]]]] = {}
         for row in _read(folder / "scalability.csv"):
             scal.setdefault(int(row["num_replicas"]), {}).setdefault(int(row["num_nodes"]), []).append(
                 (float(row["local_bsz"]), float(row["step_time"]))
             )
-        # For each replica count keep the tightest packing measured.
+        # For each replica count keep the tightest packing measured (and every node count).
         self.by_replicas = {r: sorted(nodes[min(nodes)]) for r, nodes in scal.items()}
+        self.by_replicas_nodes = {r: {n: sorted(c) for n, c in nodes.items()} for r, nodes in scal.items()}
         self.min_local = min(b for v in self.by_placement.values() for b, _ in v)
         self.max_local = max(b for v in self.by_placement.values() for b, _ in v)
         self.validation: dict[int, list[tuple[float, float]]] = {}
@@ -177,11 +200,28 @@ class Application:
         t_hi = self._curve_time(self.by_replicas[hi], local)
         return t_lo + (t_hi - t_lo) * (r - lo) / (hi - lo)
 
+    def _spread_curve(self, spread: Spread) -> list[tuple[float, float]] | None:
+        """The measured step-time curve of ``spread`` (None: not measured)."""
+        if len(spread) <= 1:
+            return None  # one node: the packed estimate is the measurement
+        spelled = self.by_spread.get(spread)
+        if spelled is not None:
+            return self.by_placement[spelled]
+        by_nodes = self.by_replicas_nodes.get(sum(spread))
+        if len(spread) <= GPUS_PER_NODE or not by_nodes:
+            return None
+        nodes = min(by_nodes, key=lambda n: (abs(n - len(spread)), -n))
+        return by_nodes[nodes]
+
     @functools.cache  # noqa: B019
-    def step_time(self, r: int, batch: int) -> float:
-        """Seconds per iteration of global batch ``batch`` on ``r`` GPUs (accumulating if needed)."""
+    def step_time(self, r: int, batch: int, spread: Spread | None = None) -> float:
+        """Seconds per iteration of global batch ``batch`` on ``r`` GPUs (accumulating if needed),
+        packed on 4-GPU nodes, or spread as ``spread`` says (GPUs per node)."""
         local = batch / r
         accum = max(1, math.ceil(local / self.max_local))
+        curve = self._spread_curve(spread) if spread is not None else None
+        if curve is not None:
+            return accum * self._curve_time(curve, local / accum)
         return accum * self._time_at(r, local / accum)
 
 

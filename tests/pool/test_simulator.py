@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -102,3 +103,47 @@ def test_a_preempted_job_ages_from_its_preemption_as_in_the_ledger():
     sim._start_or_rescale(job, ())  # preempted
     (snap_job,) = sim._snapshot([job]).jobs
     assert snap_job.waiting_since == 500.0  # not its submission time: aging starts over
+
+
+def test_step_times_follow_the_measured_spread():
+    app = load_application(str(TRACES), "cifar10")
+    # placements.csv: "1111,64,0.14134659767150878": 4 nodes x 1 GPU at per-GPU batch 64
+    assert app.step_time(4, 4 * 64, (1, 1, 1, 1)) == pytest.approx(0.14134659767150878)
+    assert app.step_time(4, 256, (4,)) == app.step_time(4, 256)  # one node: the packed estimate
+    assert app.step_time(4, 256, (1, 3)) == app.step_time(4, 256, (1, 3))  # spelled "13" or "31"
+    assert app.step_time(5, 320, (1, 1, 1, 1, 1)) == app.step_time(5, 320)  # not measured: packed
+    assert app.step_time(16, 1024, (1,) * 16) != app.step_time(16, 1024)  # 16 nodes, scalability.csv
+
+
+def place(sim, name: str, slots) -> object:
+    job = next(j for j in sim.jobs if j.spec.name == name)
+    sim._start_or_rescale(job, tuple(slots))
+    return job
+
+
+@pytest.mark.parametrize("placement", ["actual", "packed"])
+def test_a_scattered_job_runs_at_its_spreads_speed_and_a_move_costs_a_relaunch(placement):
+    from elastic_ops.pool.simulator import Simulation
+
+    sim = Simulation(read_workload(WORKLOAD), "fairshare", SimConfig(slots=16, placement=placement), TRACES)
+    job = place(sim, "cifar10-2", [("n000", i) for i in range(4)])  # 4 GPUs on one host
+    packed = job.rate()
+    job.penalty = 0.0
+    place(sim, "cifar10-2", [("n000", 0), ("n001", 0), ("n002", 0), ("n003", 0)])  # same count, 4 hosts
+    spread = 1 / job.app.step_time(4, 4096, (1, 1, 1, 1))
+    if placement == "actual":
+        assert job.rate() == pytest.approx(spread) and job.rate() != packed
+        assert (job.moves, job.penalty) == (1, sim.cfg.rescale_cost)
+    else:
+        assert job.rate() == packed and (job.moves, job.penalty) == (0, 0.0)
+    job.advance(10.0)
+    assert job.scattered_gpu_seconds == job.gpu_seconds == 40.0
+
+
+def test_simulation_reports_scattering_and_the_packed_model_is_still_there():
+    actual = simulate(WORKLOAD, "fairshare", SMALL, TRACES)
+    packed = simulate(WORKLOAD, "fairshare", dataclasses.replace(SMALL, placement="packed"), TRACES)
+    assert 0 < actual["scattered"] <= 1 and actual["placement"] == "actual"
+    assert actual["avg_jct"] != packed["avg_jct"]
+    with pytest.raises(SpecError, match="placement='tight'"):
+        SimConfig(placement="tight")
