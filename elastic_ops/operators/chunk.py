@@ -24,6 +24,7 @@ they run on, so the pool frees the old ones at once.
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Sequence
 from datetime import timedelta
@@ -422,6 +423,8 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
         keeper.stop()
         trained_before = int(state["trained"])
         state = self._account(state, grant, result)
+        where = host if node_config_from_env() else socket.gethostname()
+        state["trained_on"] = sorted(set(state.get("trained_on", [])) | {where})
         metrics.gauge("chunk.workers", 0, tags=tags)
         metrics.incr("chunk.iterations", int(state["trained"]) - trained_before, tags=tags)
         metrics.gauge("chunk.samples_per_s", float(result.samples_per_sec or 0.0), tags=tags)
@@ -559,4 +562,5 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
             epochs=state["epochs"], hosts=state["hosts"], preemptions=int(state["preemptions"]),
             waited_s=float(state["waited_s"]), duration_s=time.time() - float(state["started_at"]),
             train_samples_per_sec=float(getattr(result, "train_samples_per_sec", 0.0) or 0.0),
+            trained_on=list(state.get("trained_on", [])),
         )

@@ -23,11 +23,13 @@ class ChunkTaskResult:
     checkpoint_uri: str | None
     param_sha256: str | None
     epochs: list[int]                 # fencing epochs of the grants this task ran under
-    hosts: list[str]
+    hosts: list[str]                  # hosts the grants held slots on (the pool's view)
     preemptions: int
     waited_s: float
     duration_s: float
     train_samples_per_sec: float = 0.0  # samples / time inside the training loops (last grant)
+    # where the workers ran: the granted host's node agent (cluster), else this task's machine
+    trained_on: list[str] = dataclasses.field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

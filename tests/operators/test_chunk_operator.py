@@ -4,6 +4,7 @@ resumed try needs in the trigger), skip finished ranges, re-register an unknown 
 from __future__ import annotations
 
 import json
+import socket
 import time
 from types import SimpleNamespace
 
@@ -185,7 +186,8 @@ def test_a_chunk_hands_its_slots_to_the_next_chunk_and_the_last_one_ends_the_job
     # between the two tasks: the slots stay the job's, parked, and a newcomer waits its turn
     # through the plan rather than taking them because they were momentarily free
     assert job_row(pool, job)["state"] == "parked" and pool.status()["slots"]["used"] == 2
-    make_chunk(1).execute(ti_context(1, 3))
+    out = make_chunk(1).execute(ti_context(1, 3))
+    assert out["trained_on"] == [socket.gethostname()]  # no node agents: this task's machine
     (e0, slots0), (e1, slots1) = grants
     assert e1 == e0 + 1 and slots1 == slots0  # the same slots, fenced under a new epoch
     assert job_row(pool, job)["state"] == "finished" and pool.status()["slots"]["used"] == 0

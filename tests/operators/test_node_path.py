@@ -43,6 +43,7 @@ def test_hosts_without_a_node_agent_get_no_chunk(cluster, monkeypatch, tmp_path,
         result = chunk_op().execute(CONTEXT)
         assert node_b.accepted == 1
     assert result["status"] == "completed" and result["iterations"] == 20 and result["hosts"] == ["host-b"]
+    assert result["trained_on"] == ["host-b"]
     assert not [e for e in pool.events() if e["kind"] == "failure"]  # no try was wasted on host-a
     assert "avoids hosts with no live node agent: host-a" in "".join(capsys.readouterr())
 
@@ -127,6 +128,7 @@ def test_a_grant_across_hosts_trains_on_one_node_with_that_hosts_slots(cluster, 
     grant = next(e for e in pool.events() if e["kind"] == "grant")
     assert {h for h, _ in grant["slots"]} == {"host-a", "host-b"}  # 4 slots on 2 hosts were granted
     assert result["status"] == "completed" and {n for _, n, _ in result["workers_timeline"]} == {2}
+    assert result["hosts"] == ["host-a", "host-b"] and result["trained_on"] == ["host-a"]
 
 
 def test_a_drained_hosts_running_chunk_moves_to_the_other_hosts_node(cluster, monkeypatch, tmp_path):
@@ -150,4 +152,5 @@ def test_a_drained_hosts_running_chunk_moves_to_the_other_hosts_node(cluster, mo
         assert (node_a.accepted, node_b.accepted) == (1, 1)
     (result,) = out
     assert result["status"] == "completed" and result["iterations"] == 4000 and result["preemptions"] == 1
+    assert result["trained_on"] == ["host-a", "host-b"]
     assert not [e for e in pool.events() if e["kind"] == "failure"]  # a move, not a failure
