@@ -385,8 +385,15 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
     ) -> dict[str, Any]:
         spec = JobSpec.from_dict(state["spec"])
         client = hook.pool()
+        nodes = node_config_from_env()
         # a node agent trains on its own host only: the one holding most of the grant's slots
-        host = busiest_host(grant.placements) if node_config_from_env() else grant.placements[0][0]
+        host = busiest_host(grant.placements) if nodes else grant.placements[0][0]
+        if nodes is not None and not self._node_is_live(nodes, host):
+            # its node went away while this task waited (the avoid list was taken when it asked):
+            # not the host's failure and not a try's; give the grant back and ask again, avoiding it
+            self.log.warning("job %s: host %s has no live node agent any more; asking again", spec.name, host)
+            self._release(client, spec.name, grant.epoch)
+            return self._acquire(context, state, hook)
         self.log.info("job %s: chunk [%d, %d) on %d workers on %s (epoch %d)", spec.name,
                       state["start"], state["end"], grant.workers, ", ".join(grant.hosts), grant.epoch)
         metrics, tags = hook.metrics(), self._tags(context, spec.name)
@@ -445,6 +452,12 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
         self.log.info("job %s: chunk [%d, %d) done: loss=%s %.0f samples/s, checkpoint %s",
                       spec.name, out.start, out.end, out.loss, out.samples_per_sec, out.checkpoint_uri)
         return out.to_dict()
+
+    @staticmethod
+    def _node_is_live(nodes: Any, host: str) -> bool:
+        from elastic_ops.agent.node_client import NodeClient
+
+        return host in NodeClient(nodes).live_hosts([host])
 
     def _train(self, spec: JobSpec, state: dict[str, Any], epoch: int, host: str, keeper: LeaseKeeper,
                hook: ElasticOpsHook) -> Any:

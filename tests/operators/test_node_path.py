@@ -70,6 +70,35 @@ def test_a_granted_host_whose_node_does_not_take_the_chunk_is_reported_and_avoid
     assert result["status"] == "completed" and result["hosts"] == ["host-b"] and result["param_sha256"]
 
 
+def test_a_grant_on_a_host_whose_node_went_away_while_deferred_is_asked_for_again(
+    cluster, monkeypatch, tmp_path, capsys
+):
+    """The task deferred with no node missing; host-a's node went away before the grant came:
+    the resumed task gives that grant back and asks again (no failure, no try spent)."""
+    import time
+
+    from elastic_ops.operators.jobs import chunk_range
+    from elastic_ops.triggers.events import GrantEvent
+
+    pool = airflow_pool(monkeypatch, tmp_path, host="host-a", slots=2)
+    pool.add_host("host-b", 2)
+    op = chunk_op()
+    spec = op._spec(CONTEXT)
+    start, end = chunk_range(spec, 0)
+    pool.submit(spec.name, min_workers=1, max_workers=2)
+    grant = pool.request(spec.name)  # what the trigger got: host-a, first by name
+    assert {h for h, _ in grant.placements} == {"host-a"}
+    state = {"spec": spec.to_dict(), "chunk_index": 0, "start": start, "end": end, "warm_start": None,
+             "preemptions": 0, "timeline": [], "epochs": [], "hosts": [], "trained": 0, "waited_s": 0.0,
+             "started_at": time.time()}
+    with running_node("host-b", cluster) as node_b:
+        result = op.execute_granted(CONTEXT, GrantEvent.from_grant(grant, state).to_payload())
+        assert node_b.accepted == 1
+    assert result["status"] == "completed" and result["trained_on"] == ["host-b"]
+    assert not [e for e in pool.events() if e["kind"] == "failure"]
+    assert "host host-a has no live node agent any more; asking again" in "".join(capsys.readouterr())
+
+
 def test_a_chunk_task_in_a_cluster_never_imports_torch(cluster, monkeypatch, tmp_path):
     """The task trains on the node and asks a node whether its range is done (the second run)."""
     pool = airflow_pool(monkeypatch, tmp_path, host="h1", slots=2)
