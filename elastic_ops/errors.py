@@ -196,3 +196,7 @@ class LedgerUnavailableError(PoolError):
     """The ledger database could not be reached (connection refused or lost)."""
 
     retryable = True
+
+
+class ApiAuthError(PoolError):
+    """The api-server refused the credentials (401) or the user's permission (403)."""

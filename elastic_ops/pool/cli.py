@@ -9,12 +9,19 @@ from collections.abc import Sequence
 from typing import Any
 
 from elastic_ops.pool import report
+from elastic_ops.pool.api_client import ENV_API_PASSWORD, ENV_API_TOKEN, ENV_API_URL, ENV_API_USER
 from elastic_ops.pool.client import ENV_URL
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
     pool = sub.add_parser("pool", help="inspect and control the resource pool ledger")
     pool.add_argument("--pool-url", default=None, help=f"SQLAlchemy URL of the ledger (default: ${ENV_URL})")
+    pool.add_argument(
+        "--api-url", default=None,
+        help=f"instead of the ledger, Airflow's api-server (its elastic_ops routes; default: "
+        f"${ENV_API_URL} when no ledger URL is set); token from ${ENV_API_TOKEN}, or "
+        f"${ENV_API_USER} and ${ENV_API_PASSWORD}",
+    )
     psub = pool.add_subparsers(dest="pool_command", required=True)
 
     p = psub.add_parser("status", help="hosts, slots, jobs, leases and targets")
@@ -100,6 +107,18 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
 
 def _client(args: argparse.Namespace):
+    """The ledger (``--pool-url``, ``$ELASTIC_OPS_POOL_URL``) or the api-server (``--api-url``,
+    ``$ELASTIC_OPS_API_URL``): the same methods either way."""
+    if args.pool_url and args.api_url:
+        from elastic_ops.errors import SpecError
+
+        raise SpecError("--api-url", args.api_url, "must not be given with --pool-url: give one of them")
+    ledger = args.pool_url or os.environ.get(ENV_URL)
+    api_url = args.api_url or (None if ledger else os.environ.get(ENV_API_URL))
+    if api_url:
+        from elastic_ops.pool.api_client import ApiPoolClient
+
+        return ApiPoolClient(api_url)
     from elastic_ops.pool.client import PoolClient
 
     return PoolClient(args.pool_url or os.environ.get(ENV_URL))

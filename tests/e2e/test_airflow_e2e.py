@@ -137,6 +137,23 @@ def test_pool_page_and_controls_through_the_api_server(deployment):
     r = httpx.post(url, json={"state": "broken"}, headers=bearer, timeout=30)
     assert r.status_code == 422 and "state" in r.text
 
+    # the CLI through the api-server, logging in with the user's name and password
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTIC_OPS_")}
+    env.update(ELASTIC_OPS_API_USER=af.user, ELASTIC_OPS_API_PASSWORD=af.password)
+
+    def cli(*argv: str) -> str:
+        out = subprocess.run([sys.executable, "-m", "elastic_ops.cli", "pool", "--api-url", af.url, *argv],
+                             env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+
+    try:
+        cli("drain", "host2")
+        hosts = {h["name"]: h["state"] for h in json.loads(cli("status", "--json"))["hosts"]}
+        assert hosts == {"host1": "up", "host2": "draining"}
+    finally:
+        pool.set_host_state("host2", "up")
+
 
 def test_competing_jobs_follow_the_priority_sequence(deployment, statsd):
     af, pool = deployment

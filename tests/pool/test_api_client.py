@@ -1,0 +1,144 @@
+"""``elastic-ops pool --api-url``: the same commands through Airflow's api-server (the plugin's
+routes) instead of the ledger's database, with the same errors.
+
+The api-server here is the plugin's real FastAPI app, mounted where Airflow mounts it, authorized
+by Airflow's real ``SimpleAuthManager``; only Airflow's token check is replaced (bearer
+``op-token`` / ``viewer-token``; ``POST /auth/token`` hands out ``op-token`` for ``op``/``pw``).
+tests/e2e/test_airflow_e2e.py runs the CLI against a real api-server with a real login."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from airflow.api_fastapi.auth.managers.simple.simple_auth_manager import SimpleAuthManager
+from airflow.api_fastapi.auth.managers.simple.user import SimpleAuthManagerUser
+from airflow.api_fastapi.core_api.security import get_user
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.testclient import TestClient
+
+from elastic_ops import plugin_api
+from elastic_ops.errors import ApiAuthError, LedgerUnavailableError, PoolError, SpecError, UnknownJobError
+from elastic_ops.pool import PoolClient
+from elastic_ops.pool import api_client as api_module
+from elastic_ops.pool.api_client import ApiPoolClient
+
+from .cli_helper import run
+
+ROLES = {"op-token": "op", "viewer-token": "viewer"}
+BASE = "http://testserver"
+
+
+def _user(request: Request) -> SimpleAuthManagerUser:
+    token = request.headers.get("authorization", "").removeprefix("Bearer ")
+    if token not in ROLES:
+        raise HTTPException(status_code=401, detail="Not authenticated")
+    return SimpleAuthManagerUser(username=ROLES[token], role=ROLES[token])
+
+
+@pytest.fixture
+def server(monkeypatch, sqlite_url):
+    """(the ledger, an HTTP client for the api-server, the token requests it saw)"""
+    pool = PoolClient(sqlite_url)
+    logins: list[dict] = []
+    airflow = FastAPI()
+
+    @airflow.post("/auth/token")
+    def token(body: dict) -> dict:
+        logins.append(body)
+        if body != {"username": "op", "password": "pw"}:
+            raise HTTPException(status_code=401, detail="Invalid credentials")
+        return {"access_token": "op-token"}
+
+    airflow.mount("/elastic-ops", plugin_api.app)
+    monkeypatch.setattr(plugin_api, "_client", lambda: pool)
+    monkeypatch.setattr("airflow.api_fastapi.app.get_auth_manager", SimpleAuthManager)
+    monkeypatch.setitem(plugin_api.app.dependency_overrides, get_user, _user)
+    http = TestClient(airflow, base_url=BASE)
+    monkeypatch.setattr(api_module.httpx, "Client", lambda **kwargs: http)  # what the CLI opens
+    for var in ("ELASTIC_OPS_POOL_URL", "ELASTIC_OPS_API_TOKEN", "ELASTIC_OPS_API_USER",
+                "ELASTIC_OPS_API_PASSWORD"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("ELASTIC_OPS_API_URL", BASE)
+    return pool, http, logins
+
+
+def test_the_pool_commands_work_through_the_api_server(server, monkeypatch, capsys):
+    pool, _, _ = server
+    monkeypatch.setenv("ELASTIC_OPS_API_TOKEN", "op-token")
+    assert run(["pool", "add-host", "gpu-0", "8", "--label", "zone=a"]) == 0
+    assert run(["pool", "add-host", "gpu-1", "4"]) == 0
+    pool.submit("train", min_workers=1, max_workers=8)
+    pool.request("train")
+    for argv in (["set-priority", "train", "7"], ["set-bounds", "train", "2", "4"],
+                 ["set-preemptible", "train", "false"], ["drain", "gpu-0"],
+                 ["set-host-state", "gpu-1", "down"], ["configure", "--policy", "fairshare"]):
+        assert run(["pool", *argv]) == 0, argv
+    capsys.readouterr()
+    assert run(["pool", "status", "--json"]) == 0
+    st = json.loads(capsys.readouterr().out)
+    def timeless(jobs):
+        return [{k: v for k, v in j.items() if k != "lease_expires_in"} for j in jobs]
+
+    assert timeless(st["jobs"]) == timeless(pool.status()["jobs"])
+    job = st["jobs"][0]
+    assert (job["priority"], job["min_workers"], job["max_workers"], job["preemptible"]) == (7, 2, 4, False)
+    assert {h["name"]: h["state"] for h in st["hosts"]} == {"gpu-0": "draining", "gpu-1": "down"}
+    assert st["hosts"][0]["labels"] == {"zone": "a"} and st["settings"]["policy"] == "fairshare"
+    assert run(["pool", "status"]) == 0
+    assert "gpu-0" in capsys.readouterr().out
+    assert run(["pool", "events", "--job", "train", "--json"]) == 0
+    lines = [json.loads(ln) for ln in capsys.readouterr().out.splitlines()]
+    assert lines == [json.loads(json.dumps(e)) for e in pool.events("train")]
+    assert run(["pool", "prune-events", "--older-than-days", "1"]) == 0
+    assert "deleted 0 events" in capsys.readouterr().out
+
+
+def test_a_login_is_exchanged_for_a_token_once(server, monkeypatch):
+    pool, http, logins = server
+    client = ApiPoolClient(BASE, username="op", password="pw", http=http)
+    client.add_host("h", 2)
+    client.set_host_state("h", "draining")
+    assert len(logins) == 1 and pool.status()["hosts"][0]["state"] == "draining"
+    with pytest.raises(ApiAuthError, match="refused the login of 'op'") as err:
+        ApiPoolClient(BASE, username="op", password="wrong", http=http).status()
+    assert "wrong" not in str(err.value)
+
+
+@pytest.mark.parametrize(("token", "call", "error", "says"), [
+    ("viewer-token", lambda c: c.add_host("h", 2), ApiAuthError, "HTTP 403"),
+    ("nobody", lambda c: c.status(), ApiAuthError, "HTTP 401"),
+    ("op-token", lambda c: c.set_priority("nope", 3), UnknownJobError, "unknown job 'nope'"),
+    ("op-token", lambda c: c.set_host_state("nope", "up"), PoolError, "unknown host 'nope'"),
+    ("op-token", lambda c: c.set_bounds("j", 3, 2), PoolError, "min_workers"),
+    ("op-token", lambda c: c.set_priority("j", 0), PoolError, "priority"),
+    ("op-token", lambda c: c.configure(policy="fastest"), PoolError, "unknown policy 'fastest'"),
+])
+def test_the_api_servers_refusals_are_the_pools_errors(server, token, call, error, says):
+    pool, http, _ = server
+    pool.submit("j", min_workers=1, max_workers=2)
+    with pytest.raises(error, match=says):
+        call(ApiPoolClient(BASE, token=token, http=http))
+
+
+def test_bad_settings_are_refused_before_any_request(server, monkeypatch, capsys):
+    with pytest.raises(ApiAuthError, match="no credentials for the api-server"):
+        ApiPoolClient(BASE).status()
+    with pytest.raises(SpecError, match="api_url"):
+        ApiPoolClient("ftp://airflow")
+    with pytest.raises(SpecError, match="must not hold credentials") as err:
+        ApiPoolClient("https://op:secret@airflow.example.com")
+    assert "secret" not in str(err.value)
+    assert run(["pool", "--pool-url", "sqlite:////tmp/x.db", "--api-url", BASE, "status"]) == 2
+    assert "give one of them" in capsys.readouterr().err
+
+
+def test_an_api_server_that_does_not_answer_is_retryable(monkeypatch):
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(LedgerUnavailableError, match="unreachable") as err:
+        ApiPoolClient(f"http://127.0.0.1:{port}", token="t").status()
+    assert err.value.retryable
