@@ -35,6 +35,29 @@ URI_ALLOWED = (
 )
 
 
+_LABEL_KEY_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-/]{0,62}")
+MAX_SELECTOR_LABELS = 16
+
+
+def check_host_selector(field: str, value: Any) -> dict[str, str]:
+    """Host labels a job's hosts must all carry (``{"gpu": "h100"}``): keys of letters, digits,
+    ``_ . - /`` (up to 63), string values (up to 253), at most 16 pairs."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise SpecError(field, value, 'must be a mapping of host labels, e.g. {"gpu": "h100"}')
+    if len(value) > MAX_SELECTOR_LABELS:
+        raise SpecError(field, dict(value), f"must name at most {MAX_SELECTOR_LABELS} labels")
+    for key, label in value.items():
+        if not isinstance(key, str) or not _LABEL_KEY_RE.fullmatch(key):
+            raise SpecError(field, dict(value), f"label name {key!r} must be 1-63 letters, digits, "
+                            "'_', '.', '-', '/', starting with a letter or digit")
+        if not isinstance(label, str) or len(label) > 253:
+            raise SpecError(field, dict(value), f"label {key!r} must have a string value of at most 253 "
+                            f"characters, not {label!r}")
+    return dict(value)
+
+
 def check_host_name(field: str, value: Any) -> str:
     """A host name as hostnames go (the pool prints it as ``host:slot`` in events and placements;
     node agents are found by it)."""
@@ -136,6 +159,7 @@ class JobSpec:
     threads_per_worker: int = 1
     device: Device = Device.CPU
     params: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    host_selector: Mapping[str, str] = dataclasses.field(default_factory=dict)  # labels its hosts carry
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen dataclass
@@ -195,6 +219,7 @@ class JobSpec:
                 "params", _short(self.params), f"must be JSON-serialisable, numbers finite ({exc})"
             ) from None
         set_("params", dict(self.params))
+        set_("host_selector", check_host_selector("host_selector", self.host_selector))
 
     def _check_entrypoint(self) -> None:
         ep = self.entrypoint

@@ -49,6 +49,10 @@ def add_commands(subparsers: Any) -> None:
         help="if the pool has no host of this name yet, add it with N slots (the ledger from "
         "--pool-url or $ELASTIC_OPS_POOL_URL); a known host's slots and state are left as they are",
     )
+    n.add_argument(
+        "--label", action="append", default=[], metavar="KEY=VALUE",
+        help="with --register-slots: a label of the new host (e.g. gpu=h100), for jobs' host selectors",
+    )
     n.add_argument("--pool-url", default=None, help="SQLAlchemy URL of the pool ledger, for --register-slots")
     n.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     n.set_defaults(func=cmd_node)
@@ -95,8 +99,9 @@ def cmd_node(args: argparse.Namespace) -> int:
     _log_to_stderr(args.log_level)
     if args.register_slots is not None:
         from elastic_ops.agent.node import register_host
+        from elastic_ops.pool.cli import parse_labels
 
-        register_host(args.host, args.register_slots, args.pool_url)
+        register_host(args.host, args.register_slots, args.pool_url, parse_labels(args.label))
     return main(args.host, config)
 
 

@@ -257,9 +257,12 @@ class NodeAgent:
                 self.sessions.pop(session_id, None)
 
 
-def register_host(host: str, slots: int, pool_url: str | None = None) -> bool:
-    """Add ``host`` with ``slots`` slots to the pool ledger unless the pool knows it already
-    (then its slots and state, e.g. a drain an operator set, stay as they are). True if added."""
+def register_host(
+    host: str, slots: int, pool_url: str | None = None, labels: dict[str, str] | None = None
+) -> bool:
+    """Add ``host`` with ``slots`` slots (and ``labels``) to the pool ledger unless the pool
+    knows it already (then its slots, labels and state, e.g. a drain an operator set, stay as
+    they are). True if added."""
     from elastic_ops.pool import PoolClient
 
     check_host_name("--host", host)
@@ -270,8 +273,9 @@ def register_host(host: str, slots: int, pool_url: str | None = None) -> bool:
         if any(h["name"] == host for h in client.status()["hosts"]):
             log.info("host %s is in the pool already; its slots and state are left as they are", host)
             return False
-        client.add_host(host, slots)
-        log.info("added host %s with %d slots to the pool", host, slots)
+        client.add_host(host, slots, labels)
+        log.info("added host %s with %d slots%s to the pool", host, slots,
+                 f" and labels {labels}" if labels else "")
         return True
     finally:
         client.close()

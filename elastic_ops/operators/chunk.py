@@ -48,7 +48,14 @@ from elastic_ops.errors import (
     WorkerLostError,
 )
 from elastic_ops.hooks.elastic_ops import DEFAULT_CONN_ID, ElasticOpsHook, default_checkpoint_root
-from elastic_ops.operators.jobs import check_seconds, chunk_range, job_id, runtime_spec, safe_name
+from elastic_ops.operators.jobs import (
+    check_seconds,
+    chunk_range,
+    job_id,
+    register,
+    runtime_spec,
+    safe_name,
+)
 from elastic_ops.operators.lease import LeaseKeeper
 from elastic_ops.operators.progress import progress_logger
 from elastic_ops.operators.results import ChunkTaskResult
@@ -344,9 +351,7 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
         try:
             outcome = client.request(job, avoid_hosts=tuple(avoid), new_attempt=True)
         except UnknownJobError:  # register was skipped or the ledger was reset: register again
-            spec = JobSpec.from_dict(state["spec"])
-            client.submit(job, min_workers=spec.min_workers, max_workers=spec.max_workers,
-                          priority=spec.priority, preemptible=spec.preemptible)
+            register(client, JobSpec.from_dict(state["spec"]))
             outcome = client.request(job, avoid_hosts=tuple(avoid), new_attempt=True)
         outcome = self._wait_in_task(client, job, avoid, outcome)
         if hasattr(outcome, "epoch"):

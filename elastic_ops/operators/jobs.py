@@ -102,3 +102,11 @@ def chunk_range(spec: JobSpec, index: int) -> tuple[int, int]:
     if index < len(ranges):
         return ranges[index]
     return spec.total_iterations, spec.total_iterations
+
+
+def register(client: Any, spec: JobSpec) -> None:
+    """Register (or update) ``spec``'s demand with the pool."""
+    client.submit(
+        spec.name, min_workers=spec.min_workers, max_workers=spec.max_workers,
+        priority=spec.priority, preemptible=spec.preemptible, selector=spec.host_selector,
+    )

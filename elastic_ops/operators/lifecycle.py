@@ -10,6 +10,7 @@ from airflow.sdk import BaseOperator
 
 from elastic_ops.hooks.elastic_ops import DEFAULT_CONN_ID
 from elastic_ops.operators.chunk import ElasticOperatorMixin
+from elastic_ops.operators.jobs import register
 from elastic_ops.operators.results import ChunkTaskResult
 
 
@@ -38,14 +39,12 @@ class ElasticRegisterOperator(ElasticOperatorMixin, BaseOperator):
 
     def execute(self, context: Any) -> dict[str, Any]:
         spec = self._spec(context)
-        self._hook().pool().submit(
-            spec.name, min_workers=spec.min_workers, max_workers=spec.max_workers,
-            priority=spec.priority, preemptible=spec.preemptible,
-        )
+        register(self._hook().pool(), spec)
         self.log.info(
-            "registered job %s: %d..%d workers, priority %d, %d chunks of %d iterations, checkpoints %s",
+            "registered job %s: %d..%d workers, priority %d, %d chunks of %d iterations, checkpoints %s%s",
             spec.name, spec.min_workers, spec.max_workers, spec.priority, spec.num_chunks,
             spec.chunk_iterations, spec.checkpoint_uri(),
+            f", on hosts labelled {spec.host_selector}" if spec.host_selector else "",
         )
         return {"job": spec.name, "spec": spec.to_dict(), "checkpoint": spec.checkpoint_uri()}
 

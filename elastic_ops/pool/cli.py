@@ -124,16 +124,21 @@ def _client(args: argparse.Namespace):
     return PoolClient(args.pool_url or os.environ.get(ENV_URL))
 
 
-def _add_host(args: argparse.Namespace) -> None:
+def parse_labels(items: Sequence[str]) -> dict[str, str]:
+    """``--label KEY=VALUE`` arguments as a mapping."""
     from elastic_ops.errors import SpecError
 
     labels = {}
-    for item in args.label:
+    for item in items:
         if "=" not in item:
             raise SpecError("label", item, "must be KEY=VALUE")
         k, v = item.split("=", 1)
         labels[k] = v
-    _client(args).add_host(args.host, args.slots, labels)
+    return labels
+
+
+def _add_host(args: argparse.Namespace) -> None:
+    _client(args).add_host(args.host, args.slots, parse_labels(args.label))
 
 
 def _configure(args: argparse.Namespace) -> None:

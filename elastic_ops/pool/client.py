@@ -20,7 +20,7 @@ import json
 import os
 import random
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from sqlalchemy import Connection, create_engine, delete, event, func, insert, or_, select, update
@@ -49,9 +49,10 @@ from elastic_ops.pool.model import (
     Slot,
     Snapshot,
     TargetAction,
+    outside,
 )
 from elastic_ops.pool.policies import get_policy
-from elastic_ops.spec import MAX_WORKERS_LIMIT, check_host_name, check_number
+from elastic_ops.spec import MAX_WORKERS_LIMIT, check_host_name, check_host_selector, check_number
 from elastic_ops.urls import shown_url
 
 ENV_URL = "ELASTIC_OPS_POOL_URL"
@@ -180,6 +181,10 @@ def _engine(url: str) -> Engine:
     if backend == "postgresql":
         return create_engine(parsed, pool_pre_ping=True)
     raise SpecError("url", shown_url(url), "the pool ledger supports sqlite and postgresql URLs")
+
+
+def _labels(labels: Mapping[str, str]) -> str:
+    return ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
 
 
 def _avoidable(avoid: frozenset[str], up_slots: dict[str, int], min_workers: int) -> frozenset[str]:
@@ -390,14 +395,23 @@ class PoolClient:
     # --- jobs ----------------------------------------------------------------------------
 
     def submit(
-        self, job: str, *, min_workers: int, max_workers: int, priority: int = 1, preemptible: bool = True
+        self,
+        job: str,
+        *,
+        min_workers: int,
+        max_workers: int,
+        priority: int = 1,
+        preemptible: bool = True,
+        selector: Mapping[str, str] | None = None,
     ) -> None:
-        """Register a job or update its demand (idempotent). A finished job becomes waiting again."""
+        """Register a job or update its demand (idempotent). A finished job becomes waiting again.
+        ``selector``: labels every host the job runs on must carry (``{"gpu": "h100"}``)."""
         _check_name("job", job)
         _check_bounds(min_workers, max_workers)
         _check_int("priority", priority, 1, 1000)
         if not isinstance(preemptible, bool):
             raise SpecError("preemptible", preemptible, "must be true or false")
+        wanted = check_host_selector("selector", selector)
 
         def op(conn, now):
             row = conn.execute(select(s.jobs).where(s.jobs.c.name == job)).first()
@@ -407,7 +421,9 @@ class PoolClient:
                 priority=priority,
                 preemptible=preemptible,
                 last_seen=now,
+                selector=json.dumps(wanted, sort_keys=True),
             )
+            on = f" on hosts with {_labels(wanted)}" if wanted else ""
             if row is None:
                 conn.execute(
                     insert(s.jobs).values(
@@ -428,7 +444,7 @@ class PoolClient:
                     "submit",
                     job=job,
                     reason=f"min {min_workers} max {max_workers} "
-                    f"priority {priority} preemptible {preemptible}",
+                    f"priority {priority} preemptible {preemptible}{on}",
                 )
             else:
                 if row.state == JobState.FINISHED.value:  # a rerun (the DAG run was cleared)
@@ -436,7 +452,7 @@ class PoolClient:
                         state=JobState.WAITING.value, waiting_since=now, submitted=now, avoid_hosts="[]"
                     )
                     self._event(conn, now, "submit", job=job, reason=f"registered again: min {min_workers} "
-                                f"max {max_workers} priority {priority} preemptible {preemptible}")
+                                f"max {max_workers} priority {priority} preemptible {preemptible}{on}")
                 conn.execute(update(s.jobs).where(s.jobs.c.name == job).values(**values))
             self._replan(conn, now)
 
@@ -757,6 +773,7 @@ class PoolClient:
                         "epoch": r.epoch,
                         "lease_expires_in": None if lease is None else round(lease.expires - now, 3),
                         "avoid_hosts": json.loads(r.avoid_hosts),
+                        "selector": json.loads(r.selector),
                         "placements": [list(p) for p in held.get(r.name, ())],
                     }
                 )
@@ -1005,6 +1022,11 @@ class PoolClient:
             mine = held.get(r.name, ())
             if not mine and r.last_seen < idle_before:
                 continue  # a waiting job that stopped asking does not block others
+            # hosts without the job's labels are never its own; among the others, those that
+            # failed it are avoided unless that leaves too few
+            excluded = outside(json.loads(r.selector), hosts)
+            usable = {h: n for h, n in up_slots.items() if h not in excluded} if excluded else up_slots
+            failed = _avoidable(frozenset(json.loads(r.avoid_hosts)), usable, r.min_workers)
             jobs.append(
                 Job(
                     name=r.name,
@@ -1012,7 +1034,7 @@ class PoolClient:
                     max_workers=r.max_workers,
                     priority=r.priority,
                     preemptible=bool(r.preemptible),
-                    avoid_hosts=_avoidable(frozenset(json.loads(r.avoid_hosts)), up_slots, r.min_workers),
+                    avoid_hosts=failed | excluded,
                     submitted=r.submitted,
                     waiting_since=r.waiting_since,
                     last_rescale=r.last_rescale,

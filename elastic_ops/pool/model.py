@@ -11,7 +11,7 @@ import abc
 import dataclasses
 import enum
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from elastic_ops.errors import SpecError
 
@@ -85,6 +85,15 @@ class Host:
     slots: int
     state: HostState = HostState.UP
     labels: tuple[tuple[str, str], ...] = ()
+
+
+def outside(selector: Mapping[str, str], hosts: Iterable[Host]) -> frozenset[str]:
+    """The hosts that lack one of the ``selector``'s labels: a job with that selector may not
+    use them (the ledger hands them to policies as hosts the job avoids, a hard constraint)."""
+    if not selector:
+        return frozenset()
+    need = set(selector.items())
+    return frozenset(h.name for h in hosts if not need <= set(h.labels))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,7 +6,9 @@ from __future__ import annotations
 from typing import Any
 
 HOST_COLUMNS = ("HOST", "STATE", "SLOTS", "USED", "LABELS")
-JOB_COLUMNS = ("JOB", "STATE", "MIN..MAX", "PRIO", "PREEMPT", "WORKERS", "TARGET", "EPOCH", "LEASE", "REASON")
+JOB_COLUMNS = (
+    "JOB", "STATE", "MIN..MAX", "PRIO", "PREEMPT", "HOSTS", "WORKERS", "TARGET", "EPOCH", "LEASE", "REASON",
+)
 
 
 def summary(st: dict[str, Any]) -> str:
@@ -29,7 +31,9 @@ def job_rows(st: dict[str, Any]) -> list[list[str]]:
     return [
         [
             j["name"], j["state"], f"{j['min_workers']}..{j['max_workers']}", str(j["priority"]),
-            "yes" if j["preemptible"] else "no", str(j["workers"]), str(j["target"]), str(j["epoch"]),
+            "yes" if j["preemptible"] else "no",
+            ",".join(f"{k}={v}" for k, v in sorted(j.get("selector", {}).items())) or "any",
+            str(j["workers"]), str(j["target"]), str(j["epoch"]),
             "-" if j["lease_expires_in"] is None else f"{j['lease_expires_in']:.0f}s", str(j["reason"]),
         ]
         for j in st["jobs"]

@@ -82,6 +82,7 @@ jobs = Table(
     Column("avoid_hosts", Text, nullable=False, default="[]"),
     Column("target", Integer, nullable=False, default=0),
     Column("reason", Text, nullable=False, default=""),
+    Column("selector", Text, nullable=False, default="{}", server_default="{}"),  # v2
 )
 
 leases = Table(
@@ -142,7 +143,13 @@ def _v1(conn: Connection) -> None:
         conn.execute(insert(pool).values(id=1, **DEFAULTS))
 
 
-MIGRATIONS: list[tuple[int, Callable[[Connection], None]]] = [(1, _v1)]
+def _v2(conn: Connection) -> None:
+    """Jobs' host selectors (``{"gpu": "h100"}``; ``{}`` for the jobs there were)."""
+    if "selector" not in {c["name"] for c in inspect(conn).get_columns("jobs")}:
+        conn.execute(text("ALTER TABLE jobs ADD COLUMN selector TEXT NOT NULL DEFAULT '{}'"))
+
+
+MIGRATIONS: list[tuple[int, Callable[[Connection], None]]] = [(1, _v1), (2, _v2)]
 LATEST = MIGRATIONS[-1][0]
 
 

@@ -12,12 +12,14 @@ from airflow.sdk import BaseSensorOperator
 from elastic_ops.errors import SpecError, WaitFailedError
 from elastic_ops.hooks.elastic_ops import DEFAULT_CONN_ID, ElasticOpsHook
 from elastic_ops.operators.jobs import check_seconds, coerce_rendered, is_template
+from elastic_ops.spec import check_host_selector
 from elastic_ops.triggers.events import CapacityEvent, TriggerFailure, parse_event
 from elastic_ops.triggers.pool import PoolCapacityTrigger, free_slots
 
 
 class ElasticPoolSensor(BaseSensorOperator):
-    """Succeeds when the pool has at least ``min_workers`` free slots.
+    """Succeeds when the pool has at least ``min_workers`` free slots (on hosts carrying every
+    label of ``host_selector``, as a job with that selector needs).
 
     Deferrable by default: the waiting happens in the triggerer (``PoolCapacityTrigger``).
     With ``deferrable=False`` it pokes like a classic sensor.
@@ -32,6 +34,7 @@ class ElasticPoolSensor(BaseSensorOperator):
         elastic_ops_conn_id: str = DEFAULT_CONN_ID,
         deferrable: bool = True,
         poll_interval: float = 2.0,
+        host_selector: dict[str, str] | None = None,
         **kwargs: Any,
     ) -> None:
         if not is_template(min_workers) and (
@@ -45,6 +48,7 @@ class ElasticPoolSensor(BaseSensorOperator):
         self.elastic_ops_conn_id = elastic_ops_conn_id
         self.deferrable = deferrable
         self.poll_interval = poll_interval
+        self.host_selector = check_host_selector("host_selector", host_selector)
 
     def _wanted(self) -> int:
         value = coerce_rendered({"min_workers": self.min_workers})["min_workers"]
@@ -53,8 +57,9 @@ class ElasticPoolSensor(BaseSensorOperator):
         return value
 
     def poke(self, context: Any) -> bool:
-        free = free_slots(ElasticOpsHook(self.elastic_ops_conn_id).pool().status())
-        self.log.info("pool has %d free slots; waiting for %d", free, self._wanted())
+        free = free_slots(ElasticOpsHook(self.elastic_ops_conn_id).pool().status(), self.host_selector)
+        where = f" on hosts with {self.host_selector}" if self.host_selector else ""
+        self.log.info("pool has %d free slots%s; waiting for %d", free, where, self._wanted())
         return free >= self._wanted()
 
     def execute(self, context: Any) -> Any:
@@ -67,6 +72,7 @@ class ElasticPoolSensor(BaseSensorOperator):
             trigger=PoolCapacityTrigger(
                 ledger_url=ElasticOpsHook(self.elastic_ops_conn_id).ledger_url(),
                 min_workers=self._wanted(), poll_interval=self.poll_interval,
+                host_selector=self.host_selector,
             ),
             method_name="execute_complete",
             timeout=timeout,

@@ -48,12 +48,14 @@ class _LedgerTrigger(BaseTrigger):
         return self.repr(classpath, {**kwargs, "ledger_url": shown_url(kwargs["ledger_url"])})
 
 
-def free_slots(status: dict[str, Any]) -> int:
-    """Free slots on hosts that take grants (state ``up``), from ``PoolClient.status()``."""
+def free_slots(status: dict[str, Any], host_selector: dict[str, str] | None = None) -> int:
+    """Free slots on hosts that take grants (state ``up``) and carry every label of
+    ``host_selector``, from ``PoolClient.status()``."""
+    want = set((host_selector or {}).items())
     return sum(
         max(0, int(h["slots"]) - int(h.get("used", 0)))
         for h in status.get("hosts", [])
-        if str(h.get("state", "up")) == "up"
+        if str(h.get("state", "up")) == "up" and want <= set(h.get("labels", {}).items())
     )
 
 
@@ -133,19 +135,28 @@ class GrantTrigger(_LedgerTrigger):
 
 
 class PoolCapacityTrigger(_LedgerTrigger):
-    """Fires when the pool has at least ``min_workers`` free slots."""
+    """Fires when the pool has at least ``min_workers`` free slots (on hosts with the labels of
+    ``host_selector``, if given)."""
 
-    def __init__(self, *, ledger_url: str, min_workers: int, poll_interval: float = 2.0) -> None:
+    def __init__(
+        self,
+        *,
+        ledger_url: str,
+        min_workers: int,
+        poll_interval: float = 2.0,
+        host_selector: dict[str, str] | None = None,
+    ) -> None:
         super().__init__()
         self.ledger_url = ledger_url
         self.min_workers = int(min_workers)
         self.poll_interval = float(poll_interval)
+        self.host_selector = dict(host_selector or {})
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (
             f"{_MODULE}.PoolCapacityTrigger",
             {"ledger_url": self.ledger_url, "min_workers": self.min_workers,
-             "poll_interval": self.poll_interval},
+             "poll_interval": self.poll_interval, "host_selector": dict(self.host_selector)},
         )
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
@@ -155,7 +166,7 @@ class PoolCapacityTrigger(_LedgerTrigger):
             try:
                 if client is None:
                     client = await _pool_client(self.ledger_url)
-                free = free_slots(await asyncio.to_thread(client.status))
+                free = free_slots(await asyncio.to_thread(client.status), self.host_selector)
             except ElasticOpsError as exc:
                 if not exc.retryable:
                     yield TriggerEvent(TriggerFailure(str(exc), type(exc).__name__, False).to_payload())

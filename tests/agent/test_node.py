@@ -363,12 +363,17 @@ def test_a_node_adds_its_host_to_the_pool_once_and_leaves_a_known_host_alone(tmp
     assert register_host("host-x", 8, url) is False  # the node restarts: nothing changes
     (host,) = pool.status()["hosts"]
     assert (host["name"], host["slots"], host["state"]) == ("host-x", 4, "draining")
+    assert register_host("host-g", 2, url, {"gpu": "h100"}) is True  # labels for host selectors
+    assert {h["name"]: h["labels"] for h in pool.status()["hosts"]}["host-g"] == {"gpu": "h100"}
     with pytest.raises(SpecError, match="--register-slots"):
         register_host("host-y", 0, url)
     monkeypatch.setenv("ELASTIC_OPS_NODE_REDIS_URL", REDIS_URL)
     monkeypatch.setenv("ELASTIC_OPS_NODE_SECRET", SECRET)
     assert cli_main(["node", "--host", "bad host", "--register-slots", "2", "--pool-url", url]) == 2
     assert "invalid --host='bad host'" in capsys.readouterr().err
+    argv = ["node", "--host", "host-z", "--register-slots", "2", "--label", "gpu", "--pool-url", url]
+    assert cli_main(argv) == 2
+    assert "invalid label='gpu'" in capsys.readouterr().err
     monkeypatch.delenv("ELASTIC_OPS_NODE_REDIS_URL")
     assert cli_main(["node", "--host", "h"]) == 2
     assert "ELASTIC_OPS_NODE_REDIS_URL" in capsys.readouterr().err

@@ -59,6 +59,17 @@ def test_register_submits_the_rendered_demand(pool):
     assert job["name"] == out["job"] == job_id("d", "train", "run1")
     assert (job["min_workers"], job["max_workers"], job["priority"]) == (1, 2, 2)
     assert out["checkpoint"].endswith("/elastic_ops/checkpoints/d/train/run1")
+    assert job["selector"] == {}
+
+
+def test_a_jobs_host_selector_reaches_the_pool_and_keeps_it_on_those_hosts(pool):
+    pool.add_host("h100-0", 2, {"gpu": "h100"})
+    op = ElasticRegisterOperator(task_id="register", group_id="train",
+                                 spec_fields=FIELDS | {"max_workers": "4", "host_selector": {"gpu": "h100"}})
+    job = op.execute(context())["job"]
+    assert {j["name"]: j["selector"] for j in pool.status()["jobs"]} == {job: {"gpu": "h100"}}
+    grant = pool.request(job)
+    assert {h for h, _ in grant.placements} == {"h100-0"}  # not h1, the unlabelled host
 
 
 def test_a_full_pool_defers_with_everything_the_resumed_try_needs(pool):

@@ -55,6 +55,18 @@ def test_resumes_with_the_event_or_fails_on_a_trigger_failure(pool):
         sensor.execute_complete({}, TriggerFailure("x", "UnknownHostError", False).to_payload())
 
 
+def test_a_host_selector_counts_only_the_hosts_with_those_labels(pool):
+    pool.add_host("h100-0", 2, {"gpu": "h100"})  # h1 (4 free, no labels) does not count
+    sensor = ElasticPoolSensor(task_id="gate", min_workers=3, host_selector={"gpu": "h100"})
+    assert sensor.poke({}) is False
+    with pytest.raises(TaskDeferred) as deferred:
+        sensor.execute({})
+    assert deferred.value.trigger.host_selector == {"gpu": "h100"}
+    assert ElasticPoolSensor(task_id="g2", min_workers=2, host_selector={"gpu": "h100"}).poke({}) is True
+    with pytest.raises(SpecError, match="host_selector"):
+        ElasticPoolSensor(task_id="bad", host_selector={"gpu": 1})
+
+
 def test_non_deferrable_mode_pokes_in_the_worker(pool):
     sensor = ElasticPoolSensor(task_id="gate", min_workers=4, deferrable=False)
     assert sensor.poke({}) is True

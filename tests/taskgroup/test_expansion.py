@@ -90,6 +90,8 @@ def test_chunk_kwargs_reach_the_chunk_tasks():
     ({"warm_start": "s3://"}, "warm_start"),
     ({"warm_start": 5}, "warm_start"),
     ({"total_iterations": 20_000, "chunk_iterations": 1}, "chunk_iterations"),  # 20,000 tasks
+    ({"host_selector": {"gpu": 100}}, "host_selector"),
+    ({"host_selector": "gpu=h100"}, "host_selector"),
 ])
 def test_bad_arguments_fail_at_parse_time_naming_the_field(kwargs, field):
     with pytest.raises(SpecError) as err:

@@ -41,10 +41,12 @@ def test_grant_trigger_roundtrip_keeps_everything_the_task_needs():
 
 
 def test_capacity_trigger_roundtrip():
-    trig = PoolCapacityTrigger(ledger_url="postgresql+psycopg2://u@h/db", min_workers=3, poll_interval=0.2)
+    trig = PoolCapacityTrigger(ledger_url="postgresql+psycopg2://u@h/db", min_workers=3, poll_interval=0.2,
+                               host_selector={"gpu": "h100"})
     classpath, kwargs, rebuilt = roundtrip(trig)
     assert classpath == "elastic_ops.triggers.pool.PoolCapacityTrigger"
     assert rebuilt.serialize() == (classpath, kwargs)
+    assert rebuilt.host_selector == {"gpu": "h100"}
 
 
 @pytest.mark.parametrize("event", [
