@@ -124,6 +124,13 @@ def pool_events(
     return _client().events(job=job, since_id=since_id, last=last)
 
 
+@app.get("/usage")
+def pool_usage(user: GetUserDep, hours: float | None = Query(None, gt=0)) -> dict[str, Any]:
+    """Slot-hours per job and per host over the last ``hours`` (default: the whole event log)."""
+    _authorize("GET", user)
+    return _call(_client().usage, hours=hours)
+
+
 @app.get("/ui", response_class=HTMLResponse)
 def status_page(user: GetUserDep) -> HTMLResponse:
     """The status as a page (the "Elastic pool" entry in the Airflow UI's Admin menu)."""

@@ -26,7 +26,8 @@ CHANGES = [
     ("PATCH", "/settings", {"policy": "fairshare", "lease_ttl_s": 30}),
     ("DELETE", "/events?older_than_days=1", None),
 ]
-READS = [("GET", "/status", None), ("GET", "/events", None), ("GET", "/ui", None)]
+READS = [("GET", "/status", None), ("GET", "/events", None), ("GET", "/ui", None),
+         ("GET", "/usage?hours=2", None)]
 
 
 def make_api(tmp_path, monkeypatch, role: str | None = "op") -> tuple[TestClient, PoolClient]:
@@ -119,6 +120,8 @@ def test_an_operator_controls_jobs_hosts_and_settings(tmp_path, monkeypatch):
     ("DELETE", "/events?older_than_days=inf", None, 422, "older_than_days"),
     ("DELETE", "/events", None, 422, "older_than_days"),
     ("GET", "/events?last=0", None, 422, "last"),
+    ("GET", "/usage?hours=0", None, 422, "hours"),
+    ("GET", "/usage?hours=inf", None, 400, "hours"),
 ])
 def test_refused_values_change_nothing_and_say_why(tmp_path, monkeypatch, method, path, body, code, says):
     client, pool = make_api(tmp_path, monkeypatch)

@@ -119,6 +119,9 @@ class ApiPoolClient:
         events = self._call("GET", "/events", params=params)
         return [{**e, "slots": [tuple(x) for x in e["slots"]]} for e in events]
 
+    def usage(self, *, hours: float | None = None) -> dict[str, Any]:
+        return self._call("GET", "/usage", params={} if hours is None else {"hours": hours})
+
     # --- control ------------------------------------------------------------------------
 
     def set_priority(self, job: str, priority: int) -> None:

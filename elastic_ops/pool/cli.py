@@ -72,6 +72,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     p.set_defaults(func=_events)
 
+    p = psub.add_parser("usage", help="slot-hours per job and per host, from the event log")
+    p.add_argument("--hours", type=float, default=None, help="the last H hours (default: the whole log)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_usage)
+
     p = psub.add_parser(
         "prune-events", help="delete events older than DAYS (a job holding a lease keeps its events)"
     )
@@ -189,6 +194,22 @@ def _events(args: argparse.Namespace) -> None:
             f"{e['id']:>6} {ts} {e['kind']:<8} {who:<20} workers={e['workers']} epoch={e['epoch']} "
             f"slots=[{slots}] {e['reason']}"
         )
+
+
+def _usage(args: argparse.Namespace) -> None:
+    u = _client(args).usage(hours=args.hours)
+    if args.json:
+        print(json.dumps(u, sort_keys=True))
+        return
+    print(f"{u['slot_hours']:g} slot-hours over {u['hours']:g} hours")
+    print()
+    total = u["slot_hours"] or 1.0
+    print(_table([[j["job"], f"{j['slot_hours']:.2f}", f"{100 * j['slot_hours'] / total:.1f}%"]
+                  for j in u["jobs"]], ["JOB", "SLOT-HOURS", "SHARE"]))
+    print()
+    print(_table([[h["host"], f"{h['slot_hours']:.2f}",
+                   f"{100 * h['utilization']:.1f}%" if "utilization" in h else "-"] for h in u["hosts"]],
+                 ["HOST", "SLOT-HOURS", "BUSY"]))
 
 
 def _prune_events(args: argparse.Namespace) -> None:

@@ -52,6 +52,7 @@ from elastic_ops.pool.model import (
     outside,
 )
 from elastic_ops.pool.policies import get_policy
+from elastic_ops.pool.usage import usage as usage_of
 from elastic_ops.spec import MAX_WORKERS_LIMIT, check_host_name, check_host_selector, check_number
 from elastic_ops.urls import shown_url
 
@@ -181,6 +182,20 @@ def _engine(url: str) -> Engine:
     if backend == "postgresql":
         return create_engine(parsed, pool_pre_ping=True)
     raise SpecError("url", shown_url(url), "the pool ledger supports sqlite and postgresql URLs")
+
+
+def _event_dict(r: Any) -> dict[str, Any]:
+    return {
+        "id": r.id,
+        "ts": r.ts,
+        "kind": r.kind,
+        "job": r.job,
+        "host": r.host,
+        "slots": [tuple(x) for x in json.loads(r.slots)],
+        "epoch": r.epoch,
+        "workers": r.workers,
+        "reason": r.reason,
+    }
 
 
 def _labels(labels: Mapping[str, str]) -> str:
@@ -806,22 +821,24 @@ class PoolClient:
                 q = q.order_by(q.selected_columns.id)
             else:
                 q = q.order_by(s.events.c.id)
-            return [
-                {
-                    "id": r.id,
-                    "ts": r.ts,
-                    "kind": r.kind,
-                    "job": r.job,
-                    "host": r.host,
-                    "slots": [tuple(x) for x in json.loads(r.slots)],
-                    "epoch": r.epoch,
-                    "workers": r.workers,
-                    "reason": r.reason,
-                }
-                for r in conn.execute(q)
-            ]
+            return [_event_dict(r) for r in conn.execute(q)]
 
         return self._tx(op, lock=False)
+
+    def usage(self, *, hours: float | None = None) -> dict[str, Any]:
+        """Slot-hours per job and per host over the last ``hours`` (default: since the oldest
+        event), replayed from the event log (see :mod:`elastic_ops.pool.usage`)."""
+        if hours is not None:
+            check_number("hours", hours, minimum=0, exclusive=True)
+
+        def op(conn, now):
+            rows = [_event_dict(r) for r in conn.execute(select(s.events).order_by(s.events.c.id))]
+            slots = {r.name: r.slots for r in conn.execute(select(s.hosts.c.name, s.hosts.c.slots))}
+            return now, rows, slots
+
+        now, rows, slots = self._tx(op, lock=False)
+        since = now - hours * 3600 if hours is not None else min((e["ts"] for e in rows), default=now)
+        return usage_of(rows, since, now).to_dict(slots)
 
     def prune_events(self, older_than_s: float) -> int:
         """Delete events older than ``older_than_s`` seconds; returns how many went.

@@ -90,6 +90,9 @@ def test_the_pool_commands_work_through_the_api_server(server, monkeypatch, caps
     assert run(["pool", "events", "--job", "train", "--json"]) == 0
     lines = [json.loads(ln) for ln in capsys.readouterr().out.splitlines()]
     assert lines == [json.loads(json.dumps(e)) for e in pool.events("train")]
+    assert run(["pool", "usage", "--json"]) == 0
+    used = json.loads(capsys.readouterr().out)
+    assert {j["job"] for j in used["jobs"]} == {"train"} and used["slot_hours"] >= 0
     assert run(["pool", "prune-events", "--older-than-days", "1"]) == 0
     assert "deleted 0 events" in capsys.readouterr().out
 
