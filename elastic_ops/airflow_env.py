@@ -67,6 +67,8 @@ class AirflowDeployment:
     # a cluster on one machine: a node agent per host name (ELASTIC_OPS_NODE_* in extra_env);
     # the tasks then send each chunk to the node of its granted host
     nodes: tuple[str, ...] = ()
+    # Airflow's metadata database (SQLAlchemy URL); None: SQLite under ``home``
+    database_url: str | None = None
 
     def __post_init__(self) -> None:
         self.home = Path(self.home).resolve()
@@ -99,7 +101,7 @@ class AirflowDeployment:
             "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(self.home / "passwords.json"),
             "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{self.url}/execution/",
             "AIRFLOW__CORE__MIN_SERIALIZED_DAG_UPDATE_INTERVAL": "5",
-            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{self.home / 'airflow.db'}",
+            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": self.database_url or f"sqlite:///{self.home}/airflow.db",
             "AIRFLOW__API__HOST": "127.0.0.1",
             "AIRFLOW__API__PORT": str(self.port),
             "AIRFLOW__API__BASE_URL": self.url,

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+import uuid
+from collections.abc import Iterator
 
 import pytest
 
@@ -37,11 +40,33 @@ def require_service(name: str, host: str, port: int) -> None:
     pytest.skip(msg)
 
 
-@pytest.fixture
-def postgres_url() -> str:
-    """A URL to the local PostgreSQL ``test`` database (trust auth)."""
+def local_postgres() -> str:
+    """A URL to the local PostgreSQL ``test`` database (trust auth); skips (fails in CI) without."""
     require_service("PostgreSQL", "127.0.0.1", 5432)
     return os.environ.get("ELASTIC_OPS_TEST_POSTGRES", "postgresql+psycopg2://postgres@127.0.0.1:5432/test")
+
+
+@pytest.fixture
+def postgres_url() -> str:
+    return local_postgres()
+
+
+@contextlib.contextmanager
+def fresh_database(prefix: str) -> Iterator[str]:
+    """A new database on the local PostgreSQL, dropped afterwards: a URL to it."""
+    import sqlalchemy as sa
+
+    base = sa.make_url(local_postgres())
+    name = f"{prefix}_{uuid.uuid4().hex[:12]}"
+    admin = sa.create_engine(base, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
+    try:
+        yield base.set(database=name).render_as_string(hide_password=False)
+    finally:
+        with admin.connect() as conn:
+            conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
 
 
 @pytest.fixture

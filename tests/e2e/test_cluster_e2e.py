@@ -1,6 +1,7 @@
 """End to end, a cluster on one machine: a real Airflow (scheduler, dag-processor, triggerer and
-api-server; LocalExecutor) whose chunk tasks send their chunks over the local Redis to the node
-agents of two pool hosts, ``host1`` and ``host2``, each a separate ``elastic-ops node`` process.
+api-server; LocalExecutor) with its metadata and the pool ledger on the local PostgreSQL, whose
+chunk tasks send their chunks over the local Redis to the node agents of two pool hosts,
+``host1`` and ``host2``, each a separate ``elastic-ops node`` process.
 
 The host running a chunk dies (its node agent is SIGKILLed with everything it started, workers
 included): the chunk's try fails with ``NodeLostError``, which reports the host to the pool;
@@ -10,6 +11,7 @@ latest committed checkpoint; the model is bitwise the one an uninterrupted run t
 
 from __future__ import annotations
 
+import json
 import shutil
 import uuid
 from pathlib import Path
@@ -20,7 +22,7 @@ from elastic_ops.airflow_env import AirflowDeployment
 from elastic_ops.demo import setup_pool
 from elastic_ops.operators.jobs import job_id
 from tests.agent.node_helpers import REDIS_URL, SECRET, drop_namespace
-from tests.conftest import require_service
+from tests.conftest import fresh_database, require_service
 from tests.e2e.test_airflow_e2e import start_reference, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
@@ -32,6 +34,11 @@ HERE = Path(__file__).resolve().parent
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     require_service("Redis", "127.0.0.1", 6379)
+    with fresh_database("af_e2e") as airflow_db, fresh_database("pool_e2e") as ledger:
+        yield from _cluster(tmp_path_factory, airflow_db, ledger)
+
+
+def _cluster(tmp_path_factory, airflow_db: str, ledger: str):
     root = tmp_path_factory.mktemp("cluster")
     dags = root / "dags"
     dags.mkdir()
@@ -41,12 +48,16 @@ def cluster(tmp_path_factory):
         "ELASTIC_OPS_NODE_REDIS_URL": REDIS_URL,
         "ELASTIC_OPS_NODE_SECRET": SECRET,
         "ELASTIC_OPS_NODE_NAMESPACE": f"e2e-{uuid.uuid4().hex[:12]}",
+        # the tasks find the ledger through the pool connection, as in a deployment
+        "AIRFLOW_CONN_ELASTIC_OPS_POOL_DEFAULT": json.dumps(
+            {"conn_type": "elastic_ops_pool", "extra": {"url": ledger}}),
     }
     af = AirflowDeployment(home=root / "airflow", dags_folder=dags, plugins_folder=REPO / "plugins",
-                           parallelism=2, agent=False, nodes=("host1", "host2"), extra_env=env)
+                           parallelism=2, agent=False, nodes=("host1", "host2"), extra_env=env,
+                           database_url=airflow_db)
     try:
         with af:
-            pool = setup_pool(f"sqlite:///{af.home / 'elastic_ops_pool.db'}", slots=4, hosts=2)
+            pool = setup_pool(ledger, slots=4, hosts=2)
             yield af, pool
     finally:
         drop_namespace(af.node_config())
@@ -77,9 +88,16 @@ def test_a_chunk_whose_host_dies_is_retried_on_the_other_hosts_node(cluster, tmp
     failures = [e for e in pool.events(job=job) if e["kind"] == "failure"]
     assert [e["host"] for e in failures] == [host]  # the task reported the dead host
     result = af.xcom("e2e_sigkill", run, retried[0])
-    assert result["hosts"] == [h for h in ("host1", "host2") if h != host]  # trained on the other node
+    other = [h for h in ("host1", "host2") if h != host]
+    assert result["hosts"] == result["trained_on"] == other  # granted and trained on the other node
     assert 0 < killed_at <= result["workers_timeline"][0][0] < 240  # resumed mid-chunk from a checkpoint
     summary = af.xcom("e2e_sigkill", run, "train.finalize")
     assert summary["param_sha256"] == ref_sha  # bitwise identical to an uninterrupted run
+    import sqlalchemy as sa  # the run is in Airflow's PostgreSQL metadata, the job in the PostgreSQL ledger
+
+    with sa.create_engine(af.database_url).connect() as conn:
+        query = sa.text("SELECT state FROM dag_run WHERE run_id = :r")
+        states = conn.execute(query, {"r": run}).scalars().all()
+    assert states == ["success"] and pool.url.startswith("postgresql")
     log = (af.home / "logs" / f"node-{host}.log").read_text(errors="replace")
     assert "chunk [0, 240)" in log  # the dead node had been running it
