@@ -393,10 +393,14 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
         nodes = node_config_from_env()
         # a node agent trains on its own host only: the one holding most of the grant's slots
         host = busiest_host(grant.placements) if nodes else grant.placements[0][0]
-        if nodes is not None and not self._node_is_live(nodes, host):
+        gave_back = getattr(self, "_gave_back", set())  # this process's: nothing here outlives a deferral
+        if nodes is not None and host not in gave_back and not self._node_is_live(nodes, host):
             # its node went away while this task waited (the avoid list was taken when it asked):
-            # not the host's failure and not a try's; give the grant back and ask again, avoiding it
+            # not the host's failure and not a try's; give the grant back and ask again, avoiding
+            # it. Once per host: granted it again (no other host can hold the job), the chunk is
+            # sent there and fails as a host without a node does (NodeUnavailableError)
             self.log.warning("job %s: host %s has no live node agent any more; asking again", spec.name, host)
+            self._gave_back = gave_back | {host}
             self._release(client, spec.name, grant.epoch)
             return self._acquire(context, state, hook)
         self.log.info("job %s: chunk [%d, %d) on %d workers on %s (epoch %d)", spec.name,
@@ -435,7 +439,7 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
         keeper.stop()
         trained_before = int(state["trained"])
         state = self._account(state, grant, result)
-        where = host if node_config_from_env() else socket.gethostname()
+        where = host if nodes is not None else socket.gethostname()
         state["trained_on"] = sorted(set(state.get("trained_on", [])) | {where})
         metrics.gauge("chunk.workers", 0, tags=tags)
         metrics.incr("chunk.iterations", int(state["trained"]) - trained_before, tags=tags)

@@ -99,6 +99,17 @@ def test_a_grant_on_a_host_whose_node_went_away_while_deferred_is_asked_for_agai
     assert "host host-a has no live node agent any more; asking again" in "".join(capsys.readouterr())
 
 
+def test_a_one_host_pool_whose_node_is_gone_fails_the_try_instead_of_asking_forever(
+    cluster, monkeypatch, tmp_path
+):
+    """The only host has no node agent: avoiding it would leave the job nothing, so the pool
+    grants it again; the task gives it back once, then sends the chunk, which nobody takes."""
+    airflow_pool(monkeypatch, tmp_path, host="host-a", slots=2)
+    monkeypatch.setattr(node_client, "ACCEPT_TIMEOUT_S", 1.0)
+    with pytest.raises(NodeUnavailableError, match="host host-a"):
+        chunk_op().execute(CONTEXT)
+
+
 def test_a_chunk_task_in_a_cluster_never_imports_torch(cluster, monkeypatch, tmp_path):
     """The task trains on the node and asks a node whether its range is done (the second run)."""
     pool = airflow_pool(monkeypatch, tmp_path, host="h1", slots=2)
