@@ -95,6 +95,9 @@ class ApiPoolClient:
             raise ApiAuthError(f"{method} {PREFIX}{path}: HTTP {r.status_code}: {detail}",
                                hint="log in again (the token may have expired)" if r.status_code == 401
                                else "ask for the permission on the Airflow pool 'elastic_ops'")
+        if r.status_code == 404 and detail == "Not Found":  # FastAPI's: no such route at all
+            raise PoolError(f"the api-server at {self.url} has no {PREFIX}{path} route",
+                            hint="install elastic-ops where the api-server runs (its plugin serves the pool)")
         if r.status_code == 404 and path.startswith("/jobs/"):
             raise UnknownJobError(_unquoted(path, 2))
         if r.status_code == 404 and path.startswith("/hosts/"):

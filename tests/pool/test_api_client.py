@@ -124,6 +124,15 @@ def test_the_api_servers_refusals_are_the_pools_errors(server, token, call, erro
         call(ApiPoolClient(BASE, token=token, http=http))
 
 
+def test_an_api_server_without_the_plugin_is_named_as_such(server):
+    _, http, _ = server
+    client = ApiPoolClient(f"{BASE}/elsewhere", token="op-token", http=http)  # no plugin mounted there
+    for call in (client.status, lambda: client.set_priority("j", 2)):
+        with pytest.raises(PoolError, match="has no /elastic-ops/.* route") as err:
+            call()
+        assert not isinstance(err.value, UnknownJobError)
+
+
 def test_bad_settings_are_refused_before_any_request(server, monkeypatch, capsys):
     with pytest.raises(ApiAuthError, match="no credentials for the api-server"):
         ApiPoolClient(BASE).status()
