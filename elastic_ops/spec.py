@@ -58,6 +58,43 @@ def check_host_selector(field: str, value: Any) -> dict[str, str]:
     return dict(value)
 
 
+STOP_BOUNDS = ("at_least", "at_most")
+
+
+def check_stop_when(field: str, value: Any) -> dict[str, Any] | None:
+    """``{"metric": NAME, "at_least": X}`` or ``{"metric": NAME, "at_most": X}`` (or None): stop
+    the job at the first chunk end whose metrics (its ``loss`` or an evaluation metric) meet it."""
+    if value is None:
+        return None
+    allowed = 'a mapping {"metric": NAME, "at_least": X} or {"metric": NAME, "at_most": X}'
+    if not isinstance(value, Mapping):
+        raise SpecError(field, value, f"must be {allowed}")
+    bounds = [k for k in STOP_BOUNDS if k in value]
+    unknown = sorted(set(value) - {"metric", *STOP_BOUNDS})
+    if unknown or len(bounds) != 1:
+        extra = f"; unknown key {unknown[0]!r}" if unknown else ""
+        raise SpecError(field, dict(value), f"must be {allowed}{extra}")
+    metric = value.get("metric")
+    if not isinstance(metric, str) or not metric.strip():
+        raise SpecError(field, dict(value), "needs a metric: 'loss' or a name evaluate() returns")
+    bound = value[bounds[0]]
+    if isinstance(bound, bool) or not isinstance(bound, int | float) or not math.isfinite(bound):
+        raise SpecError(f"{field}.{bounds[0]}", bound, "must be a finite number")
+    return {"metric": metric, bounds[0]: bound}
+
+
+def stop_reached(stop_when: Mapping[str, Any] | None, metrics: Mapping[str, Any] | None) -> bool:
+    """Whether ``metrics`` (a chunk end's: ``loss`` and the evaluation) meet ``stop_when``."""
+    if not stop_when or not metrics:
+        return False
+    value = metrics.get(stop_when["metric"])
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return False
+    if "at_least" in stop_when:
+        return value >= stop_when["at_least"]
+    return value <= stop_when["at_most"]
+
+
 def check_host_name(field: str, value: Any) -> str:
     """A host name as hostnames go (the pool prints it as ``host:slot`` in events and placements;
     node agents are found by it)."""
@@ -160,6 +197,7 @@ class JobSpec:
     device: Device = Device.CPU
     params: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     host_selector: Mapping[str, str] = dataclasses.field(default_factory=dict)  # labels its hosts carry
+    stop_when: Mapping[str, Any] | None = None  # stop at the first chunk end that meets it
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen dataclass
@@ -220,6 +258,7 @@ class JobSpec:
             ) from None
         set_("params", dict(self.params))
         set_("host_selector", check_host_selector("host_selector", self.host_selector))
+        set_("stop_when", check_stop_when("stop_when", self.stop_when))
 
     def _check_entrypoint(self) -> None:
         ep = self.entrypoint

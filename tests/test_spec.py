@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from elastic_ops.errors import ElasticOpsError, SpecError
-from elastic_ops.spec import Consistency, JobSpec
+from elastic_ops.spec import Consistency, JobSpec, stop_reached
 
 
 def make_spec(**overrides) -> JobSpec:
@@ -59,6 +59,14 @@ def make_spec(**overrides) -> JobSpec:
         ({"min_workers": True}, "min_workers", "integer"),
         ({"params": {"lr": object()}}, "params", "JSON-serialisable"),
         ({"keep_last": 0}, "keep_last", ">= 1"),
+        ({"host_selector": {"gpu": 1}}, "host_selector", "string value"),
+        ({"stop_when": {"metric": "loss"}}, "stop_when", '{"metric": NAME, "at_least": X}'),
+        ({"stop_when": {"metric": "loss", "at_least": 1, "at_most": 2}}, "stop_when", "at_most"),
+        ({"stop_when": {"metric": "loss", "below": 0.1}}, "stop_when", "unknown key 'below'"),
+        ({"stop_when": {"metric": "", "at_most": 0.1}}, "stop_when", "needs a metric"),
+        ({"stop_when": {"metric": "loss", "at_most": float("nan")}}, "stop_when.at_most", "finite"),
+        ({"stop_when": {"metric": "acc", "at_least": "0.9"}}, "stop_when.at_least", "finite"),
+        ({"stop_when": "loss<0.1"}, "stop_when", "a mapping"),
     ],
 )
 def test_bad_values_name_field_value_and_allowed(overrides, field, allowed):
@@ -69,6 +77,19 @@ def test_bad_values_name_field_value_and_allowed(overrides, field, allowed):
     assert allowed in str(err)
     assert f"{field}=" in str(err)
     assert not err.retryable  # a bad spec never gets better by retrying
+
+
+@pytest.mark.parametrize(("stop_when", "metrics", "stops"), [
+    ({"metric": "test_accuracy", "at_least": 0.95}, {"loss": 0.2, "test_accuracy": 0.95}, True),
+    ({"metric": "test_accuracy", "at_least": 0.95}, {"loss": 0.2, "test_accuracy": 0.949}, False),
+    ({"metric": "loss", "at_most": 0.1}, {"loss": 0.1}, True),
+    ({"metric": "loss", "at_most": 0.1}, {"loss": float("nan")}, False),
+    ({"metric": "test_accuracy", "at_least": 0.5}, {"loss": 0.2}, False),  # not evaluated: keep going
+    ({"metric": "loss", "at_most": 0.1}, None, False),
+    (None, {"loss": 0.0}, False),
+])
+def test_stop_when_is_met_only_by_a_finite_metric_within_its_bound(stop_when, metrics, stops):
+    assert stop_reached(stop_when, metrics) is stops
 
 
 def test_spec_error_is_an_elastic_ops_error_and_a_value_error():

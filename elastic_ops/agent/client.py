@@ -22,6 +22,7 @@ from elastic_ops.agent.protocol import (
     check_socket_path,
     encode,
     error_from_wire,
+    latest_of,
     peer_uid,
     trusted_peer,
 )
@@ -112,10 +113,11 @@ class AgentClient:
         """The agent's ``pong`` (pid, protocol version, chunks running); raises if none answers."""
         return self._call({"op": "ping"}, "pong")
 
-    def latest(self, store: StoreConfig, spec_hash: str | None) -> tuple[int, str] | None:
-        """``(iteration, uri)`` of the latest committed checkpoint of ``spec_hash`` in ``store``."""
+    def latest(self, store: StoreConfig, spec_hash: str | None) -> tuple[int, str, dict[str, Any]] | None:
+        """``(iteration, uri, metrics)`` of the latest committed checkpoint of ``spec_hash`` in
+        ``store``."""
         msg = self._call({"op": "latest", "store": store.to_wire(), "spec_hash": spec_hash}, "latest")
-        return None if msg.get("iteration") is None else (int(msg["iteration"]), str(msg["uri"]))
+        return latest_of(msg)
 
     def run_chunk(
         self,

@@ -24,6 +24,7 @@ from elastic_ops.agent.protocol import (
     AgentProtocolError,
     StoreConfig,
     error_from_wire,
+    latest_of,
 )
 from elastic_ops.agent.redis_channel import BEAT_S, PEER_TIMEOUT_S, RedisChannel, redis_error_types
 from elastic_ops.errors import AgentLostError, NodeLostError, NodeUnavailableError
@@ -196,9 +197,11 @@ class NodeClient:
         finally:
             self._close(channel)
 
-    def latest(self, host: str, store: StoreConfig, spec_hash: str | None) -> tuple[int, str] | None:
-        """``(iteration, uri)`` of the latest committed checkpoint of ``spec_hash`` in ``store``,
-        read by ``host``'s node agent (verified by its checksums, not decoded): the task's
+    def latest(
+        self, host: str, store: StoreConfig, spec_hash: str | None
+    ) -> tuple[int, str, dict[str, Any]] | None:
+        """``(iteration, uri, metrics)`` of the latest committed checkpoint of ``spec_hash`` in
+        ``store``, read by ``host``'s node agent (verified by its checksums, not decoded): the task's
         "already done?" check without importing torch. Raises as :meth:`run_chunk` does."""
         self._require_node(host)
         msg = {"op": "latest", "version": PROTOCOL_VERSION, "host": host,
@@ -210,7 +213,7 @@ class NodeClient:
             self._close(channel)
         if reply.get("type") != "latest":
             raise AgentProtocolError(f"expected 'latest' from the node agent, got {reply.get('type')!r}")
-        return None if reply.get("iteration") is None else (int(reply["iteration"]), str(reply["uri"]))
+        return latest_of(reply)
 
     # --- sessions --------------------------------------------------------------------------------
 

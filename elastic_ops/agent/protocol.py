@@ -176,6 +176,17 @@ def require_slots(msg: dict[str, Any], key: str = "slots") -> tuple[int, ...] | 
     return tuple(value)
 
 
+def latest_of(msg: dict[str, Any]) -> tuple[int, str, dict[str, Any]] | None:
+    """A ``latest`` reply as ``(iteration, uri, metrics)`` (None: no checkpoint yet); an agent
+    from before metrics were sent answers without them (``{}``)."""
+    if msg.get("iteration") is None:
+        return None
+    metrics = msg.get("metrics") or {}
+    if not isinstance(metrics, dict):
+        raise AgentProtocolError(f"'metrics' of a latest reply must be an object, not {metrics!r}")
+    return require_int(msg, "iteration", 0), require_str(msg, "uri"), metrics
+
+
 def applied_from_wire(msg: dict[str, Any]) -> tuple[int, int, tuple[int, ...] | None]:
     """``(iteration, workers, slots)`` of an agent's ``applied`` message; a malformed one raises
     :class:`AgentProtocolError` (the agent broke the protocol, nothing the task sent was wrong)."""

@@ -61,7 +61,7 @@ from elastic_ops.operators.progress import progress_logger
 from elastic_ops.operators.results import ChunkTaskResult
 from elastic_ops.operators.retry import ElasticRetryPolicy
 from elastic_ops.runtime.outcome import ChunkStatus
-from elastic_ops.spec import JobSpec, check_checkpoint_uri, check_number
+from elastic_ops.spec import JobSpec, check_checkpoint_uri, check_number, stop_reached
 from elastic_ops.triggers.events import GrantEvent, TriggerFailure, parse_event
 from elastic_ops.triggers.pool import GrantTrigger
 
@@ -131,6 +131,15 @@ def _check_previous_model(uri: Any, asset: Any) -> None:
             hint="give elastic_training(model_asset=Asset(uri=<the checkpoint root>)) when the "
             "checkpoint URI is a template",
         )
+
+
+def _stop_text(stop_when: Any) -> str:
+    bound = "at_least" if "at_least" in stop_when else "at_most"
+    return f"stop_when {stop_when['metric']} {'>=' if bound == 'at_least' else '<='} {stop_when[bound]}"
+
+
+def _metric_text(stop_when: Any, metrics: Any) -> str:
+    return f"{stop_when['metric']}={metrics.get(stop_when['metric'])}"
 
 
 def _final_failure(context: Any, exc: BaseException) -> bool:
@@ -242,10 +251,14 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
             "preemptions": 0, "timeline": [], "epochs": [],
             "hosts": [], "trained": 0, "waited_s": 0.0, "started_at": time.time(),
         }
-        done = self._already_done(hook, spec, end) if start < end else None
-        if start >= end or done is not None:
+        latest = self._latest(hook, spec) if start < end else None
+        if start >= end or (latest is not None and latest[0] >= end):
             self.log.info("chunk [%d, %d) of %s already done; nothing to train", start, end, spec.name)
-            return self._result(state, status="already_done", checkpoint_uri=done).to_dict()
+            return self._result(state, status="already_done", checkpoint_uri=latest and latest[1]).to_dict()
+        if latest is not None and latest[0] <= start and stop_reached(spec.stop_when, latest[2]):
+            self.log.info("job %s stopped at iteration %d (%s met: %s); nothing to train", spec.name,
+                          latest[0], _stop_text(spec.stop_when), _metric_text(spec.stop_when, latest[2]))
+            return self._result(state, status="stopped", checkpoint_uri=latest[1]).to_dict()
         return self._acquire(context, state, hook)
 
     def execute_granted(self, context: Any, event: dict[str, Any]) -> dict[str, Any]:
@@ -293,12 +306,13 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
         self.log.info("no previous model yet; cold start")
         return None
 
-    def _already_done(self, hook: ElasticOpsHook, spec: JobSpec, end: int) -> str | None:
+    def _latest(self, hook: ElasticOpsHook, spec: JobSpec) -> tuple[int, str, dict[str, Any]] | None:
+        """The latest committed checkpoint of the job: ``(iteration, uri, metrics)``, or None."""
         nodes = node_config_from_env()
         if nodes is not None:  # ask a node agent: opening a store here would import torch
             latest = self._latest_on_a_node(hook, spec, nodes)
             if latest is not _UNASKED:
-                return latest[1] if latest is not None and latest[0] >= end else None
+                return latest
         path = agent_socket()
         if path is not None:  # ask the agent: opening a store here would import torch
             from elastic_ops.agent.client import AgentClient
@@ -306,17 +320,15 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
             try:
                 store = hook.store_config(spec.checkpoint_uri(), keep_last=spec.keep_last,
                                           keep_every=spec.keep_every)
-                latest = AgentClient(path).latest(store, spec.spec_hash())
+                return AgentClient(path).latest(store, spec.spec_hash())
             except AgentUnavailableError as exc:
                 self.log.warning("%s; reading the checkpoint store in this task process", exc)
-            else:
-                return latest[1] if latest is not None and latest[0] >= end else None
         store = hook.store(spec.checkpoint_uri(), keep_last=spec.keep_last, keep_every=spec.keep_every)
         ref = store.latest(spec_hash=spec.spec_hash(), decode=False)
-        return ref.uri if ref is not None and ref.iteration >= end else None
+        return None if ref is None else (ref.iteration, ref.uri, dict(ref.metrics))
 
     def _latest_on_a_node(self, hook: ElasticOpsHook, spec: JobSpec, nodes: Any) -> Any:
-        """The latest checkpoint ``(iteration, uri)`` or ``None``, as a live node agent reads the
+        """The latest checkpoint ``(iteration, uri, metrics)`` or ``None``, as a live node agent reads the
         store (the store is shared: every node sees the same checkpoints); ``_UNASKED`` when no
         node could answer (the task then reads the store itself)."""
         from elastic_ops.agent.node_client import NodeClient
@@ -453,9 +465,17 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
                           spec.name, result.iteration)
             return self._acquire(context, state, hook)
         last = state["end"] >= spec.total_iterations
+        ends = {"loss": getattr(result, "loss", None), **dict(getattr(result, "metrics", None) or {})}
+        stopping = not last and stop_reached(spec.stop_when, ends)
+        if stopping:
+            self.log.info("job %s: %s met at iteration %d (%s): the job stops here, the following chunks "
+                          "train nothing", spec.name, _stop_text(spec.stop_when), result.iteration,
+                          _metric_text(spec.stop_when, ends))
         # not the last chunk: the slots wait, parked, for the next chunk task, which runs on them
-        # again (the pool may still take them meanwhile); released, a new grant may land elsewhere
-        self._release(client, spec.name, grant.epoch, finished=last, handover=not last)
+        # again (the pool may still take them meanwhile); released, a new grant may land elsewhere.
+        # The last chunk, or one that met stop_when, ends the job: its slots go back at once
+        done = last or stopping
+        self._release(client, spec.name, grant.epoch, finished=done, handover=not done)
         out = self._result(state, status=result.status.value,
                            checkpoint_uri=result.checkpoint_uri, result=result)
         self.log.info("job %s: chunk [%d, %d) done: loss=%s %.0f samples/s, checkpoint %s",

@@ -12,6 +12,7 @@ from elastic_ops.hooks.elastic_ops import DEFAULT_CONN_ID
 from elastic_ops.operators.chunk import ElasticOperatorMixin
 from elastic_ops.operators.jobs import register
 from elastic_ops.operators.results import ChunkTaskResult
+from elastic_ops.spec import stop_reached
 
 
 class ElasticRegisterOperator(ElasticOperatorMixin, BaseOperator):
@@ -83,7 +84,10 @@ class ElasticFinalizeOperator(ElasticOperatorMixin, BaseOperator):
         hook = self._hook()
         store = hook.store(spec.checkpoint_uri(), keep_last=spec.keep_last, keep_every=spec.keep_every)
         ref = store.latest(spec_hash=spec.spec_hash(), decode=False)
-        if ref is None or ref.iteration < spec.total_iterations:
+        # a job that met stop_when at a chunk end has its final model there
+        stopped = ref is not None and ref.iteration < spec.total_iterations and stop_reached(
+            spec.stop_when, ref.metrics)
+        if ref is None or (ref.iteration < spec.total_iterations and not stopped):
             from elastic_ops.errors import CheckpointNotFoundError
 
             got = None if ref is None else ref.iteration
@@ -106,6 +110,7 @@ class ElasticFinalizeOperator(ElasticOperatorMixin, BaseOperator):
             "train_s": round(sum(c.duration_s - c.waited_s for c in trained), 3),
             "max_workers_used": max((int(w) for c in chunks for _, w, _ in c.workers_timeline), default=0),
             "dag_id": context["dag"].dag_id, "run_id": context["run_id"],
+            "stopped_early": stopped, "stop_when": spec.stop_when,
         }
         self._finish_in_pool(hook, spec.name)
         for asset in self.outlets:

@@ -14,7 +14,7 @@ class ChunkTaskResult:
     chunk_index: int
     start: int
     end: int
-    status: str                       # completed | already_done
+    status: str                       # completed | already_done | stopped (the job met stop_when earlier)
     iterations: int                   # iterations trained by this task (all its grants)
     workers_timeline: list[list[float]]
     samples_per_sec: float

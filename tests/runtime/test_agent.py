@@ -69,8 +69,9 @@ def test_a_chunk_on_the_agent_equals_the_same_chunk_in_process(agent, tmp_path, 
     assert result.status == ChunkStatus.COMPLETED and result.iteration == 30
     assert result.param_sha256 == reference
     assert progress[-1].iteration == 30 and progress[-1].eta_s == 0
-    latest = AgentClient(agent.path).latest(store_of(spec), spec.spec_hash())
-    assert latest == (30, result.checkpoint_uri)
+    iteration, uri, metrics = AgentClient(agent.path).latest(store_of(spec), spec.spec_hash())
+    assert (iteration, uri, metrics["param_sha256"]) == (30, result.checkpoint_uri, reference)
+    assert metrics["loss"] == result.loss  # the chunk end's metrics travel too (stop_when reads them)
     assert open_store(spec.checkpoint).latest().metrics["param_sha256"] == reference
 
 

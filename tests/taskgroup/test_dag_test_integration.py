@@ -129,3 +129,26 @@ def test_a_chunk_defers_while_the_pool_is_full_then_runs_when_slots_free(migrate
     kinds = [(e["kind"], e["job"]) for e in result["pool_events"] if e["kind"] in ("release", "grant")]
     job = chunk["job"]
     assert kinds.index(("release", "blocker")) < kinds.index(("grant", job))
+
+
+def test_a_job_that_meets_stop_when_stops_at_that_chunk_and_emits_that_model(migrated_db, tmp_path):
+    result = run_dag_file(migrated_db, tmp_path, """
+        with DAG(dag_id="early", schedule=None, start_date=START) as dag:
+            elastic_training(task_id="train", trainable=DIGITS, total_iterations=9, chunk_iterations=3,
+                             min_workers=1, max_workers=2,
+                             stop_when={"metric": "test_accuracy", "at_least": 0.01}, **TINY)
+
+        if __name__ == "__main__":
+            POOL.add_host("h1", 2)
+            finish(dag, ["train.chunk_01_of_03", "train.chunk_02_of_03", "train.chunk_03_of_03"])
+    """)
+    assert result["state"] == "success"
+    c1, c2, c3 = result["chunks"]
+    assert c1["status"] == "completed" and c1["iterations"] == 3 and c1["metrics"]["test_accuracy"] >= 0.01
+    assert c2["status"] == c3["status"] == "stopped" and c2["iterations"] == c3["iterations"] == 0
+    fin = result["finalize"]
+    assert fin["iteration"] == 3 and fin["stopped_early"] and fin["param_sha256"] == c1["param_sha256"]
+    assert result["events"][-1]["iteration"] == 3  # the Asset event carries the model it stopped at
+    (job,) = result["pool_jobs"]
+    assert job["state"] == "finished" and job["workers"] == 0
+    assert [e["kind"] for e in result["pool_events"]].count("grant") == 1  # chunks 2 and 3 asked for nothing
