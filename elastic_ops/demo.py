@@ -172,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
         client = setup_pool(f"sqlite:///{af.home / 'elastic_ops_pool.db'}")
         say("starting api-server, scheduler, dag-processor, triggerer")
         af.start()
-        say(f"Airflow UI: {af.url}  (login {af.user} / {af.password}); pool API: {af.url}/elastic-ops/status")
+        say(f"Airflow UI: {af.url}  (login {af.user} / {af.password}); the pool: {af.url}/elastic-ops/ui "
+            f"(Admin > Elastic pool status), JSON at {af.url}/elastic-ops/status")
         sc = run_scenario(af, client, tuple(args.iterations), args.timeout)
         text, ok = summary(af, client, sc, home / "allocation_timeline.png")
         print("\n" + text + "\n", flush=True)
