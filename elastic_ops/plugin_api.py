@@ -75,6 +75,12 @@ class PreemptibleBody(_Body):
     preemptible: StrictBool
 
 
+class SelectorBody(_Body):
+    """``{"selector": {"gpu": "h100"}}`` (``{}``: any host); the pool checks the labels."""
+
+    selector: dict[StrictStr, StrictStr]
+
+
 class HostStateBody(_Body):
     state: HostStateName
 
@@ -164,6 +170,13 @@ def set_preemptible(job: str, body: PreemptibleBody, user: GetUserDep) -> dict[s
     _authorize("PUT", user)
     _call(_client().set_preemptible, job, body.preemptible)
     return {"job": job, "preemptible": body.preemptible}
+
+
+@app.post("/jobs/{job}/selector")
+def set_selector(job: str, body: SelectorBody, user: GetUserDep) -> dict[str, Any]:
+    _authorize("PUT", user)
+    _call(_client().set_selector, job, body.selector)
+    return {"job": job, "selector": body.selector}
 
 
 # --- hosts ------------------------------------------------------------------------------------

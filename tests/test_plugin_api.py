@@ -21,6 +21,7 @@ CHANGES = [
     ("POST", "/jobs/j/priority", {"priority": 5}),
     ("POST", "/jobs/j/bounds", {"min_workers": 2, "max_workers": 3}),
     ("POST", "/jobs/j/preemptible", {"preemptible": False}),
+    ("POST", "/jobs/j/selector", {"selector": {"gpu": "h200"}}),
     ("PUT", "/hosts/h3", {"slots": 2, "labels": {"gpu": "h200"}}),
     ("POST", "/hosts/h2/state", {"state": "draining"}),
     ("PATCH", "/settings", {"policy": "fairshare", "lease_ttl_s": 30}),
@@ -87,6 +88,7 @@ def test_an_operator_controls_jobs_hosts_and_settings(tmp_path, monkeypatch):
         assert r.status_code == 200, (path, r.text)
     j = job(pool)
     assert (j["priority"], j["min_workers"], j["max_workers"], j["preemptible"]) == (5, 2, 3, False)
+    assert j["selector"] == {"gpu": "h200"}
     assert host(pool, "h2")["state"] == "draining"
     assert host(pool, "h3") == {**host(pool, "h3"), "slots": 2, "state": "up", "labels": {"gpu": "h200"}}
     settings = pool.status()["settings"]
@@ -110,6 +112,8 @@ def test_an_operator_controls_jobs_hosts_and_settings(tmp_path, monkeypatch):
     ("POST", "/jobs/j/bounds", {"min_workers": "1", "max_workers": 2}, 422, "min_workers"),
     ("POST", "/jobs/j/bounds", {"min_workers": 0, "max_workers": 2}, 422, "min_workers"),
     ("POST", "/jobs/j/preemptible", {"preemptible": "yes"}, 422, "preemptible"),
+    ("POST", "/jobs/j/selector", {"selector": {"": "x"}}, 400, "label name"),
+    ("POST", "/jobs/j/selector", {"selector": {"gpu": 1}}, 422, "selector"),
     ("POST", "/jobs/j/priority", {"priority": 3, "extra": 1}, 422, "extra"),
     ("PUT", "/hosts/h3", {"slots": 2.0}, 422, "slots"),
     ("PUT", "/hosts/h3", {"slots": 2, "labels": {"gpu": 1}}, 422, "labels"),

@@ -134,6 +134,9 @@ class ApiPoolClient:
         body = {"min_workers": min_workers, "max_workers": max_workers}
         self._call("POST", f"/jobs/{_q(job)}/bounds", json=body)
 
+    def set_selector(self, job: str, selector: dict[str, str] | None) -> None:
+        self._call("POST", f"/jobs/{_q(job)}/selector", json={"selector": dict(selector or {})})
+
     def set_preemptible(self, job: str, preemptible: bool) -> None:
         self._call("POST", f"/jobs/{_q(job)}/preemptible", json={"preemptible": preemptible})
 

@@ -44,6 +44,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("preemptible", choices=["true", "false"])
     p.set_defaults(func=lambda a: _client(a).set_preemptible(a.job, a.preemptible == "true"))
 
+    p = psub.add_parser("set-selector", help="the labels a job's hosts must carry (none: any host)")
+    p.add_argument("job")
+    p.add_argument("--label", action="append", default=[], metavar="KEY=VALUE")
+    p.set_defaults(func=lambda a: _client(a).set_selector(a.job, parse_labels(a.label)))
+
     p = psub.add_parser("drain", help="no new grants on HOST; its jobs move off at their next boundary")
     p.add_argument("host")
     p.set_defaults(func=lambda a: _client(a).drain_host(a.host))

@@ -725,6 +725,13 @@ class PoolClient:
             check=check,
         )
 
+    def set_selector(self, job: str, selector: Mapping[str, str] | None) -> None:
+        """Change the labels a job's hosts must carry (``{}``/None: any host). Slots it holds on
+        hosts without them stay its own until it gives them back; new ones follow the selector."""
+        wanted = check_host_selector("selector", selector)
+        self._update_job(job, {"selector": json.dumps(wanted, sort_keys=True)},
+                         f"selector -> {_labels(wanted) or 'any host'}")
+
     def set_preemptible(self, job: str, preemptible: bool) -> None:
         if not isinstance(preemptible, bool):
             raise SpecError("preemptible", preemptible, "must be true or false")

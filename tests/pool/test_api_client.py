@@ -72,6 +72,7 @@ def test_the_pool_commands_work_through_the_api_server(server, monkeypatch, caps
     pool.request("train")
     for argv in (["set-priority", "train", "7"], ["set-bounds", "train", "2", "4"],
                  ["set-preemptible", "train", "false"], ["drain", "gpu-0"],
+                 ["set-selector", "train", "--label", "zone=a"],
                  ["set-host-state", "gpu-1", "down"], ["configure", "--policy", "fairshare"]):
         assert run(["pool", *argv]) == 0, argv
     capsys.readouterr()
@@ -85,6 +86,7 @@ def test_the_pool_commands_work_through_the_api_server(server, monkeypatch, caps
     assert (job["priority"], job["min_workers"], job["max_workers"], job["preemptible"]) == (7, 2, 4, False)
     assert {h["name"]: h["state"] for h in st["hosts"]} == {"gpu-0": "draining", "gpu-1": "down"}
     assert st["hosts"][0]["labels"] == {"zone": "a"} and st["settings"]["policy"] == "fairshare"
+    assert job["selector"] == {"zone": "a"}
     assert run(["pool", "status"]) == 0
     assert "gpu-0" in capsys.readouterr().out
     assert run(["pool", "events", "--job", "train", "--json"]) == 0

@@ -14,6 +14,8 @@ from elastic_ops.errors import SpecError
 from elastic_ops.pool import PoolClient
 from elastic_ops.pool.model import Host, outside
 
+from .cli_helper import run
+
 
 def make_pool(url: str, clock=None) -> PoolClient:
     """a100-0 (4 slots, gpu=a100), h100-0 (4, gpu=h100, zone=a), h100-1 (2, gpu=h100, zone=b)."""
@@ -49,6 +51,21 @@ def test_a_job_whose_labels_no_host_has_waits_and_says_why(ledger_url):
     assert not hasattr(outcome, "epoch")
     assert "0 usable slots" in outcome.reason
     assert pool.status()["slots"]["used"] == 0
+
+
+def test_a_waiting_jobs_selector_relaxed_at_runtime_gets_it_slots(sqlite_url, monkeypatch, capsys):
+    pool = make_pool(sqlite_url)
+    pool.submit("b200-job", min_workers=2, max_workers=2, selector={"gpu": "b200"})
+    assert not hasattr(pool.request("b200-job"), "epoch")
+    monkeypatch.setenv("ELASTIC_OPS_POOL_URL", sqlite_url)
+    assert run(["pool", "set-selector", "b200-job", "--label", "gpu=h100"]) == 0
+    assert hosts_of(pool.request("b200-job")) <= {"h100-0", "h100-1"}
+    assert {j["name"]: j["selector"] for j in pool.status()["jobs"]} == {"b200-job": {"gpu": "h100"}}
+    assert run(["pool", "set-selector", "b200-job"]) == 0  # no label: any host
+    assert {j["name"]: j["selector"] for j in pool.status()["jobs"]} == {"b200-job": {}}
+    assert any(e["reason"] == "selector -> any host" for e in pool.events("b200-job"))
+    with pytest.raises(SpecError, match="selector"):
+        pool.set_selector("b200-job", {"gpu": 1})
 
 
 def test_hosts_that_failed_a_job_are_avoided_among_its_hosts_only(sqlite_url):
