@@ -113,6 +113,9 @@ class ElasticFinalizeOperator(ElasticOperatorMixin, BaseOperator):
             "stopped_early": stopped, "stop_when": spec.stop_when,
         }
         self._finish_in_pool(hook, spec.name)
+        # what training the model held, from the pool's event log (slots parked between chunks count)
+        used = hook.pool().usage()["jobs"]
+        summary["slot_hours"] = next((j["slot_hours"] for j in used if j["job"] == spec.name), 0.0)
         for asset in self.outlets:
             context["outlet_events"][asset].extra = summary
         self.log.info("job %s finished: model %s, metrics %s", spec.name, ref.uri, summary["metrics"])

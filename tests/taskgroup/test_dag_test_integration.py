@@ -87,6 +87,8 @@ def test_a_whole_elastic_job_runs_and_emits_the_model_asset(migrated_db, tmp_pat
     assert [w for _, w, _ in c1["workers_timeline"]] == [2]
     fin = result["finalize"]
     assert fin["iteration"] == 6 and fin["param_sha256"] == c2["param_sha256"]
+    span_h = (result["pool_events"][-1]["ts"] - result["pool_events"][0]["ts"]) / 3600
+    assert 0 < fin["slot_hours"] <= 2 * span_h + 1e-4  # 2 slots at most, for no longer than the run
     assert fin["checkpoint_uri"].startswith(fin["checkpoint_root"])
     assert result["events"] and result["events"][-1]["checkpoint_uri"] == fin["checkpoint_uri"]
     assert "test_accuracy" in result["events"][-1]["metrics"]
