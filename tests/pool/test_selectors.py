@@ -130,17 +130,19 @@ def test_selectors_are_checked_where_they_enter(sqlite_url):
     assert outside({}, [Host("a", 1)]) == frozenset()
 
 
-def test_a_ledger_from_before_selectors_is_migrated(sqlite_url):
-    pool = make_pool(sqlite_url)
+def test_a_ledger_from_before_selectors_is_migrated(ledger_url):
+    pool = make_pool(ledger_url)
     pool.submit("old", min_workers=1, max_workers=2)
-    engine = sa.create_engine(sqlite_url)
+    pool.close()
+    engine = sa.create_engine(ledger_url)
     with engine.begin() as conn:  # back to schema 1, as a ledger written by an earlier release
         conn.execute(sa.text("ALTER TABLE jobs DROP COLUMN selector"))
         conn.execute(sa.text("DELETE FROM schema_version WHERE version = 2"))
-    engine.dispose()
-    again = PoolClient(sqlite_url)
+    again = PoolClient(ledger_url)
     assert {j["name"]: j["selector"] for j in again.status()["jobs"]} == {"old": {}}
     assert hosts_of(again.request("old")) == {"a100-0"}
-    with sa.create_engine(sqlite_url).connect() as conn:
+    with engine.connect() as conn:
         assert conn.execute(sa.text("SELECT max(version) FROM schema_version")).scalar() == 2
         assert json.loads(conn.execute(sa.text("SELECT selector FROM jobs")).scalar()) == {}
+    again.close()
+    engine.dispose()
