@@ -33,7 +33,7 @@ def add_commands(subparsers: Any) -> None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from elastic_ops.runtime.job import Schedule, parse_range, run_job
-    from elastic_ops.spec import JobSpec
+    from elastic_ops.spec import JobSpec, stop_reached
 
     spec = JobSpec.from_yaml(args.spec)
     if args.checkpoint is not None:
@@ -50,6 +50,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
     result = run_job(spec, schedule=schedule, start=start, end=end)
+    ends = {"loss": result.loss, **result.metrics}
     out = {
         "job": spec.name,
         "status": result.status.value,
@@ -65,6 +66,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         "checkpoint": result.checkpoint_uri,
         "workers_timeline": [[i, n, round(t, 3)] for i, n, t in result.workers_timeline],
         "duration_s": round(result.duration_s, 3),
+        "stopped_early": result.iteration < end and stop_reached(spec.stop_when, ends),
     }
     print(json.dumps(out), flush=True)
     return 0

@@ -16,13 +16,15 @@ runs on ``max_workers`` throughout.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from elastic_ops.errors import SpecError
 from elastic_ops.runtime.chunk import ChunkResult, Progress, run_chunk
-from elastic_ops.spec import JobSpec
+from elastic_ops.runtime.outcome import ChunkStatus
+from elastic_ops.spec import JobSpec, stop_reached
 
 FLAG = "--workers-schedule"
 
@@ -119,10 +121,45 @@ def run_job(
     """Train iterations ``[start, end)`` (the whole job by default) in one runner call.
 
     Checkpoints are committed every ``checkpoint_interval`` iterations (by default the chunk
-    size, i.e. where Airflow would commit between chunks) and at the end.
+    size, i.e. where Airflow would commit between chunks) and at the end. With ``stop_when``
+    the range runs chunk by chunk, as Airflow runs it, and ends at the first chunk end whose
+    metrics meet it (the same iteration and model as under Airflow).
     """
     end = spec.total_iterations if end is None else end
     target = schedule or Schedule.constant(spec.max_workers)
-    return run_chunk(
-        spec, start, end, target=target, store=store, on_progress=on_progress, warm_start=warm_start, **kwargs
+    if not spec.stop_when:
+        return run_chunk(
+            spec, start, end, target=target, store=store, on_progress=on_progress, warm_start=warm_start,
+            **kwargs,
+        )
+    parts: list[ChunkResult] = []
+    for a, b in _pieces(spec, start, end):
+        part = run_chunk(spec, a, b, target=target, store=store, on_progress=on_progress,
+                         warm_start=warm_start if a == start else None, **kwargs)
+        parts.append(part)
+        if part.status is ChunkStatus.PREEMPTED or stop_reached(spec.stop_when, {"loss": part.loss,
+                                                                                **part.metrics}):
+            break
+    return _joined(parts)
+
+
+def _pieces(spec: JobSpec, start: int, end: int) -> list[tuple[int, int]]:
+    """``[start, end)`` cut at the job's chunk boundaries."""
+    cuts = sorted({start, end, *(b for _, b in spec.chunk_ranges() if start < b < end)})
+    return list(zip(cuts, cuts[1:], strict=False))
+
+
+def _joined(parts: list[ChunkResult]) -> ChunkResult:
+    """One result for consecutive chunk runs: the last one's state, everyone's timeline and time."""
+    last = parts[-1]
+    seconds = sum(p.duration_s for p in parts)
+    trained = [p for p in parts if p.status is not ChunkStatus.ALREADY_DONE]
+    return dataclasses.replace(
+        last,
+        start=parts[0].start,
+        status=last.status if last.status is ChunkStatus.PREEMPTED or not trained else ChunkStatus.COMPLETED,
+        workers_timeline=[t for p in parts for t in p.workers_timeline],
+        duration_s=seconds,
+        samples_per_sec=sum(p.samples_per_sec * p.duration_s for p in parts) / seconds if seconds else 0.0,
+        train_samples_per_sec=max(p.train_samples_per_sec for p in parts),
     )

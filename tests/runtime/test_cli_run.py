@@ -30,6 +30,7 @@ def write_spec(tmp_path: Path, **kw) -> Path:
         data_seed=3,
     )
     data.update(kw)
+    tmp_path.mkdir(parents=True, exist_ok=True)
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
@@ -72,6 +73,28 @@ def test_run_prints_progress_and_ends_with_one_json_line(tmp_path):
         schedule=Schedule.constant(1),
     )
     assert same.param_sha256 == out["param_sha256"]
+
+
+def test_run_with_stop_when_stops_where_airflow_would(tmp_path, capsys):
+    """Chunk by chunk, up to the first chunk end whose metrics meet stop_when: the model of
+    training that far, nothing after."""
+    common = {"chunk_iterations": 5, "checkpoint_interval": 5}
+    reach = write_spec(tmp_path / "a", **common, stop_when={"metric": "accuracy", "at_least": 0.0})
+    assert main(["run", "--spec", str(reach), "--checkpoint", f"file://{tmp_path}/a/ck", "--quiet"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (out["iteration"], out["iterations"], out["stopped_early"]) == (5, 5, True)
+    from elastic_ops.runtime import run_job
+
+    spec = make_spec(tmp_path / "py", name="tiny-cli", total_iterations=20, max_workers=2, data_seed=3,
+                     **common)
+    first = run_job(spec, end=5)
+    assert first.param_sha256 == out["param_sha256"]
+
+    never = write_spec(tmp_path / "b", **common, stop_when={"metric": "accuracy", "at_least": 2.0})
+    assert main(["run", "--spec", str(never), "--checkpoint", f"file://{tmp_path}/b/ck", "--quiet"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (out["iteration"], out["stopped_early"]) == (20, False)
+    assert [w[0] for w in out["workers_timeline"]] == [0, 5, 10, 15]  # one run per chunk
 
 
 @pytest.mark.parametrize(
