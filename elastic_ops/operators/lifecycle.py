@@ -114,7 +114,7 @@ class ElasticFinalizeOperator(ElasticOperatorMixin, BaseOperator):
         }
         self._finish_in_pool(hook, spec.name)
         # what training the model held, from the pool's event log (slots parked between chunks count)
-        used = hook.pool().usage()["jobs"]
+        used = hook.pool().usage(job=spec.name)["jobs"]
         summary["slot_hours"] = next((j["slot_hours"] for j in used if j["job"] == spec.name), 0.0)
         for asset in self.outlets:
             context["outlet_events"][asset].extra = summary

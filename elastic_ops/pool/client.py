@@ -832,14 +832,18 @@ class PoolClient:
 
         return self._tx(op, lock=False)
 
-    def usage(self, *, hours: float | None = None) -> dict[str, Any]:
+    def usage(self, *, hours: float | None = None, job: str | None = None) -> dict[str, Any]:
         """Slot-hours per job and per host over the last ``hours`` (default: since the oldest
-        event), replayed from the event log (see :mod:`elastic_ops.pool.usage`)."""
+        event), replayed from the event log (see :mod:`elastic_ops.pool.usage`); ``job``: that
+        job's only (and the hosts as it used them), reading its events alone."""
         if hours is not None:
             check_number("hours", hours, minimum=0, exclusive=True)
 
         def op(conn, now):
-            rows = [_event_dict(r) for r in conn.execute(select(s.events).order_by(s.events.c.id))]
+            q = select(s.events).order_by(s.events.c.id)
+            if job is not None:
+                q = q.where(s.events.c.job == job)
+            rows = [_event_dict(r) for r in conn.execute(q)]
             slots = {r.name: r.slots for r in conn.execute(select(s.hosts.c.name, s.hosts.c.slots))}
             return now, rows, slots
 

@@ -39,6 +39,9 @@ def test_slot_hours_follow_the_event_log(sqlite_url, clock):
     assert {j["job"]: j["slot_hours"] for j in u["jobs"]} == {"a": 4.0, "b": 2.0}
     assert {h["host"]: (h["slot_hours"], h["utilization"]) for h in u["hosts"]} == {
         "h1": (4.0, pytest.approx(4 / 6, abs=1e-4)), "h2": (2.0, pytest.approx(2 / 3, abs=1e-4))}
+    alone = PoolClient(sqlite_url, clock=clock).usage(job="b")  # b's events only, from its first
+    assert alone["jobs"] == [{"job": "b", "slot_hours": 2.0}] and alone["hours"] == 1.0
+    assert [h["host"] for h in alone["hosts"]] == ["h2"]
     last = scripted(sqlite_url.replace("pool.db", "pool2.db"), clock).usage(hours=0.5)  # the last half hour
     assert {j["job"]: j["slot_hours"] for j in last["jobs"]} == {"b": 1.0} and last["hours"] == 0.5
     with pytest.raises(SpecError, match="hours"):
