@@ -160,6 +160,11 @@ def _joined(parts: list[ChunkResult]) -> ChunkResult:
         status=last.status if last.status is ChunkStatus.PREEMPTED or not trained else ChunkStatus.COMPLETED,
         workers_timeline=[t for p in parts for t in p.workers_timeline],
         duration_s=seconds,
-        samples_per_sec=sum(p.samples_per_sec * p.duration_s for p in parts) / seconds if seconds else 0.0,
-        train_samples_per_sec=max(p.train_samples_per_sec for p in parts),
+        samples_per_sec=_weighted(parts, "samples_per_sec", seconds),
+        train_samples_per_sec=_weighted(parts, "train_samples_per_sec", seconds),
     )
+
+
+def _weighted(parts: list[ChunkResult], field: str, seconds: float) -> float:
+    """A rate over the parts, each weighted by its duration."""
+    return sum(getattr(p, field) * p.duration_s for p in parts) / seconds if seconds else 0.0
