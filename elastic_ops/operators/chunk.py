@@ -57,6 +57,7 @@ from elastic_ops.operators.jobs import (
     safe_name,
 )
 from elastic_ops.operators.lease import LeaseKeeper
+from elastic_ops.operators.links import PoolPageLink
 from elastic_ops.operators.progress import progress_logger
 from elastic_ops.operators.results import ChunkTaskResult
 from elastic_ops.operators.retry import ElasticRetryPolicy
@@ -179,6 +180,7 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
 
     template_fields: Sequence[str] = ("spec_fields", "warm_start")
     ui_color = "#c9e4ff"
+    operator_extra_links = (PoolPageLink(),)
 
     def __init__(
         self,

@@ -202,6 +202,10 @@ def test_competing_jobs_follow_the_priority_sequence(deployment, statsd):
     assert {8, 4, 3, 5, 0} <= workers, workers
     assert "8|g" in statsd.named("airflow.elastic_ops.pool.slots_up")
     assert statsd.named("airflow.elastic_ops.pool.event.grant")
+    # every chunk task has an "Elastic pool" button to the pool's page
+    chunk = next(t["task_id"] for t in af.task_instances(dags[0], runs[0]) if ".chunk_" in t["task_id"])
+    links = af.api("GET", f"/dags/{dags[0]}/dagRuns/{runs[0]}/taskInstances/{chunk}/links")["extra_links"]
+    assert links == {"Elastic pool": f"{af.url}/elastic-ops/ui"}
     assert statsd.named("airflow.elastic_ops.chunk.wait")
     assert statsd.named("airflow.elastic_ops.chunk.samples_per_s")
     for n in (0, 1):  # each job kept slots from its first grant to its end: chunks handed over
