@@ -277,6 +277,17 @@ def start_reference(tmp_path: Path) -> subprocess.Popen:
                             text=True)
 
 
+def finished_after_one_retry(af: AirflowDeployment, run: str, reference: subprocess.Popen) -> tuple[str, str]:
+    """Wait for the ``e2e_sigkill`` run to succeed with exactly one retry, of one chunk task:
+    that task's id and the SHA-256 of the uninterrupted ``reference`` run's model."""
+    assert af.wait_run("e2e_sigkill", run, timeout=500) == "success"
+    out, _ = reference.communicate(timeout=300)
+    tries = {t["task_id"]: t["try_number"] for t in af.task_instances("e2e_sigkill", run)}
+    retried = [tid for tid, n in tries.items() if n > 1]
+    assert len(retried) == 1 and tries[retried[0]] == 2, tries  # exactly one retry, of one chunk
+    return retried[0], out.split("SHA ")[-1].strip()
+
+
 def test_killed_worker_is_retried_on_another_host_from_the_latest_checkpoint(deployment, tmp_path, request):
     af, pool = deployment
     reference = start_reference(tmp_path)
@@ -291,16 +302,11 @@ def test_killed_worker_is_retried_on_another_host_from_the_latest_checkpoint(dep
     killed_at = store.latest().iteration
     wait_until("a worker to kill", lambda: kill_one_worker(af.home) is not None, af, timeout=60)
 
-    assert af.wait_run("e2e_sigkill", run, timeout=500) == "success"
-    out, _ = reference.communicate(timeout=300)
-    ref_sha = out.split("SHA ")[-1].strip()
-    tries = {t["task_id"]: t["try_number"] for t in af.task_instances("e2e_sigkill", run)}
-    retried = [tid for tid, n in tries.items() if n > 1]
-    assert len(retried) == 1 and tries[retried[0]] == 2, tries  # exactly one retry, of one chunk
+    retried, ref_sha = finished_after_one_retry(af, run, reference)
     failures = [e for e in pool.events(job=job) if e["kind"] == "failure"]
     assert len(failures) == 1
     failed_host = failures[0]["host"]
-    result = af.xcom("e2e_sigkill", run, retried[0])
+    result = af.xcom("e2e_sigkill", run, retried)
     assert failed_host not in result["hosts"]  # the retry's grant avoided the failed host
     assert 0 < killed_at <= result["workers_timeline"][0][0] < 240  # resumed mid-chunk from a checkpoint
     summary = af.xcom("e2e_sigkill", run, "train.finalize")

@@ -23,7 +23,7 @@ from elastic_ops.demo import setup_pool
 from elastic_ops.operators.jobs import job_id
 from tests.agent.node_helpers import REDIS_URL, SECRET, drop_namespace
 from tests.conftest import fresh_database, require_service
-from tests.e2e.test_airflow_e2e import start_reference, wait_until
+from tests.e2e.test_airflow_e2e import finished_after_one_retry, start_reference, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -79,15 +79,10 @@ def test_a_chunk_whose_host_dies_is_retried_on_the_other_hosts_node(cluster, tmp
     (host,) = {h for h, _ in holding["placements"]}  # the job's slots are on one host
     af.kill_node(host)  # the host dies: its node agent, fork server and workers at once
 
-    assert af.wait_run("e2e_sigkill", run, timeout=500) == "success"
-    out, _ = reference.communicate(timeout=300)
-    ref_sha = out.split("SHA ")[-1].strip()
-    tries = {t["task_id"]: t["try_number"] for t in af.task_instances("e2e_sigkill", run)}
-    retried = [tid for tid, n in tries.items() if n > 1]
-    assert len(retried) == 1 and tries[retried[0]] == 2, tries  # exactly one retry, of the chunk
+    retried, ref_sha = finished_after_one_retry(af, run, reference)
     failures = [e for e in pool.events(job=job) if e["kind"] == "failure"]
     assert [e["host"] for e in failures] == [host]  # the task reported the dead host
-    result = af.xcom("e2e_sigkill", run, retried[0])
+    result = af.xcom("e2e_sigkill", run, retried)
     other = [h for h in ("host1", "host2") if h != host]
     assert result["hosts"] == result["trained_on"] == other  # granted and trained on the other node
     assert 0 < killed_at <= result["workers_timeline"][0][0] < 240  # resumed mid-chunk from a checkpoint
