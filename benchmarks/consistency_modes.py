@@ -15,16 +15,14 @@ import argparse
 import json
 import multiprocessing
 import os
-import platform
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from benchmarks._results import write_json
+from benchmarks._results import record, write_json
 from benchmarks.runtime_overhead import digits_spec, run_ours
 
 RESULTS = Path(__file__).resolve().parent / "results" / "consistency_modes.json"
@@ -68,19 +66,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             }
             rows.append(row)
             print(json.dumps(row), flush=True)
-    result = {
-        "benchmark": "consistency_modes",
-        "command": "python -m benchmarks.consistency_modes "
-        + " ".join(argv if argv is not None else sys.argv[1:]),
-        "model": "elastic_ops.examples.digits:DigitsMLP, global batch 64",
-        "virtual_shards": args.shards,
-        "iterations": args.iterations,
-        "repeats": args.repeats,
-        "device": f"cpu ({os.cpu_count()} cores, 1 thread per worker), torch {torch.__version__}",
-        "host": platform.node(),
-        "load_average_at_end": os.getloadavg()[0],
-        "results": rows,
-    }
+    result = record(
+        "consistency_modes", argv,
+        model="elastic_ops.examples.digits:DigitsMLP, global batch 64",
+        virtual_shards=args.shards, iterations=args.iterations, repeats=args.repeats,
+        device=f"cpu ({os.cpu_count()} cores, 1 thread per worker), torch {torch.__version__}",
+        results=rows,
+    )
     write_json(args.out, result)
     return result
 

@@ -16,6 +16,7 @@ BENCHMARKS = (
     ["benchmarks.pool_simulator"],
     ["benchmarks.airflow_overhead", "--iterations", "400"],
     ["benchmarks.node_dispatch", "--repeats", "9"],
+    ["benchmarks.span_overhead", "--repeats", "5"],
 )
 
 

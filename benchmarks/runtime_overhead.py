@@ -29,9 +29,7 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -39,7 +37,7 @@ from typing import Any
 
 import torch
 
-from benchmarks._results import write_json
+from benchmarks._results import record, write_json
 
 RESULTS = Path(__file__).resolve().parent / "results" / "runtime_overhead.json"
 SPEC_FILE = Path(__file__).resolve().parents[1] / "elastic_ops" / "examples" / "digits-fast.yaml"
@@ -178,20 +176,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             row["bare_loop_all"] = [round(x["loop"], 1) for x in bare]
             rows.append(row)
             print(json.dumps(row), flush=True)
-    result = {
-        "benchmark": "runtime_overhead",
-        "command": "python -m benchmarks.runtime_overhead "
-        + " ".join(argv if argv is not None else sys.argv[1:]),
-        "model": "elastic_ops.examples.digits:DigitsMLP (64-128-128-10 MLP, AdamW), global batch 64",
-        "iterations": args.iterations,
-        "repeats": args.repeats,
-        "target_loop_ratio": 0.95,
-        "device": _describe(args.device),
-        "host": platform.node(),
-        "load_average_at_end": os.getloadavg()[0],
-        "results": rows,
-        "note": "ratios = runner / bare DDP; medians over repeats, runs interleaved",
-    }
+    result = record(
+        "runtime_overhead", argv,
+        model="elastic_ops.examples.digits:DigitsMLP (64-128-128-10 MLP, AdamW), global batch 64",
+        iterations=args.iterations, repeats=args.repeats, target_loop_ratio=0.95,
+        device=_describe(args.device), results=rows,
+        note="ratios = runner / bare DDP; medians over repeats, runs interleaved",
+    )
     write_json(args.out, result)
     return result
 

@@ -67,6 +67,7 @@ class AirflowDeployment:
     # a cluster on one machine: a node agent per host name (ELASTIC_OPS_NODE_* in extra_env);
     # the tasks then send each chunk to the node of its granted host
     nodes: tuple[str, ...] = ()
+    node_args: tuple[str, ...] = ()  # more arguments for every node agent (e.g. --advertise-addr)
     # Airflow's metadata database (SQLAlchemy URL); None: SQLite under ``home``
     database_url: str | None = None
 
@@ -147,7 +148,7 @@ class AirflowDeployment:
         if self.nodes and self.node_config() is None:
             raise ValueError("nodes= needs ELASTIC_OPS_NODE_REDIS_URL and _SECRET in extra_env")
         for host in self.nodes:
-            self._start_runner(f"node-{host}", "node", "--host", host)
+            self._start_runner(f"node-{host}", "node", "--host", host, *self.node_args)
         for name in components:
             log = open(self.home / "logs" / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
             self.procs[name] = subprocess.Popen(

@@ -53,6 +53,12 @@ def add_commands(subparsers: Any) -> None:
         "--label", action="append", default=[], metavar="KEY=VALUE",
         help="with --register-slots: a label of the new host (e.g. gpu=h100), for jobs' host selectors",
     )
+    n.add_argument(
+        "--advertise-addr", default=None, metavar="IP",
+        help="this host's IP address on the network the hosts' workers share: with it, this node leads "
+        "chunks whose grant spans hosts (one process group; the rendezvous store listens on it); without "
+        "it, a chunk trains with this host's slots only",
+    )
     n.add_argument("--pool-url", default=None, help="SQLAlchemy URL of the pool ledger, for --register-slots")
     n.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     n.set_defaults(func=cmd_node)
@@ -85,10 +91,10 @@ def cmd_nodes(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(nodes, sort_keys=True))
         return 0
-    print(f"{'host':<24} {'pid':>8} {'version':>7} {'chunks':>6}")
+    print(f"{'host':<24} {'pid':>8} {'version':>7} {'chunks':>6}  address")
     for host, info in nodes.items():
         pid, version, chunks = (str(info.get(k, "?")) for k in ("pid", "version", "chunks"))
-        print(f"{host:<24} {pid:>8} {version:>7} {chunks:>6}")
+        print(f"{host:<24} {pid:>8} {version:>7} {chunks:>6}  {info.get('addr') or '-'}")
     return 0
 
 
@@ -96,13 +102,17 @@ def cmd_node(args: argparse.Namespace) -> int:
     from elastic_ops.agent.node import main
 
     config = _cluster_config()
+    if args.advertise_addr is not None:
+        from elastic_ops.agent.span import check_advertise_addr
+
+        check_advertise_addr(args.advertise_addr)  # before anything is registered
     _log_to_stderr(args.log_level)
     if args.register_slots is not None:
         from elastic_ops.agent.node import register_host
         from elastic_ops.pool.cli import parse_labels
 
         register_host(args.host, args.register_slots, args.pool_url, parse_labels(args.label))
-    return main(args.host, config)
+    return main(args.host, config, advertise_addr=args.advertise_addr)
 
 
 def _log_to_stderr(level: str) -> None:

@@ -170,14 +170,22 @@ class AgentClient:
             sock.close()
 
 
-def target_reader(
-    wanted: Callable[[], int], slots: Callable[[], Sequence[int]] | None
-) -> Callable[[], tuple[int, list[int] | None]]:
-    """``() -> (workers, slots)``: the pool's current target as the protocol sends it."""
+Target = tuple[int, "list[int] | None", "list[list[Any]] | None"]  # workers, slots, spans on the wire
 
-    def current() -> tuple[int, list[int] | None]:
+
+def target_reader(
+    wanted: Callable[[], int],
+    slots: Callable[[], Sequence[int]] | None,
+    spans: Callable[[], Sequence[tuple[str, Sequence[int]]]] | None = None,
+) -> Callable[[], Target]:
+    """``() -> (workers, slots, spans)``: the pool's current target as the protocol sends it
+    (``spans``: the other hosts' slots, ``[[host, [slot, ...]], ...]``, or ``None``)."""
+
+    def current() -> Target:
         workers = int(wanted())
-        return workers, None if slots is None else [int(s) for s in slots()]
+        here = None if slots is None else [int(s) for s in slots()]
+        there = None if spans is None else [[str(h), [int(s) for s in ss]] for h, ss in spans()]
+        return workers, here, there
 
     return current
 
@@ -188,11 +196,12 @@ def run_request(
     end: int,
     epoch: int,
     host: str,
-    target: tuple[int, list[int] | None],
+    target: Target,
     store: StoreConfig,
     warm_start: StoreConfig | None,
 ) -> dict[str, Any]:
     """The ``run`` message (docs: :mod:`elastic_ops.agent.protocol`)."""
+    extra = {} if target[2] is None else {"spans": target[2]}  # only node agents span hosts
     return {
         "op": "run",
         "version": PROTOCOL_VERSION,
@@ -205,24 +214,26 @@ def run_request(
         "slots": target[1],
         "store": store.to_wire(),
         "warm_start": warm_start.to_wire() if warm_start is not None else None,
+        **extra,
     }
 
 
 def drive_chunk(
     channel: Channel,
-    sent: tuple[int, list[int] | None],
-    current: Callable[[], tuple[int, list[int] | None]],
+    sent: Target,
+    current: Callable[[], Target],
     *,
     on_progress: Callable[[Progress], None] | None,
-    on_applied: Callable[[int, int, tuple[int, ...] | None], None] | None,
+    on_applied: Callable[..., None] | None,
     poll_s: float,
     lost: Callable[[str], BaseException],
     error: Callable[[dict[str, Any]], BaseException],
 ) -> ChunkResult:
     """The task's side of a running chunk, once its run request has gone: forward the pool's
-    target (``current()``: workers and slots) whenever it changes from ``sent``, hand progress and
-    segment changes to the callbacks, return the result or raise the chunk's error
-    (``error(msg)``) or, when the channel ends first, ``lost(why)``."""
+    target (``current()``: workers, slots and spans) whenever it changes from ``sent``, hand
+    progress and segment changes to the callbacks (``on_applied(iteration, workers, slots)``, plus
+    the other hosts' slots in use when the agent sends them), return the result or raise the
+    chunk's error (``error(msg)``) or, when the channel ends first, ``lost(why)``."""
     while True:
         try:
             msg = channel.read(timeout=poll_s)
@@ -231,7 +242,8 @@ def drive_chunk(
         now = current()
         if now != sent:
             try:
-                channel.send({"op": "target", "workers": now[0], "slots": now[1]})
+                extra = {} if now[2] is None else {"spans": now[2]}
+                channel.send({"op": "target", "workers": now[0], "slots": now[1], **extra})
             except OSError as exc:
                 raise lost(str(exc)) from None
             sent = now
@@ -242,9 +254,12 @@ def drive_chunk(
             if on_progress is not None:
                 on_progress(progress_from_wire(msg))
         elif kind == "applied":
-            applied = applied_from_wire(msg)
+            iteration, workers, slots, spans = applied_from_wire(msg)
             if on_applied is not None:
-                on_applied(*applied)
+                if spans is None:
+                    on_applied(iteration, workers, slots)
+                else:
+                    on_applied(iteration, workers, slots, spans)
         elif kind == "result":
             return result_from_wire(msg.get("result"))
         elif kind == "error":

@@ -26,7 +26,7 @@ import re
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from elastic_ops.agent.cluster import ALIVE_EVERY_S, ALIVE_TTL_S, NodeConfig
@@ -45,6 +45,7 @@ from elastic_ops.agent.server import (
     latest_reply,
     warm_launcher,
 )
+from elastic_ops.agent.span import RanksSession, check_advertise_addr
 from elastic_ops.errors import AgentLostError, SpecError
 from elastic_ops.spec import check_host_name
 from elastic_ops.urls import shown_url
@@ -70,8 +71,11 @@ class NodeAgent:
         beat_s: float = BEAT_S,
         request_max_age_s: float = REQUEST_MAX_AGE_S,
         wall_clock: Callable[[], float] = time.time,
+        advertise_addr: str | None = None,
     ) -> None:
         self.host = check_host_name("--host", host)
+        # where the other hosts' ranks reach this host's (segments spanning hosts); None: no spanning
+        self.address = None if advertise_addr is None else check_advertise_addr(advertise_addr)
         self.config = config
         self.signer = config.signer()
         self._launcher, self.warm = launcher, warm
@@ -79,8 +83,9 @@ class NodeAgent:
         self.request_max_age_s, self.wall_clock = request_max_age_s, wall_clock
         self._stop = threading.Event()
         self._lock = threading.Lock()
-        self.sessions: dict[str, ChunkSession] = {}
+        self.sessions: dict[str, Any] = {}  # ChunkSession or RanksSession (both abort())
         self.accepted = 0  # chunks taken since the start
+        self.ranks_served = 0  # parts of segments other hosts' nodes led, since the start
         self._threads: list[threading.Thread] = []
         self._redis: Any = None
         self._announcer: threading.Thread | None = None
@@ -97,6 +102,7 @@ class NodeAgent:
             "pid": os.getpid(),
             "version": PROTOCOL_VERSION,
             "chunks": len(self.sessions),
+            "addr": self.address,  # set: this node can lead a segment spanning hosts
         }
         self._redis.set(self.config.alive_key(self.host), json.dumps(info), ex=ALIVE_TTL_S)
 
@@ -120,7 +126,12 @@ class NodeAgent:
                 "a Redis server this host can reach",
                 hint=str(exc),
             ) from None
-        self._launcher = warm_launcher(self._launcher, self.warm)
+        from elastic_ops.agent.node_client import NodeClient
+        from elastic_ops.agent.span import NodeSpanLauncher
+
+        self._local_launcher = warm_launcher(self._launcher, self.warm)
+        self._launcher = NodeSpanLauncher(self._local_launcher, NodeClient(self.config, redis=self._redis),
+                                          self.address)
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 signal.signal(sig, lambda *_: self._stop.set())
@@ -226,8 +237,8 @@ class NodeAgent:
             channel.close()
 
     def _run(self, session_id: str, channel: RedisChannel, req: dict[str, Any]) -> None:
-        if req.get("op") not in ("run", "latest"):
-            raise SpecError("op", req.get("op"), "'run' or 'latest' (what a node agent does)")
+        if req.get("op") not in ("run", "latest", "ranks"):
+            raise SpecError("op", req.get("op"), "'run', 'latest' or 'ranks' (what a node agent does)")
         if type(req.get("version")) is not int or req["version"] != PROTOCOL_VERSION:
             raise SpecError(
                 "version", req.get("version"), f"{PROTOCOL_VERSION} (this node's protocol version)"
@@ -237,8 +248,29 @@ class NodeAgent:
         if req["op"] == "latest":
             channel.send(latest_reply(req))
             return
+        if req["op"] == "ranks":
+            self._run_ranks(session_id, channel, req)
+            return
         session = ChunkSession(channel, req, self._launcher, self.progress_every_s)
         threading.current_thread().name = f"chunk-{session.request['spec'].name}"
+        with self._registered(session_id, session):
+            channel.send({"type": "accepted", "host": self.host, "pid": os.getpid()})
+            with self._lock:
+                self.accepted += 1
+            session.run()
+
+    def _run_ranks(self, session_id: str, channel: RedisChannel, req: dict[str, Any]) -> None:
+        """This host's part of a segment another host's node leads (:mod:`elastic_ops.agent.span`)."""
+        session = RanksSession(channel, req, self._local_launcher, self.host)
+        with self._registered(session_id, session):
+            with self._lock:
+                self.ranks_served += 1
+            session.run()
+
+    @contextlib.contextmanager
+    def _registered(self, session_id: str, session: Any) -> Iterator[None]:
+        """``session`` among the running ones (a stopping node aborts them all), unless the node
+        is already stopping: then :class:`AgentLostError`, which the requester gets."""
         with self._lock:
             self.sessions[session_id] = session
             stopping = self._stop.is_set()
@@ -248,10 +280,7 @@ class NodeAgent:
                     f"the elastic-ops node agent of host {self.host} is stopping",
                     hint="retry resumes from the last committed checkpoint",
                 )
-            channel.send({"type": "accepted", "host": self.host, "pid": os.getpid()})
-            with self._lock:
-                self.accepted += 1
-            session.run()
+            yield
         finally:
             with self._lock:
                 self.sessions.pop(session_id, None)
@@ -281,7 +310,7 @@ def register_host(
         client.close()
 
 
-def main(host: str, config: NodeConfig) -> int:
+def main(host: str, config: NodeConfig, advertise_addr: str | None = None) -> int:
     """Run a node agent in this process (the CLI's ``elastic-ops node``)."""
-    NodeAgent(host, config).serve()
+    NodeAgent(host, config, advertise_addr=advertise_addr).serve()
     return 0

@@ -152,19 +152,24 @@ class NodeClient:
         wanted: Callable[[], int],
         warm_start: StoreConfig | None = None,
         on_progress: Callable[[Progress], None] | None = None,
-        on_applied: Callable[[int, int, tuple[int, ...] | None], None] | None = None,
+        on_applied: Callable[..., None] | None = None,
         poll_s: float = POLL_S,
         slots: Callable[[], Sequence[int]] | None = None,
+        spans: Callable[[], Sequence[tuple[str, Sequence[int]]]] | None = None,
     ) -> ChunkResult:
         """Run iterations ``[start, end)`` of ``spec`` on the node agent of ``host``; the arguments
         are those of :meth:`AgentClient.run_chunk`. Raises :class:`NodeUnavailableError` (naming
         the host) when no node agent runs for ``host`` or none took the chunk in time,
         :class:`NodeLostError` when the node went silent mid-chunk, the chunk's own error as the
         runtime raised it, or :class:`AgentLostError` when Redis is unreachable or the node agent
-        stopped (neither is the host's fault)."""
+        stopped (neither is the host's fault).
+        ``spans()`` (with ``slots``): the slots the same target grants on the other hosts,
+        ``[(host, slots), ...]``; given, a count beyond ``host``'s slots trains one process group
+        across the hosts (the node must have been started with ``--advertise-addr``), and
+        ``on_applied`` gets the other hosts' slots in use as a fourth argument."""
         self._require_node(host)
 
-        current = target_reader(wanted, slots)
+        current = target_reader(wanted, slots, spans)
         sent = current()
         run = run_request(spec, start, end, epoch, host, sent, without_credentials(store),
                           without_credentials(warm_start))
@@ -196,6 +201,23 @@ class NodeClient:
             )
         finally:
             self._close(channel)
+
+    def start_ranks(self, host: str, msg: dict[str, Any]) -> Any:
+        """Have ``host``'s node agent start its part of a spanning segment (a ``ranks`` request,
+        :mod:`elastic_ops.agent.span`); the :class:`~elastic_ops.agent.span.RedisRanks` that
+        follows them once the node says they started. Raises as :meth:`run_chunk` does."""
+        from elastic_ops.agent.span import RedisRanks
+
+        self._require_node(host)
+        channel, request = self._open(host, msg)
+        try:
+            first = self._first(channel, request, host, "its part of a segment")
+            if first.get("type") != "started":
+                raise AgentProtocolError(f"expected 'started' from the node agent, got {first.get('type')!r}")
+        except BaseException:
+            self._close(channel)
+            raise
+        return RedisRanks(host, channel, self._close)
 
     def latest(
         self, host: str, store: StoreConfig, spec_hash: str | None

@@ -14,6 +14,11 @@ Client → agent (the first message names the operation; only ``run`` takes furt
      "warm_start": STORE | null}
     {"op": "target", "workers": 1, "slots": [4] | null}  # the pool's target changed (0 = preempt)
 
+A node agent's ``run`` and ``target`` may also carry ``"spans": [["h2", [0, 1]], ...]``, the
+slots the same target grants on other hosts: a count beyond ``slots`` then runs one process
+group across the hosts (:mod:`elastic_ops.agent.span`), and ``applied`` carries the other hosts'
+slots in use the same way.
+
 ``slots``: the GPU slots the pool's target names on the agent's host (``Target.placements`` of
 that host, in order); null in ``run`` means "not known" (workers take the visible GPUs in
 order), and then every ``target`` carries null too; otherwise every ``target`` carries the slots
@@ -187,11 +192,36 @@ def latest_of(msg: dict[str, Any]) -> tuple[int, str, dict[str, Any]] | None:
     return require_int(msg, "iteration", 0), require_str(msg, "uri"), metrics
 
 
-def applied_from_wire(msg: dict[str, Any]) -> tuple[int, int, tuple[int, ...] | None]:
-    """``(iteration, workers, slots)`` of an agent's ``applied`` message; a malformed one raises
-    :class:`AgentProtocolError` (the agent broke the protocol, nothing the task sent was wrong)."""
+def require_spans(msg: dict[str, Any], key: str = "spans") -> tuple[tuple[str, tuple[int, ...]], ...] | None:
+    """``msg[key]``, the slots of other hosts ``[[host, [slot, ...]], ...]``, as a tuple of
+    ``(host, slots)`` (``None`` if absent or null)."""
+    from elastic_ops.spec import check_host_name
+
+    value = msg.get(key)
+    if value is None:
+        return None
+    allowed = "a list of [host, [slot, ...]] pairs, each host once"
+    if not isinstance(value, list) or len(value) > MAX_WORKERS_LIMIT:
+        raise SpecError(key, value, allowed)
+    out = []
+    for pair in value:
+        if not isinstance(pair, list) or len(pair) != 2 or not isinstance(pair[0], str):
+            raise SpecError(key, value, allowed)
+        out.append((check_host_name(key, pair[0]), require_slots({key: pair[1]}, key) or ()))
+    if len({h for h, _ in out}) < len(out):
+        raise SpecError(key, value, allowed)
+    return tuple(out)
+
+
+def applied_from_wire(
+    msg: dict[str, Any],
+) -> tuple[int, int, tuple[int, ...] | None, tuple[tuple[str, tuple[int, ...]], ...] | None]:
+    """``(iteration, workers, slots, spans)`` of an agent's ``applied`` message; a malformed one
+    raises :class:`AgentProtocolError` (the agent broke the protocol, nothing the task sent was
+    wrong)."""
     try:
-        return require_int(msg, "iteration"), require_int(msg, "workers", 1), require_slots(msg)
+        return (require_int(msg, "iteration"), require_int(msg, "workers", 1), require_slots(msg),
+                require_spans(msg))
     except SpecError as exc:
         raise AgentProtocolError(f"malformed 'applied' message from the agent: {exc}") from None
 

@@ -42,6 +42,7 @@ from elastic_ops.agent.protocol import (
     progress_to_wire,
     require_int,
     require_slots,
+    require_spans,
     require_str,
     trusted_peer,
 )
@@ -50,7 +51,7 @@ from elastic_ops.errors import AgentLostError, SpecError, WorkerLostError
 log = logging.getLogger("elastic_ops.agent")
 
 PROGRESS_EVERY_S = 0.5  # progress messages per chunk, at most (the last iteration always goes)
-RUN_KEYS = frozenset("op version spec start end epoch host workers slots store warm_start".split())
+RUN_KEYS = frozenset("op version spec start end epoch host workers slots spans store warm_start".split())
 
 
 class _ChildThreadWarning(logging.Filter):
@@ -67,6 +68,7 @@ class AbortableLauncher:
 
     def __init__(self, base: Any) -> None:
         self.base = base
+        self.address = getattr(base, "address", None)  # where other hosts reach it (spanning segments)
         self._lock = threading.Lock()
         self._contexts: list[Any] = []
         self.aborted = False
@@ -98,6 +100,8 @@ def _kill(pc: Any) -> None:
         pids = list(pc.pids().values())
     except Exception:  # noqa: BLE001 - a context that never started has no pids
         return
+    if hasattr(pc, "abort_remote"):  # a segment spanning hosts: their nodes stop their ranks too
+        pc.abort_remote()
     for pid in pids:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGKILL)
@@ -126,9 +130,10 @@ class ChunkSession:
         self.request = self._validate(request)
         self.wanted = self.request["workers"]
         self.wanted_slots = self.taken_slots = self.request["slots"]
+        self.wanted_spans = self.taken_spans = self.request["spans"]
         # (workers, slots) of the running segment as last told to the task: none yet, so the
         # first segment is announced too (the task learns the slots it runs on)
-        self.applied: tuple[int, list[int] | None] | None = None
+        self.applied: tuple[int, list[int] | None, list[list[Any]] | None] | None = None
 
     @staticmethod
     def _validate(req: dict[str, Any]) -> dict[str, Any]:
@@ -151,6 +156,7 @@ class ChunkSession:
             "host": require_str(req, "host"),
             "workers": require_int(req, "workers"),
             "slots": require_slots(req),
+            "spans": require_spans(req),
             "store": StoreConfig.from_wire(req.get("store")),
             "warm_start": StoreConfig.from_wire(warm, "warm_start") if warm is not None else None,
         }
@@ -168,24 +174,34 @@ class ChunkSession:
 
     def target(self, iteration: int) -> int:
         with self._lock:
-            self.taken_slots = self.wanted_slots
+            self.taken_slots, self.taken_spans = self.wanted_slots, self.wanted_spans
             return self.wanted
 
-    def segment(self, iteration: int, workers: int, slots: tuple[int, ...] | None = None) -> None:
-        """``workers`` start at ``iteration`` on ``slots``, the previous segment's have exited:
-        tell the task, whose lease keeper then reports count and slots (the slots a shrink or a
-        move gave up are free only now)."""
-        running = (workers, None if slots is None else list(slots))
+    def segment(
+        self, iteration: int, workers: int, slots: tuple[int, ...] | None = None, spans: Any = None
+    ) -> None:
+        """``workers`` start at ``iteration`` on ``slots`` (and ``spans``, other hosts' slots),
+        the previous segment's have exited: tell the task, whose lease keeper then reports count
+        and slots (the slots a shrink or a move gave up are free only now)."""
+        there = None if spans is None else [[h, list(ss)] for h, ss in spans]
+        running = (workers, None if slots is None else list(slots), there)
         with self._lock:
             changed, self.applied = running != self.applied, running
         if changed:
-            self.send({"type": "applied", "iteration": iteration, "workers": workers, "slots": running[1]})
+            extra = {} if there is None else {"spans": there}
+            self.send({"type": "applied", "iteration": iteration, "workers": workers, "slots": running[1],
+                       **extra})
 
     def slots(self) -> tuple[int, ...]:
         """The slots that came with the target :meth:`target` last returned (same thread, right
         after it)."""
         with self._lock:
             return self.taken_slots or ()
+
+    def spans(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        """The other hosts' slots that came with that same target."""
+        with self._lock:
+            return self.taken_spans or ()
 
     def progress(self, p: Any) -> None:
         now = self.clock()
@@ -206,13 +222,17 @@ class ChunkSession:
                 if msg.get("op") != "target":
                     raise SpecError("op", msg.get("op"), "only 'target' messages may follow a run request")
                 workers = require_int(msg, "workers")
-                slots = require_slots(msg)
+                slots, spans = require_slots(msg), require_spans(msg)
                 if (slots is None) != (self.request["slots"] is None):
                     raise SpecError(
                         "slots", slots, "a list in every target if the run request had one, else null"
                     )
+                if (spans is None) != (self.request["spans"] is None):
+                    raise SpecError(
+                        "spans", spans, "a list in every target if the run request had one, else absent"
+                    )
                 with self._lock:
-                    self.wanted, self.wanted_slots = workers, slots
+                    self.wanted, self.wanted_slots, self.wanted_spans = workers, slots, spans
         except EOFError:
             if not self.done.is_set():
                 log.warning(
@@ -266,6 +286,7 @@ class ChunkSession:
                 host=r["host"],
                 launcher=self.launcher,
                 slots=self.slots if r["slots"] is not None else None,
+                spans=self.spans if r["slots"] is not None and r["spans"] is not None else None,
                 on_segment=self.segment,
                 warm_start=warm.uri if warm is not None else None,
                 warm_start_store=warm.open() if warm is not None else None,

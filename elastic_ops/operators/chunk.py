@@ -11,10 +11,12 @@ Where the chunk trains: in a cluster (``ELASTIC_OPS_NODE_REDIS_URL`` set), on th
 the host the pool granted (:mod:`elastic_ops.agent.node`), whichever machine runs this task;
 hosts without a live node agent are avoided when the task asks, and a granted host whose node
 does not take the chunk is reported like a host whose workers died, so the retry's grant avoids
-it. Otherwise, with ``ELASTIC_OPS_AGENT_SOCKET`` set (the per-host agent,
-:mod:`elastic_ops.agent`), the task sends the chunk to the agent, forwards the lease's target to
-it and logs its progress; the agent's error comes back as the same ``elastic_ops.errors`` class,
-so retry classification is unchanged. Without it, or when no agent answers there, the chunk runs
+it. A grant across hosts trains one process group over them when the leading node advertises an
+address (``elastic-ops node --advertise-addr``; :mod:`elastic_ops.agent.span`). Otherwise,
+with ``ELASTIC_OPS_AGENT_SOCKET`` set (the per-host agent, :mod:`elastic_ops.agent`), the task
+sends the chunk to the agent, forwards the lease's target to it and logs its progress; the
+agent's error comes back as the same ``elastic_ops.errors`` class, so retry classification is
+unchanged. Without it, or when no agent answers there, the chunk runs
 in the task process (the log says which). The agent path never imports torch in the task.
 Either way the runner gets the slots the grant (then every heartbeat) names on this task's host,
 so CUDA workers run on those GPUs, not on the host's first ones; a move to other slots at the same
@@ -86,14 +88,17 @@ def busiest_host(placements: Sequence[tuple[str, int]]) -> str:
     return max(counts, key=counts.__getitem__)  # dicts keep insertion order: ties go to the first
 
 
-def node_target(keeper: Any, min_workers: int) -> int:
-    """The pool's target as a node agent can follow it: at most the job's slots on the keeper's
-    host (a node starts workers on its own host only). Fewer there than ``min_workers`` (the
-    pool moved the job off this host, e.g. a drain) → 0: the chunk commits at its next boundary,
-    gives the lease back and asks again, and its new grant trains on the other host's node."""
+def node_target(keeper: Any, min_workers: int, span: bool = False) -> int:
+    """The pool's target as a node agent can follow it. A node that leads segments spanning
+    hosts (``span``: started with ``--advertise-addr``) follows all of it while it holds at least
+    one slot of it on its own host (rank 0 runs there; the other hosts' nodes run the rest). A
+    node that does not starts workers on its own host only: at most the job's slots there. Fewer
+    there than ``min_workers``, or none (the pool moved the job off this host, e.g. a drain) → 0:
+    the chunk commits at its next boundary, gives the lease back and asks again, and its new
+    grant trains on the other host's node."""
     wanted = keeper.wanted()
     here = len(keeper.slots())  # the slots of the very target wanted() returned
-    if wanted <= here:
+    if wanted <= here or (span and here >= 1):
         return wanted
     return here if here >= min_workers else 0
 
@@ -405,7 +410,7 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
         spec = JobSpec.from_dict(state["spec"])
         client = hook.pool()
         nodes = node_config_from_env()
-        # a node agent trains on its own host only: the one holding most of the grant's slots
+        # it trains on (spanning hosts: is led by) the node of the host holding most of the grant
         host = busiest_host(grant.placements) if nodes else grant.placements[0][0]
         gave_back = getattr(self, "_gave_back", set())  # this process's: nothing here outlives a deferral
         if nodes is not None and host not in gave_back and not self._node_is_live(nodes, host):
@@ -453,8 +458,8 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
         keeper.stop()
         trained_before = int(state["trained"])
         state = self._account(state, grant, result)
-        where = host if nodes is not None else socket.gethostname()
-        state["trained_on"] = sorted(set(state.get("trained_on", [])) | {where})
+        where = {host} | keeper.hosts_used if nodes is not None else {socket.gethostname()}
+        state["trained_on"] = sorted(set(state.get("trained_on", [])) | where)
         metrics.gauge("chunk.workers", 0, tags=tags)
         metrics.incr("chunk.iterations", int(state["trained"]) - trained_before, tags=tags)
         metrics.gauge("chunk.samples_per_s", float(result.samples_per_sec or 0.0), tags=tags)
@@ -506,11 +511,17 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
                 self.log.info("the aws connection's keys are not sent to node agents: the node opens %s "
                               "with its own host's credentials (endpoint and region are sent)", store.uri)
             self._node_client = NodeClient(nodes)
+            # a node with an address the others reach leads one process group across the grant's hosts
+            span = bool((self._node_client.alive(host) or {}).get("addr"))
+            if span:
+                self.log.info("the node agent of host %s leads process groups that span hosts: the chunk "
+                              "follows the pool's whole target", host)
             try:
                 return self._node_client.run_chunk(
                     spec.to_dict(), state["start"], state["end"], epoch=epoch, host=host, store=store,
                     warm_start=hook.store_config(warm_start) if warm_start else None,
-                    wanted=lambda: node_target(keeper, spec.min_workers), slots=keeper.slots,
+                    wanted=lambda: node_target(keeper, spec.min_workers, span), slots=keeper.slots,
+                    spans=keeper.spans if span else None,
                     on_applied=keeper.applied,
                     on_progress=on_progress,
                 )

@@ -69,6 +69,7 @@ class LeaseKeeper:
         self._placements = tuple(placements)  # the slots of the pool's latest target
         self._taken = self._placements  # ...of the target last handed out by target()/wanted()
         self._running_on: tuple[tuple[str, int], ...] | None = None  # the running segment's slots
+        self.hosts_used: set[str] = set()  # every host a segment of this chunk ran ranks on
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"lease-{job}", daemon=True)
@@ -106,20 +107,42 @@ class LeaseKeeper:
             taken = self._taken
         return tuple(slot for host, slot in taken if self.host is None or host == self.host)
 
-    def applied(self, iteration: int, workers: int, slots: Sequence[int] | None = None) -> None:
-        """``workers`` start at boundary ``iteration`` on ``slots`` of this task's host (the
-        previous segment's workers have exited): report the new count, and the slots as
-        ``placements``, now, so the pool can hand the slots a shrink or a move freed to others.
-        ``slots=None`` (not known) reports the count only, as does a keeper without a host."""
+    def spans(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        """The slots on the other hosts of that same target, ``((host, slots), ...)`` in the
+        pool's order (a segment spanning hosts runs its further ranks there)."""
+        with self._lock:
+            taken = self._taken
+        others: dict[str, list[int]] = {}
+        for host, slot in taken:
+            if self.host is not None and host != self.host:
+                others.setdefault(host, []).append(slot)
+        return tuple((h, tuple(s)) for h, s in others.items())
+
+    def applied(
+        self,
+        iteration: int,
+        workers: int,
+        slots: Sequence[int] | None = None,
+        spans: Sequence[tuple[str, Sequence[int]]] | None = None,
+    ) -> None:
+        """``workers`` start at boundary ``iteration`` on ``slots`` of this task's host and
+        ``spans`` of others (the previous segment's workers have exited): report the new count,
+        and the slots as ``placements``, now, so the pool can hand the slots a shrink or a move
+        freed to others. ``slots=None`` (not known) reports the count only, as does a keeper
+        without a host."""
         placements = None
         if slots is not None and self.host is not None:
-            placements = tuple((self.host, int(s)) for s in slots)
+            placements = tuple((self.host, int(s)) for s in slots) + tuple(
+                (str(h), int(s)) for h, ss in (spans or ()) for s in ss
+            )
         with self._lock:
             changed = workers != self._running or placements != self._running_on
             self._running, self._running_on = workers, placements
+            if placements:
+                self.hosts_used |= {h for h, _ in placements}
         if changed:
             self.metrics.gauge("chunk.workers", workers, tags=self.tags)
-            where = "" if placements is None else f" on slots {[s for _, s in placements]} of {self.host}"
+            where = "" if placements is None else " on " + _where(placements)
             log.info("job %s: %d workers from iteration %d%s", self.job, workers, iteration, where)
             self._wake.set()
 
@@ -162,3 +185,11 @@ class LeaseKeeper:
             self.beat()
             self._wake.wait(self.interval_s)
             self._wake.clear()
+
+
+def _where(placements: Sequence[tuple[str, int]]) -> str:
+    """``slots [0, 1] of h1, [3] of h2``: placements by host, in order."""
+    by_host: dict[str, list[int]] = {}
+    for host, slot in placements:
+        by_host.setdefault(host, []).append(slot)
+    return "slots " + ", ".join(f"{slots} of {host}" for host, slots in by_host.items())

@@ -12,6 +12,12 @@ A background *controller* thread follows rank 0 through the shared control chann
 a short time ahead of rank 0 (so the poll never stalls training), commits the
 checkpoints rank 0 leaves at ``checkpoint_interval`` boundaries (in the background, in order)
 and reports progress.
+
+Given ``spans`` (a node agent's runner), a segment may span hosts: the target's count is
+placed on this host's granted slots first (rank 0 always runs here, with the control channel)
+and then on the other hosts' slots in the order the pool listed them; the launcher starts those
+hosts' ranks through their node agents, and the workers form one process group
+(:mod:`elastic_ops.runtime.segment`).
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ from elastic_ops.errors import (
     WorkerLostError,
 )
 from elastic_ops.runtime.control import ControlChannel, count_of, moved
-from elastic_ops.runtime.launcher import Launcher, LaunchRequest, LocalLauncher, loopback_store
+from elastic_ops.runtime.launcher import Launcher, LaunchRequest, LocalLauncher, RemotePart, loopback_store
 from elastic_ops.runtime.outcome import ChunkResult, ChunkStatus, Progress
 from elastic_ops.runtime.state import load_state, param_sha256, save_atomic
 from elastic_ops.spec import JobSpec
@@ -65,8 +71,37 @@ class _Segment:
     samples: int
 
 
+Spans = tuple[tuple[str, tuple[int, ...]], ...]  # other hosts' granted slots: ((host, slots), ...)
+Placement = tuple[tuple[int, ...], Spans]  # this host's slots, then the other hosts'
+
+
+def place(workers: int, slots: Sequence[int], spans: Spans) -> tuple[int, tuple[RemotePart, ...]]:
+    """Where ``workers`` ranks run: ``(ranks on this host, the other hosts' parts)``. This host's
+    slots come first (rank 0 is here), then each other host's, in order; ranks left over when
+    the slots run out stay on this host (on CPU the slots are bookkeeping; on CUDA the launcher
+    then refuses, naming the slots), and so does rank 0 when this host has no slot (the control
+    channel is here)."""
+    here = max(min(workers, len(slots)), min(workers, 1)) if spans else workers
+    parts, offset = [], here
+    for host, theirs in spans:
+        n = min(workers - offset, len(theirs))
+        if n <= 0:
+            break
+        parts.append(RemotePart(host=host, rank_offset=offset, count=n, slots=tuple(theirs[:n])))
+        offset += n
+    return here + (workers - offset), tuple(parts)
+
+
+def used(workers: int, placement: Placement, host: str) -> set[tuple[str, int]]:
+    """The ``(host, slot)`` pairs ``workers`` ranks use under ``placement``."""
+    slots, spans = placement
+    here, parts = place(workers, slots, spans)
+    return {(host, s) for s in slots[:here]} | {(p.host, s) for p in parts for s in p.slots}
+
+
 class _SlotsByBoundary:
-    """The granted GPU slots that came with the target of each decided boundary.
+    """The granted GPU slots (a :data:`Placement`) that came with the target of each decided
+    boundary.
 
     ``slots()`` is read right after every ``target(i)``, from the same thread, so a segment
     launched at boundary ``i`` gets the slots of the very pool target that decided its worker
@@ -75,9 +110,9 @@ class _SlotsByBoundary:
     """
 
     def __init__(self) -> None:
-        self._entries: list[tuple[int, tuple[int, ...]]] = []  # (first boundary, slots), ascending
+        self._entries: list[tuple[int, Placement]] = []  # (first boundary, placement), ascending
 
-    def note(self, iteration: int, slots: tuple[int, ...]) -> None:
+    def note(self, iteration: int, slots: Placement) -> None:
         # A boundary decided again (a new segment re-decides the ones after its start)
         # supersedes what was noted for it and every later one.
         entries = [e for e in self._entries if e[0] < iteration]
@@ -85,7 +120,7 @@ class _SlotsByBoundary:
             entries.append((iteration, slots))
         self._entries = entries
 
-    def at(self, iteration: int) -> tuple[int, ...] | None:
+    def at(self, iteration: int) -> Placement | None:
         """The slots in force at ``iteration`` (``None`` if nothing was noted up to it)."""
         k = max((k for k, e in enumerate(self._entries) if e[0] <= iteration), default=None)
         if k is None:
@@ -151,14 +186,15 @@ class _Runner:
         launcher: Any,
         workdir: Path,
         slots: Callable[[], Sequence[int]] | None = None,
-        on_segment: Callable[[int, int, tuple[int, ...] | None], None] | None = None,
+        on_segment: Callable[..., None] | None = None,
+        spans: Callable[[], Sequence[tuple[str, Sequence[int]]]] | None = None,
     ) -> None:
         self.spec, self.start, self.end = spec, start, end
         self.on_segment = on_segment
-        self.slots_fn = slots
+        self.slots_fn, self.spans_fn = slots, spans
         self.slots = _SlotsByBoundary()
-        self._noted: tuple[int, ...] = ()  # the slots that came with the last target()
-        self._stay_warned: tuple[int, ...] | None = None
+        self._noted: Placement = ((), ())  # the slots that came with the last target()
+        self._stay_warned: Placement | None = None
         self.device = _device(spec)
         self.target_fn, self.store, self.epoch = target, store, epoch
         self.on_progress, self.host, self.launcher, self.workdir = on_progress, host, launcher, workdir
@@ -172,13 +208,17 @@ class _Runner:
         granted slots that came with it."""
         n = int(self.target_fn(iteration))
         if self.slots_fn is not None:
-            self._noted = tuple(self.slots_fn())
+            spans = self.spans_fn() if self.spans_fn is not None else ()
+            self._noted = (
+                tuple(int(s) for s in self.slots_fn()),
+                tuple((str(h), tuple(int(s) for s in ss)) for h, ss in spans),
+            )
             self.slots.note(iteration, self._noted)
         if n <= 0:
             return 0
         return max(self.spec.min_workers, min(self.spec.max_workers, n))
 
-    def decide(self, iteration: int, workers: int, slots: tuple[int, ...] | None) -> int:
+    def decide(self, iteration: int, workers: int, slots: Placement | None) -> int:
         """What the control channel gets for boundary ``iteration`` of a segment running
         ``workers`` on ``slots``: the target's count, or :func:`moved` of it when the pool wants
         the same count on other slots (the workers end the segment there and are relaunched)."""
@@ -187,11 +227,11 @@ class _Runner:
             return n
         return moved(n)
 
-    def _moves(self, n: int, old: tuple[int, ...], new: tuple[int, ...]) -> bool:
+    def _moves(self, n: int, old: Placement, new: Placement) -> bool:
         # Only the slots the ranks use count, as a set: a reordered grant is not worth a relaunch.
-        if set(new[:n]) == set(old[:n]):
+        if used(n, new, self.host) == used(n, old, self.host):
             return False
-        if self.device == "cuda" and len(new) < n:
+        if self.device == "cuda" and len(new[0]) + sum(len(ss) for _, ss in new[1]) < n:
             # The pool placed (some of) the job on another host, where the local launcher cannot
             # start workers. Stay on the GPUs in use: the lease keeps reporting them, so the pool
             # keeps them this job's (no other job is handed a busy GPU) until the chunk ends.
@@ -199,12 +239,12 @@ class _Runner:
                 self._stay_warned = new
                 log.warning(
                     "the pool moved %d worker(s) to slots %s, %d of them on this host: the workers "
-                    "stay on slots %s until the chunk ends (the local launcher starts workers on "
-                    "this host only)",
+                    "stay on slots %s until the chunk ends (this launcher cannot start workers on "
+                    "the other hosts)",
                     n,
-                    list(new),
-                    len(new),
-                    list(old[:n]),
+                    list(new[0]),
+                    len(new[0]),
+                    list(old[0][:n]),
                 )
             return False
         return True
@@ -212,7 +252,7 @@ class _Runner:
     # --- one segment ------------------------------------------------------------------------
 
     def run_segment(
-        self, index: int, it: int, workers: int, state_path: str | None, launch_slots: tuple[int, ...] | None
+        self, index: int, it: int, workers: int, state_path: str | None, placement: Placement | None
     ) -> _Segment:
         segdir = self.workdir / f"seg-{index}"
         segdir.mkdir(parents=True)
@@ -221,8 +261,18 @@ class _Runner:
         chan.decide(0, workers)
         for j in range(1, LOOKAHEAD + 1):
             if not chan.decided(j):
-                chan.decide(j, self.decide(it + j, workers, launch_slots))
-        store = loopback_store()
+                chan.decide(j, self.decide(it + j, workers, placement))
+        launch_slots, spans = placement if placement is not None else (None, ())
+        here, remote = place(workers, launch_slots or (), spans)
+        # across hosts the store listens where the other hosts reach this one (the node's address)
+        address = getattr(self.launcher, "address", None) if remote else None
+        if remote and not address:
+            raise SpecError(
+                "workers", workers, f"at most the {here} worker(s) this host has slots for",
+                hint="this launcher has no address the other hosts can reach "
+                "(elastic-ops node --advertise-addr)",
+            )
+        store = loopback_store(address or "127.0.0.1")
         cfg = {
             "spec": self.spec.to_dict(),
             "start": it,
@@ -231,12 +281,14 @@ class _Runner:
             "segment": index,
             "dir": str(segdir),
             "state_path": state_path,
+            "span": bool(remote),
+            "leader": True,
         }
         (segdir / "segment.json").write_text(json.dumps(cfg))
         req = LaunchRequest(
-            workers=workers,
+            workers=here,
             script=_script(self.spec),
-            master_addr="127.0.0.1",
+            master_addr=address or "127.0.0.1",
             master_port=store.port,
             segment=index,
             log_dir=segdir / "logs",
@@ -244,12 +296,14 @@ class _Runner:
             device=self.device,
             threads_per_worker=self.spec.threads_per_worker,
             slots=launch_slots,
+            world_size=workers,
+            remote=remote,
         )
         stop = threading.Event()
         errors: list[BaseException] = []
         ctl = threading.Thread(
             target=self._control,
-            args=(chan, it, workers, launch_slots, stop, errors, segdir),
+            args=(chan, it, workers, placement, stop, errors, segdir),
             name="elastic-ops-control",
             daemon=True,
         )
@@ -272,7 +326,7 @@ class _Runner:
         if errors:
             raise errors[0]
         if result.failures:
-            raise self._failure(segdir, result.failures, _killed_ranks(pc))
+            raise self._failure(segdir, result.failures, _killed_ranks(pc), pc)
         if not (segdir / "result.json").exists():
             raise TrainingError(
                 f"the workers exited without handing over their state (iterations {it}..{self.end})",
@@ -294,7 +348,7 @@ class _Runner:
         chan: ControlChannel,
         start: int,
         workers: int,
-        slots: tuple[int, ...] | None,
+        slots: Placement | None,
         stop: threading.Event,
         errors: list[BaseException],
         segdir: Path,
@@ -361,13 +415,19 @@ class _Runner:
                 eta,
             )
 
-    def _failure(self, segdir: Path, failures: dict[int, Any], killed: dict[int, str]) -> Exception:
+    def _failure(
+        self, segdir: Path, failures: dict[int, Any], killed: dict[int, str], pc: Any = None
+    ) -> Exception:
         reports = []
         for path in sorted(segdir.glob("error-*.json")):
             try:
                 reports.append(json.loads(path.read_text()))
             except (OSError, ValueError):
                 continue
+        # a segment spanning hosts: what the other hosts' ranks reported, and who killed them
+        reports += list(getattr(pc, "remote_reports", lambda: [])())
+        remote_killed: dict[int, tuple[str, str]] = dict(getattr(pc, "remote_killed", lambda: {})())
+        lost = getattr(pc, "lost_host", lambda: None)()
         for kind, cls in (("user", UserCodeError), ("nonfinite", NonFiniteLossError)):
             found = [r for r in reports if r["kind"] == kind]
             if found:
@@ -379,6 +439,16 @@ class _Runner:
         internal = [r for r in reports if r["kind"] == "internal"]
         signals = {rank: f.signal_name() for rank, f in failures.items() if f.exitcode < 0}
         signals = dict(sorted({**killed, **signals}.items()))
+        if not signals and (remote_killed or lost):
+            # this host's ranks only lost their peers: the host whose ranks died is the one to blame
+            host, what = lost, f"the node agent of host {lost} went away"
+            if remote_killed:
+                host = next(iter(remote_killed.values()))[0]
+                what = ", ".join(f"rank {r} killed by {s}" for r, (_, s) in sorted(remote_killed.items()))
+            return WorkerLostError(
+                f"worker lost on {host}: {what}", host=host,
+                hint="retry resumes from the last committed checkpoint",
+            )
         if internal and not signals:
             r = internal[0]
             return TrainingError(f"runtime error on rank {r['rank']}: {r['message']}\n{r['traceback']}")
@@ -403,19 +473,27 @@ class _Runner:
         while True:
             if workers == 0:
                 return self._preempted(it, last)
-            slots = self.slots.at(it) if self.slots_fn is not None else None
+            placement = self.slots.at(it) if self.slots_fn is not None else None
             self.timeline.append((it, workers, time.time()))
+            slots, parts = None, ()
+            if placement is not None:
+                here, parts = place(workers, *placement)
+                slots = placement[0][:here]
             if self.on_segment is not None:
-                self.on_segment(it, workers, slots)
+                if self.spans_fn is None:
+                    self.on_segment(it, workers, slots)
+                else:
+                    self.on_segment(it, workers, slots, tuple((p.host, p.slots) for p in parts))
             log.info(
-                "segment %d: iterations %d..%d with %d worker(s)%s",
+                "segment %d: iterations %d..%d with %d worker(s)%s%s",
                 index,
                 it,
                 self.end,
                 workers,
-                "" if slots is None else f" on slots {list(slots[:workers])}",
+                "" if slots is None else f" on slots {list(slots)}",
+                "".join(f", {p.count} on {p.host} slots {list(p.slots)}" for p in parts),
             )
-            last = self.run_segment(index, it, workers, state_path, slots)
+            last = self.run_segment(index, it, workers, state_path, placement)
             segments.append(last)
             index += 1
             it, state_path, workers = last.iteration, last.state_path, last.next_workers
@@ -513,7 +591,8 @@ def run_chunk(
     workdir: str | Path | None = None,
     warm_start_store: Any = None,
     slots: Callable[[], Sequence[int]] | None = None,
-    on_segment: Callable[[int, int, tuple[int, ...] | None], None] | None = None,
+    on_segment: Callable[..., None] | None = None,
+    spans: Callable[[], Sequence[tuple[str, Sequence[int]]]] | None = None,
 ) -> ChunkResult:
     """Train iterations ``[start, end)`` from the latest committed checkpoint; see the module doc.
 
@@ -537,6 +616,11 @@ def run_chunk(
     on ``slots`` (those noted with ``target(i)``; ``None`` without ``slots``), after the previous
     segment's workers have exited: the moment a shrink or a move has really given its old slots
     up, so the caller reports it to the pool then (not when ``target`` announced it).
+    ``spans()`` (with ``slots``; called right after it): the slots the same target grants on
+    other hosts, ``[(host, slots), ...]``. A count beyond this host's slots then spans hosts
+    (:func:`place`): the launcher, which must have an ``address`` the other hosts can reach,
+    starts their ranks (``LaunchRequest.remote``), and ``on_segment`` gets a fourth argument,
+    the other hosts' slots in use, ``((host, slots), ...)``.
     """
     _check_range(spec, start, end)
     _check_entrypoint(spec)
@@ -584,7 +668,8 @@ def run_chunk(
             )
         launcher = launcher or LocalLauncher()
         runner = _Runner(
-            spec, start, end, target, store, epoch, on_progress, host, launcher, work, slots, on_segment
+            spec, start, end, target, store, epoch, on_progress, host, launcher, work, slots, on_segment,
+            spans,
         )
         it, state_path = 0, None
         if ref is not None:

@@ -21,7 +21,9 @@ at top level, without an ``if __name__ == "__main__":`` guard, works too.
 Rendezvous follows torchelastic's agent-store convention: the runner hosts a ``TCPStore`` per
 segment and sets ``TORCHELASTIC_USE_AGENT_STORE=True``, so a plain
 ``dist.init_process_group(backend)`` (``env://``) in a worker or in a user's DDP script
-connects to it as a client. The store listens on loopback only (:func:`loopback_store`).
+connects to it as a client. The store listens on loopback only (:func:`loopback_store`),
+except for a segment that spans hosts (``LaunchRequest.remote``: a node agent's launcher starts
+the other hosts' ranks), whose store listens on the address the node agent advertises.
 """
 
 from __future__ import annotations
@@ -45,19 +47,21 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, PContext
 from elastic_ops.runtime.worker import LAUNCHER_PID_ENV, worker_entry
 
 
-def loopback_store() -> dist.TCPStore:
-    """A segment's rendezvous store, reachable from this host only.
+def loopback_store(address: str = "127.0.0.1") -> dist.TCPStore:
+    """A segment's rendezvous store, reachable from this host only (or at ``address``).
 
     ``TCPStore("127.0.0.1", 0, is_master=True)`` listens on every interface (the host argument
     only says where clients connect), so anyone on the network could read or overwrite the
     rendezvous keys of a running segment. Its socket is bound to 127.0.0.1 here and handed over
-    with ``master_listen_fd``; the store then owns the descriptor and closes it with itself."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    with ``master_listen_fd``; the store then owns the descriptor and closes it with itself.
+    A segment spanning hosts binds it to the one ``address`` its node agent advertises to the
+    others (``elastic-ops node --advertise-addr``), not to every interface."""
+    sock = socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_STREAM)
     try:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((address, 0))
         sock.listen(128)
         store = dist.TCPStore(
-            "127.0.0.1", sock.getsockname()[1], is_master=True, wait_for_workers=False,
+            address, sock.getsockname()[1], is_master=True, wait_for_workers=False,
             master_listen_fd=sock.fileno(),
         )
     except BaseException:
@@ -65,6 +69,17 @@ def loopback_store() -> dist.TCPStore:
         raise
     sock.detach()  # the store closes it
     return store
+
+
+@dataclass(frozen=True)
+class RemotePart:
+    """Ranks ``rank_offset .. rank_offset + count - 1`` of a segment, run on another ``host``'s
+    node agent, on its GPU ``slots`` (the pool's slot indices there, in rank order)."""
+
+    host: str
+    rank_offset: int
+    count: int
+    slots: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -82,31 +97,48 @@ class LaunchRequest:
     # ``slots[r]``, slot i = the host's i-th visible GPU); None: no grant names them (the CLI,
     # tests), and rank r takes the r-th visible GPU. Ignored on CPU.
     slots: tuple[int, ...] | None = None
+    # A segment spanning hosts: this host runs ranks rank_offset .. rank_offset + workers - 1 of
+    # world_size (None: workers, one host), as the group_rank-th host; the leader's request
+    # (rank 0 is always there) lists the other hosts' ranks in ``remote``.
+    rank_offset: int = 0
+    world_size: int | None = None
+    group_rank: int = 0
+    remote: tuple[RemotePart, ...] = ()
+
+    @property
+    def world(self) -> int:
+        return self.workers if self.world_size is None else self.world_size
 
 
 def worker_env(req: LaunchRequest, rank: int, gpus: Sequence[str] = ()) -> dict[str, str]:
-    """The environment of worker ``rank``: PyTorch's names plus IBM WML's (1-based)."""
+    """The environment of this host's worker ``rank`` (its local rank): PyTorch's names plus
+    IBM WML's (1-based)."""
+    global_rank, world = req.rank_offset + rank, req.world
     env = {
-        "RANK": str(rank),
-        "WORLD_SIZE": str(req.workers),
+        "RANK": str(global_rank),
+        "WORLD_SIZE": str(world),
         "LOCAL_RANK": str(rank),
         "LOCAL_WORLD_SIZE": str(req.workers),
-        "GROUP_RANK": "0",
-        "ROLE_RANK": str(rank),
-        "ROLE_WORLD_SIZE": str(req.workers),
+        "GROUP_RANK": str(req.group_rank),
+        "ROLE_RANK": str(global_rank),
+        "ROLE_WORLD_SIZE": str(world),
         "MASTER_ADDR": req.master_addr,
         "MASTER_PORT": str(req.master_port),
-        "LEARNER_ID": str(rank + 1),
-        "NUM_LEARNERS": str(req.workers),
+        "LEARNER_ID": str(global_rank + 1),
+        "NUM_LEARNERS": str(world),
         "TORCHELASTIC_USE_AGENT_STORE": "True",
         "TORCHELASTIC_RESTART_COUNT": str(req.segment),
         "OMP_NUM_THREADS": str(req.threads_per_worker),
         "ELASTIC_OPS_DEVICE": req.device,
-        # All ranks share this host: gloo on loopback, no hostname resolution (seconds when DNS is slow).
-        "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
         LAUNCHER_PID_ENV: str(os.getpid()),  # the workers exit if this process dies (worker.py)
-        **req.env,
     }
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME")
+    if world == req.workers:
+        # All ranks share this host: gloo on loopback, no hostname resolution (seconds when DNS is slow).
+        env["GLOO_SOCKET_IFNAME"] = ifname or "lo"
+    elif ifname:  # across hosts: the interface the node agent was told to use, else gloo's own choice
+        env["GLOO_SOCKET_IFNAME"] = ifname
+    env.update(req.env)
     if req.device == "cuda":
         if req.slots is None:
             env["CUDA_VISIBLE_DEVICES"] = gpus[rank % len(gpus)] if gpus else str(rank)
@@ -188,6 +220,16 @@ class LocalLauncher:
         multiprocessing.set_forkserver_preload(PRELOAD)
 
     def start(self, req: LaunchRequest) -> PContext:
+        if req.remote:
+            from elastic_ops.errors import SpecError
+
+            raise SpecError(
+                "workers",
+                req.world,
+                f"at most the {req.workers} worker(s) this host runs: this launcher starts workers on "
+                "this host only",
+                hint="a segment spanning hosts runs on node agents (elastic-ops node --advertise-addr)",
+            )
         gpus = visible_gpus() if req.device == "cuda" else []
         if req.device == "cuda" and req.slots is not None:
             slot_gpus(req.slots, req.workers, gpus)  # every rank's GPU, checked before any starts

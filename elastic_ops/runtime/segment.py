@@ -9,6 +9,13 @@ and points ``ELASTIC_OPS_SEGMENT`` at it. Files written here, read by the runner
 - ``state-<i>.pt`` + ``result.json`` (rank 0): the state where the segment stopped (the chunk's
   end, or a boundary where the target differs from the current worker count);
 - ``error-<rank>.json``: why a rank failed (``user``, ``nonfinite``, ``comm``, ``internal``).
+
+A segment that *spans hosts* (``"span": true``) has one process group across them; rank 0 runs
+on the leader, the host whose runner holds the control channel. There rank 0 alone reads each
+boundary's target and broadcasts it to every rank (one small collective per iteration: the
+other hosts cannot map the leader's file), and the state the segment starts from is read by
+rank 0 and broadcast as bytes, which every rank loads with ``weights_only=True``. The other
+hosts' ``segment.json`` say ``"leader": false``: they have no control channel.
 """
 
 from __future__ import annotations
@@ -68,7 +75,9 @@ class Segment:
     state_path: str | None
     rank: int
     local_rank: int
-    channel: ControlChannel
+    channel: ControlChannel | None  # None on the hosts of a spanning segment other than the leader
+    span: bool = False
+    _pending: Any = None  # spanning: (tensor, work) of the next boundary's broadcast decision
 
     @classmethod
     def from_env(cls) -> Segment:
@@ -78,6 +87,7 @@ class Segment:
                 f"{ENV_VAR} is not set: this process was not started by the elastic_ops runner"
             )
         cfg = json.loads(Path(path).read_text())
+        length = cfg["end"] - cfg["start"] + 1
         return cls(
             spec=JobSpec.from_dict(cfg["spec"]),
             start=cfg["start"],
@@ -88,7 +98,8 @@ class Segment:
             state_path=cfg["state_path"],
             rank=int(os.environ["RANK"]),
             local_rank=int(os.environ.get("LOCAL_RANK", "0")),
-            channel=ControlChannel(cfg["dir"], cfg["end"] - cfg["start"] + 1, create=False),
+            channel=ControlChannel(cfg["dir"], length, create=False) if cfg.get("leader", True) else None,
+            span=bool(cfg.get("span", False)),
         )
 
     # --- setup ---------------------------------------------------------------------------
@@ -115,19 +126,69 @@ class Segment:
             dist.init_process_group(backend, timeout=PG_TIMEOUT)
 
     def load_state(self) -> dict[str, Any] | None:
+        if self.span:
+            return self._broadcast_state()
         if not self.state_path:
             return None
         from elastic_ops.runtime.state import load_state
 
         return load_state(self.state_path)
 
+    def _comm_device(self) -> torch.device:
+        return self.device() if dist.get_backend() == "nccl" else torch.device("cpu")
+
+    def _broadcast_state(self) -> dict[str, Any] | None:
+        """Rank 0's starting state on every rank: its file's bytes, broadcast, loaded with
+        ``weights_only=True`` (no code runs, whoever sent them)."""
+        import io
+
+        from elastic_ops.runtime.state import load_state
+
+        data = b""
+        if self.rank == 0 and self.state_path:
+            data = Path(self.state_path).read_bytes()
+        size = torch.tensor([len(data)], dtype=torch.int64, device=self._comm_device())
+        dist.broadcast(size, 0)
+        n = int(size.item())
+        if n == 0:
+            return None
+        if self.rank == 0:
+            buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        else:
+            buf = torch.empty(n, dtype=torch.uint8)
+        buf = buf.to(self._comm_device())
+        dist.broadcast(buf, 0)
+        return load_state(io.BytesIO(buf.cpu().numpy().tobytes()))
+
     # --- boundaries ----------------------------------------------------------------------
 
     def target(self, iteration: int) -> int:
-        """The worker count wanted at boundary ``iteration`` (same value on every rank)."""
+        """The worker count wanted at boundary ``iteration`` (same value on every rank).
+
+        Spanning hosts, the broadcast of boundary ``i + 1``'s decision starts at boundary ``i``
+        (asynchronously: it travels while iteration ``i`` computes), whenever ``i`` goes on at
+        this size; the runner decides boundaries ahead of rank 0, so it is there to be read.
+        Every rank issues the same broadcasts in the same order (they all see the same values).
+        """
+        if self.span:
+            return self._spanning_target(iteration)
         if iteration == self.start:
             return self.workers
         return self.channel.target(iteration - self.start)
+
+    def _spanning_target(self, iteration: int) -> int:
+        if iteration == self.start:
+            value = self.workers
+        else:
+            decided, work = self._pending
+            work.wait()
+            value = int(decided.item())
+        self._pending = None
+        if value == self.workers and iteration + 1 < self.end:
+            ahead = self.channel.target(iteration + 1 - self.start) if self.rank == 0 else 0
+            decided = torch.tensor([ahead], dtype=torch.int64, device=self._comm_device())
+            self._pending = (decided, dist.broadcast(decided, 0, async_op=True))
+        return value
 
     def checkpoint_due(self, iteration: int) -> bool:
         return self.start < iteration < self.end and iteration % int(self.spec.checkpoint_interval) == 0

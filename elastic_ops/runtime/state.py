@@ -13,7 +13,7 @@ import hashlib
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 
@@ -94,7 +94,7 @@ def save_atomic(state: dict[str, Any], path: str | Path) -> None:
         shutil.rmtree(tmp_dir, ignore_errors=True)
 
 
-def load_state(path: str | Path, *, mmap: bool = False) -> dict[str, Any]:
+def load_state(path: str | Path | IO[bytes], *, mmap: bool = False) -> dict[str, Any]:
     """Load a staged state; ``weights_only=True`` refuses anything that would execute code.
 
     ``mmap=True`` maps the file instead of reading it (tensors read only where touched): for a

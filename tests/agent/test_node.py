@@ -160,7 +160,8 @@ def test_the_announced_nodes_are_listed(cluster, monkeypatch, capsys):
     assert sorted(json.loads(capsys.readouterr().out)) == ["host-a", "host-b"]
     assert cli_main(["nodes"]) == 0
     table = capsys.readouterr().out.splitlines()
-    assert table[0].split() == ["host", "pid", "version", "chunks"] and table[1].split()[0] == "host-a"
+    assert table[0].split() == ["host", "pid", "version", "chunks", "address"]
+    assert table[1].split()[0] == "host-a" and table[1].split()[-1] == "-"  # no --advertise-addr
 
 
 def test_a_host_without_a_node_agent_is_a_retryable_error_naming_it(cluster, tmp_path):

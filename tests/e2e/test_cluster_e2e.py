@@ -1,7 +1,12 @@
 """End to end, a cluster on one machine: a real Airflow (scheduler, dag-processor, triggerer and
 api-server; LocalExecutor) with its metadata and the pool ledger on the local PostgreSQL, whose
 chunk tasks send their chunks over the local Redis to the node agents of two pool hosts,
-``host1`` and ``host2``, each a separate ``elastic-ops node`` process.
+``host1`` and ``host2``, each a separate ``elastic-ops node`` process started with
+``--advertise-addr 127.0.0.1``.
+
+A job granted more workers than one host has trains one process group across both hosts: the
+node of the host holding most of the grant leads, the other host's node runs the other ranks,
+and the model is bitwise the one a single worker trains.
 
 The host running a chunk dies (its node agent is SIGKILLed with everything it started, workers
 included): the chunk's try fails with ``NodeLostError``, which reports the host to the pool;
@@ -29,6 +34,11 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
+SPAN_SPEC = {  # tests/e2e/dags/e2e_span.py trains this
+    "entrypoint": "elastic_ops.examples.digits:DigitsMLP", "total_iterations": 60, "chunk_iterations": 60,
+    "global_batch": 64, "min_workers": 1, "max_workers": 4, "consistency": "bitwise", "virtual_shards": 4,
+    "data_seed": 5, "checkpoint_interval": 20, "params": {"hidden": 32, "depth": 1},
+}
 
 
 @pytest.fixture(scope="module")
@@ -48,12 +58,14 @@ def _cluster(tmp_path_factory, airflow_db: str, ledger: str):
         "ELASTIC_OPS_NODE_REDIS_URL": REDIS_URL,
         "ELASTIC_OPS_NODE_SECRET": SECRET,
         "ELASTIC_OPS_NODE_NAMESPACE": f"e2e-{uuid.uuid4().hex[:12]}",
+        "GLOO_SOCKET_IFNAME": "lo",  # both "hosts" are this machine
         # the tasks find the ledger through the pool connection, as in a deployment
         "AIRFLOW_CONN_ELASTIC_OPS_POOL_DEFAULT": json.dumps(
             {"conn_type": "elastic_ops_pool", "extra": {"url": ledger}}),
     }
     af = AirflowDeployment(home=root / "airflow", dags_folder=dags, plugins_folder=REPO / "plugins",
                            parallelism=2, agent=False, nodes=("host1", "host2"), extra_env=env,
+                           node_args=("--advertise-addr", "127.0.0.1"),
                            database_url=airflow_db)
     try:
         with af:
@@ -61,6 +73,27 @@ def _cluster(tmp_path_factory, airflow_db: str, ledger: str):
             yield af, pool
     finally:
         drop_namespace(af.node_config())
+
+
+def test_a_job_granted_more_than_one_host_trains_one_group_across_both(cluster, tmp_path):
+    """First in this module: the next test kills a host."""
+    af, pool = cluster
+    from elastic_ops.runtime import run_chunk
+    from elastic_ops.spec import JobSpec
+
+    af.wait_dag("e2e_span")
+    run = af.trigger("e2e_span", run_id="span_run")
+    reference = JobSpec.from_dict({**SPAN_SPEC, "name": "ref", "checkpoint": f"file://{tmp_path}/ref"})
+    ref_sha = run_chunk(reference, 0, 60, target=lambda i: 1).param_sha256
+    assert af.wait_run("e2e_span", run, timeout=400) == "success"
+    result = af.xcom("e2e_span", run, "train.chunk_01_of_01")
+    assert result["hosts"] == result["trained_on"] == ["host1", "host2"]  # granted and trained on both
+    assert {n for _, n, _ in result["workers_timeline"]} == {4}  # 2 slots per host: 4 only across hosts
+    assert af.xcom("e2e_span", run, "train.finalize")["param_sha256"] == ref_sha
+    leader = (af.home / "logs" / "node-host1.log").read_text(errors="replace")
+    follower = (af.home / "logs" / "node-host2.log").read_text(errors="replace")
+    assert "chunk [0, 60)" in leader and "ranks 2..3 of 4" in follower
+    assert not [e for e in pool.events(job=job_id("e2e_span", "train", run)) if e["kind"] == "failure"]
 
 
 def test_a_chunk_whose_host_dies_is_retried_on_the_other_hosts_node(cluster, tmp_path, request):

@@ -150,6 +150,21 @@ def test_a_node_follows_the_target_with_the_slots_on_its_own_host(wanted, here, 
     assert node_target(FakeKeeper(wanted, here), min_workers) == follows
 
 
+@pytest.mark.parametrize(
+    ("wanted", "here", "min_workers", "follows"),
+    [
+        (4, 2, 3, 4),  # a grant across hosts: all of it, one process group
+        (4, 1, 1, 4),  # one slot here is enough for rank 0
+        (2, 0, 1, 0),  # moved off this host: ask again (the new grant's busiest host leads)
+        (0, 2, 1, 0),  # a preemption
+    ],
+)
+def test_a_node_that_leads_spanning_groups_follows_the_whole_target(wanted, here, min_workers, follows):
+    from elastic_ops.operators.chunk import node_target
+
+    assert node_target(FakeKeeper(wanted, here), min_workers, span=True) == follows
+
+
 def test_the_node_of_the_host_holding_most_of_the_grant_trains_it():
     from elastic_ops.operators.chunk import busiest_host
 
@@ -169,6 +184,25 @@ def test_a_grant_across_hosts_trains_on_one_node_with_that_hosts_slots(cluster, 
     assert {h for h, _ in grant["slots"]} == {"host-a", "host-b"}  # 4 slots on 2 hosts were granted
     assert result["status"] == "completed" and {n for _, n, _ in result["workers_timeline"]} == {2}
     assert result["hosts"] == ["host-a", "host-b"] and result["trained_on"] == ["host-a"]
+
+
+def test_a_grant_across_hosts_trains_one_group_when_the_node_advertises_an_address(
+    cluster, monkeypatch, tmp_path
+):
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")  # both "hosts" are this machine
+    pool = airflow_pool(monkeypatch, tmp_path, host="host-a", slots=2)
+    pool.add_host("host-b", 2)
+    fields = {**TINY_FIELDS, "max_workers": 4}
+    op = ElasticChunkOperator(task_id="chunk_0", spec_fields=fields, chunk_index=0, group_id="train")
+    with (
+        running_node("host-a", cluster, advertise_addr="127.0.0.1") as node_a,
+        running_node("host-b", cluster) as node_b,
+    ):
+        result = op.execute(CONTEXT)
+        assert (node_a.accepted, node_b.accepted, node_b.ranks_served) == (1, 0, 1)
+    assert result["status"] == "completed" and {n for _, n, _ in result["workers_timeline"]} == {4}
+    assert result["hosts"] == ["host-a", "host-b"] and result["trained_on"] == ["host-a", "host-b"]
+    assert not [e for e in pool.events() if e["kind"] == "failure"]
 
 
 def test_a_drained_hosts_running_chunk_moves_to_the_other_hosts_node(cluster, monkeypatch, tmp_path):

@@ -173,12 +173,18 @@ def test_a_same_count_move_relaunches_on_the_agent_and_is_announced_with_its_slo
 def test_a_malformed_applied_message_is_a_protocol_error():
     from elastic_ops.agent.protocol import applied_from_wire
 
-    assert applied_from_wire({"iteration": 4, "workers": 2, "slots": [1, 0]}) == (4, 2, (1, 0))
-    assert applied_from_wire({"iteration": 4, "workers": 2, "slots": None}) == (4, 2, None)
+    assert applied_from_wire({"iteration": 4, "workers": 2, "slots": [1, 0]}) == (4, 2, (1, 0), None)
+    assert applied_from_wire({"iteration": 4, "workers": 2, "slots": None}) == (4, 2, None, None)
+    spanning = {"iteration": 4, "workers": 3, "slots": [0], "spans": [["h2", [1, 0]]]}
+    assert applied_from_wire(spanning) == (4, 3, (0,), (("h2", (1, 0)),))
     for bad in (
         {"iteration": 4, "workers": 0},
         {"workers": 2},
         {"iteration": 4, "workers": 2, "slots": [1, 1]},
+        {**spanning, "spans": [["h2", [1, 1]]]},
+        {**spanning, "spans": [["h2", [0]], ["h2", [1]]]},
+        {**spanning, "spans": [["bad host!", [0]]]},
+        {**spanning, "spans": "h2"},
     ):
         with pytest.raises(AgentProtocolError, match="malformed 'applied' message"):
             applied_from_wire(bad)

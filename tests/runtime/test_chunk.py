@@ -284,14 +284,14 @@ def test_a_move_off_this_host_is_followed_on_cpu_and_not_on_cuda(tmp_path):
     try:
         runner.device = "cpu"
         granted["slots"] = ()  # the whole grant is on another host now
-        assert runner.decide(10, 2, (0, 1)) == moved(2)  # CPU slots are bookkeeping: follow
+        assert runner.decide(10, 2, ((0, 1), ())) == moved(2)  # CPU slots are bookkeeping: follow
         runner.device = "cuda"
-        assert runner.decide(10, 2, (0, 1)) == 2  # stay: nothing here to relaunch on
+        assert runner.decide(10, 2, ((0, 1), ())) == 2  # stay: nothing here to relaunch on
         granted["slots"] = (1, 5)  # a move on this host: followed on CUDA too
-        assert runner.decide(11, 2, (0, 1)) == moved(2)
+        assert runner.decide(11, 2, ((0, 1), ())) == moved(2)
         granted["slots"] = (1, 0)  # the same GPUs: no relaunch
-        assert runner.decide(12, 2, (0, 1)) == 2
-        assert runner.decide(13, 1, (0, 1)) == 2  # a count change is a plain decision
+        assert runner.decide(12, 2, ((0, 1), ())) == 2
+        assert runner.decide(13, 1, ((0, 1), ())) == 2  # a count change is a plain decision
         assert count_of(moved(2)) == 2 and count_of(0) == 0 and moved(1) > 4096
     finally:
         runner.committer.close()

@@ -1,0 +1,181 @@
+"""Chunks whose grant spans hosts, over node agents on the local Redis: the leader's node starts
+the other hosts' ranks through their nodes and all train one process group (bitwise the same
+model as one worker); a rank killed on the other host fails the chunk naming that host; a host
+without a node, or a leader without an address, is refused clearly."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from elastic_ops.agent.cluster import NodeConfig
+from elastic_ops.agent.node import NodeAgent
+from elastic_ops.agent.node_client import NodeClient
+from elastic_ops.agent.protocol import PROTOCOL_VERSION
+from elastic_ops.agent.span import RanksSession, check_advertise_addr
+from elastic_ops.checkpoint import open_store
+from elastic_ops.errors import NodeUnavailableError, SpecError, WorkerLostError
+from elastic_ops.runtime import run_chunk
+from tests.agent.node_helpers import drop_namespace, make_config, running_node
+from tests.agent.test_node import store_of
+from tests.conftest import require_service
+from tests.runtime.builders import make_spec
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[tuple[NodeConfig, NodeAgent, NodeAgent]]:
+    """``host-a`` (advertises 127.0.0.1: it may lead spanning chunks) and ``host-b``."""
+    require_service("Redis", "127.0.0.1", 6379)
+    config = make_config()
+    saved = os.environ.get("GLOO_SOCKET_IFNAME")
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # both "hosts" are this machine
+    try:
+        with (
+            running_node("host-a", config, peer_timeout_s=5.0, advertise_addr="127.0.0.1") as a,
+            running_node("host-b", config, peer_timeout_s=5.0) as b,
+        ):
+            yield config, a, b
+    finally:
+        drop_namespace(config)
+        if saved is None:
+            os.environ.pop("GLOO_SOCKET_IFNAME", None)
+        else:
+            os.environ["GLOO_SOCKET_IFNAME"] = saved
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> str:
+    return run_chunk(make_spec(tmp_path_factory.mktemp("ref")), 0, 30, target=lambda i: 1).param_sha256
+
+
+def run_spanning(config, spec, *, grow_at=8, spans=(("host-b", (0, 1)),), applied=None, leader="host-a"):
+    """The chunk on ``leader`` with one slot there; 3 workers (spanning) once ``grow_at`` is trained."""
+    seen = []
+    client = NodeClient(config, accept_timeout_s=10.0, peer_timeout_s=5.0)
+    return client.run_chunk(
+        spec.to_dict(), 0, 30, epoch=1, host=leader, store=store_of(spec),
+        wanted=lambda: 3 if seen and seen[-1] >= grow_at else 1,
+        slots=lambda: (0,), spans=lambda: spans,
+        on_progress=lambda p: seen.append(p.iteration),
+        on_applied=(lambda *x: applied.append(x)) if applied is not None else None,
+    )
+
+
+def test_a_chunk_spanning_two_hosts_trains_one_group_bitwise_equal_to_one_worker(
+    cluster, tmp_path, reference
+):
+    config, a, b = cluster
+    assert NodeClient(config).alive("host-a")["addr"] == "127.0.0.1"
+    assert NodeClient(config).alive("host-b")["addr"] is None
+    spec, applied, before = make_spec(tmp_path), [], b.ranks_served
+    result = run_spanning(config, spec, applied=applied)
+    assert result.iteration == 30 and result.param_sha256 == reference
+    assert applied[0] == (0, 1, (0,), ())
+    grown = applied[1]
+    assert grown[1:] == (3, (0,), (("host-b", (0, 1)),)) and grown[0] >= 8
+    assert b.ranks_served == before + 1  # host-b's node ran ranks 1 and 2
+    assert [n for _, n, _ in result.workers_timeline] == [1, 3]
+
+
+def test_a_rank_killed_on_the_other_host_fails_the_chunk_naming_it_and_the_retry_matches(
+    cluster, tmp_path, reference
+):
+    config, _, _ = cluster
+    params = {"kill_at": 15, "kill_rank": 2, "marker": str(tmp_path / "killed-once")}
+    spec = make_spec(tmp_path, params=params)
+    with pytest.raises(WorkerLostError) as err:
+        run_spanning(config, spec, grow_at=0)
+    assert err.value.retryable and err.value.host == "host-b" and "SIGKILL" in str(err.value)
+    assert open_store(spec.checkpoint).latest().iteration == 10  # the last commit before the kill
+    result = run_spanning(config, spec, grow_at=0)
+    assert result.workers_timeline[0][0] == 10 and result.param_sha256 == reference
+
+
+def test_a_span_onto_a_host_without_a_node_is_retryable_and_names_that_host(cluster, tmp_path):
+    config, _, _ = cluster
+    with pytest.raises(NodeUnavailableError) as err:
+        run_spanning(config, make_spec(tmp_path), grow_at=0, spans=(("host-c", (0, 1)),))
+    assert err.value.retryable and err.value.host == "host-c"
+
+
+def test_a_leader_without_an_address_refuses_to_span(cluster, tmp_path):
+    config, _, _ = cluster
+    with pytest.raises(SpecError, match="advertise-addr"):
+        run_spanning(config, make_spec(tmp_path), grow_at=0, spans=(("host-a", (0, 1)),), leader="host-b")
+
+
+def test_advertise_addresses_and_ranks_requests_are_validated():
+    assert check_advertise_addr("127.0.0.1") == "127.0.0.1"
+    with pytest.raises(SpecError, match="--advertise-addr"):
+        check_advertise_addr("gpu-07.internal")
+    with pytest.raises(SpecError, match="cannot listen there"):
+        check_advertise_addr("203.0.113.9")  # not an address of this host
+    spec = make_spec(Path("/tmp/unused"))
+    good = {"op": "ranks", "version": PROTOCOL_VERSION, "host": "b",
+            "segment": {"spec": spec.to_dict(), "start": 0, "end": 30, "workers": 3, "segment": 1},
+            "master_addr": "10.0.0.1", "master_port": 29500, "rank_offset": 1, "count": 2,
+            "group_rank": 1, "slots": [0, 1], "device": "cpu", "threads_per_worker": 1}
+    RanksSession(None, good, None, "b")  # valid
+    bad = [({"count": 3}, "count"), ({"slots": [0]}, "slots"), ({"master_addr": "evil"}, "master_addr"),
+           ({"master_port": 70000}, "master_port"), ({"device": "tpu"}, "device"),
+           ({"rank_offset": 0}, "rank_offset"), ({"extra": 1}, "request")]
+    for change, field in bad:
+        with pytest.raises(SpecError) as err:
+            RanksSession(None, {**good, **change}, None, "b")
+        assert err.value.field == field
+
+
+def test_a_follower_node_killed_outright_fails_the_chunk_naming_its_host(cluster, tmp_path):
+    """The follower's node process dies (SIGKILL): its ranks die with it, the leader's lose their
+    peers, and the host that went silent is the one the chunk names (the retry avoids it)."""
+    import signal
+    import subprocess
+    import sys
+    import threading
+
+    from tests.agent.node_helpers import REDIS_URL, SECRET
+    from tests.agent.test_node import REPO, wait_for
+
+    config, _, _ = cluster
+    env = dict(os.environ, PYTHONPATH=str(REPO), ELASTIC_OPS_NODE_REDIS_URL=REDIS_URL,
+               ELASTIC_OPS_NODE_SECRET=SECRET, ELASTIC_OPS_NODE_NAMESPACE=config.namespace)
+    cli = [sys.executable, "-m", "elastic_ops.cli", "node", "--host", "host-c"]
+    node = subprocess.Popen(cli, env=env, cwd=tmp_path, stderr=subprocess.DEVNULL)
+    client = NodeClient(config, accept_timeout_s=10.0, peer_timeout_s=5.0)
+    try:
+        wait_for("host-c's node to announce itself", lambda: client.alive("host-c") is not None, 120)
+        spec = make_spec(tmp_path, total_iterations=100_000)
+        applied, errors = [], []
+
+        def task() -> None:
+            try:
+                client.run_chunk(spec.to_dict(), 0, 100_000, epoch=1, host="host-a", store=store_of(spec),
+                                 wanted=lambda: 3, slots=lambda: (0,), spans=lambda: (("host-c", (0, 1)),),
+                                 on_applied=lambda *x: applied.append(x))
+            except BaseException as exc:  # checked below
+                errors.append(exc)
+
+        thread = threading.Thread(target=task, daemon=True)
+        thread.start()
+        wait_for("the spanning segment to start", lambda: applied, 120)
+        os.kill(node.pid, signal.SIGKILL)
+        thread.join(60)
+        (err,) = errors
+        assert isinstance(err, WorkerLostError) and err.retryable and err.host == "host-c"
+    finally:
+        if node.poll() is None:
+            node.kill()
+        node.wait(30)
+
+
+def test_malformed_spans_in_a_run_request_are_refused_naming_the_field(cluster, tmp_path):
+    config, _, _ = cluster
+    for spans in ((("bad host!", (0,)),), (("host-b", (0, 0)),), (("host-b", (0,)), ("host-b", (1,)))):
+        with pytest.raises(SpecError) as err:
+            run_spanning(config, make_spec(tmp_path), spans=spans)
+        assert err.value.field == "spans", spans
