@@ -186,6 +186,8 @@ class RanksSession:
         while True:
             ended = ranks.poll()
             if ended is not None:
+                if self._aborted:  # this node is stopping: not the host failing
+                    ended = dataclasses.replace(ended, stopping=True)
                 self.channel.send({"type": "exited", **ended.to_wire()})
                 return
             try:

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from elastic_ops.errors import (
+    AgentLostError,
     CheckpointNotFoundError,
     NonFiniteLossError,
     SpecError,
@@ -428,6 +429,7 @@ class _Runner:
         reports += list(getattr(pc, "remote_reports", lambda: [])())
         remote_killed: dict[int, tuple[str, str]] = dict(getattr(pc, "remote_killed", lambda: {})())
         lost = getattr(pc, "lost_host", lambda: None)()
+        stopped = getattr(pc, "stopped_host", lambda: None)()
         for kind, cls in (("user", UserCodeError), ("nonfinite", NonFiniteLossError)):
             found = [r for r in reports if r["kind"] == kind]
             if found:
@@ -439,6 +441,11 @@ class _Runner:
         internal = [r for r in reports if r["kind"] == "internal"]
         signals = {rank: f.signal_name() for rank, f in failures.items() if f.exitcode < 0}
         signals = dict(sorted({**killed, **signals}.items()))
+        if not signals and not remote_killed and stopped:
+            return AgentLostError(  # an upgrade or restart, not the host failing: not held against it
+                f"the elastic-ops node agent of host {stopped} stopped mid-segment",
+                hint="retry resumes from the last committed checkpoint",
+            )
         if not signals and (remote_killed or lost):
             # this host's ranks only lost their peers: the host whose ranks died is the one to blame
             host, what = lost, f"the node agent of host {lost} went away"

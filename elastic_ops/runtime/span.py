@@ -38,21 +38,23 @@ GRACE_S = 5.0  # after a failure, how long the leader waits for every host's acc
 class RemoteExit:
     """How one host's part of a segment ended: ``killed`` maps a global rank to the signal that
     ended it; ``failed`` lists ranks that exited non-zero; ``reports`` are their ``error-<rank>``
-    files; ``lost``: the host (its node agent) went silent, nothing more is known."""
+    files; ``lost``: the host (its node agent) went silent, nothing more is known; ``stopping``:
+    its node agent stopped them because it is shutting down (not the host failing)."""
 
     host: str
     killed: dict[int, str] = dataclasses.field(default_factory=dict)
     failed: tuple[int, ...] = ()
     reports: tuple[dict[str, Any], ...] = ()
     lost: bool = False
+    stopping: bool = False
 
     @property
     def ok(self) -> bool:
-        return not (self.killed or self.failed or self.lost)
+        return not (self.killed or self.failed or self.lost or self.stopping)
 
     def to_wire(self) -> dict[str, Any]:
         return {"killed": {str(k): v for k, v in self.killed.items()}, "failed": list(self.failed),
-                "reports": list(self.reports)}
+                "reports": list(self.reports), "stopping": self.stopping}
 
     @classmethod
     def from_wire(cls, host: str, msg: dict[str, Any]) -> RemoteExit:
@@ -68,7 +70,8 @@ class RemoteExit:
         except (TypeError, ValueError):
             raise SpecError("exited", msg, "integer ranks") from None
         return cls(host=host, killed=killed, failed=failed,
-                   reports=tuple(_report(r) for r in reports if isinstance(r, dict)))
+                   reports=tuple(_report(r) for r in reports if isinstance(r, dict)),
+                   stopping=msg.get("stopping") is True)
 
 
 def _report(r: dict[str, Any]) -> dict[str, Any]:
@@ -239,7 +242,7 @@ class SpanningContext:
         for ended in self._exits.values():
             for rank in (*ended.killed, *ended.failed):
                 failures.setdefault(rank, _Failure())
-            if ended.lost and not failures:
+            if (ended.lost or ended.stopping) and not failures:
                 failures[-1] = _Failure()
         if not failures:  # a remote part ended badly without naming a rank (should not happen)
             failures[-1] = _Failure()
@@ -253,6 +256,10 @@ class SpanningContext:
 
     def lost_host(self) -> str | None:
         return next((e.host for e in self._exits.values() if e.lost), None)
+
+    def stopped_host(self) -> str | None:
+        """A host whose node agent stopped its ranks because it is shutting down."""
+        return next((e.host for e in self._exits.values() if e.stopping), None)
 
     def close(self) -> None:
         for remote in self.remotes:

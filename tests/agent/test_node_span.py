@@ -1,7 +1,8 @@
 """Chunks whose grant spans hosts, over node agents on the local Redis: the leader's node starts
 the other hosts' ranks through their nodes and all train one process group (bitwise the same
-model as one worker); a rank killed on the other host fails the chunk naming that host; a host
-without a node, or a leader without an address, is refused clearly."""
+model as one worker); a rank killed on the other host, or its node killed outright, fails the
+chunk naming that host; a follower node that stops is not the host's failure; a host without a
+node, or a leader without an address, is refused clearly."""
 
 from __future__ import annotations
 
@@ -179,3 +180,34 @@ def test_malformed_spans_in_a_run_request_are_refused_naming_the_field(cluster, 
         with pytest.raises(SpecError) as err:
             run_spanning(config, make_spec(tmp_path), spans=spans)
         assert err.value.field == "spans", spans
+
+
+def test_a_follower_node_that_stops_mid_segment_is_agent_lost_not_the_hosts_failure(cluster, tmp_path):
+    """Restarting a node agent (an upgrade) must not cool its host down: the chunk gets the
+    retryable AgentLostError, which the task does not report against the host."""
+    import threading
+
+    from elastic_ops.errors import AgentLostError
+    from tests.agent.test_node import wait_for
+
+    config, _, _ = cluster
+    spec = make_spec(tmp_path, total_iterations=100_000)
+    applied, errors = [], []
+    client = NodeClient(config, accept_timeout_s=10.0, peer_timeout_s=5.0)
+    with running_node("host-e", config, peer_timeout_s=5.0) as node_e:
+
+        def task() -> None:
+            try:
+                client.run_chunk(spec.to_dict(), 0, 100_000, epoch=1, host="host-a", store=store_of(spec),
+                                 wanted=lambda: 2, slots=lambda: (0,), spans=lambda: (("host-e", (0,)),),
+                                 on_applied=lambda *x: applied.append(x))
+            except BaseException as exc:  # checked below
+                errors.append(exc)
+
+        thread = threading.Thread(target=task, daemon=True)
+        thread.start()
+        wait_for("the spanning segment to start", lambda: applied and node_e.sessions, 120)
+        node_e.stop()
+        thread.join(60)
+    (err,) = errors
+    assert type(err) is AgentLostError and err.retryable and "host-e" in str(err), err

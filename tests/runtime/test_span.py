@@ -169,6 +169,10 @@ def test_the_spanning_context_waits_for_every_host_then_names_the_killed_rank():
     lost = SpanningContext(_Local([None]), [_Ranks("b", [RemoteExit(host="b", lost=True)])], grace_s=0)
     assert lost._poll().failures and lost.lost_host() == "b"
     assert RemoteExit.from_wire("b", killed.to_wire()) == killed
+    stopped = RemoteExit(host="b", failed=(1,), stopping=True)
+    assert RemoteExit.from_wire("b", stopped.to_wire()) == stopped and not stopped.ok
+    ctx = SpanningContext(_Local([None]), [_Ranks("b", [stopped])], grace_s=0)
+    assert ctx._poll().failures and ctx.stopped_host() == "b" and ctx.lost_host() is None
 
 
 def test_a_ddp_script_spans_hosts_and_trains_the_same_as_on_one_host(tmp_path):
