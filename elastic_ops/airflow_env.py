@@ -11,6 +11,8 @@ With ``agent=True`` (the default) it also starts the per-host elastic-ops agent
 (``elastic-ops agent``, its own process group, log ``logs/agent.log``) before the Airflow
 components, waits until it answers, and sets ``ELASTIC_OPS_AGENT_SOCKET`` for every component,
 so chunk tasks run their chunks on the agent's warm workers instead of in the task process.
+A cluster on one machine: ``nodes=`` starts node agents instead, ``database_url=`` puts the
+metadata on PostgreSQL, ``celery_broker=`` runs the CeleryExecutor with a Celery worker.
 """
 
 from __future__ import annotations
@@ -70,6 +72,10 @@ class AirflowDeployment:
     node_args: tuple[str, ...] = ()  # more arguments for every node agent (e.g. --advertise-addr)
     # Airflow's metadata database (SQLAlchemy URL); None: SQLite under ``home``
     database_url: str | None = None
+    # CeleryExecutor (a cluster's executor) on this broker (e.g. redis://host:6379/0): tasks run in a
+    # `celery worker` started with the other components, on a queue of this deployment's own, with
+    # results in the metadata database; None: LocalExecutor
+    celery_broker: str | None = None
 
     def __post_init__(self) -> None:
         self.home = Path(self.home).resolve()
@@ -79,6 +85,7 @@ class AirflowDeployment:
         self.procs: dict[str, subprocess.Popen] = {}
         self._token: str | None = None
         self._secrets = {"jwt": secrets.token_hex(32), "key": secrets.token_hex(16)}
+        self.queue = f"elastic-ops-{secrets.token_hex(6)}"  # Celery: this deployment's tasks only
 
     # --- configuration ---------------------------------------------------------------------
 
@@ -119,6 +126,15 @@ class AirflowDeployment:
         })
         if self.agent:
             env["ELASTIC_OPS_AGENT_SOCKET"] = self.agent_socket
+        if self.celery_broker:
+            database = self.database_url or f"sqlite:///{self.home}/airflow.db"
+            env.update({
+                "AIRFLOW__CORE__EXECUTOR": "CeleryExecutor",
+                "AIRFLOW__CELERY__BROKER_URL": self.celery_broker,
+                "AIRFLOW__CELERY__RESULT_BACKEND": f"db+{database}",
+                "AIRFLOW__CELERY__WORKER_CONCURRENCY": str(self.parallelism),
+                "AIRFLOW__OPERATORS__DEFAULT_QUEUE": self.queue,
+            })
         env.update(self.extra_env)
         return env
 
@@ -149,10 +165,13 @@ class AirflowDeployment:
             raise ValueError("nodes= needs ELASTIC_OPS_NODE_REDIS_URL and _SECRET in extra_env")
         for host in self.nodes:
             self._start_runner(f"node-{host}", "node", "--host", host, *self.node_args)
-        for name in components:
+        commands = {name: [name] for name in components}
+        if self.celery_broker:  # the worker that runs the tasks, on this deployment's queue only
+            commands["celery-worker"] = ["celery", "worker", "--queues", self.queue]
+        for name, command in commands.items():
             log = open(self.home / "logs" / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
             self.procs[name] = subprocess.Popen(
-                [self.python, "-m", "airflow", name], env=self.env(), cwd=self.home,
+                [self.python, "-m", "airflow", *command], env=self.env(), cwd=self.home,
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             )
             log.close()

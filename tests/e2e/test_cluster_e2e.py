@@ -1,8 +1,9 @@
-"""End to end, a cluster on one machine: a real Airflow (scheduler, dag-processor, triggerer and
-api-server; LocalExecutor) with its metadata and the pool ledger on the local PostgreSQL, whose
-chunk tasks send their chunks over the local Redis to the node agents of two pool hosts,
-``host1`` and ``host2``, each a separate ``elastic-ops node`` process started with
-``--advertise-addr 127.0.0.1``.
+"""End to end, a cluster on one machine: a real Airflow (scheduler, dag-processor, triggerer,
+api-server and a Celery worker: CeleryExecutor on the local Redis, as DESIGN.md's cluster column
+says) with its metadata and the pool ledger on the local PostgreSQL, whose chunk tasks send
+their chunks over the local Redis to the node agents of two pool hosts, ``host1`` and
+``host2``, each a separate ``elastic-ops node`` process started with ``--advertise-addr
+127.0.0.1``.
 
 A job granted more workers than one host has trains one process group across both hosts: the
 node of the host holding most of the grant leads, the other host's node runs the other ranks,
@@ -34,6 +35,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
+CELERY_BROKER = "redis://127.0.0.1:6379/1"  # the node agents use database 0
 SPAN_SPEC = {  # tests/e2e/dags/e2e_span.py trains this
     "entrypoint": "elastic_ops.examples.digits:DigitsMLP", "total_iterations": 60, "chunk_iterations": 60,
     "global_batch": 64, "min_workers": 1, "max_workers": 4, "consistency": "bitwise", "virtual_shards": 4,
@@ -66,6 +68,7 @@ def _cluster(tmp_path_factory, airflow_db: str, ledger: str):
     af = AirflowDeployment(home=root / "airflow", dags_folder=dags, plugins_folder=REPO / "plugins",
                            parallelism=2, agent=False, nodes=("host1", "host2"), extra_env=env,
                            node_args=("--advertise-addr", "127.0.0.1"),
+                           celery_broker=CELERY_BROKER,
                            database_url=airflow_db)
     try:
         with af:
@@ -93,6 +96,11 @@ def test_a_job_granted_more_than_one_host_trains_one_group_across_both(cluster, 
     leader = (af.home / "logs" / "node-host1.log").read_text(errors="replace")
     follower = (af.home / "logs" / "node-host2.log").read_text(errors="replace")
     assert "chunk [0, 60)" in leader and "ranks 2..3 of 4" in follower
+    # the tasks ran in the Celery worker, from this deployment's queue
+    assert {t["queue"] for t in af.task_instances("e2e_span", run)} == {af.queue}
+    worker = (af.home / "logs" / "celery-worker.log").read_text(errors="replace")
+    assert "Executing workload in Celery" in worker
+    assert "run_id=span_run/task_id=train.chunk_01_of_01" in worker
     assert not [e for e in pool.events(job=job_id("e2e_span", "train", run)) if e["kind"] == "failure"]
 
 
