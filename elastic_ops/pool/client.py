@@ -1063,6 +1063,7 @@ class PoolClient:
                     priority=r.priority,
                     preemptible=bool(r.preemptible),
                     avoid_hosts=failed | excluded,
+                    leave_hosts=excluded,  # a narrowed selector moves the job off them
                     submitted=r.submitted,
                     waiting_since=r.waiting_since,
                     last_rescale=r.last_rescale,

@@ -102,7 +102,10 @@ class Job:
 
     ``held`` are the slots the job holds now (its live lease); ``waiting_since`` is when it last
     started waiting (submission or preemption) and drives aging; ``last_rescale`` is when its
-    allocation last changed (anti-thrashing).
+    allocation last changed (anti-thrashing). ``avoid_hosts``: hosts it takes no new slot on;
+    ``leave_hosts`` (among them): hosts it may hold no slot on at all (outside its host
+    selector): slots it holds there are released, as on a host that is not up, and still taken
+    until then.
     """
 
     name: str
@@ -111,6 +114,7 @@ class Job:
     priority: int = 1
     preemptible: bool = True
     avoid_hosts: frozenset[str] = frozenset()
+    leave_hosts: frozenset[str] = frozenset()
     submitted: float = 0.0
     waiting_since: float | None = None
     last_rescale: float | None = None

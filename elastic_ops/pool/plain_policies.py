@@ -128,11 +128,12 @@ def _scan(jobs: Iterable[Job], up: dict[str, int]) -> tuple[dict[str, list[int]]
     held_up: dict[str, int] = {}
     for job in jobs:
         n = 0
+        leave = job.leave_hosts
         for h, sl in job.held:
             size = up.get(h)
             if size is None:
                 continue
-            n += 1
+            n += h not in leave  # a slot it must leave is not its own to keep, but is taken
             if 0 <= sl < size:
                 lst = taken.get(h)
                 if lst is None:
@@ -236,7 +237,8 @@ class _FreeSlots:
 
 
 def _keep(job: Job, target: int, up: dict[str, int], held_up: int) -> tuple[list[Slot], list[Slot]]:
-    """Which held slots to keep (on up hosts, most-used hosts first) and which to release."""
+    """Which held slots to keep (on up hosts it may use, most-used hosts first) and which to
+    release."""
     if held_up == len(job.held) and target >= held_up:
         return list(job.held), []  # the common case: keeps everything
     per_host: dict[str, list[Slot]] = {}
@@ -244,9 +246,10 @@ def _keep(job: Job, target: int, up: dict[str, int], held_up: int) -> tuple[list
         per_host.setdefault(slot[0], []).append(slot)
     keep: list[Slot] = []
     release: list[Slot] = []
-    for h in sorted(per_host, key=lambda h: (h not in up, -len(per_host[h]), h)):
+    usable = {h for h in per_host if h in up and h not in job.leave_hosts}
+    for h in sorted(per_host, key=lambda h: (h not in usable, -len(per_host[h]), h)):
         block = per_host[h]
-        k = min(len(block), target - len(keep)) if h in up else 0
+        k = min(len(block), target - len(keep)) if h in usable else 0
         keep.extend(block[:k])
         release.extend(block[k:])
     return keep, release
@@ -266,13 +269,30 @@ def make_policy(share: ShareFn) -> Policy:
         for job, target, reason, (keep, release), n in zip(
             ordered, targets, reasons, kept, held_up, strict=True
         ):
-            decisions.append(_place(job, target, reason, keep, release, free, pending, n != len(job.held)))
+            decisions.append(_place(job, target, reason, keep, release, free, pending, _moving(job, up, n)))
         return Plan.of(decisions, [len(keep) for keep, _ in kept])
 
     return decide
 
 
-def _place(job, target, reason, keep, release, free: _FreeSlots, pending, moved: bool) -> Decision:
+def _moving(job: Job, up: dict[str, int], held_up: int) -> str:
+    """The reason suffix of a job that holds slots it cannot keep (see :func:`outcome`)."""
+    if held_up == len(job.held):
+        return ""
+    unhealthy = any(h not in up for h, _ in job.held)
+    outside = any(h in up and h in job.leave_hosts for h, _ in job.held)
+    return MOVING[unhealthy, outside]
+
+
+# (on hosts that are not up, on hosts outside its selector) -> the reason suffix
+MOVING = {
+    (True, False): "; moving off unhealthy hosts",
+    (False, True): "; moving off hosts outside its host selector",
+    (True, True): "; moving off unhealthy hosts and hosts outside its host selector",
+}
+
+
+def _place(job, target, reason, keep, release, free: _FreeSlots, pending, moved: str) -> Decision:
     need = target - len(keep)
     if need <= 0 and not release and job.held:  # the steady state: nothing changes
         return Decision(job.name, target, job.held, (), TargetAction.KEEP, reason)
@@ -291,7 +311,7 @@ def _place(job, target, reason, keep, release, free: _FreeSlots, pending, moved:
 
 
 def outcome(
-    job: Job, target: int, keep: list[Slot], new: list[Slot], release: list[Slot], moved: bool, reason: str
+    job: Job, target: int, keep: list[Slot], new: list[Slot], release: list[Slot], moved: str, reason: str
 ) -> tuple[tuple[Slot, ...], TargetAction | None, str]:
     """A job's placements, action and final reason once its kept, new and released slots are known.
 
@@ -309,9 +329,7 @@ def outcome(
         action = TargetAction.KEEP
     else:
         action = None
-    if moved:
-        reason += "; moving off unhealthy hosts"
-    return placements, action, reason
+    return placements, action, reason + moved
 
 
 PLAIN: dict[str, Policy] = {

@@ -63,7 +63,7 @@ from elastic_ops.pool.model import (
     Snapshot,
     TargetAction,
 )
-from elastic_ops.pool.plain_policies import PLAIN, effective_priority, order_key
+from elastic_ops.pool.plain_policies import MOVING, PLAIN, effective_priority, order_key
 from elastic_ops.pool.shares import strict_fill_array, weighted_fill_array
 
 __all__ = ["POLICIES", "VECTORISED", "decide", "effective_priority", "get_policy", "make_policy", "order_key"]
@@ -125,6 +125,7 @@ class _Table:
         helds = _column(jobs, get, "held")
         names = _column(jobs, get, "name")
         avoid = _column(jobs, get, "avoid_hosts")
+        leave = _column(jobs, get, "leave_hosts")
         hl = np.fromiter(map(len, helds), np.int64, n)
         prio = _array(jobs, get, "priority", np.float64)
         eff = prio
@@ -144,6 +145,10 @@ class _Table:
         # The hosts each job avoids, by rank, for the few jobs that avoid any.
         self.avoid: dict[int, frozenset[str]] = {
             i: avoid[ol[i]] for i in np.flatnonzero(self.has_avoid).tolist()
+        }
+        # ...and the hosts each may hold no slot on (outside its selector), for the few with any.
+        self.leave: dict[int, frozenset[str]] = {
+            i: leave[ol[i]] for i in np.flatnonzero(np.fromiter(map(bool, leave), bool, n)[order]).tolist()
         }
         self.n_held = hl[order]
         self.prio = prio[order]
@@ -190,7 +195,13 @@ class _Free:
     slots records positions (:meth:`taken`), never slot tuples (:class:`_Slots` makes those
     on demand)."""
 
-    def __init__(self, hs: _Hosts, helds: list[tuple[Slot, ...]], n_held) -> None:
+    def __init__(
+        self,
+        hs: _Hosts,
+        helds: list[tuple[Slot, ...]],
+        n_held,
+        leave: dict[int, frozenset[str]] | None = None,
+    ) -> None:
         self.flat: list[Slot] = list(chain.from_iterable(helds))
         host = self._host_ids(hs)
         names, self.ids, up_size = hs.names, hs.ids, hs.up_size
@@ -198,7 +209,17 @@ class _Free:
         self.first = np.concatenate([[0], np.cumsum(n_held)])  # job i: flat[first[i]:first[i+1]]
         self.index = np.fromiter(map(_index, self.flat), np.int64, len(self.flat))
         self.owner = np.repeat(np.arange(len(helds)), n_held)
-        self.on_up = hs.is_up[host]
+        self.host_up = hs.is_up[host]
+        # a held slot its job may keep: on an up host it does not have to leave (a slot it must
+        # leave is still taken below, until released)
+        self.on_up = self.host_up
+        if leave:
+            self.on_up = self.host_up.copy()
+            for i, hosts in leave.items():
+                ids = [self.ids[h] for h in hosts if h in self.ids]
+                a, b = int(self.first[i]), int(self.first[i + 1])
+                if ids and b > a:
+                    self.on_up[a:b] &= ~np.isin(host[a:b], ids)
         self.held_up = n_held - np.bincount(self.owner[~self.on_up], minlength=len(helds))
         off = np.zeros(len(names) + 1, dtype=np.int64)
         np.cumsum(up_size, out=off[1:])
@@ -553,12 +574,12 @@ def _reasons(targets, cap_left, free_idx, mins, fcaps, usable, admitted, frozen,
 
 
 def _keep(free: _Free, jobs: np.ndarray, targets: np.ndarray, n_held: np.ndarray):
-    """For the jobs in ``jobs`` (those that shrink or hold slots on hosts that are not up):
-    which held slots to keep (on up hosts, most-used hosts first, then by host name and slot
-    index) and which to release, by one lexsort over their slots. Returns ``perm`` (the held
-    slots' positions in ``free.flat``, each job's kept ones first, in the order it keeps them,
-    then its released ones; the identity for every other job), ``n_keep`` per job and the
-    number of released slots on up hosts."""
+    """For the jobs in ``jobs`` (those that shrink or hold slots they cannot keep: on hosts that
+    are not up, or outside their selector): which held slots to keep (on up hosts they may use,
+    most-used hosts first, then by host name and slot index) and which to release, by one
+    lexsort over their slots. Returns ``perm`` (the held slots' positions in ``free.flat``, each
+    job's kept ones first, in the order it keeps them, then its released ones; the identity for
+    every other job), ``n_keep`` per job and the number of released slots on up hosts."""
     n = len(n_held)
     perm = np.arange(len(free.flat))
     n_keep = n_held.copy()
@@ -569,14 +590,14 @@ def _keep(free: _Free, jobs: np.ndarray, targets: np.ndarray, n_held: np.ndarray
     sel = np.flatnonzero(pick[free.owner])
     o, h, x, u = free.owner[sel], free.host[sel], free.index[sel], free.on_up[sel]
     order = _keep_order(o, h, x, u)
-    o, u = o[order], u[order]
+    o, u, hu = o[order], u[order], free.host_up[sel][order]
     start = np.searchsorted(o, o, side="left")
     keep = u & (np.arange(len(o)) - start < targets[o])
     # ``sel`` is grouped by job in rank order and so is ``order`` (job is its first key): each
     # job's block of positions is permuted in place.
     perm[sel] = sel[order]
     n_keep[jobs] = np.bincount(o[keep], minlength=n)[jobs]
-    return perm, n_keep, int((u & ~keep).sum())
+    return perm, n_keep, int((hu & ~keep).sum())
 
 
 def _ranges(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
@@ -712,7 +733,7 @@ def make_policy(share: ShareFn, plain: Policy | None = None) -> Policy:
 def _decide(snap: Snapshot, share: ShareFn) -> Plan:
     t = _Table(snap)
     hs = _Hosts(snap)
-    free = _Free(hs, t.held, t.n_held)
+    free = _Free(hs, t.held, t.n_held, t.leave)
     held_up = free.held_up
     targets, reasons = _targets(t, share, held_up, hs, snap)
     # Jobs that keep all they hold (on up hosts) need no sorting; the others keep part.
@@ -727,8 +748,12 @@ def _decide(snap: Snapshot, share: ShareFn) -> Plan:
     preempted = has_held & (targets == 0)
     for i in np.flatnonzero(preempted).tolist():
         reasons[i] = "preempted: " + reasons[i]
-    for i in np.flatnonzero(held_up != t.n_held).tolist():
-        reasons[i] += "; moving off unhealthy hosts"
+    moving = np.flatnonzero(held_up != t.n_held)
+    if len(moving):
+        unhealthy = np.bincount(free.owner[~free.host_up], minlength=t.n) > 0
+        outside = np.bincount(free.owner[free.host_up & ~free.on_up], minlength=t.n) > 0
+        for i in moving.tolist():
+            reasons[i] += MOVING[bool(unhealthy[i]), bool(outside[i])]
     code = np.select(
         [preempted, n_new > 0, n_keep < t.n_held, has_held], [_PREEMPT, _GROW, _SHRINK, _KEEP], _WAIT
     )

@@ -45,7 +45,10 @@ def snapshots(draw, preemption=None) -> Snapshot:
                 max_workers=hi,
                 priority=draw(st.integers(1, 6)),
                 preemptible=draw(st.booleans()),
-                avoid_hosts=frozenset(draw(st.sets(st.sampled_from([h.name for h in hosts]), max_size=2))),
+                avoid_hosts=(avoid := frozenset(draw(st.sets(st.sampled_from([h.name for h in hosts]),
+                                                             max_size=2)))),
+                leave_hosts=frozenset(draw(st.sets(st.sampled_from(sorted(avoid)), max_size=2)) if avoid
+                                      else ()),
                 submitted=draw(st.floats(0, now)),
                 waiting_since=waiting,
                 last_rescale=draw(st.none() | st.floats(now - 200, now)),
@@ -88,7 +91,10 @@ def shuffled_snapshots(draw) -> Snapshot:
                 max_workers=hi,
                 priority=draw(st.integers(1, 3)),  # the ledger allows 1..1000
                 preemptible=draw(st.booleans()),
-                avoid_hosts=frozenset(draw(st.sets(st.sampled_from(list(names) + ["gone"]), max_size=2))),
+                avoid_hosts=(avoid := frozenset(draw(st.sets(st.sampled_from(list(names) + ["gone"]),
+                                                             max_size=2)))),
+                leave_hosts=frozenset(draw(st.sets(st.sampled_from(sorted(avoid)), max_size=2)) if avoid
+                                      else ()),
                 submitted=float(draw(st.integers(0, 3))),
                 waiting_since=None if held else float(draw(st.integers(0, 2_000))),
                 last_rescale=draw(st.none() | st.sampled_from([now - 100, now - 10])),

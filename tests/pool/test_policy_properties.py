@@ -79,7 +79,7 @@ def _check_preemption_only_takes_from_lower_ranked_or_over_share_jobs(name, snap
     jobs = {j.name: j for j in snap.jobs}
     frozen = {d.job for d in plan.decisions if d.reason.startswith("keeps")}
     for x in snap.jobs:
-        held_up = sum(1 for h, _ in x.held if h in up)
+        held_up = sum(1 for h, _ in x.held if h in up and h not in x.leave_hosts)  # what it may keep
         target = by[x.name].target
         if target >= held_up or not x.min_workers <= held_up <= x.max_workers:
             continue  # nothing taken (or its own bounds changed: it must be resized anyway)
@@ -122,7 +122,7 @@ def test_preemption_none_never_shrinks_a_running_job(snap):
         by = POLICIES[name](snap).by_job()
         up = _up(snap)
         for j in snap.jobs:
-            held_up = sum(1 for h, _ in j.held if h in up)
+            held_up = sum(1 for h, _ in j.held if h in up and h not in j.leave_hosts)  # leaving is no shrink
             if j.min_workers <= held_up <= j.max_workers:
                 assert by[j.name].target >= held_up, by[j.name]
 
@@ -143,3 +143,19 @@ def test_weighted_fill_is_weighted_max_min_fair(data):
         for k in range(n):
             if out[j] < caps[j] and out[k] > mins[k]:
                 assert (out[k] - 1) / w[k] <= (out[j] + 1) / w[j] + 1e-9
+
+
+@PROPS
+@given(snap=snapshots())
+def test_no_plan_keeps_or_gives_a_slot_on_a_host_its_job_must_leave(snap):
+    """Hosts outside a job's selector (``leave_hosts``): what it holds there is released, nothing
+    new is taken there, and the slots stay taken until released (nobody else is given them)."""
+    for name in POLICIES:
+        plan = POLICIES[name](snap)
+        jobs = {j.name: j for j in snap.jobs}
+        leaving = {s for j in snap.jobs for s in j.held if s[0] in j.leave_hosts}
+        for d in plan.decisions:
+            j = jobs[d.job]
+            assert not {h for h, _ in d.placements} & j.leave_hosts, d
+            assert {s for s in j.held if s[0] in j.leave_hosts} <= set(d.release), d
+            assert not (set(d.placements) - set(j.held)) & leaving, d  # not handed to another job yet

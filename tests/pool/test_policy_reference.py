@@ -66,6 +66,10 @@ def _scattered(seed: int, n_jobs: int, n_hosts: int, per_host: int = 8) -> Snaps
         held, free = tuple(sorted(free[:n_held])), free[n_held:]
         budget -= n_held
         avoid = frozenset({rng.choice(hosts).name}) if rng.random() < 0.1 else frozenset()
+        # some jobs' selectors were narrowed: they must leave a host, maybe one they hold slots on
+        leave = avoid if rng.random() < 0.3 else frozenset()
+        if held and rng.random() < 0.05:
+            leave = avoid = avoid | {held[0][0]}
         jobs.append(
             Job(
                 f"job{i:04d}",
@@ -74,6 +78,7 @@ def _scattered(seed: int, n_jobs: int, n_hosts: int, per_host: int = 8) -> Snaps
                 priority=rng.randint(1, 5),
                 preemptible=rng.random() < 0.9,
                 avoid_hosts=avoid,
+                leave_hosts=leave,
                 submitted=float(rng.randint(0, 50)),
                 waiting_since=None if held else float(i),
                 last_rescale=float(i) if held else None,

@@ -146,3 +146,25 @@ def test_a_ledger_from_before_selectors_is_migrated(ledger_url):
         assert json.loads(conn.execute(sa.text("SELECT selector FROM jobs")).scalar()) == {}
     again.close()
     engine.dispose()
+
+
+def test_a_running_jobs_narrowed_selector_moves_it_at_its_next_heartbeat(ledger_url):
+    """Narrowing a running job's selector is a hard constraint at once: its next heartbeat's
+    target keeps the count on hosts with the new labels and gives up the others (as a drain
+    does), and the slots it leaves are free once it reports running on the new ones."""
+    pool = make_pool(ledger_url)
+    pool.set_host_state("h100-1", "down")
+    pool.submit("j", min_workers=2, max_workers=2)
+    grant = pool.request("j")
+    assert hosts_of(grant) == {"a100-0"} and grant.workers == 2
+    pool.set_selector("j", {"gpu": "h100"})
+    target = pool.heartbeat("j", grant.epoch, workers=2)
+    assert target.workers == 2 and {h for h, _ in target.placements} == {"h100-0"}
+    assert "moving off hosts outside its host selector" in target.reason
+    held = {h for h, _ in next(j for j in pool.status()["jobs"] if j["name"] == "j")["placements"]}
+    assert "a100-0" in held  # the running workers still use them: nobody else gets them yet
+    pool.heartbeat("j", grant.epoch, workers=2, placements=target.placements)  # relaunched there
+    (job,) = pool.status()["jobs"]
+    assert {h for h, _ in job["placements"]} == {"h100-0"}
+    pool.submit("other", min_workers=4, max_workers=4)
+    assert hosts_of(pool.request("other")) == {"a100-0"}  # the slots it left are free again
