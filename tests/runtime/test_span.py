@@ -190,3 +190,17 @@ def test_a_ddp_script_spans_hosts_and_trains_the_same_as_on_one_host(tmp_path):
     assert got["iteration"] == 24
     for k in want["model"]:
         torch.testing.assert_close(got["model"][k], want["model"][k], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="needs 2 CUDA GPUs (one per rank: NCCL refuses two ranks on one GPU)")
+def test_a_segment_spanning_hosts_over_nccl_is_bitwise_equal_to_one_worker(tmp_path):
+    """GPU slot 0 "here" and slot 1 on host-b (this machine's GPU 1): the target's broadcast and
+    the starting state travel over NCCL on the device; the model ends on one CUDA worker's bits."""
+    cuda_ref = run_job(make_spec(tmp_path / "one", device="cuda"), schedule=Schedule.constant(1)).param_sha256
+    spec = make_spec(tmp_path / "span", device="cuda")
+    result = run_chunk(spec, 0, 30, target=lambda i: 1 if i < 10 else 2, slots=lambda: (0,),
+                       spans=lambda: (("host-b", (1,)),), launcher=LoopbackSpanLauncher())
+    assert [n for _, n, _ in result.workers_timeline] == [1, 2]
+    assert result.param_sha256 == cuda_ref
