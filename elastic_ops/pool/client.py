@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from sqlalchemy import Connection, create_engine, delete, event, func, insert, or_, select, update
+from sqlalchemy import Connection, create_engine, delete, event, func, insert, or_, select, true, update
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, OperationalError
 
@@ -52,6 +52,8 @@ from elastic_ops.pool.model import (
     outside,
 )
 from elastic_ops.pool.policies import get_policy
+from elastic_ops.pool.usage import ADD as USAGE_ADD
+from elastic_ops.pool.usage import REMOVE as USAGE_REMOVE
 from elastic_ops.pool.usage import usage as usage_of
 from elastic_ops.spec import MAX_WORKERS_LIMIT, check_host_name, check_host_selector, check_number
 from elastic_ops.urls import shown_url
@@ -840,15 +842,18 @@ class PoolClient:
             check_number("hours", hours, minimum=0, exclusive=True)
 
         def op(conn, now):
-            q = select(s.events).order_by(s.events.c.id)
-            if job is not None:
-                q = q.where(s.events.c.job == job)
+            # only the events that give or take slots: targets, submissions and the rest change
+            # no holding (and are most of a busy log)
+            mine = s.events.c.job == job if job is not None else true()
+            kinds = s.events.c.kind.in_(sorted(USAGE_ADD | USAGE_REMOVE))
+            q = select(s.events).where(mine, kinds).order_by(s.events.c.id)
             rows = [_event_dict(r) for r in conn.execute(q)]
+            oldest = conn.execute(select(func.min(s.events.c.ts)).where(mine)).scalar()
             slots = {r.name: r.slots for r in conn.execute(select(s.hosts.c.name, s.hosts.c.slots))}
-            return now, rows, slots
+            return now, rows, oldest, slots
 
-        now, rows, slots = self._tx(op, lock=False)
-        since = now - hours * 3600 if hours is not None else min((e["ts"] for e in rows), default=now)
+        now, rows, oldest, slots = self._tx(op, lock=False)
+        since = now - hours * 3600 if hours is not None else (now if oldest is None else float(oldest))
         return usage_of(rows, since, now).to_dict(slots)
 
     def prune_events(self, older_than_s: float) -> int:
