@@ -37,6 +37,34 @@ def _authorize(method: str, user: Any) -> None:
 
 
 @functools.cache
+def _nodes() -> Any:
+    """The cluster's node agents as this api-server's environment names them
+    (``ELASTIC_OPS_NODE_REDIS_URL``, ``_SECRET``, ``_NAMESPACE``, as the workers'), or ``None``."""
+    from elastic_ops.agent.cluster import node_config_from_env
+
+    config = node_config_from_env()
+    if config is None:
+        return None
+    from elastic_ops.agent.node_client import NodeClient
+
+    return NodeClient(config)
+
+
+def _node_view() -> dict[str, Any]:
+    """``{"cluster": bool, "nodes": {host: announcement}}``, plus ``"error"`` when the cluster's
+    Redis cannot be read."""
+    from elastic_ops.errors import AgentLostError
+
+    nodes = _nodes()
+    if nodes is None:
+        return {"cluster": False, "nodes": {}}
+    try:
+        return {"cluster": True, "nodes": nodes.announced()}
+    except AgentLostError as exc:
+        return {"cluster": True, "nodes": {}, "error": exc.message}
+
+
+@functools.cache
 def _client():
     """One ``PoolClient`` (one engine and connection pool) per api-server process."""
     from elastic_ops.hooks.elastic_ops import ElasticOpsHook
@@ -137,6 +165,18 @@ def pool_usage(user: GetUserDep, hours: float | None = Query(None, gt=0)) -> dic
     return _call(_client().usage, hours=hours)
 
 
+@app.get("/nodes")
+def node_agents(user: GetUserDep) -> dict[str, Any]:
+    """The node agents announced in the cluster's Redis (host → pid, protocol version, chunks,
+    address), ``{"cluster": false}`` when this api-server has no cluster settings; 503 when the
+    Redis cannot be read."""
+    _authorize("GET", user)
+    view = _node_view()
+    if "error" in view:
+        raise HTTPException(status_code=503, detail=view["error"])
+    return view
+
+
 @app.get("/ui", response_class=HTMLResponse)
 def status_page(user: GetUserDep) -> HTMLResponse:
     """The status as a page (the "Elastic pool" entry in the Airflow UI's Admin menu)."""
@@ -144,7 +184,7 @@ def status_page(user: GetUserDep) -> HTMLResponse:
 
     _authorize("GET", user)
     client = _client()
-    page = render(client.status(), client.events(last=50))
+    page = render(client.status(), client.events(last=50), _node_view())
     return HTMLResponse(page, headers={"Content-Security-Policy": CSP, "Cache-Control": "no-store"})
 
 

@@ -44,8 +44,24 @@ def _event_rows(events: list[dict[str, Any]]) -> list[list[str]]:
     return rows
 
 
-def render(status: dict[str, Any], events: list[dict[str, Any]]) -> str:
-    """The page for ``PoolClient.status()`` and the newest ``events`` (oldest first)."""
+def _nodes_section(status: dict[str, Any], view: dict[str, Any] | None) -> str:
+    """The cluster's node agents (nothing without cluster settings), and the pool's hosts that
+    none announces."""
+    if not view or not view.get("cluster"):
+        return ""
+    if "error" in view:
+        return f'<h3>Node agents</h3><p class="muted">{escape(view["error"])}</p>'
+    nodes = view["nodes"]
+    missing = report.hosts_without_node(status, nodes)
+    note = (f"<p>Pool hosts without a live node agent (they get no chunks): {escape(', '.join(missing))}</p>"
+            if missing else "")
+    table = _table(report.NODE_COLUMNS, report.node_rows(nodes), "No node agent is live.")
+    return "<h3>Node agents</h3>" + table + note
+
+
+def render(status: dict[str, Any], events: list[dict[str, Any]], nodes: dict[str, Any] | None = None) -> str:
+    """The page for ``PoolClient.status()``, the newest ``events`` (oldest first) and, in a
+    cluster, the node agents (``plugin_api._node_view()``)."""
     return (
         "<!doctype html><html><head><meta charset=\"utf-8\">"
         f'<meta http-equiv="refresh" content="{REFRESH_S}">'
@@ -53,6 +69,7 @@ def render(status: dict[str, Any], events: list[dict[str, Any]]) -> str:
         f"<h2>Elastic pool</h2><p>{escape(report.summary(status))}</p>"
         "<h3>Hosts</h3>" + _table(report.HOST_COLUMNS, report.host_rows(status), "No hosts registered.")
         + "<h3>Jobs</h3>" + _table(report.JOB_COLUMNS, report.job_rows(status), "No jobs.")
+        + _nodes_section(status, nodes)
         + f"<h3>Recent events</h3>{_table(EVENT_COLUMNS, _event_rows(events), 'No events.')}"
         f'<p class="muted">Reloads every {REFRESH_S} s. JSON: <code>/elastic-ops/status</code>, '
         "<code>/elastic-ops/events</code>.</p></body></html>"

@@ -28,7 +28,7 @@ CHANGES = [
     ("DELETE", "/events?older_than_days=1", None),
 ]
 READS = [("GET", "/status", None), ("GET", "/events", None), ("GET", "/ui", None),
-         ("GET", "/usage?hours=2", None)]
+         ("GET", "/usage?hours=2", None), ("GET", "/nodes", None)]
 
 
 def make_api(tmp_path, monkeypatch, role: str | None = "op") -> tuple[TestClient, PoolClient]:
@@ -39,6 +39,7 @@ def make_api(tmp_path, monkeypatch, role: str | None = "op") -> tuple[TestClient
     pool.add_host("h2", 4)
     pool.submit("j", min_workers=1, max_workers=4, priority=2)
     monkeypatch.setattr(plugin_api, "_client", lambda: pool)
+    monkeypatch.setattr(plugin_api, "_nodes", lambda: None)  # no cluster, unless a test says so
     monkeypatch.setattr("airflow.api_fastapi.app.get_auth_manager", SimpleAuthManager)
     if role is not None:
         user = SimpleAuthManagerUser(username=f"a-{role}", role=role)
@@ -157,3 +158,31 @@ def test_status_page_shows_the_pool_and_escapes_what_the_ledger_holds(tmp_path, 
     assert "<script" not in page and "&lt;script&gt;alert(1)&lt;/script&gt;" in page
     for text in ("h1", "h2", "<td>j</td>", "<td>1..4</td>", "slots used 0 of 9 up", "policy priority"):
         assert text in page, text
+
+
+def test_node_agents_are_listed_and_hosts_without_one_named(tmp_path, monkeypatch, redis_url):
+    import json
+
+    from elastic_ops.agent.cluster import NodeConfig
+    from elastic_ops.agent.node_client import NodeClient
+    from tests.agent.node_helpers import SECRET, drop_namespace, make_config
+
+    client, pool = make_api(tmp_path, monkeypatch, role="viewer")
+    assert client.get("/nodes").json() == {"cluster": False, "nodes": {}}
+    assert "Node agents" not in client.get("/ui").text  # no cluster: no section
+    config = make_config()
+    try:
+        info = {"host": "h1", "pid": 42, "version": 1, "chunks": 1, "addr": "10.0.0.7"}
+        config.redis().set(config.alive_key("h1"), json.dumps(info), ex=60)
+        monkeypatch.setattr(plugin_api, "_nodes", lambda: NodeClient(config))
+        assert client.get("/nodes").json() == {"cluster": True, "nodes": {"h1": info}}
+        page = client.get("/ui").text
+        assert "<h3>Node agents</h3>" in page and "<td>10.0.0.7</td>" in page
+        assert "without a live node agent (they get no chunks): h2" in page
+    finally:
+        drop_namespace(config)
+    gone = NodeConfig(url="redis://127.0.0.1:1/0", secret=SECRET, namespace="x")  # nothing listens there
+    monkeypatch.setattr(plugin_api, "_nodes", lambda: NodeClient(gone))
+    r = client.get("/nodes")
+    assert r.status_code == 503 and "unreachable" in r.json()["detail"]
+    assert "unreachable" in client.get("/ui").text

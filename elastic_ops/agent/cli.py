@@ -91,10 +91,10 @@ def cmd_nodes(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(nodes, sort_keys=True))
         return 0
-    print(f"{'host':<24} {'pid':>8} {'version':>7} {'chunks':>6}  address")
-    for host, info in nodes.items():
-        pid, version, chunks = (str(info.get(k, "?")) for k in ("pid", "version", "chunks"))
-        print(f"{host:<24} {pid:>8} {version:>7} {chunks:>6}  {info.get('addr') or '-'}")
+    from elastic_ops.pool import report
+    from elastic_ops.pool.cli import _table
+
+    print(_table(report.node_rows(nodes), report.NODE_COLUMNS))
     return 0
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 HOST_COLUMNS = ("HOST", "STATE", "SLOTS", "USED", "LABELS")
+NODE_COLUMNS = ("HOST", "PID", "VERSION", "CHUNKS", "ADDRESS")
 JOB_COLUMNS = (
     "JOB", "STATE", "MIN..MAX", "PRIO", "PREEMPT", "HOSTS", "WORKERS", "TARGET", "EPOCH", "LEASE", "REASON",
 )
@@ -25,6 +26,20 @@ def host_rows(st: dict[str, Any]) -> list[list[str]]:
          ",".join(f"{k}={v}" for k, v in h["labels"].items()) or "-"]
         for h in st["hosts"]
     ]
+
+
+def node_rows(nodes: dict[str, dict[str, Any]]) -> list[list[str]]:
+    """The announced node agents (``NodeClient.announced()``); ADDRESS: where the node leads
+    chunks spanning hosts (``-``: it trains on its own host only)."""
+    return [
+        [host, *(str(info.get(k, "?")) for k in ("pid", "version", "chunks")), str(info.get("addr") or "-")]
+        for host, info in sorted(nodes.items())
+    ]
+
+
+def hosts_without_node(st: dict[str, Any], nodes: dict[str, dict[str, Any]]) -> list[str]:
+    """The pool's hosts that no node agent announces: in a cluster they get no chunks."""
+    return [h["name"] for h in st["hosts"] if h["name"] not in nodes]
 
 
 def job_rows(st: dict[str, Any]) -> list[list[str]]:

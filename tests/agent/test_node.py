@@ -160,7 +160,7 @@ def test_the_announced_nodes_are_listed(cluster, monkeypatch, capsys):
     assert sorted(json.loads(capsys.readouterr().out)) == ["host-a", "host-b"]
     assert cli_main(["nodes"]) == 0
     table = capsys.readouterr().out.splitlines()
-    assert table[0].split() == ["host", "pid", "version", "chunks", "address"]
+    assert table[0].split() == ["HOST", "PID", "VERSION", "CHUNKS", "ADDRESS"]
     assert table[1].split()[0] == "host-a" and table[1].split()[-1] == "-"  # no --advertise-addr
 
 

@@ -102,6 +102,12 @@ def test_a_job_granted_more_than_one_host_trains_one_group_across_both(cluster, 
     assert "Executing workload in Celery" in worker
     assert "run_id=span_run/task_id=train.chunk_01_of_01" in worker
     assert not [e for e in pool.events(job=job_id("e2e_span", "train", run)) if e["kind"] == "failure"]
+    # the api-server (same cluster settings) lists both node agents and their addresses
+    import httpx
+
+    auth = {"Authorization": f"Bearer {af.token()}"}
+    nodes = httpx.get(f"{af.url}/elastic-ops/nodes", headers=auth, timeout=30).json()["nodes"]
+    assert sorted(nodes) == ["host1", "host2"] and {n["addr"] for n in nodes.values()} == {"127.0.0.1"}
 
 
 def test_a_chunk_whose_host_dies_is_retried_on_the_other_hosts_node(cluster, tmp_path, request):
