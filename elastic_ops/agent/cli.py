@@ -66,9 +66,14 @@ def add_commands(subparsers: Any) -> None:
         "nodes",
         help="list the node agents announced in the cluster's Redis",
         description=f"List the node agents announced in the cluster's Redis ({URL_ENV}, {SECRET_ENV} and "
-        f"optionally {NAMESPACE_ENV} from the environment): host, pid, protocol version, chunks running.",
+        f"optionally {NAMESPACE_ENV} from the environment): host, pid, protocol version, chunks running, "
+        "address (set: it leads chunks spanning hosts). With --api-url (or $ELASTIC_OPS_API_URL when "
+        f"{URL_ENV} is unset), ask Airflow's api-server instead, with an Airflow login.",
     )
     ls.add_argument("--json", action="store_true", help="one JSON object")
+    ls.add_argument("--api-url", default=None,
+                    help="Airflow's api-server (its /elastic-ops/nodes route); token from "
+                    "$ELASTIC_OPS_API_TOKEN, or $ELASTIC_OPS_API_USER and $ELASTIC_OPS_API_PASSWORD")
     ls.set_defaults(func=cmd_nodes)
 
 
@@ -82,12 +87,31 @@ def _cluster_config():
     return config
 
 
+def _announced(api_url: str | None) -> dict:
+    """The announced node agents, from the cluster's Redis or through the api-server."""
+    import os
+
+    from elastic_ops.pool.api_client import ENV_API_URL
+
+    api_url = api_url or (None if os.environ.get(URL_ENV) else os.environ.get(ENV_API_URL))
+    if not api_url:
+        from elastic_ops.agent.node_client import NodeClient
+
+        return NodeClient(_cluster_config()).announced()
+    from elastic_ops.errors import SpecError
+    from elastic_ops.pool.api_client import ApiPoolClient
+
+    view = ApiPoolClient(api_url).nodes()
+    if not view.get("cluster"):
+        raise SpecError(URL_ENV, "unset on the api-server", "the cluster's settings in the api-server's "
+                        "environment, as the workers have them", hint="or run this where they are set")
+    return view["nodes"]
+
+
 def cmd_nodes(args: argparse.Namespace) -> int:
     import json
 
-    from elastic_ops.agent.node_client import NodeClient
-
-    nodes = NodeClient(_cluster_config()).announced()
+    nodes = _announced(args.api_url)
     if args.json:
         print(json.dumps(nodes, sort_keys=True))
         return 0

@@ -125,6 +125,10 @@ class ApiPoolClient:
     def usage(self, *, hours: float | None = None) -> dict[str, Any]:
         return self._call("GET", "/usage", params={} if hours is None else {"hours": hours})
 
+    def nodes(self) -> dict[str, Any]:
+        """``{"cluster": bool, "nodes": {host: announcement}}`` (``elastic-ops nodes --api-url``)."""
+        return self._call("GET", "/nodes")
+
     # --- control ------------------------------------------------------------------------
 
     def set_priority(self, job: str, priority: int) -> None:

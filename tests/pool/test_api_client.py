@@ -156,3 +156,24 @@ def test_an_api_server_that_does_not_answer_is_retryable(monkeypatch):
     with pytest.raises(LedgerUnavailableError, match="unreachable") as err:
         ApiPoolClient(f"http://127.0.0.1:{port}", token="t").status()
     assert err.value.retryable
+
+
+def test_node_agents_are_listed_through_the_api_server(server, monkeypatch, capsys):
+    monkeypatch.setenv("ELASTIC_OPS_API_TOKEN", "viewer-token")
+    monkeypatch.delenv("ELASTIC_OPS_NODE_REDIS_URL", raising=False)
+    announced = {"gpu-0": {"host": "gpu-0", "pid": 7, "version": 1, "chunks": 2, "addr": "10.0.0.7"}}
+
+    class Nodes:
+        def announced(self):
+            return announced
+
+    monkeypatch.setattr(plugin_api, "_nodes", lambda: Nodes())
+    assert run(["nodes", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == announced
+    assert run(["nodes"]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].split() == ["HOST", "PID", "VERSION", "CHUNKS", "ADDRESS"]
+    assert table[1].split() == ["gpu-0", "7", "1", "2", "10.0.0.7"]
+    monkeypatch.setattr(plugin_api, "_nodes", lambda: None)  # the api-server has no cluster settings
+    assert run(["nodes"]) != 0
+    assert "unset on the api-server" in capsys.readouterr().err  # the CLI says what to set, and where
