@@ -52,7 +52,7 @@ def _nodes_section(status: dict[str, Any], view: dict[str, Any] | None) -> str:
     if "error" in view:
         return f'<h3>Node agents</h3><p class="muted">{escape(view["error"])}</p>'
     nodes = view["nodes"]
-    missing = report.hosts_without_node(status, nodes)
+    missing = report.unannounced_hosts(status, nodes)
     note = (f"<p>Pool hosts without a live node agent (they get no chunks): {escape(', '.join(missing))}</p>"
             if missing else "")
     table = _table(report.NODE_COLUMNS, report.node_rows(nodes), "No node agent is live.")

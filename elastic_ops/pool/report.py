@@ -37,7 +37,7 @@ def node_rows(nodes: dict[str, dict[str, Any]]) -> list[list[str]]:
     ]
 
 
-def hosts_without_node(st: dict[str, Any], nodes: dict[str, dict[str, Any]]) -> list[str]:
+def unannounced_hosts(st: dict[str, Any], nodes: dict[str, dict[str, Any]]) -> list[str]:
     """The pool's hosts that no node agent announces: in a cluster they get no chunks."""
     return [h["name"] for h in st["hosts"] if h["name"] not in nodes]
 

@@ -230,7 +230,7 @@ class _Runner:
 
     def _moves(self, n: int, old: Placement, new: Placement) -> bool:
         # Only the slots the ranks use count, as a set: a reordered grant is not worth a relaunch.
-        if used(n, new, self.host) == used(n, old, self.host):
+        if new == old or used(n, new, self.host) == used(n, old, self.host):
             return False
         if self.device == "cuda" and len(new[0]) + sum(len(ss) for _, ss in new[1]) < n:
             # The pool placed (some of) the job on another host, where the local launcher cannot

@@ -23,7 +23,6 @@ import contextlib
 import dataclasses
 import json
 import math
-import signal
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -136,20 +135,13 @@ class FollowerRanks:
         return self.pc.pids()
 
     def poll(self) -> RemoteExit | None:
+        from elastic_ops.runtime.chunk import _killed_ranks
+
         result = self.pc.wait(0)
         if result is None:
             return None
-        killed, failed = {}, []
-        processes = getattr(getattr(self.pc, "_pc", None), "processes", None) or []
-        for local, proc in enumerate(processes):
-            code = proc.exitcode
-            if code is not None and code < 0 and -code != signal.SIGTERM:
-                killed[self.offset + local] = _signal_name(-code)
-        for local, failure in result.failures.items():
-            if failure.exitcode < 0 and -failure.exitcode != signal.SIGTERM:
-                killed[self.offset + local] = _signal_name(-failure.exitcode)
-            elif self.offset + local not in killed:
-                failed.append(self.offset + local)
+        killed = {self.offset + r: sig for r, sig in _killed_ranks(self.pc).items()}
+        failed = [self.offset + r for r in result.failures if self.offset + r not in killed]
         reports = []
         for path in sorted(self.dir.glob("error-*.json")):
             with contextlib.suppress(OSError, ValueError):
@@ -158,13 +150,6 @@ class FollowerRanks:
 
     def close(self) -> None:
         self.pc.close()
-
-
-def _signal_name(num: int) -> str:
-    try:
-        return signal.Signals(num).name
-    except ValueError:
-        return f"signal {num}"
 
 
 @dataclasses.dataclass
