@@ -211,3 +211,15 @@ def test_a_follower_node_that_stops_mid_segment_is_agent_lost_not_the_hosts_fail
         thread.join(60)
     (err,) = errors
     assert type(err) is AgentLostError and err.retryable and "host-e" in str(err), err
+
+
+def test_the_node_cli_refuses_an_address_it_cannot_listen_on_before_anything_starts(monkeypatch, capsys):
+    from elastic_ops.cli import main as cli_main
+    from tests.agent.node_helpers import REDIS_URL, SECRET
+
+    monkeypatch.setenv("ELASTIC_OPS_NODE_REDIS_URL", REDIS_URL)
+    monkeypatch.setenv("ELASTIC_OPS_NODE_SECRET", SECRET)
+    for bad, says in (("gpu-07", "an IPv4 or IPv6 address"), ("203.0.113.9", "cannot listen there")):
+        assert cli_main(["node", "--host", "h", "--advertise-addr", bad]) != 0
+        err = capsys.readouterr().err
+        assert f"--advertise-addr='{bad}'" in err and says in err, err
