@@ -116,9 +116,8 @@ def cmd_nodes(args: argparse.Namespace) -> int:
         print(json.dumps(nodes, sort_keys=True))
         return 0
     from elastic_ops.pool import report
-    from elastic_ops.pool.cli import _table
 
-    print(_table(report.node_rows(nodes), report.NODE_COLUMNS))
+    print(report.text_table(report.node_rows(nodes), report.NODE_COLUMNS))
     return 0
 
 

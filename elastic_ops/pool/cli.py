@@ -6,7 +6,6 @@ import argparse
 import json
 import os
 from collections.abc import Sequence
-from typing import Any
 
 from elastic_ops.pool import report
 from elastic_ops.pool.api_client import ENV_API_PASSWORD, ENV_API_TOKEN, ENV_API_URL, ENV_API_USER
@@ -167,12 +166,6 @@ def _configure(args: argparse.Namespace) -> None:
     print(json.dumps(_client(args).configure(**changes), sort_keys=True))
 
 
-def _table(rows: list[list[Any]], header: Sequence[str]) -> str:
-    cells = [header] + [[str(c) for c in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells)
-
-
 def _status(args: argparse.Namespace) -> None:
     st = _client(args).status()
     if args.json:
@@ -180,9 +173,9 @@ def _status(args: argparse.Namespace) -> None:
         return
     print(report.summary(st))
     print()
-    print(_table(report.host_rows(st), report.HOST_COLUMNS))
+    print(report.text_table(report.host_rows(st), report.HOST_COLUMNS))
     print()
-    print(_table(report.job_rows(st), report.JOB_COLUMNS))
+    print(report.text_table(report.job_rows(st), report.JOB_COLUMNS))
 
 
 def _events(args: argparse.Namespace) -> None:
@@ -209,10 +202,10 @@ def _usage(args: argparse.Namespace) -> None:
     print(f"{u['slot_hours']:g} slot-hours over {u['hours']:g} hours")
     print()
     total = u["slot_hours"] or 1.0
-    print(_table([[j["job"], f"{j['slot_hours']:.2f}", f"{100 * j['slot_hours'] / total:.1f}%"]
+    print(report.text_table([[j["job"], f"{j['slot_hours']:.2f}", f"{100 * j['slot_hours'] / total:.1f}%"]
                   for j in u["jobs"]], ["JOB", "SLOT-HOURS", "SHARE"]))
     print()
-    print(_table([[h["host"], f"{h['slot_hours']:.2f}",
+    print(report.text_table([[h["host"], f"{h['slot_hours']:.2f}",
                    f"{100 * h['utilization']:.1f}%" if "utilization" in h else "-"] for h in u["hosts"]],
                  ["HOST", "SLOT-HOURS", "BUSY"]))
 

@@ -3,6 +3,7 @@ show the same columns from the same ``PoolClient.status()`` object."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 HOST_COLUMNS = ("HOST", "STATE", "SLOTS", "USED", "LABELS")
@@ -10,6 +11,13 @@ NODE_COLUMNS = ("HOST", "PID", "VERSION", "CHUNKS", "ADDRESS")
 JOB_COLUMNS = (
     "JOB", "STATE", "MIN..MAX", "PRIO", "PREEMPT", "HOSTS", "WORKERS", "TARGET", "EPOCH", "LEASE", "REASON",
 )
+
+
+def text_table(rows: list[list[Any]], header: Sequence[str]) -> str:
+    """``rows`` under ``header`` in aligned columns (the CLI's tables)."""
+    cells = [header] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells)
 
 
 def summary(st: dict[str, Any]) -> str:
