@@ -92,7 +92,10 @@ def _run(url: str) -> None:
     assert held == allocations, f"event log says {held} is held, but the {tables}"
     assert held == {}, f"slots never given back; {tables}"
     assert not live, f"leases never ended; {tables}"
-    assert sum(1 for e in events if e["kind"] == "grant") >= PROCS
+    # the run moved slots between jobs (not a pool that only ever said "wait"): how many grants
+    # there are depends on how the processes interleave, but the second job to ask always finds
+    # free slots (18 of them, a max of 8 each), so at least two jobs were granted some
+    assert len({e["job"] for e in events if e["kind"] in ("grant", "reissue")}) >= 2
     assert any(e["kind"] == "park" for e in events) and any(e["kind"] == "reissue" for e in events)
     assert setup.status()["slots"]["used"] == 0
 
