@@ -253,8 +253,16 @@ class _Runner:
     # --- one segment ------------------------------------------------------------------------
 
     def run_segment(
-        self, index: int, it: int, workers: int, state_path: str | None, placement: Placement | None
+        self,
+        index: int,
+        it: int,
+        workers: int,
+        state_path: str | None,
+        placement: Placement | None,
+        layout: tuple[int, tuple[RemotePart, ...]],
     ) -> _Segment:
+        """One launch of ``workers`` at boundary ``it``: ``layout`` is :func:`place` of them under
+        ``placement`` (ranks here, the other hosts' parts)."""
         segdir = self.workdir / f"seg-{index}"
         segdir.mkdir(parents=True)
         length = self.end - it + 1
@@ -263,8 +271,8 @@ class _Runner:
         for j in range(1, LOOKAHEAD + 1):
             if not chan.decided(j):
                 chan.decide(j, self.decide(it + j, workers, placement))
-        launch_slots, spans = placement if placement is not None else (None, ())
-        here, remote = place(workers, launch_slots or (), spans)
+        launch_slots = placement[0] if placement is not None else None
+        here, remote = layout
         # across hosts the store listens where the other hosts reach this one (the node's address)
         address = getattr(self.launcher, "address", None) if remote else None
         if remote and not address:
@@ -482,10 +490,8 @@ class _Runner:
                 return self._preempted(it, last)
             placement = self.slots.at(it) if self.slots_fn is not None else None
             self.timeline.append((it, workers, time.time()))
-            slots, parts = None, ()
-            if placement is not None:
-                here, parts = place(workers, *placement)
-                slots = placement[0][:here]
+            here, parts = place(workers, *placement) if placement is not None else (workers, ())
+            slots = placement[0][:here] if placement is not None else None
             if self.on_segment is not None:
                 if self.spans_fn is None:
                     self.on_segment(it, workers, slots)
@@ -500,7 +506,7 @@ class _Runner:
                 "" if slots is None else f" on slots {list(slots)}",
                 "".join(f", {p.count} on {p.host} slots {list(p.slots)}" for p in parts),
             )
-            last = self.run_segment(index, it, workers, state_path, placement)
+            last = self.run_segment(index, it, workers, state_path, placement, (here, parts))
             segments.append(last)
             index += 1
             it, state_path, workers = last.iteration, last.state_path, last.next_workers
