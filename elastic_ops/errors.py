@@ -22,14 +22,25 @@ class ElasticOpsError(Exception):
 # --- user input ---------------------------------------------------------------------------
 
 
+class _Unset:
+    def __repr__(self) -> str:
+        return "UNSET"
+
+
+UNSET = _Unset()
+"""The value of a :class:`SpecError` about a setting that was not given at all."""
+
+
 class SpecError(ElasticOpsError, ValueError):
-    """A user-facing value is invalid. Names the field, the value and what is allowed."""
+    """A user-facing value is invalid (or, ``value=UNSET``, missing). Names the field, the value
+    and what is allowed."""
 
     def __init__(self, field: str, value: object, allowed: str, *, hint: str | None = None) -> None:
         self.field = field
         self.value = value
         self.allowed = allowed
-        super().__init__(f"invalid {field}={value!r}: {allowed}", hint=hint)
+        shown = f"missing {field}" if value is UNSET else f"invalid {field}={value!r}"
+        super().__init__(f"{shown}: {allowed}", hint=hint)
 
 
 class EntrypointError(SpecError):
@@ -92,6 +103,18 @@ class CheckpointError(ElasticOpsError):
     """Base for checkpoint store problems."""
 
 
+class InvalidStateError(CheckpointError, TypeError):
+    """The state to save holds a value the safe loader could not read back. Not retryable."""
+
+    def __init__(self, path: str, value: object, allowed: str) -> None:
+        self.path = path
+        super().__init__(
+            f"invalid state{path}: type {type(value).__module__}.{type(value).__qualname__} is not "
+            f"allowed; allowed: {allowed}",
+            hint="convert it to tensors or plain lists (numpy RNG state: use capture_rng())",
+        )
+
+
 class CheckpointNotFoundError(CheckpointError):
     """No committed checkpoint exists where one was required."""
 
@@ -151,7 +174,11 @@ class PoolError(ElasticOpsError):
 class UnknownJobError(PoolError, KeyError):
     def __init__(self, job: str) -> None:
         self.job = job
-        super().__init__(f"unknown job {job!r}", hint="register the job with the pool first")
+        super().__init__(
+            f"unknown job {job!r}",
+            hint="a job is known once its chunk task asks the pool for workers; `elastic-ops pool "
+            "status` lists the known jobs",
+        )
 
     def __str__(self) -> str:  # KeyError would otherwise quote the message
         return self.args[0]

@@ -95,6 +95,16 @@ def stop_reached(stop_when: Mapping[str, Any] | None, metrics: Mapping[str, Any]
     return value <= stop_when["at_most"]
 
 
+def stop_metric_missing(stop_when: Mapping[str, Any] | None, metrics: Mapping[str, Any] | None) -> str | None:
+    """A warning if ``stop_when``'s metric is not among ``metrics`` (a completed chunk's end's):
+    a misspelt name would otherwise train the whole job without a word; else None."""
+    if not stop_when or stop_when["metric"] in (metrics or {}):
+        return None
+    names = ", ".join(sorted(metrics or {})) or "none"
+    return (f"stop_when.metric {stop_when['metric']!r} is not among this chunk end's metrics ({names}): "
+            "the job stops early only where a chunk end reports it (evaluate() gives all but loss)")
+
+
 def check_host_name(field: str, value: Any) -> str:
     """A host name as hostnames go (the pool prints it as ``host:slot`` in events and placements;
     node agents are found by it)."""

@@ -79,11 +79,11 @@ def add_commands(subparsers: Any) -> None:
 
 def _cluster_config():
     from elastic_ops.agent.cluster import node_config_from_env
-    from elastic_ops.errors import SpecError
+    from elastic_ops.errors import UNSET, SpecError
 
     config = node_config_from_env()
     if config is None:
-        raise SpecError(URL_ENV, "unset", "the URL of the cluster's Redis, e.g. redis://redis-host:6379/0")
+        raise SpecError(URL_ENV, UNSET, "the URL of the cluster's Redis, e.g. redis://redis-host:6379/0")
     return config
 
 
@@ -123,7 +123,15 @@ def cmd_nodes(args: argparse.Namespace) -> int:
 
 def cmd_node(args: argparse.Namespace) -> int:
     from elastic_ops.agent.node import main
+    from elastic_ops.errors import SpecError
+    from elastic_ops.spec import check_host_name
 
+    check_host_name("--host", args.host)
+    if args.label and args.register_slots is None:
+        raise SpecError(
+            "--label", args.label, "only with --register-slots (labels of a host the node adds to the pool)",
+            hint="`elastic-ops pool add-host HOST SLOTS --label …` relabels a known host",
+        )
     config = _cluster_config()
     if args.advertise_addr is not None:
         from elastic_ops.agent.span import check_advertise_addr
@@ -135,7 +143,9 @@ def cmd_node(args: argparse.Namespace) -> int:
         from elastic_ops.pool.cli import parse_labels
 
         register_host(args.host, args.register_slots, args.pool_url, parse_labels(args.label))
-    return main(args.host, config, advertise_addr=args.advertise_addr)
+    from elastic_ops.hooks.metrics import metrics_from_airflow_config
+
+    return main(args.host, config, advertise_addr=args.advertise_addr, metrics=metrics_from_airflow_config())
 
 
 def _log_to_stderr(level: str) -> None:
@@ -144,6 +154,7 @@ def _log_to_stderr(level: str) -> None:
     logger = logging.getLogger("elastic_ops")
     logger.addHandler(handler)
     logger.setLevel(level)
+    logger.propagate = False  # importing Airflow (its metrics settings) gives the root logger a handler too
 
 
 def cmd_agent(args: argparse.Namespace) -> int:

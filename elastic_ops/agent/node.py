@@ -14,6 +14,9 @@ If the task goes silent (its process or host died, or it was killed) the node ki
 workers after the channel's peer timeout, so nothing past the last committed checkpoint is
 committed. On SIGTERM/SIGINT the node withdraws its announcement first (no new chunks come), kills
 the workers of running chunks (their tasks get the retryable ``AgentLostError``) and exits.
+
+Metrics (``node.*``, tagged with the host; docs/airflow.md "Metrics") go to the ``metrics`` it is
+given: the CLI passes Airflow's Stats set up from the host's ``[metrics]`` configuration.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from elastic_ops.agent.server import (
 )
 from elastic_ops.agent.span import RanksSession, check_advertise_addr
 from elastic_ops.errors import AgentLostError, SpecError
+from elastic_ops.metrics import NO_METRICS, Metrics
 from elastic_ops.spec import check_host_name
 from elastic_ops.urls import shown_url
 
@@ -72,8 +76,10 @@ class NodeAgent:
         request_max_age_s: float = REQUEST_MAX_AGE_S,
         wall_clock: Callable[[], float] = time.time,
         advertise_addr: str | None = None,
+        metrics: Metrics = NO_METRICS,
     ) -> None:
         self.host = check_host_name("--host", host)
+        self.metrics, self._tags = metrics, {"host": self.host}
         # where the other hosts' ranks reach this host's (segments spanning hosts); None: no spanning
         self.address = None if advertise_addr is None else check_advertise_addr(advertise_addr)
         self.config = config
@@ -104,14 +110,32 @@ class NodeAgent:
             "chunks": len(self.sessions),
             "addr": self.address,  # set: this node can lead a segment spanning hosts
         }
+        self._send_gauges()
         self._redis.set(self.config.alive_key(self.host), json.dumps(info), ex=ALIVE_TTL_S)
+
+    def _send_gauges(self) -> None:
+        """What the node runs now: its own chunks, and parts of segments other nodes lead."""
+        with self._lock:
+            ranks = sum(isinstance(s, RanksSession) for s in self.sessions.values())
+            chunks = len(self.sessions) - ranks
+        self.metrics.gauge("node.chunks_running", chunks, tags=self._tags)
+        self.metrics.gauge("node.ranks_running", ranks, tags=self._tags)
+
+    def _redis_error(self, what: str, exc: Exception) -> None:
+        self.metrics.incr("node.redis_errors", tags=self._tags)
+        log.warning("cannot reach Redis %s: %s", what, exc)
+
+    def _refuse(self, reason: str, message: str, *args: Any) -> None:
+        """Log a refused request (its sender gets no answer) and count it by ``reason``."""
+        self.metrics.incr("node.requests_refused", tags={**self._tags, "reason": reason})
+        log.warning(message, *args)
 
     def _keep_announcing(self) -> None:
         while not self._stop.wait(ALIVE_EVERY_S):
             try:
                 self._announce()
             except redis_error_types() as exc:
-                log.warning("cannot reach Redis to renew this node's announcement: %s", exc)
+                self._redis_error("to renew this node's announcement", exc)
 
     # --- serving ---------------------------------------------------------------------------------
 
@@ -152,7 +176,7 @@ class NodeAgent:
                 try:
                     item = self._redis.blpop([runs], timeout=1)
                 except redis_error_types() as exc:
-                    log.warning("cannot reach Redis (%s); retrying", exc)
+                    self._redis_error("for requests (retrying)", exc)
                     self._stop.wait(1.0)
                     continue
                 if item is None:
@@ -173,6 +197,7 @@ class NodeAgent:
         with contextlib.suppress(*redis_error_types()):
             self._redis.delete(self.config.alive_key(self.host))  # first: no task routes here any more
         end_sessions(self._lock, self.sessions, self._threads)
+        self._send_gauges()
         log.info("elastic-ops node agent for host %s stopped", self.host)
 
     # --- one request -----------------------------------------------------------------------------
@@ -184,18 +209,21 @@ class NodeAgent:
         try:
             body = self.signer.open(runs, raw)
         except AgentProtocolError as exc:
-            log.warning("refused a run request: %s", exc)
+            self._refuse("unverified", "refused a run request: %s", exc)
             return None
         session, issued, msg = body.get("session"), body.get("issued"), body.get("msg")
         if body.get("kind") != "run" or not isinstance(session, str) or not _SESSION_RE.fullmatch(session):
-            log.warning("refused a run request: malformed envelope (kind %r)", body.get("kind"))
+            self._refuse("malformed", "refused a run request: malformed envelope (kind %r)", body.get("kind"))
             return None
         if not isinstance(issued, (int, float)) or not isinstance(msg, dict):
-            log.warning("refused run request %s: needs a numeric 'issued' and an object 'msg'", session)
+            self._refuse(
+                "malformed", "refused run request %s: needs a numeric 'issued' and an object 'msg'", session
+            )
             return None
         age = self.wall_clock() - float(issued)
         if abs(age) > self.request_max_age_s:
-            log.warning(
+            self._refuse(
+                "stale",
                 "refused run request %s: issued %.0f s ago (at most %.0f s; are the clocks in sync?)",
                 session,
                 age,
@@ -205,7 +233,7 @@ class NodeAgent:
         if not self._redis.set(
             self.config.session_key(session, "claimed"), self.host, nx=True, ex=SESSION_TTL_S
         ):
-            log.warning("refused run request %s: already taken (a replay)", session)
+            self._refuse("replay", "refused run request %s: already taken (a replay)", session)
             return None
         return session, msg
 
@@ -213,7 +241,7 @@ class NodeAgent:
         try:
             verified = self._verified(raw)
         except redis_error_types() as exc:
-            log.warning("dropped a run request: Redis unreachable (%s); its task times out and retries", exc)
+            self._redis_error("for a run request, dropped (its task times out and retries)", exc)
             return
         if verified is None:
             return
@@ -230,7 +258,8 @@ class NodeAgent:
         try:
             self._run(session_id, channel, req)
         except Exception as exc:  # noqa: BLE001 - a bad request is answered, never fatal
-            log.warning("session %s: rejected: %s", session_id[:8], exc)
+            self._refuse("stopping" if isinstance(exc, AgentLostError) else "invalid",
+                         "session %s: rejected: %s", session_id[:8], exc)
             with contextlib.suppress(OSError):
                 channel.send(error_to_wire(exc))
         finally:
@@ -257,7 +286,13 @@ class NodeAgent:
             channel.send({"type": "accepted", "host": self.host, "pid": os.getpid()})
             with self._lock:
                 self.accepted += 1
-            session.run()
+            try:
+                session.run()
+            finally:
+                tags = {**self._tags, "outcome": session.outcome or "failed"}
+                if session.error:
+                    tags["error"] = session.error
+                self.metrics.incr("node.chunks", tags=tags)
 
     def _run_ranks(self, session_id: str, channel: RedisChannel, req: dict[str, Any]) -> None:
         """This host's part of a segment another host's node leads (:mod:`elastic_ops.agent.span`)."""
@@ -265,6 +300,7 @@ class NodeAgent:
         with self._registered(session_id, session):
             with self._lock:
                 self.ranks_served += 1
+            self.metrics.incr("node.ranks", tags=self._tags)
             session.run()
 
     @contextlib.contextmanager
@@ -280,10 +316,12 @@ class NodeAgent:
                     f"the elastic-ops node agent of host {self.host} is stopping",
                     hint="retry resumes from the last committed checkpoint",
                 )
+            self._send_gauges()
             yield
         finally:
             with self._lock:
                 self.sessions.pop(session_id, None)
+            self._send_gauges()
 
 
 def register_host(
@@ -310,7 +348,9 @@ def register_host(
         client.close()
 
 
-def main(host: str, config: NodeConfig, advertise_addr: str | None = None) -> int:
+def main(
+    host: str, config: NodeConfig, advertise_addr: str | None = None, metrics: Metrics = NO_METRICS
+) -> int:
     """Run a node agent in this process (the CLI's ``elastic-ops node``)."""
-    NodeAgent(host, config, advertise_addr=advertise_addr).serve()
+    NodeAgent(host, config, advertise_addr=advertise_addr, metrics=metrics).serve()
     return 0

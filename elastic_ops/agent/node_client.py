@@ -87,8 +87,8 @@ class NodeClient:
         # not the granted host's fault: retryable, and not reported against it
         return AgentLostError(
             f"the cluster's Redis at {shown_url(self.config.url)} is unreachable: {exc}",
-            hint="check ELASTIC_OPS_NODE_REDIS_URL and the Redis server; the retry resumes from the last "
-            "committed checkpoint",
+            hint="check ELASTIC_OPS_NODE_REDIS_URL and the Redis server (a chunk task's retry resumes from "
+            "the last committed checkpoint)",
         )
 
     def alive(self, host: str) -> dict[str, Any] | None:

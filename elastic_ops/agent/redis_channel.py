@@ -26,7 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from elastic_ops.agent.protocol import MAX_MESSAGE_BYTES, AgentProtocolError, decode
-from elastic_ops.errors import SpecError
+from elastic_ops.errors import UNSET, SpecError
 
 SECRET_ENV = "ELASTIC_OPS_NODE_SECRET"
 MIN_SECRET_CHARS = 16
@@ -44,7 +44,7 @@ class Signer:
 
     def __init__(self, secret: str | None, *, field: str = SECRET_ENV) -> None:
         if not isinstance(secret, str) or len(secret) < MIN_SECRET_CHARS:
-            shown = "unset" if not secret else f"<{len(secret)} characters, hidden>"
+            shown = UNSET if not secret else f"<{len(secret)} characters, hidden>"
             raise SpecError(
                 field,
                 shown,

@@ -125,6 +125,10 @@ class ChunkSession:
         self._lock = threading.Lock()
         self.gone = threading.Event()  # the task's connection is closed (or broken)
         self.done = threading.Event()  # run_chunk returned or raised
+        # how it ended, once it has: the result's status, "failed" (an error went to the task) or
+        # "aborted" (the task went away); ``error``: the failure's error class
+        self.outcome: str | None = None
+        self.error: str | None = None
         self.launcher = AbortableLauncher(launcher)
         self._last_progress = float("-inf")
         self.request = self._validate(request)
@@ -294,6 +298,7 @@ class ChunkSession:
         except BaseException as exc:  # noqa: BLE001 - every outcome goes back to the task
             self.done.set()
             if self.gone.is_set():
+                self.outcome = "aborted"
                 log.info("job %s: chunk aborted (%s: %s)", spec.name, type(exc).__name__, exc)
                 return
             if self.stopping and isinstance(exc, WorkerLostError):
@@ -301,10 +306,12 @@ class ChunkSession:
                     f"the elastic-ops agent stopped mid-chunk ({exc})",
                     hint="retry resumes from the last committed checkpoint",
                 )
+            self.outcome, self.error = "failed", type(exc).__name__
             log.info("job %s: chunk failed: %s: %s", spec.name, type(exc).__name__, exc)
             self.send(error_to_wire(exc, traceback.format_exc()))
             return
         self.done.set()
+        self.outcome = result.status.value
         log.info(
             "job %s: chunk [%d, %d) %s at iteration %d",
             spec.name,

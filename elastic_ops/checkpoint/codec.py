@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from elastic_ops.checkpoint.checksum import Checksum
-from elastic_ops.errors import CheckpointCorruptError, CheckpointError, UnsafeCheckpointError
+from elastic_ops.errors import CheckpointCorruptError, InvalidStateError, UnsafeCheckpointError
 
 _LEAF_TYPES = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device)
 _LEAF_SET = frozenset(_LEAF_TYPES)
@@ -36,24 +36,12 @@ _ALLOWED = (
 )
 
 
-class InvalidStateError(CheckpointError, TypeError):
-    """The state holds a value the safe loader could not read back. Not retryable."""
-
-    def __init__(self, path: str, value: object) -> None:
-        self.path = path
-        super().__init__(
-            f"invalid state{path}: type {type(value).__module__}.{type(value).__qualname__} is not "
-            f"allowed; allowed: {_ALLOWED}",
-            hint="convert it to tensors or plain lists (numpy RNG state: use capture_rng())",
-        )
-
-
 def check_state(state: Any, path: str = "") -> None:
     """Raise :class:`InvalidStateError` naming the first value ``torch.load`` would refuse."""
     bad = _first_invalid(state)
     if bad is not None:
         where, value = bad
-        raise InvalidStateError(path + where, value)
+        raise InvalidStateError(path + where, value, _ALLOWED)
 
 
 def _first_invalid(value: Any) -> tuple[str, object] | None:

@@ -41,3 +41,27 @@ class AirflowMetrics:
                 self._warned = True
                 log.warning("could not send metric %s (%s: %s); dropping metrics that fail",
                             name, type(exc).__name__, exc)
+
+
+def metrics_from_airflow_config() -> AirflowMetrics:
+    """``AirflowMetrics`` for a process Airflow did not start (``elastic-ops node`` on a GPU host):
+    Airflow's Stats set up from this host's ``[metrics]`` configuration (``AIRFLOW__METRICS__*``
+    or ``$AIRFLOW_HOME/airflow.cfg``), as Airflow's task runner sets it up for a task. With no
+    backend configured, or a configuration that cannot be read (logged), nothing is sent."""
+    try:
+        from airflow.sdk.configuration import conf
+        from airflow.sdk.observability import stats
+        from airflow.sdk.observability.metrics import stats_utils
+
+        stats.initialize(
+            factory=stats_utils.get_stats_factory(),
+            export_legacy_names=conf.getboolean("metrics", "legacy_names_on"),
+        )
+        on = [k for k in ("statsd_on", "statsd_datadog_enabled", "otel_on") if conf.getboolean("metrics", k)]
+    except Exception as exc:  # noqa: BLE001 - metrics must never stop what they observe
+        log.warning("sending no metrics: Airflow's [metrics] configuration could not be read (%s: %s)",
+                    type(exc).__name__, exc)
+        return AirflowMetrics()
+    shown = f"through Airflow's Stats ({', '.join(on)})" if on else "off ([metrics] of Airflow)"
+    log.info("metrics: %s", shown)
+    return AirflowMetrics()

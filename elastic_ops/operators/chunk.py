@@ -64,7 +64,7 @@ from elastic_ops.operators.progress import progress_logger
 from elastic_ops.operators.results import ChunkTaskResult
 from elastic_ops.operators.retry import ElasticRetryPolicy
 from elastic_ops.runtime.outcome import ChunkStatus
-from elastic_ops.spec import JobSpec, check_checkpoint_uri, check_number, stop_reached
+from elastic_ops.spec import JobSpec, check_checkpoint_uri, check_number, stop_metric_missing, stop_reached
 from elastic_ops.triggers.events import GrantEvent, TriggerFailure, parse_event
 from elastic_ops.triggers.pool import GrantTrigger
 
@@ -474,6 +474,8 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
         last = state["end"] >= spec.total_iterations
         ends = {"loss": getattr(result, "loss", None), **dict(getattr(result, "metrics", None) or {})}
         stopping = not last and stop_reached(spec.stop_when, ends)
+        if result.status == ChunkStatus.COMPLETED and (missing := stop_metric_missing(spec.stop_when, ends)):
+            self.log.warning("job %s: %s", spec.name, missing)
         if stopping:
             self.log.info("job %s: %s met at iteration %d (%s): the job stops here, the following chunks "
                           "train nothing", spec.name, _stop_text(spec.stop_when), result.iteration,

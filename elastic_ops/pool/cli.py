@@ -25,7 +25,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
     p = psub.add_parser("status", help="hosts, slots, jobs, leases and targets")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(func=_status)
+    p.set_defaults(func=_status, reads_only=True)
 
     p = psub.add_parser("set-priority", help="change a job's priority (re-plans at once)")
     p.add_argument("job")
@@ -74,12 +74,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p = psub.add_parser("events", help="the event log (grants, grows, shrinks, releases, expiries, hosts)")
     p.add_argument("--job", default=None)
     p.add_argument("--json", action="store_true", help="one JSON object per line")
-    p.set_defaults(func=_events)
+    p.set_defaults(func=_events, reads_only=True)
 
     p = psub.add_parser("usage", help="slot-hours per job and per host, from the event log")
     p.add_argument("--hours", type=float, default=None, help="the last H hours (default: the whole log)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(func=_usage)
+    p.set_defaults(func=_usage, reads_only=True)
 
     p = psub.add_parser(
         "prune-events", help="delete events older than DAYS (a job holding a lease keeps its events)"
@@ -91,28 +91,36 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     src = sim.add_mutually_exclusive_group(required=True)
     src.add_argument("--workload", help="workload CSV (name,time,application,num_replicas,batch_size)")
     src.add_argument("--synthetic", type=int, metavar="N", help="sample N jobs from the Philly trace instead")
-    sim.add_argument("--seed", type=int, default=0, help="with --synthetic: which window and sample")
-    sim.add_argument("--slots", type=int, default=64)
-    sim.add_argument("--slots-per-host", type=int, default=4)
-    sim.add_argument("--policy", default="all", help="a registered policy, 'static', or 'all'")
-    sim.add_argument("--preemption", default="graceful", choices=["none", "graceful"])
-    sim.add_argument("--rescale-cost", type=float, default=30.0, help="seconds lost per rescale")
+    sim.add_argument("--seed", type=int, default=0,
+                     help="with --synthetic: which window and sample (default: %(default)s)")
+    sim.add_argument("--slots", type=int, default=64, help="slots in the pool (default: %(default)s)")
+    sim.add_argument("--slots-per-host", type=int, default=4, help="slots per host (default: %(default)s)")
+    sim.add_argument("--policy", default="all",
+                     help="a registered policy, 'static', or 'all' (default: %(default)s)")
+    sim.add_argument("--preemption", default="graceful", choices=["none", "graceful"],
+                     help="preemption (default: %(default)s)")
+    sim.add_argument("--rescale-cost", type=float, default=30.0,
+                     help="seconds lost per rescale (default: %(default)s)")
     sim.add_argument(
         "--placement", default="actual", choices=["actual", "packed"],
         help="step times for each job's real spread over hosts (default), or as if tightly packed",
     )
-    sim.add_argument("--replan-interval", type=float, default=60.0, help="seconds between re-plans")
+    sim.add_argument("--replan-interval", type=float, default=60.0,
+                     help="seconds between re-plans (default: %(default)s)")
     sim.add_argument(
         "--traces", default=None, help="application traces folder (default: $ELASTIC_OPS_TRACES, else "
         "../shared/traces/pollux/traces beside the repository)"
     )
     sim.add_argument(
         "--min-rescale-interval-s", "--min-rescale-interval", dest="min_rescale_interval", type=float,
-        default=0.0, help="anti-thrashing: seconds (as `pool configure --min-rescale-interval-s`)",
+        default=0.0, help="anti-thrashing: seconds (as `pool configure --min-rescale-interval-s`; "
+        "default: %(default)s)",
     )
-    sim.add_argument("--min-gain", type=float, default=0.0, help="anti-thrashing: least relative change")
+    sim.add_argument("--min-gain", type=float, default=0.0,
+                     help="anti-thrashing: least relative change (default: %(default)s)")
     sim.add_argument("--json", action="store_true", help="last line: one JSON object")
     sim.set_defaults(func=_simulate)
+    sim.set_defaults(flag_aliases={"jobs": "--synthetic"})  # synthetic_workload(jobs=…)
 
 
 def _client(args: argparse.Namespace):
@@ -124,13 +132,27 @@ def _client(args: argparse.Namespace):
         raise SpecError("--api-url", args.api_url, "must not be given with --pool-url: give one of them")
     ledger = args.pool_url or os.environ.get(ENV_URL)
     api_url = args.api_url or (None if ledger else os.environ.get(ENV_API_URL))
+    if not (ledger or api_url):
+        from elastic_ops.errors import UNSET, SpecError
+
+        raise SpecError("--pool-url", UNSET, f"the ledger's SQLAlchemy URL (or ${ENV_URL}), or --api-url "
+                        f"(or ${ENV_API_URL}) for Airflow's api-server")
     if api_url:
         from elastic_ops.pool.api_client import ApiPoolClient
 
         return ApiPoolClient(api_url)
-    from elastic_ops.pool.client import PoolClient
+    from elastic_ops.pool.client import PoolClient, sqlite_file
 
-    return PoolClient(args.pool_url or os.environ.get(ENV_URL))
+    path = sqlite_file(ledger)
+    if getattr(args, "reads_only", False) and path is not None and not os.path.exists(path):
+        from elastic_ops.errors import SpecError
+
+        raise SpecError(  # a typo must not create an empty ledger (and its folders) to show
+            "--pool-url" if args.pool_url else f"${ENV_URL}", ledger,
+            f"an existing SQLite ledger: {path} does not exist",
+            hint="a ledger is created by its first chunk task, `pool add-host` or `pool configure`",
+        )
+    return PoolClient(ledger)
 
 
 def parse_labels(items: Sequence[str]) -> dict[str, str]:
@@ -186,12 +208,11 @@ def _events(args: argparse.Namespace) -> None:
             print(json.dumps(e, sort_keys=True))
             continue
         ts = dt.datetime.fromtimestamp(e["ts"], dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
-        slots = ",".join(f"{h}:{s}" for h, s in e["slots"])
         who = e["job"] or e["host"] or "-"
-        print(
-            f"{e['id']:>6} {ts} {e['kind']:<8} {who:<20} workers={e['workers']} epoch={e['epoch']} "
-            f"slots=[{slots}] {e['reason']}"
-        )
+        facts = [f"{k}={e[k]}" for k in ("workers", "epoch") if e[k] is not None]  # a host event has none
+        if e["slots"]:
+            facts.append("slots=[" + ",".join(f"{h}:{s}" for h, s in e["slots"]) + "]")
+        print(" ".join([f"{e['id']:>6} {ts} {e['kind']:<8} {who:<20}", *facts, e["reason"] or ""]))
 
 
 def _usage(args: argparse.Namespace) -> None:

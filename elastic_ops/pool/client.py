@@ -150,6 +150,15 @@ def _check_config(changes: dict[str, Any]) -> dict[str, Any]:
 # --- engine ----------------------------------------------------------------------------------
 
 
+def sqlite_file(url: str) -> str | None:
+    """The file of an ``sqlite:///`` ledger URL; ``None`` for other (or unparsable) URLs."""
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        return None
+    return parsed.database if parsed.get_backend_name() == "sqlite" else None
+
+
 def _engine(url: str) -> Engine:
     try:
         parsed = make_url(url)

@@ -260,6 +260,11 @@ def synthetic_workload(
 
     if not isinstance(jobs, int) or jobs < 1:
         raise SpecError("jobs", jobs, "must be an integer >= 1")
+    if not Path(philly_csv).is_file():
+        raise SpecError(
+            "traces", str(traces), f"a traces folder with the Philly trace ({Path(philly_csv).name}) and the "
+            "applications' folders", hint="e.g. ../shared/traces/pollux/traces",
+        )
     rng = random.Random(seed)
     rows = []
     with Path(philly_csv).open() as f:

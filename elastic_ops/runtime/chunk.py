@@ -675,7 +675,7 @@ def run_chunk(
             )
         if ref is None and start > 0:
             raise CheckpointNotFoundError(
-                f"no committed checkpoint for spec hash {spec.spec_hash()} in {spec.checkpoint_uri()} "
+                f"no committed checkpoint for spec hash {spec.spec_hash()} in {store.uri} "
                 f"to resume iteration {start} from",
                 hint="run the earlier chunks first, or start at 0",
             )

@@ -28,7 +28,7 @@ def add_commands(subparsers: Any) -> None:
     p.add_argument("--checkpoint", default=None, help="checkpoint URI (file:///path or s3://bucket/prefix)")
     p.add_argument("--iterations", default=None, help="START:END range to train (default: the whole job)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
-    p.set_defaults(func=cmd_run)
+    p.set_defaults(func=cmd_run, flags={})  # a spec field's error is the spec file's (see elastic_ops.cli)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -42,7 +42,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         except SpecError as exc:
             raise SpecError("--checkpoint", args.checkpoint, exc.allowed) from None
     start, end = parse_range(args.iterations, spec)
-    schedule = Schedule.parse(args.workers_schedule, spec, start, end) if args.workers_schedule else None
+    schedule = args.workers_schedule
+    schedule = None if schedule is None else Schedule.parse(schedule, spec, start, end)
     if not args.quiet:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("elastic-ops: %(message)s"))

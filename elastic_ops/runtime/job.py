@@ -7,7 +7,8 @@ production the pool decides). Two forms, never mixed:
   iterations 0-29 on 1 worker, 30-59 on 3, 60-89 on 2 (part ``j`` of ``k`` starts at
   ``start + j * (end - start) // k``);
 - ``1@0,3@40,2@70`` — explicit absolute iteration boundaries, ascending: from iteration 40 on,
-  3 workers. The first entry applies from the start of the run whatever its boundary.
+  3 workers. The first boundary is the run's first iteration (``--iterations 40:`` →
+  ``3@40,…``).
 
 Every count must lie in ``[min_workers, max_workers]`` of the spec. Without a schedule the job
 runs on ``max_workers`` throughout.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +26,9 @@ from typing import Any
 from elastic_ops.errors import SpecError
 from elastic_ops.runtime.chunk import ChunkResult, Progress, run_chunk
 from elastic_ops.runtime.outcome import ChunkStatus
-from elastic_ops.spec import JobSpec, stop_reached
+from elastic_ops.spec import JobSpec, stop_metric_missing, stop_reached
+
+log = logging.getLogger(__name__)
 
 FLAG = "--workers-schedule"
 
@@ -75,17 +79,17 @@ class Schedule:
         if outside:
             why = f"iteration {outside[0]} is outside the run's iterations [{start}, {end})"
             raise SpecError(FLAG, text, why)
+        if starts[0] != start:  # else the iterations before it would have no count
+            why = f"the first part must start at the run's first iteration, like '{counts[0]}@{start}'"
+            raise SpecError(FLAG, text, why)
         return cls(tuple(starts), tuple(counts))
 
 
 def _int(text: str, value: str) -> int:
     try:
-        n = int(value)
+        return int(value)  # a negative count or boundary gets the range check's message
     except ValueError:
         raise SpecError(FLAG, text, f"{value!r} is not an integer") from None
-    if n < 0:
-        raise SpecError(FLAG, text, f"{n} must be >= 0")
-    return n
 
 
 def parse_range(text: str | None, spec: JobSpec) -> tuple[int, int]:
@@ -133,12 +137,17 @@ def run_job(
             **kwargs,
         )
     parts: list[ChunkResult] = []
+    warned = False
     for a, b in _pieces(spec, start, end):
         part = run_chunk(spec, a, b, target=target, store=store, on_progress=on_progress,
                          warm_start=warm_start if a == start else None, **kwargs)
         parts.append(part)
-        if part.status is ChunkStatus.PREEMPTED or stop_reached(spec.stop_when, {"loss": part.loss,
-                                                                                **part.metrics}):
+        ends = {"loss": part.loss, **part.metrics}
+        completed = part.status is ChunkStatus.COMPLETED  # a preempted one was not evaluated
+        if completed and not warned and (missing := stop_metric_missing(spec.stop_when, ends)):
+            log.warning("%s", missing)
+            warned = True
+        if part.status is ChunkStatus.PREEMPTED or stop_reached(spec.stop_when, ends):
             break
     return _joined(parts)
 

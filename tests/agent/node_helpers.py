@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import uuid
+from pathlib import Path
 
 from elastic_ops.agent.cluster import NodeConfig
 from elastic_ops.agent.node import NodeAgent
@@ -22,6 +24,23 @@ def running_node(host: str, config: NodeConfig, **options) -> contextlib.Abstrac
     """A node agent served from a thread of the test process (every progress message sent)."""
     options.setdefault("progress_every_s", 0.0)
     return serving(NodeAgent(host, config, **options), f"test-node-{host}")
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def cli_node(host: str, config: NodeConfig, **env: str) -> tuple[list[str], dict[str, str]]:
+    """``(argv, environment)`` of ``elastic-ops node --host host`` in a process of its own, in
+    ``config``'s cluster (plus ``env``)."""
+    environment = dict(
+        os.environ,
+        PYTHONPATH=str(REPO),
+        ELASTIC_OPS_NODE_REDIS_URL=config.url,
+        ELASTIC_OPS_NODE_SECRET=config.secret,
+        ELASTIC_OPS_NODE_NAMESPACE=config.namespace,
+        **env,
+    )
+    return [sys.executable, "-m", "elastic_ops.cli", "node", "--host", host], environment
 
 
 def drop_namespace(config: NodeConfig) -> None:

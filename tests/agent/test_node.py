@@ -10,12 +10,10 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import psutil
 import pytest
@@ -28,13 +26,11 @@ from elastic_ops.agent.redis_channel import RedisChannel, Signer
 from elastic_ops.checkpoint import open_store
 from elastic_ops.errors import AgentLostError, NodeLostError, NodeUnavailableError, SpecError, WorkerLostError
 from elastic_ops.runtime import ChunkStatus, run_chunk
-from tests.agent.node_helpers import REDIS_URL, SECRET, drop_namespace, make_config, running_node
+from tests.agent.node_helpers import REDIS_URL, SECRET, cli_node, drop_namespace, make_config, running_node
 from tests.conftest import require_service
 from tests.runtime.builders import make_spec
 
 pytestmark = pytest.mark.timeout(300)
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -275,7 +271,7 @@ def test_tampered_or_out_of_order_messages_inside_a_session_are_protocol_errors(
 
 def test_settings_are_validated_where_they_enter():
     assert node_config_from_env({}) is None
-    with pytest.raises(SpecError, match="ELASTIC_OPS_NODE_SECRET.*unset.*at least 16 characters"):
+    with pytest.raises(SpecError, match="missing ELASTIC_OPS_NODE_SECRET: .*at least 16 characters"):
         node_config_from_env({"ELASTIC_OPS_NODE_REDIS_URL": "redis://127.0.0.1:6379/0"})
     with pytest.raises(SpecError, match=r"ELASTIC_OPS_NODE_SECRET.*<5 characters, hidden>"):
         NodeConfig(url="redis://h:6379/0", secret="short")
@@ -306,15 +302,8 @@ def test_the_cli_node_stops_on_sigterm_a_frozen_node_is_node_lost_and_its_worker
     redis_url, tmp_path
 ):
     config = make_config()
-    env = dict(
-        os.environ,
-        PYTHONPATH=str(REPO),
-        ELASTIC_OPS_NODE_REDIS_URL=REDIS_URL,
-        ELASTIC_OPS_NODE_SECRET=SECRET,
-        ELASTIC_OPS_NODE_NAMESPACE=config.namespace,
-    )
     client = NodeClient(config, accept_timeout_s=10.0, peer_timeout_s=4.0)
-    cli = [sys.executable, "-m", "elastic_ops.cli", "node", "--host", "host-d"]
+    cli, env = cli_node("host-d", config)
     node = subprocess.Popen(cli, env=env, cwd=tmp_path, stderr=subprocess.PIPE, text=True)
     try:
         wait_for("the node to announce itself", lambda: client.alive("host-d") is not None, 120)
@@ -374,7 +363,9 @@ def test_a_node_adds_its_host_to_the_pool_once_and_leaves_a_known_host_alone(tmp
     assert "invalid --host='bad host'" in capsys.readouterr().err
     argv = ["node", "--host", "host-z", "--register-slots", "2", "--label", "gpu", "--pool-url", url]
     assert cli_main(argv) == 2
-    assert "invalid label='gpu'" in capsys.readouterr().err
+    assert "invalid --label='gpu'" in capsys.readouterr().err
+    assert cli_main(["node", "--host", "host-z", "--label", "gpu=h100"]) == 2  # it would label nothing
+    assert "invalid --label=['gpu=h100']: only with --register-slots" in capsys.readouterr().err
     monkeypatch.delenv("ELASTIC_OPS_NODE_REDIS_URL")
     assert cli_main(["node", "--host", "h"]) == 2
     assert "ELASTIC_OPS_NODE_REDIS_URL" in capsys.readouterr().err

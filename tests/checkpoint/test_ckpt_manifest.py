@@ -102,6 +102,8 @@ def test_checkpoint_with_invalid_manifest_does_not_exist(tmp_path) -> None:
         ("file://relative", "three slashes"),
         ("gs://bucket/x", "must be 'file:///absolute/path'"),
         ("s3:///prefix-only", "bucket name is missing"),
+        ("s3://BAD/x", "a bucket name has 3-63 lowercase letters"),  # as the spec refuses it
+        ("s3://-bucket-/x", "starts and ends with a letter or digit"),
         # urlparse would put what follows '?' or '#' (the Airflow layer's '/<run_id>') into the
         # query or fragment: two runs would open the same store
         ("s3://bucket/models?v=2/run-1", "no '\\?', '#'"),

@@ -11,10 +11,8 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -27,52 +25,12 @@ from elastic_ops.demo import held, reached, setup_pool
 from elastic_ops.operators.jobs import job_id
 from elastic_ops.timeline import allocation_sequence, is_subsequence, max_concurrent_holders
 from tests.s3_server import s3_endpoint, s3_server  # noqa: F401  (fixtures)
+from tests.statsd_listener import StatsdListener
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
-
-
-class StatsdListener:
-    """A StatsD server as far as Airflow can tell: a UDP socket that keeps every line it gets."""
-
-    def __init__(self) -> None:
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        # room for bursts while this thread waits for the GIL: a datagram dropped would fail the
-        # exact sum below (SO_RCVBUFFORCE needs CAP_NET_ADMIN; without it the kernel's cap applies)
-        force = 33 if sys.platform == "linux" else None  # SO_RCVBUFFORCE, which socket does not name
-        for opt in (force, socket.SO_RCVBUF):
-            try:
-                if opt is not None:
-                    self.sock.setsockopt(socket.SOL_SOCKET, opt, 16 << 20)
-                    break
-            except OSError:
-                continue
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.settimeout(0.2)
-        self.port = self.sock.getsockname()[1]
-        self.lines: list[str] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        while not self._stop.is_set():
-            try:
-                data = self.sock.recv(65536)
-            except TimeoutError:
-                continue
-            self.lines.extend(data.decode(errors="replace").splitlines())
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-        self.sock.close()
-
-    def named(self, name: str) -> list[str]:
-        """``value|type`` of every line for metric ``name``."""
-        return [ln.split(":", 1)[1] for ln in list(self.lines) if ln.split(":", 1)[0] == name]
 
 
 @pytest.fixture(scope="module")

@@ -60,3 +60,42 @@ def test_prune_events_command(sqlite_url, monkeypatch, capsys):
     assert "--older-than-days=0.0: must be a positive, finite number of days" in capsys.readouterr().err
     assert run(["pool", "prune-events", "--older-than-days", "inf"]) == 2
     assert "--older-than-days=inf: must be a positive, finite number of days" in capsys.readouterr().err
+
+
+def test_an_invalid_value_names_the_option_it_came_from(tmp_path, monkeypatch, capsys):
+    """The library's parameter (``lease_ttl_s``) is shown as the option the user typed."""
+    monkeypatch.delenv("ELASTIC_OPS_POOL_URL", raising=False)
+    monkeypatch.delenv("ELASTIC_OPS_API_URL", raising=False)
+    url = f"sqlite:///{tmp_path / 'pool.db'}"
+    cases = [
+        (["pool", "--pool-url", url, "configure", "--lease-ttl-s", "0"], "invalid --lease-ttl-s=0.0"),
+        (["pool", "--pool-url", url, "usage", "--hours", "-1"], "invalid --hours=-1.0"),
+        (["pool", "--pool-url", url, "add-host", "h", "1", "--label", "x"], "invalid --label='x'"),
+        (["pool", "--api-url", "ftp://x", "status"], "invalid --api-url='ftp://x'"),
+        (["pool", "status"], "missing --pool-url: the ledger's SQLAlchemy URL (or $ELASTIC_OPS_POOL_URL), "
+                             "or --api-url"),
+        (["simulate", "--synthetic", "0"], "invalid --synthetic=0: must be an integer >= 1"),
+        (["simulate", "--synthetic", "3", "--slots-per-host", "0"], "invalid --slots-per-host=0"),
+        (["simulate", "--synthetic", "3", "--traces", str(tmp_path)],
+         f"invalid --traces='{tmp_path}': a traces folder with the Philly trace (philly.csv)"),
+    ]
+    for argv, needle in cases:
+        assert run(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert needle in err and "Traceback" not in err, (argv, err)
+
+
+def test_reading_commands_never_create_a_ledger(tmp_path, monkeypatch, capsys):
+    """A typo in the ledger's path is an error, not a new empty ledger (and its folders)."""
+    missing = tmp_path / "typo" / "pool.db"
+    for command in (["status"], ["events"], ["usage"]):
+        assert run(["pool", "--pool-url", f"sqlite:///{missing}", *command]) == 2
+        assert f"an existing SQLite ledger: {missing} does not exist" in capsys.readouterr().err
+    monkeypatch.setenv("ELASTIC_OPS_POOL_URL", f"sqlite:///{missing}")
+    assert run(["pool", "status"]) == 2
+    assert "invalid $ELASTIC_OPS_POOL_URL=" in capsys.readouterr().err
+    assert not (tmp_path / "typo").exists()
+    assert run(["pool", "add-host", "gpu-0", "2"]) == 0  # a changing command creates it
+    assert run(["pool", "events"]) == 0
+    out = capsys.readouterr().out
+    assert "host     gpu-0" in out and "None" not in out  # a host event shows no job fields

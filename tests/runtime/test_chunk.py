@@ -187,9 +187,12 @@ def test_a_chunk_fences_the_store_with_its_epoch_before_it_restores(tmp_path):
     assert store.latest(spec_hash=spec.spec_hash()).iteration == 30
 
 
-def test_a_later_chunk_without_a_checkpoint_is_refused(tmp_path):
+def test_a_later_chunk_without_a_checkpoint_is_refused_naming_the_store_it_read(tmp_path):
     with pytest.raises(CheckpointNotFoundError):
         run_chunk(make_spec(tmp_path), 10, 20, target=one_worker, launcher=_NoLaunch())
+    elsewhere = open_store(f"file://{tmp_path}/runs/run-1")  # as under Airflow: <checkpoint>/<run_id>
+    with pytest.raises(CheckpointNotFoundError, match=f"in file://{tmp_path}/runs/run-1 to resume"):
+        run_chunk(make_spec(tmp_path), 10, 20, target=one_worker, store=elsewhere, launcher=_NoLaunch())
 
 
 def test_warm_start_takes_the_weights_of_another_job(tmp_path):

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from elastic_ops.cli import main
-from elastic_ops.runtime.job import Schedule
+from elastic_ops.runtime.job import Schedule, run_job
 from tests.runtime.builders import ENTRY, make_spec
 
 REPO = Path(__file__).resolve().parents[2]
@@ -66,8 +66,6 @@ def test_run_prints_progress_and_ends_with_one_json_line(tmp_path):
     assert out["loss"] > 0 and 0 <= out["metrics"]["accuracy"] <= 1 and out["samples_per_sec"] > 0
     assert "iteration 20/20" in proc.stderr and "ETA" in proc.stderr
     # the same job in Python gives the same parameters (bitwise, any schedule)
-    from elastic_ops.runtime import run_job
-
     same = run_job(
         make_spec(tmp_path / "py", name="tiny-cli", total_iterations=20, max_workers=2, data_seed=3),
         schedule=Schedule.constant(1),
@@ -83,8 +81,6 @@ def test_run_with_stop_when_stops_where_airflow_would(tmp_path, capsys):
     assert main(["run", "--spec", str(reach), "--checkpoint", f"file://{tmp_path}/a/ck", "--quiet"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert (out["iteration"], out["iterations"], out["stopped_early"]) == (5, 5, True)
-    from elastic_ops.runtime import run_job
-
     spec = make_spec(tmp_path / "py", name="tiny-cli", total_iterations=20, max_workers=2, data_seed=3,
                      **common)
     first = run_job(spec, end=5)
@@ -97,6 +93,18 @@ def test_run_with_stop_when_stops_where_airflow_would(tmp_path, capsys):
     assert [w[0] for w in out["workers_timeline"]] == [0, 5, 10, 15]  # one run per chunk
 
 
+def test_a_stop_when_metric_no_chunk_reports_is_warned_about_once(tmp_path, caplog):
+    """A misspelt metric (``acc`` for ``accuracy``) never stops the job: the user is told so at
+    the first chunk end, with the names that chunk reported."""
+    spec = make_spec(tmp_path, total_iterations=20, chunk_iterations=5,
+                     stop_when={"metric": "acc", "at_least": 0.0})
+    with caplog.at_level("WARNING", logger="elastic_ops.runtime.job"):
+        result = run_job(spec)
+    assert result.iteration == 20
+    (warning,) = [r.getMessage() for r in caplog.records if "stop_when" in r.getMessage()]
+    assert "stop_when.metric 'acc' is not among this chunk end's metrics (accuracy, loss)" in warning
+
+
 @pytest.mark.parametrize(
     ("flag", "value", "needle"),
     [
@@ -106,6 +114,9 @@ def test_run_with_stop_when_stops_where_airflow_would(tmp_path, capsys):
         ("--workers-schedule", "2@10,1@5", "ascending"),
         ("--workers-schedule", "1@,2@", "needs the iteration it starts at"),
         ("--workers-schedule", "1@0,2@100000", "outside the run's iterations"),
+        ("--workers-schedule", "2@5,1@10", "first part must start at the run's first iteration, like '2@0'"),
+        ("--workers-schedule", "1,-1", "worker count -1 must be between min_workers (1)"),
+        ("--workers-schedule", "", "comma-separated list"),
         ("--workers-schedule", ",".join(["1"] * 21), "at most one part per iteration"),  # 20 iterations
         ("--iterations", "15:5", "START:END"),
         ("--iterations", "0:99", "START:END"),
