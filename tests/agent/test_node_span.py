@@ -7,6 +7,8 @@ node, or a leader without an address, is refused clearly."""
 from __future__ import annotations
 
 import os
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +18,7 @@ from elastic_ops.agent.cluster import NodeConfig
 from elastic_ops.agent.node import NodeAgent
 from elastic_ops.agent.node_client import NodeClient
 from elastic_ops.agent.protocol import PROTOCOL_VERSION
+from elastic_ops.agent.server import ChunkSession
 from elastic_ops.agent.span import RanksSession, check_advertise_addr
 from elastic_ops.checkpoint import open_store
 from elastic_ops.errors import NodeUnavailableError, SpecError, WorkerLostError
@@ -54,8 +57,16 @@ def reference(tmp_path_factory) -> str:
     return run_chunk(make_spec(tmp_path_factory.mktemp("ref")), 0, 30, target=lambda i: 1).param_sha256
 
 
-def run_spanning(config, spec, *, grow_at=8, spans=(("host-b", (0, 1)),), applied=None, leader="host-a"):
-    """The chunk on ``leader`` with one slot there; 3 workers (spanning) once ``grow_at`` is trained."""
+def run_spanning(config, spec, *, grow_at=8, spans=(("host-b", (0, 1)),), applied=None, leader="host-a",
+                 leader_node=None):
+    """The chunk on ``leader`` with one slot there; 3 workers (spanning) once ``grow_at`` is trained.
+    With ``leader_node`` (the leader's NodeAgent) the worker waits at iteration ``grow_at + 2``
+    until that node has the grow, so the chunk cannot end before it grows, however slow the
+    machine (a gate file beside the checkpoints: the spec, and so its hash, is the same each run)."""
+    if leader_node is not None:
+        gate = Path(spec.checkpoint_uri().removeprefix("file://")).parent / "grown"
+        spec = spec.replace(params={**spec.params, "hold_at": grow_at + 2, "hold_file": str(gate)})
+        threading.Thread(target=open_when_grown, args=(leader_node, gate), daemon=True).start()
     seen = []
     client = NodeClient(config, accept_timeout_s=10.0, peer_timeout_s=5.0)
     return client.run_chunk(
@@ -67,6 +78,15 @@ def run_spanning(config, spec, *, grow_at=8, spans=(("host-b", (0, 1)),), applie
     )
 
 
+def open_when_grown(node: NodeAgent, gate: Path, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(isinstance(s, ChunkSession) and s.wanted == 3 for s in list(node.sessions.values())):
+            break
+        time.sleep(0.01)
+    gate.touch()
+
+
 def test_a_chunk_spanning_two_hosts_trains_one_group_bitwise_equal_to_one_worker(
     cluster, tmp_path, reference
 ):
@@ -74,7 +94,7 @@ def test_a_chunk_spanning_two_hosts_trains_one_group_bitwise_equal_to_one_worker
     assert NodeClient(config).alive("host-a")["addr"] == "127.0.0.1"
     assert NodeClient(config).alive("host-b")["addr"] is None
     spec, applied, before = make_spec(tmp_path), [], b.ranks_served
-    result = run_spanning(config, spec, applied=applied)
+    result = run_spanning(config, spec, applied=applied, leader_node=a)
     assert result.iteration == 30 and result.param_sha256 == reference
     assert applied[0] == (0, 1, (0,), ())
     grown = applied[1]
@@ -86,14 +106,14 @@ def test_a_chunk_spanning_two_hosts_trains_one_group_bitwise_equal_to_one_worker
 def test_a_rank_killed_on_the_other_host_fails_the_chunk_naming_it_and_the_retry_matches(
     cluster, tmp_path, reference
 ):
-    config, _, _ = cluster
+    config, a, _ = cluster
     params = {"kill_at": 15, "kill_rank": 2, "marker": str(tmp_path / "killed-once")}
     spec = make_spec(tmp_path, params=params)
     with pytest.raises(WorkerLostError) as err:
-        run_spanning(config, spec, grow_at=0)
+        run_spanning(config, spec, grow_at=0, leader_node=a)
     assert err.value.retryable and err.value.host == "host-b" and "SIGKILL" in str(err.value)
     assert open_store(spec.checkpoint).latest().iteration == 10  # the last commit before the kill
-    result = run_spanning(config, spec, grow_at=0)
+    result = run_spanning(config, spec, grow_at=0, leader_node=a)
     assert result.workers_timeline[0][0] == 10 and result.param_sha256 == reference
 
 
@@ -136,16 +156,13 @@ def test_a_follower_node_killed_outright_fails_the_chunk_naming_its_host(cluster
     peers, and the host that went silent is the one the chunk names (the retry avoids it)."""
     import signal
     import subprocess
-    import sys
     import threading
 
-    from tests.agent.node_helpers import REDIS_URL, SECRET
-    from tests.agent.test_node import REPO, wait_for
+    from tests.agent.node_helpers import cli_node
+    from tests.agent.test_node import wait_for
 
     config, _, _ = cluster
-    env = dict(os.environ, PYTHONPATH=str(REPO), ELASTIC_OPS_NODE_REDIS_URL=REDIS_URL,
-               ELASTIC_OPS_NODE_SECRET=SECRET, ELASTIC_OPS_NODE_NAMESPACE=config.namespace)
-    cli = [sys.executable, "-m", "elastic_ops.cli", "node", "--host", "host-c"]
+    cli, env = cli_node("host-c", config)
     node = subprocess.Popen(cli, env=env, cwd=tmp_path, stderr=subprocess.DEVNULL)
     client = NodeClient(config, accept_timeout_s=10.0, peer_timeout_s=5.0)
     try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,8 @@ class TinyMLP(Trainable):
 
     Test hooks (params): ``record_dir`` writes every sample id a rank trains on;
     ``fail_at`` raises a user error at that iteration's loss; ``nan_at`` returns NaN there;
-    ``kill_rank``/``kill_at`` SIGKILL that rank once (a marker file makes it one-shot).
+    ``kill_rank``/``kill_at`` SIGKILL that rank once (a marker file makes it one-shot);
+    ``hold_at`` waits there until the file ``hold_file`` exists (a test's gate, at most 120 s).
     """
 
     def __init__(self, **params: Any) -> None:
@@ -66,6 +68,8 @@ class TinyMLP(Trainable):
             if not marker.exists():
                 marker.write_text("killed")
                 os.kill(os.getpid(), signal.SIGKILL)
+        if p.get("hold_at") is not None and self._at(p["hold_at"]):
+            _hold(Path(p["hold_file"]))
         if p.get("fail_at") is not None and self._at(p["fail_at"]):
             raise ValueError("tiny model refuses this batch")
         out = F.cross_entropy(model(x), y)
@@ -83,6 +87,12 @@ class TinyMLP(Trainable):
         with torch.no_grad():
             acc = (model(x).argmax(dim=1) == y).float().mean().item()
         return {"accuracy": acc}
+
+
+def _hold(gate: Path) -> None:
+    deadline = time.monotonic() + 120
+    while not gate.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def _current_iteration() -> int:
