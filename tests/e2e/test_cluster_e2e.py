@@ -7,7 +7,8 @@ their chunks over the local Redis to the node agents of two pool hosts, ``host1`
 
 A job granted more workers than one host has trains one process group across both hosts: the
 node of the host holding most of the grant leads, the other host's node runs the other ranks,
-and the model is bitwise the one a single worker trains.
+and the model is bitwise the one a single worker trains. The node agents' metrics reach a
+StatsD listener from the deployment's Airflow ``[metrics]`` settings.
 
 The host running a chunk dies (its node agent is SIGKILLed with everything it started, workers
 included): the chunk's try fails with ``NodeLostError``, which reports the host to the pool;
@@ -30,6 +31,7 @@ from elastic_ops.operators.jobs import job_id
 from tests.agent.node_helpers import REDIS_URL, SECRET, drop_namespace
 from tests.conftest import fresh_database, require_service
 from tests.e2e.test_airflow_e2e import finished_after_one_retry, start_reference, wait_until
+from tests.statsd_listener import StatsdListener
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -44,13 +46,20 @@ SPAN_SPEC = {  # tests/e2e/dags/e2e_span.py trains this
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def statsd():
+    listener = StatsdListener()
+    yield listener
+    listener.close()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, statsd):
     require_service("Redis", "127.0.0.1", 6379)
     with fresh_database("af_e2e") as airflow_db, fresh_database("pool_e2e") as ledger:
-        yield from _cluster(tmp_path_factory, airflow_db, ledger)
+        yield from _cluster(tmp_path_factory, airflow_db, ledger, statsd.port)
 
 
-def _cluster(tmp_path_factory, airflow_db: str, ledger: str):
+def _cluster(tmp_path_factory, airflow_db: str, ledger: str, statsd_port: int):
     root = tmp_path_factory.mktemp("cluster")
     dags = root / "dags"
     dags.mkdir()
@@ -64,6 +73,9 @@ def _cluster(tmp_path_factory, airflow_db: str, ledger: str):
         # the tasks find the ledger through the pool connection, as in a deployment
         "AIRFLOW_CONN_ELASTIC_OPS_POOL_DEFAULT": json.dumps(
             {"conn_type": "elastic_ops_pool", "extra": {"url": ledger}}),
+        # Airflow's metrics settings, which the node agents read too
+        "AIRFLOW__METRICS__STATSD_ON": "True", "AIRFLOW__METRICS__STATSD_HOST": "127.0.0.1",
+        "AIRFLOW__METRICS__STATSD_PORT": str(statsd_port),
     }
     af = AirflowDeployment(home=root / "airflow", dags_folder=dags, plugins_folder=REPO / "plugins",
                            parallelism=2, agent=False, nodes=("host1", "host2"), extra_env=env,
@@ -78,7 +90,7 @@ def _cluster(tmp_path_factory, airflow_db: str, ledger: str):
         drop_namespace(af.node_config())
 
 
-def test_a_job_granted_more_than_one_host_trains_one_group_across_both(cluster, tmp_path):
+def test_a_job_granted_more_than_one_host_trains_one_group_across_both(cluster, tmp_path, statsd):
     """First in this module: the next test kills a host."""
     af, pool = cluster
     from elastic_ops.runtime import run_chunk
@@ -108,6 +120,11 @@ def test_a_job_granted_more_than_one_host_trains_one_group_across_both(cluster, 
     auth = {"Authorization": f"Bearer {af.token()}"}
     nodes = httpx.get(f"{af.url}/elastic-ops/nodes", headers=auth, timeout=30).json()["nodes"]
     assert sorted(nodes) == ["host1", "host2"] and {n["addr"] for n in nodes.values()} == {"127.0.0.1"}
+    # the leader's node counted the chunk, the follower's its ranks (plain StatsD: no host tag)
+    wait_until("node metrics", lambda: statsd.named("airflow.elastic_ops.node.chunks") == ["1|c"]
+               and statsd.named("airflow.elastic_ops.node.ranks") == ["1|c"], af, 30,
+               detail=lambda: str([ln for ln in statsd.lines if ".node." in ln]))
+    assert "1|g" in statsd.named("airflow.elastic_ops.node.chunks_running")
 
 
 def test_a_chunk_whose_host_dies_is_retried_on_the_other_hosts_node(cluster, tmp_path, request):
