@@ -25,19 +25,11 @@ from elastic_ops.demo import held, reached, setup_pool
 from elastic_ops.operators.jobs import job_id
 from elastic_ops.timeline import allocation_sequence, is_subsequence, max_concurrent_holders
 from tests.s3_server import s3_endpoint, s3_server  # noqa: F401  (fixtures)
-from tests.statsd_listener import StatsdListener
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
-
-
-@pytest.fixture(scope="module")
-def statsd():
-    listener = StatsdListener()
-    yield listener
-    listener.close()
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,6 @@ from elastic_ops.operators.jobs import job_id
 from tests.agent.node_helpers import REDIS_URL, SECRET, drop_namespace
 from tests.conftest import fresh_database, require_service
 from tests.e2e.test_airflow_e2e import finished_after_one_retry, start_reference, wait_until
-from tests.statsd_listener import StatsdListener
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -43,13 +42,6 @@ SPAN_SPEC = {  # tests/e2e/dags/e2e_span.py trains this
     "global_batch": 64, "min_workers": 1, "max_workers": 4, "consistency": "bitwise", "virtual_shards": 4,
     "data_seed": 5, "checkpoint_interval": 20, "params": {"hidden": 32, "depth": 1},
 }
-
-
-@pytest.fixture(scope="module")
-def statsd():
-    listener = StatsdListener()
-    yield listener
-    listener.close()
 
 
 @pytest.fixture(scope="module")
