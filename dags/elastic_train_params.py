@@ -1,8 +1,9 @@
 """Start an elastic training run from the Airflow UI's trigger form.
 
 Every field is a ``Param`` with a JSON schema, so the form rejects bad values (a worker count out
-of range, a priority below 1, a malformed checkpoint URI) before a run is created; the spec is
-validated again when the tasks render the values.
+of range, a priority below 1, a malformed checkpoint URI) before a run is created. Rules between
+fields (minimum workers at most the maximum) are checked when the register task renders the
+values: that run fails at once, naming the field. An empty checkpoint means the default.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ with DAG(
         "iterations": Param(200, type="integer", minimum=4, maximum=100_000, title="Total iterations",
                             description="split into 4 chunk tasks"),
         "checkpoint": Param(None, type=["null", "string"], title="Checkpoint URI",
-                            pattern=r"^(file:///[^?#\s]+|s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/[^?#\s]*)?)$",
+                            pattern=r"^(|file:///[^?#\s]+|s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/[^?#\s]*)?)$",
                             description="file:///path or s3://bucket/prefix; empty = the default"),
     },
 ):

@@ -22,6 +22,7 @@ from fastapi.responses import HTMLResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from elastic_ops.errors import ElasticOpsError, UnknownHostError, UnknownJobError
+from elastic_ops.pool.client import MAX_LOOKBACK_H
 from elastic_ops.spec import MAX_WORKERS_LIMIT
 
 HostStateName = Literal["up", "draining", "down", "cooling"]
@@ -150,7 +151,7 @@ def pool_status(user: GetUserDep) -> dict[str, Any]:
 def pool_events(
     user: GetUserDep,
     job: str | None = None,
-    since_id: int = Query(0, ge=0),
+    since_id: int = Query(0, ge=0, le=2**63 - 1),  # a larger id overflows the ledger's integer
     last: int | None = Query(None, ge=1, le=1_000_000),
 ) -> list[dict[str, Any]]:
     """The event log, oldest first: one job's, after ``since_id``, the ``last`` N (any subset)."""
@@ -252,6 +253,7 @@ def configure(body: SettingsBody, user: GetUserDep) -> dict[str, Any]:
 def prune_events(user: GetUserDep, older_than_days: float = Query(gt=0)) -> dict[str, Any]:
     """Delete events older than ``older_than_days`` (a job holding a lease keeps its events)."""
     _authorize("DELETE", user)
-    if not math.isfinite(older_than_days):
-        raise HTTPException(status_code=422, detail=f"older_than_days={older_than_days}: must be finite")
+    if not math.isfinite(older_than_days) or older_than_days > MAX_LOOKBACK_H / 24:
+        raise HTTPException(status_code=422, detail=f"older_than_days={older_than_days}: must be finite and "
+                            f"<= {MAX_LOOKBACK_H / 24:g}")
     return {"deleted": _call(_client().prune_events, older_than_days * 86400.0)}

@@ -114,13 +114,19 @@ def check_host_name(field: str, value: Any) -> str:
         )
     return value
 
-def check_number(field: str, value: Any, *, minimum: float, exclusive: bool = False, unit: str = "") -> float:
-    """``value`` as a finite number >= ``minimum`` (> when ``exclusive``), or :class:`SpecError`
-    naming ``field`` (NaN and inf compare false both ways, so they are refused explicitly)."""
+def check_number(
+    field: str, value: Any, *, minimum: float, exclusive: bool = False, unit: str = "",
+    maximum: float | None = None,
+) -> float:
+    """``value`` as a finite number >= ``minimum`` (> when ``exclusive``) and <= ``maximum``, or
+    :class:`SpecError` naming ``field`` (NaN and inf compare false both ways, so they are refused
+    explicitly)."""
     number = not isinstance(value, bool) and isinstance(value, int | float)
-    if not number or not math.isfinite(value) or value < minimum or (exclusive and value == minimum):
+    low = not number or not math.isfinite(value) or value < minimum or (exclusive and value == minimum)
+    if low or (maximum is not None and value > maximum):
         op = ">" if exclusive else ">="
-        raise SpecError(field, value, f"must be a finite number{unit} {op} {minimum:g}")
+        most = "" if maximum is None else f" and <= {maximum:g}"
+        raise SpecError(field, value, f"must be a finite number{unit} {op} {minimum:g}{most}")
     return value
 
 

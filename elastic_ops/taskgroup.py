@@ -21,7 +21,7 @@ from elastic_ops.hooks.elastic_ops import DEFAULT_CONN_ID, airflow_home
 from elastic_ops.operators.chunk import WARM_START_PREVIOUS, ElasticChunkOperator
 from elastic_ops.operators.jobs import is_template, safe_name
 from elastic_ops.operators.lifecycle import ElasticFinalizeOperator, ElasticRegisterOperator
-from elastic_ops.spec import JobSpec, check_checkpoint_uri
+from elastic_ops.spec import MAX_CHUNKS, JobSpec, check_checkpoint_uri
 
 # Fields that cannot be templates: they decide the task structure or the training trajectory.
 _STATIC = ("entrypoint", "chunk_iterations", "global_batch", "consistency", "data_seed")
@@ -51,6 +51,8 @@ def validate_fields(fields: dict[str, Any], num_chunks: int | None) -> tuple[Job
     if num_chunks is not None and (isinstance(num_chunks, bool) or not isinstance(num_chunks, int)
                                    or num_chunks < 1):
         raise SpecError("num_chunks", num_chunks, "must be an integer >= 1")
+    if num_chunks is not None and num_chunks > MAX_CHUNKS:
+        raise SpecError("num_chunks", num_chunks, f"must be <= {MAX_CHUNKS} (one Airflow task each)")
     if num_chunks is not None and fields.get("chunk_iterations") is not None:
         raise SpecError(
             "chunk_iterations", fields["chunk_iterations"],
@@ -127,6 +129,12 @@ def elastic_training(
     if "name" in spec:
         raise SpecError("name", spec["name"], "is set by elastic_training: <dag_id>.<task_id>.<run_id>")
     _check_warm_start(warm_start)
+    if model_asset is not None and not isinstance(model_asset, Asset):
+        raise SpecError("model_asset", model_asset, "must be an airflow.sdk.Asset (or None: one named after "
+                        "the DAG and group)")
+    if chunk_kwargs is not None and not isinstance(chunk_kwargs, dict):
+        raise SpecError("chunk_kwargs", chunk_kwargs, "must be a dict of BaseOperator arguments "
+                        "(e.g. {'retries': 5, 'pool': 'gpu'})")
     _, n_chunks = validate_fields(fields, num_chunks)
     fields = {k: v for k, v in fields.items() if k != "name"}
     with TaskGroup(group_id=task_id, tooltip=f"elastic training of {trainable}") as group:

@@ -127,6 +127,10 @@ def test_an_operator_controls_jobs_hosts_and_settings(tmp_path, monkeypatch):
     ("GET", "/events?last=0", None, 422, "last"),
     ("GET", "/usage?hours=0", None, 422, "hours"),
     ("GET", "/usage?hours=inf", None, 400, "hours"),
+    # finite, but past what seconds and the ledger's integers hold (was a 500 / a null result)
+    ("DELETE", "/events?older_than_days=1e307", None, 422, "older_than_days"),
+    ("GET", "/usage?hours=1e308", None, 400, "hours=1e+308"),
+    ("GET", "/events?since_id=99999999999999999999", None, 422, "since_id"),
 ])
 def test_refused_values_change_nothing_and_say_why(tmp_path, monkeypatch, method, path, body, code, says):
     client, pool = make_api(tmp_path, monkeypatch)

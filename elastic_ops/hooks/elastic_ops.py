@@ -95,11 +95,19 @@ class ElasticOpsHook(BaseHook):
     # --- pool ------------------------------------------------------------------------------
 
     def ledger_url(self) -> str:
-        """The ledger URL: explicit, else the connection, else the embedded SQLite default."""
+        """The ledger URL: explicit, else the connection, else (the default connection id only)
+        the embedded SQLite default. A connection id named but not found is an error: falling
+        back would give each machine a pool of its own, granting the same GPUs twice."""
         if self._ledger_url is None:
             try:
                 conn = self.get_connection(self.elastic_ops_conn_id)
             except AirflowNotFoundException:
+                if self.elastic_ops_conn_id != DEFAULT_CONN_ID:
+                    raise SpecError(
+                        "elastic_ops_conn_id", self.elastic_ops_conn_id, "an Airflow connection that exists",
+                        hint=f"create it (type {CONN_TYPE}), or leave the argument out for "
+                        f"{DEFAULT_CONN_ID!r}, whose absence means the embedded SQLite ledger",
+                    ) from None
                 self._ledger_url = default_ledger_url()
             else:
                 self._ledger_url = url_from_connection(conn)

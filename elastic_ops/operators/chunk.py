@@ -51,6 +51,7 @@ from elastic_ops.errors import (
 )
 from elastic_ops.hooks.elastic_ops import DEFAULT_CONN_ID, ElasticOpsHook, default_checkpoint_root
 from elastic_ops.operators.jobs import (
+    check_conn_ids,
     check_seconds,
     chunk_range,
     job_id,
@@ -202,6 +203,7 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
         defer_after: float = 10.0,
         **kwargs: Any,
     ) -> None:
+        check_conn_ids(elastic_ops_conn_id, aws_conn_id)
         check_seconds("poll_interval", poll_interval)
         check_seconds("heartbeat_interval", heartbeat_interval)
         check_number("defer_after", defer_after, minimum=0, unit=" of seconds")

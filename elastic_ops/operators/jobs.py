@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from elastic_ops.errors import SpecError
-from elastic_ops.spec import JobSpec, check_number
+from elastic_ops.spec import JobSpec, check_checkpoint_uri, check_number
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.\-]+")
 _INT_FIELDS = {
@@ -82,13 +82,23 @@ def runtime_spec(
     """
     data = coerce_rendered(fields)
     data["name"] = name
-    data["checkpoint"] = run_checkpoint_uri(data.get("checkpoint") or checkpoint_root, run_id)
+    # checked as the user gave it, before the run's prefix makes the message harder to read
+    root = check_checkpoint_uri("checkpoint", data.get("checkpoint") or checkpoint_root)
+    data["checkpoint"] = run_checkpoint_uri(root, run_id)
     total = data.get("total_iterations")
     if num_chunks is not None and isinstance(total, int) and not isinstance(total, bool) and total > 0:
         if num_chunks > total:
             raise SpecError("total_iterations", total, f"must be >= the number of chunk tasks ({num_chunks})")
         data["chunk_iterations"] = math.ceil(total / num_chunks)
     return JobSpec.from_dict(data)
+
+
+def check_conn_ids(elastic_ops_conn_id: Any, aws_conn_id: Any = None) -> None:
+    """The connection ids an operator is given (not templated: checked when the DAG is parsed)."""
+    if not isinstance(elastic_ops_conn_id, str) or not elastic_ops_conn_id.strip():
+        raise SpecError("elastic_ops_conn_id", elastic_ops_conn_id, "must be a non-empty connection id")
+    if aws_conn_id is not None and (not isinstance(aws_conn_id, str) or not aws_conn_id.strip()):
+        raise SpecError("aws_conn_id", aws_conn_id, "must be a non-empty connection id, or None")
 
 
 def check_seconds(field: str, value: Any) -> None:

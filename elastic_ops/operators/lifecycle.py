@@ -10,8 +10,9 @@ from airflow.sdk import BaseOperator
 
 from elastic_ops.hooks.elastic_ops import DEFAULT_CONN_ID
 from elastic_ops.operators.chunk import ElasticOperatorMixin
-from elastic_ops.operators.jobs import register
+from elastic_ops.operators.jobs import check_conn_ids, register
 from elastic_ops.operators.results import ChunkTaskResult
+from elastic_ops.operators.retry import ElasticRetryPolicy
 from elastic_ops.spec import stop_reached
 
 
@@ -31,6 +32,8 @@ class ElasticRegisterOperator(ElasticOperatorMixin, BaseOperator):
         aws_conn_id: str | None = "aws_default",
         **kwargs: Any,
     ) -> None:
+        check_conn_ids(elastic_ops_conn_id, aws_conn_id)
+        kwargs.setdefault("retry_policy", ElasticRetryPolicy())  # a bad rendered value: fail at once
         super().__init__(**kwargs)
         self.spec_fields = spec_fields
         self.group_id = group_id
@@ -67,6 +70,8 @@ class ElasticFinalizeOperator(ElasticOperatorMixin, BaseOperator):
         aws_conn_id: str | None = "aws_default",
         **kwargs: Any,
     ) -> None:
+        check_conn_ids(elastic_ops_conn_id, aws_conn_id)
+        kwargs.setdefault("retry_policy", ElasticRetryPolicy())  # a bad rendered value: fail at once
         super().__init__(**kwargs)
         self.spec_fields = spec_fields
         self.group_id = group_id

@@ -232,11 +232,11 @@ def _usage(args: argparse.Namespace) -> None:
 
 
 def _prune_events(args: argparse.Namespace) -> None:
-    days = args.older_than_days
-    if not 0 < days < float("inf"):  # also NaN
-        from elastic_ops.errors import SpecError
+    from elastic_ops.pool.client import MAX_LOOKBACK_H
+    from elastic_ops.spec import check_number
 
-        raise SpecError("--older-than-days", days, "must be a positive, finite number of days")
+    days = check_number("--older-than-days", args.older_than_days, minimum=0, exclusive=True,
+                        unit=" of days", maximum=MAX_LOOKBACK_H / 24)
     print(f"deleted {_client(args).prune_events(days * 86400.0)} events older than {days:g} days")
 
 

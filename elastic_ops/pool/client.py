@@ -59,6 +59,7 @@ from elastic_ops.spec import MAX_WORKERS_LIMIT, check_host_name, check_host_sele
 from elastic_ops.urls import shown_url
 
 ENV_URL = "ELASTIC_OPS_POOL_URL"
+MAX_LOOKBACK_H = 1e6  # ~114 years: more reads the whole log anyway; a huge value would overflow to inf
 
 
 @dataclasses.dataclass(frozen=True)
@@ -848,7 +849,7 @@ class PoolClient:
         event), replayed from the event log (see :mod:`elastic_ops.pool.usage`); ``job``: that
         job's only (and the hosts as it used them), reading its events alone."""
         if hours is not None:
-            check_number("hours", hours, minimum=0, exclusive=True)
+            check_number("hours", hours, minimum=0, exclusive=True, maximum=MAX_LOOKBACK_H)
 
         def op(conn, now):
             # only the events that give or take slots: targets, submissions and the rest change

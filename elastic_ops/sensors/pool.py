@@ -11,7 +11,7 @@ from airflow.sdk import BaseSensorOperator
 
 from elastic_ops.errors import SpecError, WaitFailedError
 from elastic_ops.hooks.elastic_ops import DEFAULT_CONN_ID, ElasticOpsHook
-from elastic_ops.operators.jobs import check_seconds, coerce_rendered, is_template
+from elastic_ops.operators.jobs import check_conn_ids, check_seconds, coerce_rendered, is_template
 from elastic_ops.spec import check_host_selector
 from elastic_ops.triggers.events import CapacityEvent, TriggerFailure, parse_event
 from elastic_ops.triggers.pool import PoolCapacityTrigger, free_slots
@@ -42,6 +42,7 @@ class ElasticPoolSensor(BaseSensorOperator):
         ):
             raise SpecError("min_workers", min_workers, "must be an integer >= 1")
         check_seconds("poll_interval", poll_interval)
+        check_conn_ids(elastic_ops_conn_id)
         kwargs.setdefault("poke_interval", poll_interval)
         super().__init__(**kwargs)
         self.min_workers = min_workers

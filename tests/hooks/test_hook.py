@@ -23,6 +23,14 @@ def test_without_a_connection_the_ledger_is_sqlite_beside_airflow_home(monkeypat
     assert ElasticOpsHook().ledger_url() == expected == default_ledger_url()
 
 
+def test_a_named_connection_that_does_not_exist_is_an_error_not_a_pool_of_its_own(monkeypatch, tmp_path):
+    """Only the default id falls back to the embedded ledger: a typo in a cluster's connection
+    id would otherwise give each machine its own pool (the same GPUs granted twice)."""
+    monkeypatch.setenv("AIRFLOW_HOME", str(tmp_path))
+    with pytest.raises(SpecError, match="invalid elastic_ops_conn_id='pool_prod_typo': an Airflow conn"):
+        ElasticOpsHook("pool_prod_typo").ledger_url()
+
+
 def test_connection_extra_url_wins(monkeypatch):
     set_conn(monkeypatch, "elastic_ops_pool_default", conn_type="elastic_ops_pool",
              extra={"url": "postgresql+psycopg2://postgres@127.0.0.1:5432/test"})

@@ -82,6 +82,9 @@ def test_rendered_bad_values_are_rejected_at_run_time():
     with pytest.raises(SpecError) as err:
         runtime_spec(FIELDS | {"max_workers": "0"}, name="j", checkpoint_root="file:///x", run_id="r")
     assert err.value.field == "max_workers"
+    with pytest.raises(SpecError) as err:  # named as the form gave it, before the run's prefix
+        runtime_spec(FIELDS | {"checkpoint": "s3://b/x?y"}, name="j", checkpoint_root="file:///x", run_id="r")
+    assert err.value.value == "s3://b/x?y"
 
 
 @given(total=st.integers(1, 5000), num_chunks=st.integers(1, 64))

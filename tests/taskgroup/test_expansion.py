@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pendulum
 import pytest
 from airflow.sdk import DAG, Asset
@@ -16,6 +18,7 @@ from elastic_ops.operators import (
 from elastic_ops.taskgroup import elastic_training
 
 DIGITS = "elastic_ops.examples.digits:DigitsMLP"
+REPO = Path(__file__).resolve().parents[2]
 
 
 def make_dag(**kwargs):
@@ -49,6 +52,9 @@ def test_expands_into_register_chunks_finalize_in_a_line():
     chunks = [t for t in dag.tasks if isinstance(t, ElasticChunkOperator)]
     assert [c.chunk_index for c in chunks] == [0, 1, 2, 3]
     assert all(isinstance(c.retry_policy, ElasticRetryPolicy) and c.retries >= 1 for c in chunks)
+    # a bad rendered value fails register and finalize at once, whatever retries default_args give
+    assert isinstance(dag.get_task("train.register").retry_policy, ElasticRetryPolicy)
+    assert isinstance(dag.get_task("train.finalize").retry_policy, ElasticRetryPolicy)
     assert dag.get_task("train.finalize").chunk_task_ids == [c.task_id for c in chunks]
 
 
@@ -92,6 +98,13 @@ def test_chunk_kwargs_reach_the_chunk_tasks():
     ({"total_iterations": 20_000, "chunk_iterations": 1}, "chunk_iterations"),  # 20,000 tasks
     ({"host_selector": {"gpu": 100}}, "host_selector"),
     ({"host_selector": "gpu=h100"}, "host_selector"),
+    # a templated total: num_chunks alone decides the task count, up to the spec's 1,000
+    ({"total_iterations": "{{ params.n }}", "num_chunks": 5000, "chunk_iterations": None}, "num_chunks"),
+    ({"model_asset": "s3://x/y"}, "model_asset"),
+    ({"chunk_kwargs": ["retries"]}, "chunk_kwargs"),
+    ({"elastic_ops_conn_id": ""}, "elastic_ops_conn_id"),
+    ({"elastic_ops_conn_id": 5}, "elastic_ops_conn_id"),
+    ({"aws_conn_id": 5}, "aws_conn_id"),
 ])
 def test_bad_arguments_fail_at_parse_time_naming_the_field(kwargs, field):
     with pytest.raises(SpecError) as err:
@@ -112,6 +125,38 @@ def test_templates_are_accepted_at_parse_time_and_kept_for_rendering():
 def test_num_chunks_with_a_fixed_total_sets_the_chunk_count():
     dag, _ = make_dag(total_iterations=10, chunk_iterations=None, num_chunks=4)
     assert len([t for t in dag.tasks if isinstance(t, ElasticChunkOperator)]) == 4
+
+
+def test_the_trigger_forms_params_take_an_empty_checkpoint_and_refuse_bad_values(monkeypatch, tmp_path):
+    """``dags/elastic_train_params.py``: empty checkpoint = the default (as its form says)."""
+    import copy
+    import runpy
+
+    from airflow.sdk import DAG as SdkDAG
+    from airflow.sdk.exceptions import ParamValidationError
+
+    made, leave = [], SdkDAG.__exit__
+
+    def keep(self, *exc):  # the file builds its DAG in a `with` block, assigned to no name
+        made.append(self)
+        return leave(self, *exc)
+
+    monkeypatch.setattr(SdkDAG, "__exit__", keep)
+    runpy.run_path(str(REPO / "dags" / "elastic_train_params.py"))
+    (dag,) = made
+
+    def validate(conf):
+        params = copy.deepcopy(dag.params)
+        params.update(conf)
+        params.validate()
+
+    for good in ({"checkpoint": ""}, {"checkpoint": None}, {"checkpoint": "s3://bucket/p"},
+                 {"checkpoint": "file:///data/ck"}):
+        validate(good)
+    for bad in ({"checkpoint": "ftp://x"}, {"checkpoint": "s3://B/x"}, {"max_workers": 99},
+                {"priority": 0}, {"iterations": "many"}):
+        with pytest.raises(ParamValidationError):
+            validate(bad)
 
 
 def test_the_dag_serializes_for_the_scheduler():
