@@ -132,6 +132,12 @@ def elastic_training(
     if model_asset is not None and not isinstance(model_asset, Asset):
         raise SpecError("model_asset", model_asset, "must be an airflow.sdk.Asset (or None: one named after "
                         "the DAG and group)")
+    if warm_start == WARM_START_PREVIOUS and model_asset is None and is_template(checkpoint):
+        raise SpecError(  # the default Asset's URI is the checkpoint root, unknown until a run renders it
+            "model_asset", None, "an Asset whose URI holds the rendered checkpoints, with "
+            "warm_start='previous' and a templated checkpoint",
+            hint="e.g. model_asset=Asset(name='digits-model', uri='s3://models/digits')",
+        )
     if chunk_kwargs is not None and not isinstance(chunk_kwargs, dict):
         raise SpecError("chunk_kwargs", chunk_kwargs, "must be a dict of BaseOperator arguments "
                         "(e.g. {'retries': 5, 'pool': 'gpu'})")

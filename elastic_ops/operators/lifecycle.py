@@ -43,6 +43,12 @@ class ElasticRegisterOperator(ElasticOperatorMixin, BaseOperator):
 
     def execute(self, context: Any) -> dict[str, Any]:
         spec = self._spec(context)
+        if unknown := unknown_conf_keys(context):
+            self.log.warning(
+                "the run's conf has keys that are not among the DAG's params, which no params template "
+                "sees (a typo?): %s; the params are %s",
+                ", ".join(unknown), ", ".join(sorted(context["dag"].params)),
+            )
         register(self._hook().pool(), spec)
         self.log.info(
             "registered job %s: %d..%d workers, priority %d, %d chunks of %d iterations, checkpoints %s%s",
@@ -51,6 +57,15 @@ class ElasticRegisterOperator(ElasticOperatorMixin, BaseOperator):
             f", on hosts labelled {spec.host_selector}" if spec.host_selector else "",
         )
         return {"job": spec.name, "spec": spec.to_dict(), "checkpoint": spec.checkpoint_uri()}
+
+
+def unknown_conf_keys(context: Any) -> list[str]:
+    """The keys of the run's conf that are not among the DAG's params (Airflow accepts them
+    silently, so ``max_worker`` for ``max_workers`` would train with the default), when the DAG
+    declares params at all (without, conf is the DAG author's own business)."""
+    params = getattr(context.get("dag"), "params", None) or {}
+    conf = getattr(context.get("dag_run"), "conf", None) or {}
+    return sorted(str(k) for k in conf if k not in params) if params else []
 
 
 class ElasticFinalizeOperator(ElasticOperatorMixin, BaseOperator):

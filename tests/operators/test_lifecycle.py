@@ -46,3 +46,24 @@ def test_a_rerun_that_trained_nothing_still_reports_the_final_models_figures(mon
     assert summary["loss"] == pytest.approx(0.125) and summary["metrics"] == {"accuracy": 0.97}
     assert summary["param_sha256"] == "ab" * 32 and summary["iteration"] == 40
     assert events[asset].extra == summary
+
+
+def test_register_warns_about_conf_keys_no_param_declares(monkeypatch, tmp_path, capsys):
+    """Airflow runs a DAG with ``{"max_worker": 8}`` in its conf without a word (the params keep
+    their defaults): register says so, naming the key and the params there are."""
+    from elastic_ops.operators.lifecycle import ElasticRegisterOperator
+
+    airflow_pool(monkeypatch, tmp_path)
+    op = ElasticRegisterOperator(task_id="register", spec_fields=FIELDS, group_id="train")
+    dag = SimpleNamespace(dag_id="d", params={"max_workers": 2, "priority": 1})
+
+    def logged(dag, conf, run_id) -> str:
+        capsys.readouterr()
+        op.execute({"dag": dag, "run_id": run_id, "dag_run": SimpleNamespace(conf=conf)})
+        return "".join(capsys.readouterr())  # the operator's logger writes through Airflow's setup
+
+    warning = "(a typo?): max_worker; the params are max_workers, priority"
+    assert warning in logged(dag, {"max_worker": 8}, "r1")
+    assert "conf has keys" not in logged(dag, {"max_workers": 8}, "r2")
+    # a DAG without params: its conf is the author's own
+    assert "conf has keys" not in logged(SimpleNamespace(dag_id="d", params={}), {"anything": 1}, "r3")

@@ -101,6 +101,7 @@ def test_chunk_kwargs_reach_the_chunk_tasks():
     # a templated total: num_chunks alone decides the task count, up to the spec's 1,000
     ({"total_iterations": "{{ params.n }}", "num_chunks": 5000, "chunk_iterations": None}, "num_chunks"),
     ({"model_asset": "s3://x/y"}, "model_asset"),
+    ({"warm_start": "previous", "checkpoint": "{{ params.ck }}"}, "model_asset"),  # no Asset URI to hold it
     ({"chunk_kwargs": ["retries"]}, "chunk_kwargs"),
     ({"elastic_ops_conn_id": ""}, "elastic_ops_conn_id"),
     ({"elastic_ops_conn_id": 5}, "elastic_ops_conn_id"),
