@@ -141,18 +141,22 @@ def _client(args: argparse.Namespace):
         from elastic_ops.pool.api_client import ApiPoolClient
 
         return ApiPoolClient(api_url)
+    from elastic_ops.errors import SpecError
     from elastic_ops.pool.client import PoolClient, sqlite_file
 
+    source = "--pool-url" if args.pool_url else f"${ENV_URL}"  # where the user gave the URL
     path = sqlite_file(ledger)
     if getattr(args, "reads_only", False) and path is not None and not os.path.exists(path):
-        from elastic_ops.errors import SpecError
-
         raise SpecError(  # a typo must not create an empty ledger (and its folders) to show
-            "--pool-url" if args.pool_url else f"${ENV_URL}", ledger,
-            f"an existing SQLite ledger: {path} does not exist",
+            source, ledger, f"an existing SQLite ledger: {path} does not exist",
             hint="a ledger is created by its first chunk task, `pool add-host` or `pool configure`",
         )
-    return PoolClient(ledger)
+    try:
+        return PoolClient(ledger)
+    except SpecError as exc:
+        if exc.field != "url":
+            raise
+        raise SpecError(source, exc.value, exc.allowed, hint=exc.hint) from None
 
 
 def parse_labels(items: Sequence[str]) -> dict[str, str]:
