@@ -60,3 +60,9 @@ class Backend(Protocol):
 
     def delete(self, keys: list[str]) -> None:
         """Delete ``keys``; missing keys are ignored."""
+
+    def delete_if(self, key: str, data: bytes) -> bool:
+        """Delete ``key`` only if it still holds exactly ``data``, atomically with respect to
+        other writers (a damaged manifest that another writer replaced meanwhile must not take
+        that writer's commit with it). False if ``key`` holds something else now; True if it
+        was deleted or is gone."""

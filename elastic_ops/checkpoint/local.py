@@ -30,6 +30,7 @@ from elastic_ops.checkpoint.checksum import Hasher, hash_stream
 from elastic_ops.errors import StoragePermanentError, StorageTransientError
 
 _TMP_PREFIX = ".tmp-"
+_LOCK_NAME = ".commit-lock"  # at the root: serialises delete_if (never listed: not an it-… key)
 _PIECE = 1 << 20  # bytes per write() of a buffer we hold: one huge write is slower than pieces
 _WRITEBACK_EVERY = 4 << 20
 _WRITEBACK_ALIGN = (64 << 10) - 1
@@ -288,6 +289,26 @@ class LocalBackend:
                 path.unlink(missing_ok=True)
                 parents.add(path.parent)
             self._prune(parents)
+
+    def delete_if(self, key: str, data: bytes) -> bool:
+        # Creates need the key absent (os.link), so only another delete_if could swap the bytes
+        # between the read and the unlink: an exclusive lock on the store makes the pair atomic.
+        import fcntl
+
+        path = self._path(key)
+        with _os_errors(self.uri, key):
+            self.root.mkdir(parents=True, exist_ok=True)
+            with open(self.root / _LOCK_NAME, "a+b") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                try:
+                    current = path.read_bytes()
+                except FileNotFoundError:
+                    return True
+                if current != data:
+                    return False
+                path.unlink()
+            _fsync_dir(path.parent)
+            return True
 
     def _prune(self, parents: set[Path]) -> None:
         """Remove directories left empty, deepest first, never the root."""

@@ -171,6 +171,34 @@ class S3Backend:
 
         return self._call("list", f"{prefix}*", attempt)
 
+    def delete_if(self, key: str, data: bytes) -> bool:
+        """By ETag: read the object and its ETag, compare the bytes, then ``DeleteObject`` with
+        ``If-Match`` (S3 refuses with 412 when another writer replaced it in between)."""
+        full = self._key(key)
+
+        def attempt() -> bool:
+            try:
+                obj = self.client.get_object(Bucket=self.bucket, Key=full)
+                current, etag = obj["Body"].read(), obj["ETag"]
+            except bce.ClientError as exc:
+                if error_code(exc)[0] in ("NoSuchKey", "404", "NotFound"):
+                    return True
+                raise
+            if current != data:
+                return False
+            try:
+                self.client.delete_object(Bucket=self.bucket, Key=full, IfMatch=etag)
+            except bce.ClientError as exc:
+                code, status = error_code(exc)
+                if status == 412 or code == "PreconditionFailed":
+                    return False
+                if code in ("NoSuchKey", "404", "NotFound"):
+                    return True
+                raise
+            return True
+
+        return self._call("conditional delete", key, attempt)
+
     def delete(self, keys: list[str]) -> None:
         for i in range(0, len(keys), 1000):  # DeleteObjects takes at most 1000 keys
             batch = [{"Key": self._key(k)} for k in keys[i : i + 1000]]

@@ -488,10 +488,14 @@ class CheckpointStore:
                 raise CheckpointCorruptError(f"manifest {where} says iteration {theirs.iteration}")
             self._hash_verified(self._ref(theirs), {})
         except CheckpointCorruptError as exc:
-            log.warning("replacing the damaged checkpoint %s: %s", where, exc)
+            # only if it still is the damaged one: another writer may have replaced it while we
+            # verified, and its commit must stand (then ours meets it on the next try)
+            if not self.backend.delete_if(key, existing):
+                log.info("the damaged checkpoint %s was replaced meanwhile by another writer", where)
+                return None
+            log.warning("replaced the damaged checkpoint %s: %s", where, exc)
             mine = {f.name for f in ours.files}
             theirs_files = [] if theirs is None else [f.name for f in theirs.files]
-            self.backend.delete([key])
             self.backend.delete(
                 [f"{iteration_dir(ours.iteration)}/{n}" for n in theirs_files if n not in mine]
             )

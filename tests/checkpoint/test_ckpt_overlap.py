@@ -81,6 +81,9 @@ class RemoteLike:
     def delete(self, keys: list[str]) -> None:
         self.inner.delete(keys)
 
+    def delete_if(self, key: str, data: bytes) -> bool:
+        return self.inner.delete_if(key, data)
+
 
 def _data_keys(root: Path) -> list[str]:
     return [o.key for o in LocalBackend(root).list("it-")]

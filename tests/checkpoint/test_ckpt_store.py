@@ -539,6 +539,32 @@ def test_a_damaged_checkpoint_is_replaced_when_its_iteration_is_committed_again(
     assert data == [f"it-00000020/{ref.files[0].name}"]
 
 
+def test_of_two_writers_replacing_one_damaged_checkpoint_exactly_one_commits(target) -> None:
+    """Writers a and b both find iteration 20 damaged. b replaces it and commits while a is
+    still verifying the damaged one: a must not remove b's manifest (it was removing whatever
+    stood there, so both were told they committed and b's checkpoint was orphaned)."""
+    store = target.open()
+    store.save(10, small_state(1), epoch=1, spec_hash="h")
+    damaged = store.save(20, small_state(2), epoch=1, spec_hash="h")
+    _flip_byte(target, f"it-00000020/{damaged.files[0].name}")
+    a, b = target.open(), target.open()
+    real_delete_if, won = a.backend.delete_if, []
+
+    def b_commits_first(key: str, data: bytes) -> bool:  # b gets in between a's check and delete
+        if not won:
+            won.append(b.save(20, small_state(5), epoch=2, spec_hash="h"))
+        return real_delete_if(key, data)
+
+    a.backend.delete_if = b_commits_first
+    with pytest.raises(CommitConflictError):
+        a.save(20, small_state(6), epoch=2, spec_hash="h")
+    latest = target.open().latest()
+    assert latest.iteration == 20 and latest.files == won[0].files
+    assert target.open().load(latest)["step"] == 5
+    data = [k for k in target.keys() if k.startswith("it-00000020/d-")]
+    assert data == [f"it-00000020/{won[0].files[0].name}"]  # a's data removed, b's kept
+
+
 def test_retention_never_removes_the_data_of_a_save_still_in_flight(target: StoreTarget) -> None:
     """Writer a's save of 30 has written its data, not yet its manifest, when writer b commits
     40 and plans retention from a listing that shows 30 as data without a manifest."""
