@@ -26,8 +26,10 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import shutil
 import signal
+import socket
 import tempfile
 import threading
 import time
@@ -54,6 +56,8 @@ from elastic_ops.spec import JobSpec
 
 log = logging.getLogger("elastic_ops.runtime")
 
+WORKDIR_PREFIX = "elastic-ops-"  # a chunk's own work directory in the temp folder
+OWNER_FILE = "owner.pid"  # in it: the pid of the process running the chunk (stale-directory sweep)
 LOOKAHEAD = 2  # boundaries decided ahead of rank 0, at least
 POLL_S = 0.01  # the controller's poll interval: few wake-ups, whatever the iteration rate
 HORIZON_S = 0.05  # ...and it decides the boundaries expected within this time (>= LOOKAHEAD)
@@ -131,20 +135,44 @@ class _SlotsByBoundary:
 
 
 class _Committer:
-    """Commits staged states to the store, in order, off the training path."""
+    """Commits staged states to the store, in order, off the training path.
 
-    def __init__(self, store: Any, epoch: int, spec_hash: str) -> None:
-        self.store, self.epoch, self.spec_hash = store, epoch, spec_hash
+    When the store is slower than the checkpoint interval, a staged state that a newer one has
+    overtaken in the queue is dropped instead of committed (its file removed): the queue, and
+    the staged files on disk, stay bounded, and the newest state still goes first to the
+    store. States retention keeps for good (``keep_every``) are always committed.
+    """
+
+    def __init__(self, store: Any, epoch: int, spec_hash: str, keep_every: int | None = None) -> None:
+        self.store, self.epoch, self.spec_hash, self.keep_every = store, epoch, spec_hash, keep_every
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="elastic-ops-commit")
         self.futures: list[Future] = []
         self.last_ref: Any = None
+        self.newest = -1  # the newest iteration submitted
+        self.dropped: list[int] = []
 
     def submit(self, iteration: int, path: str, metrics: dict[str, Any], *, remove: bool) -> Future:
+        self.newest = max(self.newest, iteration)
         fut = self.pool.submit(self._commit, iteration, path, metrics, remove)
         self.futures.append(fut)
         return fut
 
+    def _overtaken(self, iteration: int, remove: bool) -> bool:
+        """A staged state (``remove``: a file of its own) that a newer submission supersedes."""
+        kept = self.keep_every is not None and iteration % self.keep_every == 0
+        return remove and not kept and iteration < self.newest
+
     def _commit(self, iteration: int, path: str, metrics: dict[str, Any], remove: bool) -> Any:
+        if self._overtaken(iteration, remove):
+            Path(path).unlink(missing_ok=True)
+            if not self.dropped:
+                log.warning(
+                    "the checkpoint store is slower than checkpoint_interval: the state staged at "
+                    "iteration %d is dropped for the newer one at %d (only the newest waiting state "
+                    "is committed)", iteration, self.newest,
+                )
+            self.dropped.append(iteration)
+            return None
         # the staged file is committed as it is (save_atomic wrote the bytes the store would);
         # mapped, not read, to hash the model's parameters
         model = load_state(path, mmap=True)["model"]
@@ -199,7 +227,7 @@ class _Runner:
         self.device = _device(spec)
         self.target_fn, self.store, self.epoch = target, store, epoch
         self.on_progress, self.host, self.launcher, self.workdir = on_progress, host, launcher, workdir
-        self.committer = _Committer(store, epoch, spec.spec_hash())
+        self.committer = _Committer(store, epoch, spec.spec_hash(), spec.keep_every)
         self.timeline: list[tuple[int, int, float]] = []
         self._last_log = 0.0
         self._t0 = time.time()
@@ -643,8 +671,12 @@ def run_chunk(
         store = open_store(spec.checkpoint_uri(), keep_last=spec.keep_last, keep_every=spec.keep_every)
     t0 = time.time()
     own_dir = workdir is None
-    work = Path(tempfile.mkdtemp(prefix="elastic-ops-")) if own_dir else Path(workdir)
+    if own_dir:
+        sweep_stale_workdirs()
+    work = Path(tempfile.mkdtemp(prefix=WORKDIR_PREFIX)) if own_dir else Path(workdir)
     work.mkdir(parents=True, exist_ok=True)
+    if own_dir:
+        (work / OWNER_FILE).write_text(_owner())
     try:
         if epoch > 0:
             # fence before reading: from here on no writer of an older lease (an earlier try
@@ -698,6 +730,41 @@ def run_chunk(
     finally:
         if own_dir:
             shutil.rmtree(work, ignore_errors=True)
+
+
+def sweep_stale_workdirs(root: str | None = None) -> list[Path]:
+    """Remove the work directories (staged checkpoints, logs) that chunks of processes killed
+    outright left behind: those whose owner process, on this host, is gone. A directory
+    without an owner file, of another host (a temp folder shared between containers), or whose
+    owner lives (or cannot be checked), is left alone."""
+    removed = []
+    for d in Path(root or tempfile.gettempdir()).glob(f"{WORKDIR_PREFIX}*"):
+        try:
+            pid_text, _, host = (d / OWNER_FILE).read_text().partition(" ")
+            pid = int(pid_text)
+        except (OSError, ValueError):
+            continue
+        if host != socket.gethostname() or pid == os.getpid() or _alive(pid):
+            continue
+        shutil.rmtree(d, ignore_errors=True)
+        removed.append(d)
+    if removed:
+        log.info("removed %d work directories of chunks whose processes are gone", len(removed))
+    return removed
+
+
+def _owner() -> str:
+    return f"{os.getpid()} {socket.gethostname()}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process: alive as far as we may know
+        return True
+    return True
 
 
 def _warm_state(uri: str | None, store: Any = None) -> dict[str, Any]:

@@ -57,6 +57,9 @@ class Trainable:
         return default_collate([dataset[int(i)] for i in indices])
 
 
+REQUIRED_METHODS = ("build_model", "build_optimizer", "train_dataset", "loss")
+
+
 def load_trainable_class(entrypoint: str) -> type[Trainable]:
     """Import ``package.module:Class`` and check that it is a ``Trainable`` subclass."""
     if not isinstance(entrypoint, str) or ":" not in entrypoint:
@@ -79,6 +82,12 @@ def load_trainable_class(entrypoint: str) -> type[Trainable]:
             entrypoint,
             "must name a subclass of elastic_ops.runtime.Trainable",
             hint=f"{attr} is {type(cls).__name__}",
+        )
+    missing = [m for m in REQUIRED_METHODS if getattr(cls, m) is getattr(Trainable, m)]
+    if missing:  # caught here, not as NotImplementedError inside every worker
+        raise EntrypointError(
+            "entrypoint", entrypoint, f"must implement {', '.join(m + '()' for m in missing)}",
+            hint=f"{cls.__qualname__} leaves them to Trainable, which only raises NotImplementedError",
         )
     return cls
 

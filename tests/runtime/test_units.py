@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,6 +28,7 @@ from tests.runtime.builders import TinyMLP
         ("tests.runtime.builders:Missing", "has no attribute 'Missing'"),
         ("tests.runtime.builders:make_spec", "subclass of elastic_ops.runtime.Trainable"),
         ("not-an-entrypoint", "package.module:TrainableClass"),
+        ("elastic_ops.runtime:Trainable", "must implement build_model(), build_optimizer(), train_dataset()"),
     ],
 )
 def test_bad_entrypoints_raise_entrypoint_errors_naming_the_field(entry, needle):
@@ -205,3 +208,73 @@ def test_a_worker_ends_at_once_when_the_process_that_launched_it_dies():
         [sys.executable, "-c", WATCHED_WORKER], env=env, capture_output=True, text=True, timeout=60
     )
     assert late.returncode == 1 and "watching" not in late.stdout
+
+
+class _SlowStore:
+    """A store whose first commit waits for ``release``: the states staged meanwhile queue up."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.release, self.committed = threading.Event(), []
+
+    def save_file(self, iteration, path, **kwargs):
+        self.release.wait(30)
+        self.committed.append(iteration)
+        return type("Ref", (), {"uri": f"file:///ck/it-{iteration}"})()
+
+
+def _staged(tmp_path, iteration: int) -> str:
+    path = tmp_path / f"ckpt-{iteration}.pt"
+    save_atomic({"model": TinyMLP().build_model().state_dict(), "iteration": iteration}, path)
+    return str(path)
+
+
+@pytest.mark.parametrize(("keep_every", "committed"), [(None, [10, 50]), (20, [10, 20, 40, 50])])
+def test_a_slow_store_commits_the_newest_state_and_drops_the_overtaken(tmp_path, keep_every, committed):
+    """Training that stages states faster than the store commits them must not pile them up
+    (on disk, in the queue): an overtaken one is dropped, its file removed; the newest, the
+    ones retention keeps for good (keep_every) and the chunk's end are committed."""
+    from elastic_ops.runtime.chunk import _Committer
+
+    store = _SlowStore()
+    committer = _Committer(store, epoch=1, spec_hash="h", keep_every=keep_every)
+    paths = {i: _staged(tmp_path, i) for i in (10, 20, 30, 40)}
+    for i in (10, 20, 30, 40):  # 10 is being committed (slowly) while 20..40 are staged
+        committer.submit(i, paths[i], {"loss": 0.5}, remove=True)
+    end = _staged(tmp_path, 50)
+    committer.submit(50, end, {"loss": 0.4}, remove=False)  # the chunk's end: always committed
+    store.release.set()
+    committer.drain()
+    committer.close()
+    assert store.committed == committed
+    assert sorted(committer.dropped) == sorted({20, 30, 40} - set(committed))
+    assert [i for i, p in paths.items() if Path(p).exists()] == []  # staged files all gone
+    assert Path(end).exists()  # the caller's own state file is left to it
+
+
+def test_work_directories_of_processes_gone_are_swept_and_no_others(tmp_path):
+    """A chunk killed outright (SIGKILL) leaves its work directory, staged checkpoints and all;
+    the next chunk on the host removes it, and only it."""
+    import socket
+    import subprocess
+    import sys
+
+    from elastic_ops.runtime.chunk import OWNER_FILE, WORKDIR_PREFIX, sweep_stale_workdirs
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    host = socket.gethostname()
+    owners = {"dead": f"{gone} {host}", "alive": f"{os.getppid()} {host}", "other-host": f"{gone} elsewhere",
+              "no-owner": None, "garbled": "not a pid"}
+    for name, owner in owners.items():
+        d = tmp_path / f"{WORKDIR_PREFIX}{name}"
+        (d / "seg-0").mkdir(parents=True)
+        (d / "seg-0" / "ckpt-9.pt").write_bytes(b"x" * 100)
+        if owner is not None:
+            (d / OWNER_FILE).write_text(owner)
+    (tmp_path / "unrelated").mkdir()
+    removed = sweep_stale_workdirs(str(tmp_path))
+    assert [d.name for d in removed] == [f"{WORKDIR_PREFIX}dead"]
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == sorted([f"{WORKDIR_PREFIX}{n}" for n in owners if n != "dead"] + ["unrelated"])
