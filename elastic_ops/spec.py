@@ -265,7 +265,8 @@ class JobSpec:
         _int("data_seed", self.data_seed, 0, 2**63 - 1)
         _int("threads_per_worker", self.threads_per_worker, 1, 256)
         if not isinstance(self.params, Mapping):
-            raise SpecError("params", self.params, "must be a mapping of hyperparameters")
+            raise SpecError("params", _short(self.params), "must be a mapping of hyperparameters")
+        _check_size("params", self.params)
         try:
             json.dumps(dict(self.params), sort_keys=True, allow_nan=False)
         except (TypeError, ValueError, RecursionError) as exc:  # ValueError: NaN, inf, a cycle
@@ -392,16 +393,62 @@ class JobSpec:
             data = yaml.load(text, Loader=_unique_key_loader())  # noqa: S506 - a SafeLoader subclass
         except yaml.YAMLError as exc:
             raise SpecError("spec", str(path), f"is not valid YAML ({exc})") from None
+        except RecursionError:
+            raise SpecError("spec", str(path), "nests too deeply to be a job spec") from None
         return cls.from_dict(data or {})
 
 
 def _short(value: Any, limit: int = 200) -> str:
-    """``repr(value)`` cut to ``limit`` characters (an error message quotes it)."""
+    """``repr(value)`` cut to ``limit`` characters (an error message quotes it); bounded in
+    depth and width as it is built, so a value that nests or repeats itself enormously (a YAML
+    alias bomb) costs nothing to quote."""
+    import reprlib
+
+    shown = reprlib.Repr()  # (keyword arguments only from Python 3.12)
+    shown.maxlevel, shown.maxdict = 4, 8
+    shown.maxlist = shown.maxtuple = shown.maxset = 8
+    shown.maxstring = shown.maxlong = shown.maxother = limit
     try:
-        text = repr(value)
+        text = shown.repr(value)
     except RecursionError:
         text = f"<{type(value).__name__} that contains itself>"
     return text if len(text) <= limit else text[:limit] + "…"
+
+
+MAX_PARAMS_NODES = 100_000  # values in params, each repetition counted (a YAML alias expands)
+MAX_PARAMS_DEPTH = 64
+
+
+def _check_size(field: str, value: Any) -> None:
+    """Refuse a value that would expand past ``MAX_PARAMS_NODES`` values, nest deeper than
+    ``MAX_PARAMS_DEPTH`` or contain itself, counting shared parts once per use without
+    expanding them (a few lines of YAML anchors can otherwise describe billions of values)."""
+    sizes: dict[int, int] = {}
+    open_: set[int] = set()
+
+    def size(v: Any, depth: int) -> int:
+        if not isinstance(v, Mapping | list | tuple):
+            return 1
+        key = id(v)
+        if key in sizes:
+            return sizes[key]
+        if key in open_:
+            raise SpecError(field, _short(value), "must not contain itself")
+        if depth > MAX_PARAMS_DEPTH:
+            raise SpecError(field, _short(value), f"must nest at most {MAX_PARAMS_DEPTH} levels deep")
+        open_.add(key)
+        parts = [x for kv in v.items() for x in kv] if isinstance(v, Mapping) else v
+        total = 1
+        for part in parts:
+            total += size(part, depth + 1)
+            if total > MAX_PARAMS_NODES:
+                raise SpecError(field, _short(value), f"must hold at most {MAX_PARAMS_NODES:,} values "
+                                "(counting each repetition of a YAML alias)")
+        open_.discard(key)
+        sizes[key] = total
+        return total
+
+    size(value, 0)
 
 
 def _unique_key_loader():

@@ -147,8 +147,24 @@ def test_from_yaml_reports_unreadable_and_invalid_files(tmp_path):
         JobSpec.from_yaml(binary)
     cyclic = tmp_path / "cyclic.yaml"
     cyclic.write_text(base + "global_batch: 8\nparams: &a {x: *a}\n")
-    with pytest.raises(SpecError, match="invalid params=.*JSON-serialisable"):
+    with pytest.raises(SpecError, match="invalid params=.*must not contain itself"):
         JobSpec.from_yaml(cyclic)
+    # nine lines of anchors describe 9**9 values: refused without expanding them (it took 34 s
+    # and ended in MemoryError), and the message quotes a bounded excerpt
+    anchors = ["  l0: &l0 [" + ", ".join(["lol"] * 9) + "]"]
+    anchors += [f"  l{i}: &l{i} [" + ", ".join([f"*l{i - 1}"] * 9) + "]" for i in range(1, 9)]
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text(base + "global_batch: 8\nparams:\n" + "\n".join(anchors) + "\n")
+    with pytest.raises(SpecError, match="must hold at most 100,000 values") as err:
+        JobSpec.from_yaml(bomb)
+    assert len(str(err.value)) < 600
+    deep = tmp_path / "deep.yaml"
+    deep.write_text(base + "global_batch: 8\nparams: {x: " + "[" * 3000 + "]" * 3000 + "}\n")
+    with pytest.raises(SpecError, match="nests too deeply"):
+        JobSpec.from_yaml(deep)
+    deep.write_text(base + "global_batch: 8\nparams: {x: " + "[" * 100 + "]" * 100 + "}\n")
+    with pytest.raises(SpecError, match="must nest at most 64 levels deep"):
+        JobSpec.from_yaml(deep)
     good = tmp_path / "good.yaml"
     good.write_text("name: j\nentrypoint: a.b:C\ntotal_iterations: 10\nglobal_batch: 8\nmax_workers: 2\n")
     assert JobSpec.from_yaml(good).to_dict()["max_workers"] == 2
