@@ -143,6 +143,9 @@ def parse_manifest(data: bytes, *, where: str) -> Manifest:
     if not isinstance(files, list) or not files:
         raise bad("files must be a non-empty list")
     entries = [_parse_entry(f, version, bad) for f in files]
+    names = [e.name for e in entries]
+    if len(set(names)) != len(names):  # load() needs exactly one state file
+        raise bad(f"file {next(n for n in names if names.count(n) > 1)!r} is listed twice")
     return Manifest(
         iteration=doc["iteration"],
         epoch=doc["epoch"],

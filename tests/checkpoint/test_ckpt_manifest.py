@@ -72,6 +72,8 @@ V2 = {"algorithm": "xxh3-128", "digest": XXH}
             "'md5' of d/state.pt",
         ),
         ({"files": [{"name": "d/state.pt", **V2, "size": -5}]}, "size -5"),
+        # one state file twice: latest() returned it and load() failed instead of falling back
+        ({"files": [{"name": "d/state.pt", **V2, "size": 1}] * 2}, "'d/state.pt' is listed twice"),
         # each version has its own entry layout: no mixing
         (
             {"files": [{"name": "d/state.pt", "sha256": SHA, "size": 1}]},
