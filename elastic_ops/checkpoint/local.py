@@ -95,8 +95,13 @@ class LocalBackend:
                 f"checkpoint directory {str(root)!r} is not absolute", hint="use file:///absolute/path"
             )
         self.uri = f"file://{self.root}"
-        with _os_errors(self.uri):
-            self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            with _os_errors(self.uri):
+                self.root.mkdir(parents=True, exist_ok=True)
+        except FileExistsError:  # exist_ok covers directories only
+            raise StoragePermanentError(
+                f"checkpoint directory {self.uri} is a file", hint="give a directory's path (or a new one)"
+            ) from None
 
     def _path(self, key: str) -> Path:
         parts = key.split("/")

@@ -25,7 +25,7 @@ from typing import Any
 
 from sqlalchemy import Connection, create_engine, delete, event, func, insert, or_, select, true, update
 from sqlalchemy.engine import Engine, make_url
-from sqlalchemy.exc import ArgumentError, DBAPIError, OperationalError
+from sqlalchemy.exc import ArgumentError, DatabaseError, DBAPIError, OperationalError
 
 from elastic_ops.errors import (
     LeaseExpiredError,
@@ -288,7 +288,13 @@ class PoolClient:
         self.retries = retries
         self.metrics = metrics
         self.engine = _engine(url)
-        self._tx(lambda conn, now: s.migrate(conn), lock=False)
+        try:
+            self._tx(lambda conn, now: s.migrate(conn), lock=False)
+        except DatabaseError as exc:
+            if isinstance(exc, OperationalError) or "not a database" not in str(exc.orig):
+                raise
+            raise SpecError("url", shown_url(url), "an SQLite ledger file (or a path where one may be "
+                            "created): this file is not an SQLite database") from None
         if settings:
             self.configure(**settings)
 

@@ -148,3 +148,12 @@ def test_checksums_under_different_algorithms_never_count_as_the_same_content() 
     c = Manifest(20, 2, "h", 3.0, (FileEntry.of("d-3/state.pt", data, Checksum.XXH3_128),))
     assert b.same_content(c), "same bytes, same algorithm: an idempotent retry"
     assert not a.same_content(b), "digests of different algorithms cannot be compared: a conflict"
+
+
+def test_a_checkpoint_uri_naming_a_file_is_a_permanent_storage_error(tmp_path) -> None:
+    from elastic_ops.errors import StoragePermanentError
+
+    (tmp_path / "afile").write_bytes(b"x")
+    with pytest.raises(StoragePermanentError, match="afile is a file") as err:
+        open_store(f"file://{tmp_path}/afile")
+    assert not err.value.retryable

@@ -83,6 +83,9 @@ def test_an_invalid_value_names_the_option_it_came_from(tmp_path, monkeypatch, c
         (["simulate", "--synthetic", "3", "--traces", str(tmp_path)],
          f"invalid --traces='{tmp_path}': a traces folder with the Philly trace (philly.csv)"),
     ]
+    junk = tmp_path / "junk.db"
+    junk.write_bytes(b"not an SQLite database " * 10)
+    cases.append((["pool", "--pool-url", f"sqlite:///{junk}", "status"], "is not an SQLite database"))
     for argv, needle in cases:
         assert run(argv) == 2, argv
         err = capsys.readouterr().err
