@@ -61,7 +61,7 @@ def add_commands(subparsers: Any) -> None:
     )
     n.add_argument("--pool-url", default=None, help="SQLAlchemy URL of the pool ledger, for --register-slots")
     n.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-    n.set_defaults(func=cmd_node)
+    n.set_defaults(func=cmd_node, flag_aliases={"labels": "--label"})
     ls = subparsers.add_parser(
         "nodes",
         help="list the node agents announced in the cluster's Redis",

@@ -46,7 +46,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p = psub.add_parser("set-selector", help="the labels a job's hosts must carry (none: any host)")
     p.add_argument("job")
     p.add_argument("--label", action="append", default=[], metavar="KEY=VALUE")
-    p.set_defaults(func=lambda a: _client(a).set_selector(a.job, parse_labels(a.label)))
+    p.set_defaults(func=lambda a: _client(a).set_selector(a.job, parse_labels(a.label)),
+                   flag_aliases={"selector": "--label"})
 
     p = psub.add_parser("drain", help="no new grants on HOST; its jobs move off at their next boundary")
     p.add_argument("host")
@@ -61,7 +62,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("host")
     p.add_argument("slots", type=int)
     p.add_argument("--label", action="append", default=[], metavar="KEY=VALUE")
-    p.set_defaults(func=_add_host)
+    p.set_defaults(func=_add_host, flag_aliases={"labels": "--label"})
 
     p = psub.add_parser("configure", help="pool-wide settings (policy, preemption, ttl, anti-thrashing)")
     p.add_argument("--policy")

@@ -51,7 +51,7 @@ from elastic_ops.pool.model import (
     TargetAction,
     outside,
 )
-from elastic_ops.pool.policies import get_policy
+from elastic_ops.pool.policies import POLICIES, get_policy
 from elastic_ops.pool.usage import ADD as USAGE_ADD
 from elastic_ops.pool.usage import REMOVE as USAGE_REMOVE
 from elastic_ops.pool.usage import usage as usage_of
@@ -59,6 +59,8 @@ from elastic_ops.spec import MAX_WORKERS_LIMIT, check_host_name, check_host_sele
 from elastic_ops.urls import shown_url
 
 ENV_URL = "ELASTIC_OPS_POOL_URL"
+MAX_LEASE_TTL_S = 86_400.0  # a day
+MAX_SETTING = 1e9  # any other setting (seconds or a fraction): past it, arithmetic leaves the finite
 MAX_LOOKBACK_H = 1e6  # ~114 years: more reads the whole log anyway; a huge value would overflow to inf
 
 
@@ -109,9 +111,50 @@ def _check_bounds(min_workers: Any, max_workers: Any) -> None:
 
 
 def _check_name(field: str, value: Any) -> str:
-    if not isinstance(value, str) or not value or len(value) > 255:
-        raise SpecError(field, value, "must be a non-empty string of at most 255 characters")
+    """A job's name: printable (no control characters), no surrounding spaces, 1-255 characters
+    (the Airflow layer's are ``<dag>.<group>.<run_id>``, sanitised)."""
+    if (
+        not isinstance(value, str) or not value or len(value) > 255 or value != value.strip()
+        or not value.isprintable()
+    ):
+        raise SpecError(field, value, "must be 1-255 printable characters without surrounding spaces")
     return value
+
+
+MAX_EPOCH = 2**63 - 1  # the ledger's integers
+
+
+def _check_epoch(value: Any) -> int:
+    return _check_int("epoch", value, 0, MAX_EPOCH)
+
+
+def _check_flag(field: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise SpecError(field, value, "must be true or false")
+    return value
+
+
+def _check_hosts(field: str, value: Any) -> list[str]:
+    """A collection of host names (a string is one name, not a collection of letters)."""
+    if isinstance(value, str | bytes | Mapping) or not isinstance(value, Iterable):
+        raise SpecError(field, value, "must be a list of host names")
+    return sorted({check_host_name(field, h) for h in value})
+
+
+def _check_placements(value: Any) -> list[Slot] | None:
+    """``[(host, slot), ...]``: the slots a job says it still uses. A malformed entry would match
+    none of its slots, so that every slot the plan takes looked given up while still in use."""
+    if value is None:
+        return None
+    allowed = "must be a list of (host, slot) pairs, slot an integer >= 0"
+    if isinstance(value, str | bytes | Mapping) or not isinstance(value, Iterable):
+        raise SpecError("placements", value, allowed)
+    out = []
+    for p in value:
+        if isinstance(p, str | bytes) or not isinstance(p, Sequence) or len(p) != 2:
+            raise SpecError("placements", p, allowed)
+        out.append((check_host_name("placements", p[0]), _check_int("placements", p[1], 0, 1_000_000)))
+    return out
 
 
 _check_host = check_host_name
@@ -133,6 +176,8 @@ def _check_config(changes: dict[str, Any]) -> dict[str, Any]:
         if key not in CONFIG_FIELDS:
             raise SpecError(key, value, f"unknown pool setting; known: {', '.join(CONFIG_FIELDS)}")
         if key == "policy":
+            if not isinstance(value, str):
+                raise SpecError("policy", value, f"must be a policy name, one of {', '.join(POLICIES)}")
             get_policy(value)
         elif key == "preemption":
             if value not in ("none", "graceful"):
@@ -141,9 +186,9 @@ def _check_config(changes: dict[str, Any]) -> dict[str, Any]:
         elif key == "failure_threshold":
             _check_int(key, value, 1, 1_000_000)
         else:
-            check_number(key, value, minimum=0)
-            if key == "lease_ttl_s" and value == 0:
-                raise SpecError(key, value, "must be > 0")
+            # a lease that outlives every heartbeat gap by days would keep a dead holder's slots
+            most = MAX_LEASE_TTL_S if key == "lease_ttl_s" else MAX_SETTING
+            check_number(key, value, minimum=0, exclusive=key == "lease_ttl_s", maximum=most)
         out[key] = value
     return out
 
@@ -379,10 +424,8 @@ class PoolClient:
         """Register (or update) a host with ``slots`` slots; it becomes ``up``."""
         _check_host("host", name)
         _check_int("slots", slots, 1, 1_000_000)
-        for key, value in dict(labels or {}).items():
-            if not isinstance(key, str) or not key.strip() or not isinstance(value, str):
-                raise SpecError("label", f"{key}={value}", "must be KEY=VALUE with a non-empty key")
-        labels_json = json.dumps(dict(labels or {}), sort_keys=True)
+        # the rules host selectors follow: a label no selector could name is a typo
+        labels_json = json.dumps(check_host_selector("labels", labels), sort_keys=True)
 
         def op(conn, now):
             row = conn.execute(select(s.hosts).where(s.hosts.c.name == name)).first()
@@ -411,6 +454,7 @@ class PoolClient:
         self.set_host_state(name, HostState.DRAINING)
 
     def set_host_state(self, name: str, state: HostState | str) -> None:
+        _check_host("host", name)
         st = _check_host_state(state)
 
         def op(conn, now):
@@ -501,7 +545,9 @@ class PoolClient:
         workers still commit): it is re-issued under a new epoch, same slots, so fencing refuses
         whatever the earlier try still writes.
         """
-        avoid = sorted({_check_name("avoid_hosts", h) for h in avoid_hosts})
+        _check_name("job", job)
+        avoid = _check_hosts("avoid_hosts", avoid_hosts)
+        _check_flag("new_attempt", new_attempt)
 
         def op(conn, now):
             self._sync(conn, now)  # an overdue lease is not handed out again
@@ -550,7 +596,10 @@ class PoolClient:
         ``workers=0`` (the job stopped at a boundary after ``preempt``) ends the lease and returns
         all its slots, even if the plan has changed since; the job requests again later.
         """
+        _check_name("job", job)
+        _check_epoch(epoch)
         _check_int("workers", workers, 0, MAX_WORKERS_LIMIT)
+        placements = _check_placements(placements)
 
         def op(conn, now):
             self._sync(conn, now)
@@ -624,6 +673,10 @@ class PoolClient:
         elsewhere, and the slots do not show as free in the gap between two Airflow tasks.
         Parked slots are still the plan's to move: a shrink frees them at once. Returns True if
         the lease was live."""
+        _check_name("job", job)
+        _check_epoch(epoch)
+        _check_flag("finished", finished)
+        _check_flag("handover", handover)
         if finished and handover:
             raise SpecError("handover", handover, "a finished job has no next chunk to hand over to; "
                             "pass finished=True or handover=True, not both")
@@ -689,6 +742,8 @@ class PoolClient:
 
     def report_failure(self, job: str, host: str) -> None:
         """``job`` failed on ``host``: the job avoids it from now on; enough failures cool it."""
+        _check_name("job", job)
+        _check_host("host", host)
 
         def op(conn, now):
             row = self._job_row(conn, job)
@@ -710,6 +765,8 @@ class PoolClient:
 
     def check_epoch(self, job: str, epoch: int) -> None:
         """Raise :class:`LeaseExpiredError` unless ``epoch`` is the job's live lease."""
+        _check_name("job", job)
+        _check_epoch(epoch)
 
         def op(conn, now):
             self._job_row(conn, job)
@@ -836,6 +893,9 @@ class PoolClient:
         ``last`` N)."""
         if last is not None:
             _check_int("last", last, 1, 1_000_000)
+        _check_int("since_id", since_id, 0, MAX_EPOCH)
+        if job is not None:
+            _check_name("job", job)
 
         def op(conn, now):
             q = select(s.events).where(s.events.c.id > since_id)
@@ -856,6 +916,8 @@ class PoolClient:
         job's only (and the hosts as it used them), reading its events alone."""
         if hours is not None:
             check_number("hours", hours, minimum=0, exclusive=True, maximum=MAX_LOOKBACK_H)
+        if job is not None:
+            _check_name("job", job)
 
         def op(conn, now):
             # only the events that give or take slots: targets, submissions and the rest change
@@ -908,12 +970,14 @@ class PoolClient:
         return cached
 
     def _job_row(self, conn: Connection, job: str):
+        _check_name("job", job)  # every job-named call comes here (a list would reach the SQL)
         row = conn.execute(select(s.jobs).where(s.jobs.c.name == job)).first()
         if row is None:
             raise UnknownJobError(job)
         return row
 
     def _host_row(self, conn: Connection, host: str):
+        _check_host("host", host)
         row = conn.execute(select(s.hosts).where(s.hosts.c.name == host)).first()
         if row is None:
             raise UnknownHostError(host)

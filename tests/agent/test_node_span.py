@@ -62,10 +62,13 @@ def run_spanning(config, spec, *, grow_at=8, spans=(("host-b", (0, 1)),), applie
     """The chunk on ``leader`` with one slot there; 3 workers (spanning) once ``grow_at`` is trained.
     With ``leader_node`` (the leader's NodeAgent) the worker waits at iteration ``grow_at + 2``
     until that node has the grow, so the chunk cannot end before it grows, however slow the
-    machine (a gate file beside the checkpoints: the spec, and so its hash, is the same each run)."""
+    machine (a gate file beside the checkpoints: the spec, and so its hash, is the same each run).
+    Iterations are slowed too: the runner decides boundaries ~50 ms ahead, which for this tiny
+    model was the whole chunk, decided for 1 worker before the gate opened."""
     if leader_node is not None:
         gate = Path(spec.checkpoint_uri().removeprefix("file://")).parent / "grown"
-        spec = spec.replace(params={**spec.params, "hold_at": grow_at + 2, "hold_file": str(gate)})
+        spec = spec.replace(params={**spec.params, "hold_at": grow_at + 2, "hold_file": str(gate),
+                                    "sleep_s": 0.005})
         threading.Thread(target=open_when_grown, args=(leader_node, gate), daemon=True).start()
     seen = []
     client = NodeClient(config, accept_timeout_s=10.0, peer_timeout_s=5.0)

@@ -320,9 +320,10 @@ def test_the_expiry_a_heartbeat_finds_is_committed_before_it_raises(pool, clock)
 
 
 @pytest.mark.parametrize("setting", ["lease_ttl_s", "min_gain", "min_rescale_interval_s", "cooling_s"])
-@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-def test_pool_settings_must_be_finite(pool, setting, bad):
-    with pytest.raises(SpecError, match=f"invalid {setting}=.*: must be a finite number >= 0"):
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 1e300])
+def test_pool_settings_must_be_finite_and_bounded(pool, setting, bad):
+    """1e300 is finite, but a lease that long never expires: its dead holder's slots stay taken."""
+    with pytest.raises(SpecError, match=f"invalid {setting}=.*: must be a finite number [>]=? 0 and <= "):
         pool.configure(**{setting: bad})
 
 
@@ -370,8 +371,53 @@ def test_invalid_input_gets_clear_errors(pool):
     for bad_host in (" ", "a:b,c", ""):
         with pytest.raises(SpecError, match="invalid host=.*letters, digits"):
             pool.add_host(bad_host, 2)
-    with pytest.raises(SpecError, match="invalid label='=x'"):
+    with pytest.raises(SpecError, match="invalid labels=.*label name '' must be 1-63 letters"):
         pool.add_host("h1", 2, labels={"": "x"})
+
+
+def test_every_entry_point_refuses_malformed_values_before_they_reach_the_ledger(pool):
+    """Found by an adversarial probe: values that were stored as they came (a string iterated
+    into one-letter hosts, a name with a NUL), placements that matched no slot, and types the
+    database driver choked on (a raw OverflowError or ProgrammingError instead of a SpecError)."""
+    pool.add_host("h0", 4)
+    pool.submit("a", min_workers=1, max_workers=2)
+    g = pool.request("a")
+    huge = 2**63
+    cases = [
+        (lambda: pool.request("a", avoid_hosts="h0"), "avoid_hosts", "a list of host names"),
+        (lambda: pool.request("a", avoid_hosts={"h0": 1}), "avoid_hosts", "a list of host names"),
+        (lambda: pool.request("a", avoid_hosts=["bad host"]), "avoid_hosts", "letters, digits"),
+        (lambda: pool.request("a", new_attempt="yes"), "new_attempt", "true or false"),
+        (lambda: pool.request(huge), "job", "printable characters"),
+        (lambda: pool.request(["a"]), "job", "printable characters"),
+        (lambda: pool.submit("h\x00", min_workers=1, max_workers=1), "job", "printable"),
+        (lambda: pool.submit(" a", min_workers=1, max_workers=1), "job", "surrounding spaces"),
+        (lambda: pool.add_host("h1", 2, labels={"a b": "v"}), "labels", "label name 'a b'"),
+        (lambda: pool.add_host("h1", 2, labels={"k": "v" * 254}), "labels", "at most 253"),
+        (lambda: pool.set_host_state(huge, "up"), "host", "letters, digits"),
+        (lambda: pool.report_failure("a", True), "host", "letters, digits"),
+        (lambda: pool.heartbeat("a", True, workers=1), "epoch", "an integer"),
+        (lambda: pool.heartbeat("a", g.epoch, workers=1, placements=["h0:0"]), "placements", "pairs"),
+        (lambda: pool.heartbeat("a", g.epoch, workers=1, placements=[("h0",)]), "placements", "pairs"),
+        (lambda: pool.heartbeat("a", g.epoch, workers=1, placements=[("h0", -1)]), "placements", "integer"),
+        (lambda: pool.release("a", None), "epoch", "an integer"),
+        (lambda: pool.release("a", g.epoch, finished="no"), "finished", "true or false"),
+        (lambda: pool.events(since_id=None), "since_id", "an integer"),
+        (lambda: pool.events(since_id=huge), "since_id", "an integer"),
+        (lambda: pool.events(job=huge), "job", "printable"),
+        (lambda: pool.usage(job=["a"]), "job", "printable"),
+        (lambda: pool.configure(policy=[1]), "policy", "a policy name"),
+        (lambda: pool.configure(lease_ttl_s=2**63), "lease_ttl_s", "<= 86400"),
+    ]
+    before = pool.status()
+    for call, field, allowed in cases:
+        with pytest.raises(SpecError) as err:
+            call()
+        assert err.value.field == field and allowed in str(err.value), (field, str(err.value))
+    after = pool.status()
+    assert after["jobs"] == before["jobs"] and after["hosts"] == before["hosts"]
+    # well-formed placements still work: the job says it runs on its slot
+    assert pool.heartbeat("a", g.epoch, workers=2, placements=list(g.placements)).workers == 2
 
 
 def test_bad_urls_are_rejected(tmp_path):

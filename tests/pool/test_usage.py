@@ -18,7 +18,7 @@ from .cli_helper import run
 def scripted(url: str, clock) -> PoolClient:
     """h1 (4 slots), h2 (2); job a holds h1's 4 slots for an hour, job b h2's 2 from the half hour
     on; the ledger's clock stops at 1.5 h."""
-    pool = PoolClient(url, clock=clock, lease_ttl_s=1e6)
+    pool = PoolClient(url, clock=clock, lease_ttl_s=86_400)  # the most: no lease expires here
     pool.add_host("h1", 4)
     pool.add_host("h2", 2)
     t0 = clock.t

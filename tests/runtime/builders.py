@@ -35,7 +35,8 @@ class TinyMLP(Trainable):
     Test hooks (params): ``record_dir`` writes every sample id a rank trains on;
     ``fail_at`` raises a user error at that iteration's loss; ``nan_at`` returns NaN there;
     ``kill_rank``/``kill_at`` SIGKILL that rank once (a marker file makes it one-shot);
-    ``hold_at`` waits there until the file ``hold_file`` exists (a test's gate, at most 120 s).
+    ``hold_at`` waits there until the file ``hold_file`` exists (a test's gate, at most 120 s);
+    ``sleep_s`` slows every loss call (the runner then decides few boundaries ahead).
     """
 
     def __init__(self, **params: Any) -> None:
@@ -70,6 +71,8 @@ class TinyMLP(Trainable):
                 os.kill(os.getpid(), signal.SIGKILL)
         if p.get("hold_at") is not None and self._at(p["hold_at"]):
             _hold(Path(p["hold_file"]))
+        if p.get("sleep_s"):
+            time.sleep(float(p["sleep_s"]))
         if p.get("fail_at") is not None and self._at(p["fail_at"]):
             raise ValueError("tiny model refuses this batch")
         out = F.cross_entropy(model(x), y)
