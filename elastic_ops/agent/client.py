@@ -233,19 +233,24 @@ def drive_chunk(
     target (``current()``: workers, slots and spans) whenever it changes from ``sent``, hand
     progress and segment changes to the callbacks (``on_applied(iteration, workers, slots)``, plus
     the other hosts' slots in use when the agent sends them), return the result or raise the
-    chunk's error (``error(msg)``) or, when the channel ends first, ``lost(why)``."""
+    chunk's error (``error(msg)``) or, when the channel ends first, ``lost(why)``.
+
+    A target that cannot be sent (the agent has closed its side) is not yet a lost chunk: the
+    agent closes right after its last message, so the result of a chunk that just ended may be
+    waiting to be read; only the end of the channel, read, decides."""
+    unsent = ""  # why the last target could not be sent
     while True:
         try:
             msg = channel.read(timeout=poll_s)
         except EOFError as exc:
-            raise lost(str(exc)) from None
+            raise lost(f"{exc}; {unsent}" if unsent else str(exc)) from None
         now = current()
         if now != sent:
             try:
                 extra = {} if now[2] is None else {"spans": now[2]}
                 channel.send({"op": "target", "workers": now[0], "slots": now[1], **extra})
             except OSError as exc:
-                raise lost(str(exc)) from None
+                unsent = f"a target could not be sent ({exc})"
             sent = now
         if msg is None:
             continue

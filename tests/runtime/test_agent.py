@@ -190,6 +190,47 @@ def test_a_malformed_applied_message_is_a_protocol_error():
             applied_from_wire(bad)
 
 
+class _ClosedAfterResult:
+    """The agent's side of a chunk that just ended: its result is in the task's receive buffer
+    and it has closed its end, so a target the task sends now fails (EPIPE)."""
+
+    def __init__(self, result: dict) -> None:
+        self.messages = [None, {"type": "result", "result": result}]
+
+    def send(self, msg: dict) -> None:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def read(self, timeout: float | None = None) -> dict | None:
+        if not self.messages:
+            raise EOFError("the agent closed the connection")
+        return self.messages.pop(0)
+
+
+def test_a_target_the_agent_can_no_longer_take_does_not_lose_its_result():
+    """Seen under a real scheduler: the pool shrank a job just as its chunk ended; sending the
+    target failed because the agent had closed after its result, and the task raised
+    AgentLostError (a retry, slots released) for a chunk that had completed."""
+    from elastic_ops.agent.client import drive_chunk
+    from elastic_ops.agent.protocol import jsonable
+    from elastic_ops.runtime.outcome import ChunkResult
+
+    done = ChunkResult(status=ChunkStatus.COMPLETED, start=0, end=300, iteration=300, checkpoint_uri=None,
+                       loss=0.1, metrics={}, workers_timeline=[(0, 4, 0.0)], samples_per_sec=1.0,
+                       duration_s=1.0, param_sha256="ab" * 32)
+    targets = iter([(4, None, None), (3, None, None)])  # the shrink arrives as the chunk ends
+    result = drive_chunk(_ClosedAfterResult(jsonable(done.to_dict())), (4, None, None), lambda: next(targets),
+                         on_progress=None, on_applied=None, poll_s=0.01,
+                         lost=lambda why: AgentLostError(why), error=lambda msg: RuntimeError(msg))
+    assert result.status == ChunkStatus.COMPLETED and result.iteration == 300
+    # and a channel that ends without a result is still a lost chunk, saying why
+    ending = _ClosedAfterResult({})
+    ending.messages = [None]
+    targets = iter([(3, None, None)] * 3)
+    with pytest.raises(AgentLostError, match="closed the connection; a target could not be sent"):
+        drive_chunk(ending, (4, None, None), lambda: next(targets), on_progress=None, on_applied=None,
+                    poll_s=0.01, lost=lambda why: AgentLostError(why), error=lambda msg: RuntimeError(msg))
+
+
 def test_slots_on_the_wire_are_validated(agent, tmp_path):
     spec = make_spec(tmp_path)
     for bad in ([1, 1], [-1]):
