@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -27,6 +28,8 @@ from typing import Any
 
 from elastic_ops.agent.protocol import MAX_MESSAGE_BYTES, AgentProtocolError, decode
 from elastic_ops.errors import UNSET, SpecError
+
+log = logging.getLogger("elastic_ops.node")
 
 SECRET_ENV = "ELASTIC_OPS_NODE_SECRET"
 MIN_SECRET_CHARS = 16
@@ -114,6 +117,7 @@ class RedisChannel:
         self._lock = threading.Lock()
         self._seq_out = 0
         self._seq_in = 0
+        self.dropped = 0  # envelopes that did not verify, or repeated one already taken
         self._last_in = clock()
         self._closed = threading.Event()
         self._peer_closed = False
@@ -178,12 +182,25 @@ class RedisChannel:
                 return msg
 
     def _accept(self, raw: bytes) -> dict[str, Any] | None:
-        body = self.signer.open(self.inbox, raw)
+        # Anyone who can write to Redis can push onto a session's list, secret or not: what does
+        # not verify (or repeats a message already taken) is dropped, never the session's end,
+        # or one junk push would fail a running chunk. Only a gap in the signed sequence, a
+        # genuine message gone missing, is an error.
+        try:
+            body = self.signer.open(self.inbox, raw)
+        except AgentProtocolError as exc:
+            self.dropped += 1
+            log.warning("dropped a message on %s: %s", self.inbox, exc)
+            return None
         seq, kind = body.get("seq"), body.get("kind")
+        if type(seq) is int and seq <= self._seq_in:
+            self.dropped += 1
+            log.warning("dropped a replayed message %d on %s (at %d)", seq, self.inbox, self._seq_in)
+            return None
         if type(seq) is not int or seq != self._seq_in + 1:
             raise AgentProtocolError(
                 f"message {seq!r} on {self.inbox} out of order "
-                f"(expected {self._seq_in + 1}): replayed or lost"
+                f"(expected {self._seq_in + 1}): a message was lost"
             )
         self._seq_in = seq
         self._last_in = self.clock()
