@@ -29,11 +29,18 @@ class Channel(Protocol):
         """End this side; a ``read`` blocked in another thread returns soon after."""
 
 
-class SocketChannel:
-    """A connected stream socket: newline-delimited JSON (:mod:`elastic_ops.agent.protocol`)."""
+SEND_TIMEOUT_S = 30.0  # a peer that reads nothing for this long is gone (its buffer is full)
 
-    def __init__(self, sock: socket.socket) -> None:
+
+class SocketChannel:
+    """A connected stream socket: newline-delimited JSON (:mod:`elastic_ops.agent.protocol`).
+
+    A send that cannot complete within ``send_timeout_s`` (the peer stopped reading: frozen,
+    stopped, or hostile) raises ``TimeoutError``, an ``OSError``: the peer is gone."""
+
+    def __init__(self, sock: socket.socket, send_timeout_s: float = SEND_TIMEOUT_S) -> None:
         self.sock = sock
+        sock.settimeout(send_timeout_s)  # reads wait in select, so this bounds sends only
         self.reader = MessageReader(sock)
 
     def send(self, msg: dict[str, Any]) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import re
 import signal
@@ -215,12 +216,15 @@ class NodeAgent:
         if body.get("kind") != "run" or not isinstance(session, str) or not _SESSION_RE.fullmatch(session):
             self._refuse("malformed", "refused a run request: malformed envelope (kind %r)", body.get("kind"))
             return None
-        if not isinstance(issued, (int, float)) or not isinstance(msg, dict):
+        if isinstance(issued, bool) or not isinstance(issued, int | float) or not isinstance(msg, dict):
             self._refuse(
                 "malformed", "refused run request %s: needs a numeric 'issued' and an object 'msg'", session
             )
             return None
-        age = self.wall_clock() - float(issued)
+        try:
+            age = self.wall_clock() - float(issued)  # JSON has no NaN; a huge integer has no float
+        except OverflowError:
+            age = -math.inf
         if abs(age) > self.request_max_age_s:
             self._refuse(
                 "stale",

@@ -51,6 +51,7 @@ import os
 import select
 import socket
 import struct
+import time
 from typing import Any
 
 from elastic_ops import errors
@@ -145,14 +146,20 @@ def _require(
     return value
 
 
+MAX_INT = 2**63 - 1  # what the ledger, the store's names and C's integers hold
+MAX_SLOT = 1_000_000  # slots on one host (as the pool's add_host allows)
+
+
 def require_int(
-    msg: dict[str, Any], key: str, minimum: int = 0, *, optional: bool = False, field: str | None = None
+    msg: dict[str, Any], key: str, minimum: int = 0, *, optional: bool = False, field: str | None = None,
+    maximum: int = MAX_INT,
 ) -> int | None:
-    """``msg[key]`` as an integer >= ``minimum`` (``None`` if ``optional`` and absent); errors name
-    ``field`` (default ``key``)."""
-    value = _require(msg, key, (int,), f"an integer >= {minimum}", optional, field)
-    if value is not None and value < minimum:
-        raise SpecError(field or key, value, f"an integer >= {minimum}")
+    """``msg[key]`` as an integer in ``[minimum, maximum]`` (``None`` if ``optional`` and absent);
+    errors name ``field`` (default ``key``)."""
+    allowed = f"an integer in [{minimum}, {maximum}]"
+    value = _require(msg, key, (int,), allowed, optional, field)
+    if value is not None and not minimum <= value <= maximum:
+        raise SpecError(field or key, value, allowed)
     return value
 
 
@@ -170,11 +177,11 @@ def require_slots(msg: dict[str, Any], key: str = "slots") -> tuple[int, ...] | 
     value = msg.get(key)
     if value is None:
         return None
-    allowed = f"a list of at most {MAX_WORKERS_LIMIT} distinct integers >= 0 (GPU slot indices)"
+    allowed = f"a list of at most {MAX_WORKERS_LIMIT} distinct integers in [0, {MAX_SLOT}) (GPU slot indices)"
     if not isinstance(value, list) or len(value) > MAX_WORKERS_LIMIT:
         raise SpecError(key, value, allowed)
     for slot in value:
-        if isinstance(slot, bool) or not isinstance(slot, int) or slot < 0:
+        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < MAX_SLOT:
             raise SpecError(key, value, allowed)
     if len(set(value)) < len(value):
         raise SpecError(key, value, allowed)
@@ -404,19 +411,24 @@ class MessageReader:
         self.sock = sock
         self.buf = bytearray()
         self.closed = False
+        self._poller = select.poll()  # not select(): it cannot watch a descriptor above 1023
+        self._poller.register(sock, select.POLLIN)
 
     def read(self, timeout: float | None = None) -> dict[str, Any] | None:
-        """The next message; ``None`` if none arrived within ``timeout``; ``EOFError`` at the end."""
+        """The next message; ``None`` if none arrived within ``timeout`` (in all: a peer that
+        sends a byte now and then cannot keep it waiting longer); ``EOFError`` at the end."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             line = self._line()
             if line is not None:
                 return decode(line)
             if self.closed:
                 raise EOFError("the peer closed the connection")
-            if timeout is not None:
-                ready, _, _ = select.select([self.sock], [], [], timeout)
-                if not ready:
-                    return None
+            # wait here, not in recv: the socket's own timeout bounds sends (a peer that stops
+            # reading), and a blocking read must not end with it
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not self._poller.poll(None if left is None else left * 1000):
+                return None
             try:
                 data = self.sock.recv(65536)
             except (ConnectionResetError, BrokenPipeError) as exc:

@@ -47,9 +47,11 @@ from elastic_ops.agent.protocol import (
     trusted_peer,
 )
 from elastic_ops.errors import AgentLostError, SpecError, WorkerLostError
+from elastic_ops.spec import check_host_name
 
 log = logging.getLogger("elastic_ops.agent")
 
+MAX_CONNECTIONS = 256  # open at once (a thread each): chunks, pings and latest questions
 PROGRESS_EVERY_S = 0.5  # progress messages per chunk, at most (the last iteration always goes)
 RUN_KEYS = frozenset("op version spec start end epoch host workers slots spans store warm_start".split())
 
@@ -157,7 +159,7 @@ class ChunkSession:
             "start": require_int(req, "start"),
             "end": require_int(req, "end", 1),
             "epoch": require_int(req, "epoch"),
-            "host": require_str(req, "host"),
+            "host": check_host_name("host", require_str(req, "host")),  # it is logged
             "workers": require_int(req, "workers"),
             "slots": require_slots(req),
             "spans": require_spans(req),
@@ -173,8 +175,12 @@ class ChunkSession:
         with self._send_lock:
             try:
                 self.channel.send(msg)
-            except OSError:  # the task is gone; the reader thread sees it too and aborts
+            except OSError as exc:  # the task is gone, or reads nothing any more: its chunk ends
                 self.gone.set()
+                if not self.done.is_set():
+                    log.warning("job %s: cannot reach the task (%s); killing its workers",
+                                self.request["spec"].name, exc)
+                    self.launcher.abort()
 
     def target(self, iteration: int) -> int:
         with self._lock:
@@ -339,8 +345,9 @@ def end_sessions(
         log.info("stopping: killing the workers of %d running chunk(s)", len(running))
     for s in running:
         s.abort()
+    deadline = time.monotonic() + 60  # in all, not per thread
     for t in threads:
-        t.join(timeout=60)
+        t.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
 def latest_reply(req: dict[str, Any]) -> dict[str, Any]:
@@ -433,7 +440,7 @@ class Agent:
         finally:
             os.umask(old)
         os.chmod(self.path, 0o600)
-        sock.listen(64)
+        sock.listen(socket.SOMAXCONN)  # a burst of tasks must not find the queue full (EAGAIN)
         sock.settimeout(0.2)
         return sock
 
@@ -459,6 +466,11 @@ class Agent:
                         break
                     raise
                 n += 1
+                self._threads = [x for x in self._threads if x.is_alive()]
+                if len(self._threads) >= MAX_CONNECTIONS:
+                    log.warning("refused connection %d: %d connections open already", n, MAX_CONNECTIONS)
+                    conn.close()
+                    continue
                 t = threading.Thread(target=self._handle, args=(conn, n), name=f"conn-{n}", daemon=True)
                 t.start()
                 self._threads = [x for x in self._threads if x.is_alive()] + [t]

@@ -99,8 +99,9 @@ def _validate(req: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(seg, dict) or set(seg) != SEGMENT_KEYS or not isinstance(seg.get("spec"), dict):
         raise SpecError("segment", seg, f"an object with exactly {', '.join(sorted(SEGMENT_KEYS))}")
     spec = JobSpec.from_dict(seg["spec"])
-    start = require_int(seg, "start", field="segment.start")
-    end = require_int(seg, "end", 1, field="segment.end")
+    total = spec.total_iterations
+    start = require_int(seg, "start", field="segment.start", maximum=total - 1)
+    end = require_int(seg, "end", 1, field="segment.end", maximum=total)
     world = require_int(seg, "workers", 2, field="segment.workers")
     if world > MAX_WORKERS_LIMIT or not start < end:
         raise SpecError("segment", {"start": start, "end": end, "workers": world},
@@ -124,10 +125,11 @@ def _validate(req: dict[str, Any]) -> dict[str, Any]:
         raise SpecError("device", device, "'cpu' or 'cuda'")
     return {
         "spec": spec, "segment": {**seg, "start": start, "end": end, "workers": world,
-                                  "segment": require_int(seg, "segment", field="segment.segment")},
+                                  "segment": require_int(seg, "segment", field="segment.segment",
+                                                         maximum=total)},
         "master_addr": addr, "master_port": port, "rank_offset": offset, "count": count,
-        "group_rank": require_int(req, "group_rank", 1), "slots": slots, "device": device,
-        "threads_per_worker": require_int(req, "threads_per_worker", 1),
+        "group_rank": require_int(req, "group_rank", 1, maximum=MAX_WORKERS_LIMIT), "slots": slots,
+        "device": device, "threads_per_worker": require_int(req, "threads_per_worker", 1, maximum=256),
     }
 
 

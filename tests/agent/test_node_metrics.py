@@ -76,10 +76,11 @@ def test_refused_requests_are_counted_by_reason(redis_url, tmp_path):
             r.rpush(runs, envelope(Signer("not-the-cluster-secret!!"), time.time(), uuid.uuid4().hex))
             r.rpush(runs, b"not json")
             r.rpush(runs, envelope(config.signer(), time.time() - 3600, uuid.uuid4().hex))
+            r.rpush(runs, envelope(config.signer(), 10**400, uuid.uuid4().hex))  # no float: was a crash
             r.rpush(runs, envelope(config.signer(), time.time(), uuid.uuid4().hex, host="host-z"))
             r.set(config.session_key(replayed, "claimed"), "host-m")  # taken already
             r.rpush(runs, envelope(config.signer(), time.time(), replayed))
-            expected = {"unverified": 2, "stale": 1, "invalid": 1, "replay": 1}
+            expected = {"unverified": 2, "stale": 2, "invalid": 1, "replay": 1}
             wait_for(f"refusals {expected}", lambda: refused() == expected, 60)
             assert chunks(metrics) == []  # nothing ran
     finally:

@@ -147,11 +147,17 @@ def test_advertise_addresses_and_ranks_requests_are_validated():
     RanksSession(None, good, None, "b")  # valid
     bad = [({"count": 3}, "count"), ({"slots": [0]}, "slots"), ({"master_addr": "evil"}, "master_addr"),
            ({"master_port": 70000}, "master_port"), ({"device": "tpu"}, "device"),
-           ({"rank_offset": 0}, "rank_offset"), ({"extra": 1}, "request")]
+           ({"rank_offset": 0}, "rank_offset"), ({"extra": 1}, "request"),
+           # a signed request still gets no numbers its job could not have (probe finding)
+           ({"threads_per_worker": 10**9}, "threads_per_worker"), ({"group_rank": 10**30}, "group_rank"),
+           ({"slots": [0, 10**18]}, "slots"),
+           ({"segment": {**good["segment"], "start": 10**30}}, "segment.start"),
+           ({"segment": {**good["segment"], "end": 31}}, "segment.end"),  # past the job's 30
+           ({"segment": {**good["segment"], "segment": 10**30}}, "segment.segment")]
     for change, field in bad:
         with pytest.raises(SpecError) as err:
             RanksSession(None, {**good, **change}, None, "b")
-        assert err.value.field == field
+        assert err.value.field == field, (change, err.value.field)
 
 
 def test_a_follower_node_killed_outright_fails_the_chunk_naming_its_host(cluster, tmp_path):

@@ -233,10 +233,10 @@ def test_a_target_the_agent_can_no_longer_take_does_not_lose_its_result():
 
 def test_slots_on_the_wire_are_validated(agent, tmp_path):
     spec = make_spec(tmp_path)
-    for bad in ([1, 1], [-1]):
+    for bad in ([1, 1], [-1], [10**18]):
         with pytest.raises(SpecError) as err:
             run_on(agent, spec, slots=lambda bad=bad: bad)
-        assert err.value.field == "slots" and "distinct integers >= 0" in str(err.value)
+        assert err.value.field == "slots" and "distinct integers in [0, 1000000)" in str(err.value)
     assert require_slots(json.loads(encode({"slots": [4, 0]}))) == (4, 0)  # round trip
     assert require_slots({}) is None and require_slots({"slots": None}) is None
     for bad in (["0"], [True], [1.0], "0,1", {"0": 1}, list(range(4097))):
@@ -258,6 +258,10 @@ def test_slots_on_the_wire_are_validated(agent, tmp_path):
     err = error_from_wire(msg)
     assert type(err) is SpecError and err.field == "slots", msg
     wait_for("the chunk to end", lambda: not agent.sessions)
+    # a host name is logged: a newline in it would forge a log line; an epoch names files
+    for field, value in (("host", "h1\n2026-11-30 INFO forged"), ("epoch", 10**30)):
+        reply = raw_exchange(agent.path, line({**run, field: value}))
+        assert reply["type"] == "error" and error_from_wire(reply).field == field, reply
 
 
 def test_a_killed_worker_is_a_retryable_worker_lost_error_naming_the_host(agent, tmp_path):
@@ -518,3 +522,104 @@ def _answers(path: str) -> bool:
         return AgentClient(path).ping()["type"] == "pong"
     except AgentUnavailableError:
         return False
+
+
+def test_a_peer_that_stops_reading_is_gone_after_the_send_timeout_not_never():
+    """Probe finding: a task that kept its connection but read nothing hung its chunk for good
+    once the socket's buffer was full (the agent's send blocked the runner's thread)."""
+    from elastic_ops.agent.channel import SocketChannel
+
+    agent_side, task_side = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        channel = SocketChannel(agent_side, send_timeout_s=0.3)
+        big = {"type": "progress", "pad": "x" * 65536}
+        t0 = time.monotonic()
+        with pytest.raises(OSError):  # TimeoutError
+            for _ in range(10_000):
+                channel.send(big)
+        assert time.monotonic() - t0 < 30
+        # reads still wait as long as asked (the timeout bounds sends only)
+        t0 = time.monotonic()
+        assert channel.read(timeout=0.5) is None and time.monotonic() - t0 >= 0.45
+    finally:
+        agent_side.close()
+        task_side.close()
+
+
+def test_a_chunk_whose_task_cannot_be_reached_has_its_workers_killed(tmp_path):
+    from elastic_ops.agent.server import ChunkSession
+
+    class Unreachable:
+        def send(self, msg):
+            raise TimeoutError("timed out")
+
+        def read(self, timeout=None):
+            return None
+
+        def close(self):
+            pass
+
+    class Launcher:
+        aborted = 0
+
+    spec = make_spec(tmp_path)
+    store = {"uri": spec.checkpoint_uri(), "keep_last": 3, "keep_every": None}
+    request = {"op": "run", "version": 1, "spec": spec.to_dict(), "start": 0, "end": 30, "epoch": 1,
+               "host": "h1", "workers": 1, "slots": None, "store": store, "warm_start": None}
+    session = ChunkSession(Unreachable(), request, Launcher())
+    killed = []
+    session.launcher.abort = lambda: killed.append(True)
+    session.send({"type": "progress"})
+    assert session.gone.is_set() and killed == [True]
+
+
+def test_connections_past_the_cap_are_refused_and_the_agent_serves_on(agent, monkeypatch):
+    """Each connection is a thread: a client opening many (idle, or feeding a byte now and then)
+    cannot grow the agent without bound. Past the cap a connection is closed at once."""
+    from elastic_ops.agent import server
+
+    monkeypatch.setattr(server, "MAX_CONNECTIONS", len([t for t in agent._threads if t.is_alive()]) + 2)
+    held = []
+    try:
+        for _ in range(2):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(agent.path)
+            held.append(s)
+        time.sleep(0.5)  # accepted, each in its thread, waiting for a request
+        extra = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        extra.connect(agent.path)
+        held.append(extra)
+        extra.settimeout(10)
+        assert extra.recv(1) == b""  # closed without a word
+    finally:
+        for s in held:
+            s.close()
+    monkeypatch.undo()
+    time.sleep(0.5)
+    assert raw_exchange(agent.path, line({"op": "ping", "version": 1}))["type"] == "pong"
+
+
+def test_a_read_timeout_is_a_total_a_trickling_peer_cannot_stretch_it():
+    """Probe finding: the agent's 30 s wait for a first request restarted at every byte, so a
+    client sending one byte now and then held a connection (and its thread) open for ever."""
+    from elastic_ops.agent.protocol import MessageReader
+
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    stop = threading.Event()
+
+    def trickle() -> None:
+        while not stop.wait(0.05):
+            with contextlib.suppress(OSError):
+                b.sendall(b"x")
+
+    thread = threading.Thread(target=trickle, daemon=True)
+    thread.start()
+    try:
+        t0 = time.monotonic()
+        assert MessageReader(a).read(timeout=0.5) is None
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        stop.set()
+        thread.join(5)
+        a.close()
+        b.close()
