@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import os
 import sys
 import time
@@ -298,11 +299,8 @@ class LocalBackend:
     def delete_if(self, key: str, data: bytes) -> bool:
         # Creates need the key absent (os.link), so only another delete_if could swap the bytes
         # between the read and the unlink: an exclusive lock on the store makes the pair atomic.
-        import fcntl
-
         path = self._path(key)
         with _os_errors(self.uri, key):
-            self.root.mkdir(parents=True, exist_ok=True)
             with open(self.root / _LOCK_NAME, "a+b") as lock:
                 fcntl.flock(lock, fcntl.LOCK_EX)
                 try:
