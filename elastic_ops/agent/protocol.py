@@ -312,12 +312,14 @@ class StoreConfig:
         keep_every = require_int(value, "keep_every", 1, optional=True, field=f"{field}.keep_every")
         return cls(uri=uri, keep_last=3 if keep_last is None else keep_last, keep_every=keep_every, s3=s3)
 
-    def open(self) -> Any:
-        """Open the store (imports the checkpoint layer, hence torch: call it in the agent)."""
+    def open(self, *, create: bool = True) -> Any:
+        """Open the store (imports the checkpoint layer, hence torch: call it in the agent);
+        ``create=False``: only to read it (a local directory is not created)."""
         from elastic_ops.checkpoint import open_store
 
         client = self.s3.client() if self.s3 is not None else None
-        return open_store(self.uri, s3_client=client, keep_last=self.keep_last, keep_every=self.keep_every)
+        return open_store(self.uri, s3_client=client, keep_last=self.keep_last, keep_every=self.keep_every,
+                          create=create)
 
 
 # --- errors on the wire ----------------------------------------------------------------------

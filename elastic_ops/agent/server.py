@@ -357,7 +357,8 @@ def latest_reply(req: dict[str, Any]) -> dict[str, Any]:
     spec_hash = req.get("spec_hash")
     if spec_hash is not None and not isinstance(spec_hash, str):
         raise SpecError("spec_hash", spec_hash, "a string or null")
-    ref = store.open().latest(spec_hash=spec_hash, decode=False)
+    # a question creates nothing: a store that does not exist holds no checkpoint
+    ref = store.open(create=False).latest(spec_hash=spec_hash, decode=False)
     return {"type": "latest", "iteration": ref.iteration if ref else None, "uri": ref.uri if ref else None,
             "metrics": dict(ref.metrics) if ref else None}
 

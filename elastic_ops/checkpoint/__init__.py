@@ -53,11 +53,13 @@ def open_store(
     keep_every: int | None = None,
     clock: Callable[[], float] | None = None,
     checksum: Checksum | str = DEFAULT_CHECKSUM,
+    create: bool = True,
     **backend_options: Any,
 ) -> CheckpointStore:
     """Open the checkpoint store at ``uri``.
 
-    ``file:///abs/path`` — a local (or shared-filesystem) directory, created if missing.
+    ``file:///abs/path`` — a local (or shared-filesystem) directory, created if missing (unless
+    ``create=False``: a store only read, e.g. to answer "which is the latest checkpoint?").
     ``s3://bucket/prefix`` — S3 or any S3-compatible store. ``s3_client`` is a ready boto3 S3
     client (the Airflow layer builds it from an ``aws`` connection, with its endpoint_url);
     without one, boto3's standard credential chain and ``AWS_ENDPOINT_URL(_S3)`` apply.
@@ -79,7 +81,7 @@ def open_store(
             raise SpecError("checkpoint", uri, _ALLOWED_URI, hint="note the three slashes in file:///")
         if backend_options or s3_client is not None:
             raise SpecError("checkpoint", uri, "s3_client and S3 options only apply to s3:// URIs")
-        backend: Backend = LocalBackend(unquote(parsed.path).rstrip("/") or "/")
+        backend: Backend = LocalBackend(unquote(parsed.path).rstrip("/") or "/", create=create)
     elif parsed.scheme == "s3":
         from elastic_ops.checkpoint.s3 import S3Backend  # boto3 only when needed
 

@@ -89,13 +89,15 @@ class _EarlyWriteback:
 class LocalBackend:
     remote = False
 
-    def __init__(self, root: str | os.PathLike[str]) -> None:
+    def __init__(self, root: str | os.PathLike[str], *, create: bool = True) -> None:
         self.root = Path(root)
         if not self.root.is_absolute():
             raise StoragePermanentError(
                 f"checkpoint directory {str(root)!r} is not absolute", hint="use file:///absolute/path"
             )
         self.uri = f"file://{self.root}"
+        if not create:
+            return  # read only: a missing directory holds no checkpoint
         try:
             with _os_errors(self.uri):
                 self.root.mkdir(parents=True, exist_ok=True)

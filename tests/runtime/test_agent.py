@@ -73,6 +73,10 @@ def test_a_chunk_on_the_agent_equals_the_same_chunk_in_process(agent, tmp_path, 
     assert (iteration, uri, metrics["param_sha256"]) == (30, result.checkpoint_uri, reference)
     assert metrics["loss"] == result.loss  # the chunk end's metrics travel too (stop_when reads them)
     assert open_store(spec.checkpoint).latest().metrics["param_sha256"] == reference
+    # a question about a store that does not exist answers "none" and creates nothing there
+    nowhere = StoreConfig(f"file://{tmp_path}/not/here")
+    assert AgentClient(agent.path).latest(nowhere, spec.spec_hash()) is None
+    assert not (tmp_path / "not").exists()
 
 
 def bitwise_reference(tmp_path, iterations: int) -> str:
