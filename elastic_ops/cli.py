@@ -50,7 +50,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except SpecError as exc:
         flag = getattr(args, "flags", {}).get(exc.field)  # the option the value came from
-        shown = SpecError(flag, exc.value, exc.allowed, hint=exc.hint) if flag else exc
+        shown = exc.naming(flag) if flag else exc
         print(f"elastic-ops: error: {shown}", file=sys.stderr)
         return 2
     except ElasticOpsError as exc:

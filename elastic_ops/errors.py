@@ -42,6 +42,11 @@ class SpecError(ElasticOpsError, ValueError):
         shown = f"missing {field}" if value is UNSET else f"invalid {field}={value!r}"
         super().__init__(f"{shown}: {allowed}", hint=hint)
 
+    def naming(self, field: str) -> SpecError:
+        """The same error about ``field``: the name the user gave the value under (an option,
+        an environment variable) rather than the parameter it became."""
+        return type(self)(field, self.value, self.allowed, hint=self.hint)
+
 
 class EntrypointError(SpecError):
     """The entrypoint cannot be imported or is not a Trainable / script."""

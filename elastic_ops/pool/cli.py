@@ -157,7 +157,7 @@ def _client(args: argparse.Namespace):
     except SpecError as exc:
         if exc.field != "url":
             raise
-        raise SpecError(source, exc.value, exc.allowed, hint=exc.hint) from None
+        raise exc.naming(source) from None
 
 
 def parse_labels(items: Sequence[str]) -> dict[str, str]:
