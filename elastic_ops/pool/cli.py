@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from collections.abc import Sequence
 
 from elastic_ops.pool import report
@@ -208,7 +209,12 @@ def _status(args: argparse.Namespace) -> None:
 def _events(args: argparse.Namespace) -> None:
     import datetime as dt
 
-    for e in _client(args).events(args.job):
+    events = _client(args).events(args.job)
+    if not events and not args.json:
+        # an empty table would look like a hang or a typo'd job gone unnoticed; JSON lines stay empty
+        where = f" for job {args.job!r} (`elastic-ops pool status` lists the jobs)" if args.job else ""
+        print(f"no events{where}", file=sys.stderr)
+    for e in events:
         if args.json:
             print(json.dumps(e, sort_keys=True))
             continue

@@ -280,6 +280,21 @@ class _Runner:
 
     # --- one segment ------------------------------------------------------------------------
 
+    def _span_address(self, workers: int, here: int, remote: tuple[RemotePart, ...]) -> str | None:
+        """Where the other hosts' ranks reach this host's, for a segment spanning hosts (None for
+        one on this host alone); refused before anything is announced or launched when this
+        launcher has none (the per-host agent, a plain local run)."""
+        if not remote:
+            return None
+        address = getattr(self.launcher, "address", None)
+        if not address:
+            raise SpecError(
+                "workers", workers, f"at most the {here} worker(s) this host has slots for",
+                hint="this launcher has no address the other hosts can reach "
+                "(elastic-ops node --advertise-addr)",
+            )
+        return address
+
     def run_segment(
         self,
         index: int,
@@ -302,13 +317,7 @@ class _Runner:
         launch_slots = placement[0] if placement is not None else None
         here, remote = layout
         # across hosts the store listens where the other hosts reach this one (the node's address)
-        address = getattr(self.launcher, "address", None) if remote else None
-        if remote and not address:
-            raise SpecError(
-                "workers", workers, f"at most the {here} worker(s) this host has slots for",
-                hint="this launcher has no address the other hosts can reach "
-                "(elastic-ops node --advertise-addr)",
-            )
+        address = self._span_address(workers, here, remote)
         store = loopback_store(address or "127.0.0.1")
         cfg = {
             "spec": self.spec.to_dict(),
@@ -520,6 +529,7 @@ class _Runner:
             self.timeline.append((it, workers, time.time()))
             here, parts = place(workers, *placement) if placement is not None else (workers, ())
             slots = placement[0][:here] if placement is not None else None
+            self._span_address(workers, here, parts)  # a refusal is not announced as applied first
             if self.on_segment is not None:
                 if self.spans_fn is None:
                     self.on_segment(it, workers, slots)

@@ -50,6 +50,20 @@ def test_pool_url_flag_and_clear_errors(tmp_path, capsys):
     assert "known policies" in capsys.readouterr().err
 
 
+def test_events_for_a_job_without_events_says_so(sqlite_url, monkeypatch, capsys):
+    """An unknown (or mistyped) job is not an empty table that looks like success."""
+    monkeypatch.setenv("ELASTIC_OPS_POOL_URL", sqlite_url)
+    assert run(["pool", "add-host", "gpu-0", "8"]) == 0
+    capsys.readouterr()
+    assert run(["pool", "events", "--job", "trian"]) == 0
+    out = capsys.readouterr()
+    assert out.out == "" and "no events for job 'trian'" in out.err and "pool status" in out.err
+    assert run(["pool", "events", "--job", "trian", "--json"]) == 0
+    assert capsys.readouterr() == ("", "")  # JSON lines: nothing to parse, nothing on stderr
+    assert run(["pool", "events"]) == 0
+    assert "host" in capsys.readouterr().out  # the add-host event
+
+
 def test_prune_events_command(sqlite_url, monkeypatch, capsys):
     monkeypatch.setenv("ELASTIC_OPS_POOL_URL", sqlite_url)
     assert run(["pool", "add-host", "gpu-0", "8"]) == 0

@@ -268,6 +268,20 @@ def test_slots_on_the_wire_are_validated(agent, tmp_path):
         assert reply["type"] == "error" and error_from_wire(reply).field == field, reply
 
 
+def test_a_span_sent_to_the_per_host_agent_is_refused_before_anything_is_announced(agent, tmp_path):
+    """The per-host agent cannot lead a segment across hosts: its first reply is the refusal, not
+    an ``applied`` for workers that never start."""
+    spec = make_spec(tmp_path)
+    run = {"op": "run", "version": 1, "spec": spec.to_dict(), "start": 0, "end": 30, "epoch": 1,
+           "host": "h1", "workers": 2, "slots": [0], "spans": [["h2", [0]]],
+           "store": store_of(spec).to_wire()}
+    reply = raw_exchange(agent.path, line(run), timeout=120)
+    assert reply["type"] == "error", reply
+    err = error_from_wire(reply)
+    assert type(err) is SpecError and err.field == "workers" and "advertise-addr" in str(err), reply
+    wait_for("the chunk to end", lambda: not agent.sessions)
+
+
 def test_a_killed_worker_is_a_retryable_worker_lost_error_naming_the_host(agent, tmp_path):
     params = {"kill_at": 17, "kill_rank": 1, "marker": str(tmp_path / "killed-once")}
     spec = make_spec(tmp_path, params=params)
