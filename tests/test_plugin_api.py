@@ -105,7 +105,7 @@ def test_an_operator_controls_jobs_hosts_and_settings(tmp_path, monkeypatch):
     ("POST", "/jobs/nope/priority", {"priority": 3}, 404, "unknown job 'nope'"),
     ("POST", "/jobs/nope/preemptible", {"preemptible": True}, 404, "unknown job 'nope'"),
     ("POST", "/hosts/nope/state", {"state": "down"}, 404, "unknown host 'nope'"),
-    ("PATCH", "/settings", {"policy": "fastest"}, 400, "unknown policy 'fastest'"),
+    ("PATCH", "/settings", {"policy": "fastest"}, 400, "invalid policy='fastest'"),
     ("PATCH", "/settings", {"lease_ttl_s": 0}, 400, "lease_ttl_s"),
     ("PATCH", "/settings", {"failure_threshold": 0}, 400, "failure_threshold"),
     ("PUT", "/hosts/bad%20name", {"slots": 2}, 400, "host"),

@@ -49,6 +49,7 @@ from elastic_ops.pool.model import (
     Slot,
     Snapshot,
     TargetAction,
+    check_aging,
     outside,
 )
 from elastic_ops.pool.policies import POLICIES, get_policy
@@ -176,15 +177,18 @@ def _check_config(changes: dict[str, Any]) -> dict[str, Any]:
         if key not in CONFIG_FIELDS:
             raise SpecError(key, value, f"unknown pool setting; known: {', '.join(CONFIG_FIELDS)}")
         if key == "policy":
-            if not isinstance(value, str):
-                raise SpecError("policy", value, f"must be a policy name, one of {', '.join(POLICIES)}")
-            get_policy(value)
+            if not isinstance(value, str) or value not in POLICIES:  # a SpecError names the option
+                known = ", ".join(sorted(POLICIES))
+                raise SpecError("policy", value, f"must be a policy name, one of {known}")
         elif key == "preemption":
             if value not in ("none", "graceful"):
                 raise SpecError("preemption", value, "must be one of 'none', 'graceful'")
             value = Preemption(value).value
         elif key == "failure_threshold":
             _check_int(key, value, 1, 1_000_000)
+        elif key == "aging_s":
+            check_aging(key, value)
+            check_number(key, value, minimum=0, maximum=MAX_SETTING)
         else:
             # a lease that outlives every heartbeat gap by days would keep a dead holder's slots
             most = MAX_LEASE_TTL_S if key == "lease_ttl_s" else MAX_SETTING
@@ -524,6 +528,7 @@ class PoolClient:
                     f"priority {priority} preemptible {preemptible}{on}",
                 )
             else:
+                self._check_unpreemptible_min(conn, job, min_workers, preemptible)
                 if row.state == JobState.FINISHED.value:  # a rerun (the DAG run was cleared)
                     values.update(
                         state=JobState.WAITING.value, waiting_since=now, submitted=now, avoid_hosts="[]"
@@ -783,22 +788,26 @@ class PoolClient:
         """Change a job's demand. A job that may not be preempted and holds fewer slots than the
         new minimum would have to be preempted to honour it: refused."""
         _check_bounds(min_workers, max_workers)
-
-        def check(conn: Connection, row: Any) -> None:
-            held = len(self._held(conn, job))
-            if not row.preemptible and 0 < held < min_workers:
-                raise SpecError(
-                    "min_workers", min_workers,
-                    f"must be <= the {held} slots job {job!r} holds: it may not be preempted",
-                    hint="raise it once the job has released its slots, or make it preemptible",
-                )
-
         self._update_job(
             job,
             {"min_workers": min_workers, "max_workers": max_workers},
             f"bounds -> {min_workers}..{max_workers}",
-            check=check,
+            check=lambda conn, row: self._check_unpreemptible_min(conn, job, min_workers, row.preemptible),
         )
+
+    def _check_unpreemptible_min(
+        self, conn: Connection, job: str, min_workers: int, preemptible: bool
+    ) -> None:
+        """A job that may not be preempted and holds fewer slots than its minimum would have to be
+        preempted to honour it: the change that would make it so is refused (bounds, submit,
+        preemptible)."""
+        held = len(self._held(conn, job))
+        if not preemptible and 0 < held < min_workers:
+            raise SpecError(
+                "min_workers", min_workers,
+                f"must be <= the {held} slots job {job!r} holds: it may not be preempted",
+                hint="raise it once the job has released its slots, or make it preemptible",
+            )
 
     def set_selector(self, job: str, selector: Mapping[str, str] | None) -> None:
         """Change the labels a job's hosts must carry (``{}``/None: any host). Slots it holds on
@@ -810,7 +819,9 @@ class PoolClient:
     def set_preemptible(self, job: str, preemptible: bool) -> None:
         if not isinstance(preemptible, bool):
             raise SpecError("preemptible", preemptible, "must be true or false")
-        self._update_job(job, {"preemptible": preemptible}, f"preemptible -> {preemptible}")
+        self._update_job(job, {"preemptible": preemptible}, f"preemptible -> {preemptible}",
+                         check=lambda conn, row: self._check_unpreemptible_min(
+                             conn, job, row.min_workers, preemptible))
 
     def _update_job(
         self,

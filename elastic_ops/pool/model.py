@@ -14,6 +14,7 @@ import functools
 from collections.abc import Iterable, Mapping, Sequence
 
 from elastic_ops.errors import SpecError
+from elastic_ops.spec import check_number
 
 Slot = tuple[str, int]  # (host name, slot index on that host)
 
@@ -140,10 +141,22 @@ class PolicyConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "preemption", _preemption(self.preemption))
-        for field in ("min_rescale_interval_s", "min_gain", "aging_s"):
-            value = getattr(self, field)
-            if not isinstance(value, int | float) or value < 0:
-                raise SpecError(field, value, "must be a number >= 0")
+        for field in ("min_rescale_interval_s", "min_gain"):
+            check_number(field, getattr(self, field), minimum=0)
+        check_aging("aging_s", self.aging_s)
+
+
+MIN_AGING_S = 1.0
+
+
+def check_aging(field: str, value: object) -> float:
+    """``aging_s``: 0 (no aging) or at least a second. A smaller one lifts a waiting job's
+    priority past what a float ranks exactly (at 1e-320 the arithmetic overflows), and the two
+    policy implementations would rank such jobs differently."""
+    check_number(field, value, minimum=0)
+    if 0 < value < MIN_AGING_S:  # type: ignore[operator]
+        raise SpecError(field, value, f"must be 0 (no aging) or >= {MIN_AGING_S:g} second")
+    return value  # type: ignore[return-value]
 
 
 def _preemption(value: object) -> Preemption:

@@ -144,12 +144,24 @@ def _scan(jobs: Iterable[Job], up: dict[str, int]) -> tuple[dict[str, list[int]]
     return taken, held_up
 
 
+SETTLE_AFTER = 8  # exact freeze rounds before a chain of freezes is settled in one step
+
+
 def _targets(snap, share: ShareFn, ordered: list[Job], up: dict[str, int], capacity: int, held_up: list[int]):
     caps = [_cap(j, up, capacity) for j in ordered]
     frozen: dict[int, str] = {}
-    # Freezing only ever grows the frozen set, so this reaches a fixed point; the bound keeps the
-    # worst case cheap (what is still unfrozen after it simply follows the last round).
-    for _ in range(6):
+    # Freezing only ever grows the frozen set, so this reaches a fixed point. A round usually
+    # freezes every job it must, but freezing one job can shrink the next (N equal jobs that may
+    # not shrink, one newcomer: one job a round). After SETTLE_AFTER rounds the chain is cut in one
+    # step: every free job that a rule other than min_gain could freeze (the reasons a shrink to 0
+    # would meet) keeps what it holds, and the last round shares among the rest; min_gain, a
+    # preference, does not hold anyone back in it. The last round's targets are always the plan.
+    for rnd in range(SETTLE_AFTER + 1):
+        if rnd == SETTLE_AFTER:
+            for i in range(len(ordered)):
+                why = None if i in frozen else _freeze_reason(ordered[i], held_up[i], 0, snap)
+                if why:
+                    frozen[i] = why
         free_idx = [i for i in range(len(ordered)) if i not in frozen]
         cap_left = capacity - sum(held_up[i] for i in frozen)
         part, left_out = _share_round(
@@ -166,7 +178,7 @@ def _targets(snap, share: ShareFn, ordered: list[Job], up: dict[str, int], capac
                 if r:
                     new[i] = r
             admitted_above = admitted_above or (held_up[i] == 0 and targets[i] > 0)
-        if not new:
+        if not new or rnd == SETTLE_AFTER:
             break
         frozen.update(new)
     reasons = [f"share {t} of {cap_left}" for t in targets]

@@ -63,7 +63,7 @@ from elastic_ops.pool.model import (
     Snapshot,
     TargetAction,
 )
-from elastic_ops.pool.plain_policies import MOVING, PLAIN, effective_priority, order_key
+from elastic_ops.pool.plain_policies import MOVING, PLAIN, SETTLE_AFTER, effective_priority, order_key
 from elastic_ops.pool.shares import strict_fill_array, weighted_fill_array
 
 __all__ = ["POLICIES", "VECTORISED", "decide", "effective_priority", "get_policy", "make_policy", "order_key"]
@@ -525,9 +525,13 @@ def _targets(t: _Table, share: ShareFn, held_up, hs: _Hosts, snap: Snapshot):
     n = t.n
     frozen: dict[int, str] = {}
     is_free = np.ones(n, dtype=bool)
-    # Freezing only ever grows the frozen set, so this reaches a fixed point; the bound keeps the
-    # worst case cheap (what is still unfrozen after it simply follows the last round).
-    for _ in range(6):
+    # A fixed point, with a long chain of freezes cut after SETTLE_AFTER rounds: see
+    # plain_policies._targets (a shrink to 0 meets every rule but min_gain)
+    for rnd in range(SETTLE_AFTER + 1):
+        if rnd == SETTLE_AFTER:
+            hard = _freeze(t, held_up, np.where(is_free, 0, held_up), is_free, snap)
+            frozen.update(hard)
+            is_free[list(hard)] = False
         free_idx = np.flatnonzero(is_free)
         cap_left = capacity - int(held_up[~is_free].sum())
         mins, fcaps = t.mins[free_idx], caps[free_idx]
@@ -537,7 +541,7 @@ def _targets(t: _Table, share: ShareFn, held_up, hs: _Hosts, snap: Snapshot):
         a = free_idx[admitted]
         targets[a] = share(mins[admitted], fcaps[admitted], t.prio[a], t.eff[a], cap_left)
         new = _freeze(t, held_up, targets, is_free, snap)
-        if not new:
+        if not new or rnd == SETTLE_AFTER:
             break
         frozen.update(new)
         is_free[list(new)] = False

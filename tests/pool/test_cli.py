@@ -47,7 +47,7 @@ def test_pool_url_flag_and_clear_errors(tmp_path, capsys):
     assert run(["pool", "--pool-url", url, "set-priority", "ghost", "3"]) == 2
     assert "elastic-ops: error: unknown job 'ghost'" in capsys.readouterr().err
     assert run(["pool", "--pool-url", url, "configure", "--policy", "nope"]) == 2
-    assert "known policies" in capsys.readouterr().err
+    assert "invalid --policy='nope': must be a policy name, one of fairshare" in capsys.readouterr().err
 
 
 def test_events_for_a_job_without_events_says_so(sqlite_url, monkeypatch, capsys):

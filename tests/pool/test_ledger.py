@@ -11,7 +11,6 @@ from elastic_ops.errors import (
     SpecError,
     UnknownHostError,
     UnknownJobError,
-    UnknownPolicyError,
 )
 from elastic_ops.pool import Grant, PoolClient, TargetAction, Wait
 from elastic_ops.pool.policies import SMALL_CLUSTER, SMALL_SNAPSHOT_JOBS
@@ -152,10 +151,19 @@ def test_a_host_cannot_shrink_under_running_jobs(pool):
 
 
 def test_a_non_preemptible_jobs_minimum_cannot_rise_above_what_it_holds(pool):
-    grant(pool, "np", min_workers=2, max_workers=2, preemptible=False)
+    g = grant(pool, "np", min_workers=2, max_workers=2, preemptible=False)
+    grant(pool, "filler", min_workers=2, max_workers=2)  # h0's other 2 slots: no room to grow
     with pytest.raises(SpecError, match="invalid min_workers=3: must be <= the 2 slots job 'np' holds"):
         pool.set_bounds("np", 3, 4)
-    pool.set_bounds("np", 1, 4)  # within what it holds: fine
+    pool.set_bounds("np", 1, 2)  # within what it holds: fine
+    # the same change by the other ways in (register submits the spec again at a run's start)
+    with pytest.raises(SpecError, match="invalid min_workers=3: must be <= the 2 slots job 'np' holds"):
+        pool.submit("np", min_workers=3, max_workers=4, preemptible=False)
+    pool.set_preemptible("np", True)
+    pool.set_bounds("np", 3, 4)  # preemptible now: it may be preempted to honour it
+    with pytest.raises(SpecError, match="invalid min_workers=3: must be <= the 2 slots job 'np' holds"):
+        pool.set_preemptible("np", False)  # still holding 2 until it reports the preemption
+    assert pool.heartbeat("np", g.epoch, workers=2).workers == 0
 
 
 def test_drained_host_takes_no_new_grants(pool):
@@ -327,6 +335,15 @@ def test_pool_settings_must_be_finite_and_bounded(pool, setting, bad):
         pool.configure(**{setting: bad})
 
 
+@pytest.mark.parametrize("bad", [1e-320, 1e-9, 0.5, float("nan"), 1e300])
+def test_aging_is_off_or_at_least_a_second(pool, bad):
+    """1e-320 raised an OverflowError in the policy at the next re-plan; 1e-9 made the two
+    policy implementations rank long-waiting jobs differently."""
+    with pytest.raises(SpecError, match=r"invalid aging_s="):
+        pool.configure(aging_s=bad)
+    assert pool.configure(aging_s=0)["aging_s"] == 0
+
+
 def test_an_unreachable_ledger_is_a_retryable_error_without_the_password():
     with pytest.raises(LedgerUnavailableError) as err:
         PoolClient("postgresql+psycopg2://pool:S3cretPW@127.0.0.1:1/pool")
@@ -362,7 +379,7 @@ def test_invalid_input_gets_clear_errors(pool):
         pool.set_priority("nope", 3)
     with pytest.raises(UnknownHostError, match="unknown host 'h9'"):
         pool.drain_host("h9")
-    with pytest.raises(UnknownPolicyError, match="known policies: fairshare, priority, strict"):
+    with pytest.raises(SpecError, match="policy=.fastest.: must be a policy name, one of fairshare"):
         pool.configure(policy="fastest")
     with pytest.raises(SpecError, match="state='broken'"):
         pool.set_host_state("h0", "broken")

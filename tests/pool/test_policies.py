@@ -6,7 +6,8 @@ import pytest
 
 from elastic_ops.errors import SpecError, UnknownPolicyError
 from elastic_ops.pool.model import PolicyConfig, TargetAction
-from elastic_ops.pool.policies import decide, effective_priority, get_policy
+from elastic_ops.pool.plain_policies import PLAIN
+from elastic_ops.pool.policies import VECTORISED, decide, effective_priority, get_policy
 from elastic_ops.pool.shares import weighted_fill
 
 from .builders import make_snapshot
@@ -105,6 +106,27 @@ def test_preemption_none_and_non_preemptible_jobs_keep_their_slots():
         assert plan["b"].target == 0
 
 
+@pytest.mark.parametrize("rule", ["not preemptible", "preemption none", "rescaled"])
+@pytest.mark.parametrize("n", [6, 9, 40])
+@pytest.mark.parametrize("policy", ["priority", "fairshare", "strict"])
+def test_a_long_chain_of_jobs_that_may_not_shrink_keeps_every_one_of_them(policy, n, rule):
+    """``n`` equal running jobs fill the pool and a higher-priority job arrives: each freeze
+    shrinks the next job, one a round (a probe found the 6th one preempted with "keeps 2")."""
+    extra = {"not preemptible": dict(preemptible=False), "rescaled": dict(last_rescale=990.0)}.get(rule, {})
+    running = [dict(name=f"r{i:02d}", min_workers=1, max_workers=2, held=slots("h0", 2 * i, 2 * i + 1),
+                    submitted=float(i), **extra) for i in range(n)]
+    config = {"preemption none": dict(preemption="none"), "rescaled": dict(min_rescale_interval_s=60)}
+    snap = make_snapshot(hosts=[("h0", 2 * n)], jobs=[*running, dict(name="vip", max_workers=2, priority=5,
+                         submitted=999.0)], now=1000.0, **config.get(rule, {}))
+    for plan in (VECTORISED[policy](snap), PLAIN[policy](snap)):
+        by = plan.by_job()
+        for r in running:
+            d = by[r["name"]]
+            assert (d.target, d.action, d.release) == (2, TargetAction.KEEP, ()), d
+            assert d.reason.startswith("keeps 2: "), d
+        assert by["vip"].target == 0, by["vip"]
+
+
 def test_anti_thrashing_interval_and_min_gain():
     recent = dict(name="a", held=slots("h0", *range(8)), last_rescale=990.0)
     snap = make_snapshot(jobs=[recent, dict(name="b")], now=1000.0, min_rescale_interval_s=60)
@@ -165,6 +187,14 @@ def test_invalid_policy_inputs_get_clear_errors():
         PolicyConfig(preemption="always")
     with pytest.raises(SpecError, match="min_gain=-1"):
         PolicyConfig(min_gain=-1)
+    # a tiny aging_s overflowed the ranking (1e-320) or ranked differently in the two
+    # implementations (1e-9); NaN compared false to every bound
+    for tiny in (1e-320, 1e-9, 0.5):
+        with pytest.raises(SpecError, match=rf"aging_s={tiny!r}: must be 0 \(no aging\) or >= 1 second"):
+            PolicyConfig(aging_s=tiny)
+    with pytest.raises(SpecError, match="min_rescale_interval_s=nan: must be a finite number >= 0"):
+        PolicyConfig(min_rescale_interval_s=float("nan"))
+    assert PolicyConfig(aging_s=0).aging_s == 0 and PolicyConfig(aging_s=1).aging_s == 1
 
 
 def test_a_plan_builds_decisions_on_demand_and_lists_the_jobs_whose_slots_change():

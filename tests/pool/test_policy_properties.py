@@ -127,6 +127,15 @@ def test_preemption_none_never_shrinks_a_running_job(snap):
                 assert by[j.name].target >= held_up, by[j.name]
 
 
+@PROPS
+@given(snap=snapshots())
+def test_a_job_said_to_keep_what_it_holds_is_given_exactly_that(snap):
+    for name in POLICIES:
+        for d in POLICIES[name](snap).decisions:
+            if d.reason.startswith("keeps "):
+                assert d.target == int(d.reason.split()[1].rstrip(":")), (name, d)
+
+
 @settings(max_examples=200, deadline=None)
 @given(data=st.data())
 def test_weighted_fill_is_weighted_max_min_fair(data):
