@@ -97,7 +97,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                      help="with --synthetic: which window and sample (default: %(default)s)")
     sim.add_argument("--slots", type=int, default=64, help="slots in the pool (default: %(default)s)")
     sim.add_argument("--slots-per-host", type=int, default=4, help="slots per host (default: %(default)s)")
-    sim.add_argument("--policy", default="all",
+    sim.add_argument("--policy", default="all",  # checked by the simulator (the policies load late)
                      help="a registered policy, 'static', or 'all' (default: %(default)s)")
     sim.add_argument("--preemption", default="graceful", choices=["none", "graceful"],
                      help="preemption (default: %(default)s)")
@@ -114,15 +114,17 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         "../shared/traces/pollux/traces beside the repository)"
     )
     sim.add_argument(
-        "--min-rescale-interval-s", "--min-rescale-interval", dest="min_rescale_interval", type=float,
+        "--min-rescale-interval-s", "--min-rescale-interval", dest="min_rescale_interval_s", type=float,
         default=0.0, help="anti-thrashing: seconds (as `pool configure --min-rescale-interval-s`; "
         "default: %(default)s)",
     )
     sim.add_argument("--min-gain", type=float, default=0.0,
                      help="anti-thrashing: least relative change (default: %(default)s)")
     sim.add_argument("--json", action="store_true", help="last line: one JSON object")
-    sim.set_defaults(func=_simulate)
-    sim.set_defaults(flag_aliases={"jobs": "--synthetic"})  # synthetic_workload(jobs=…)
+    # An error about a library parameter names the option it came from: the options' dests are the
+    # parameters' names (min_rescale_interval_s, slots_per_host, …, workload, traces, policy), so
+    # only the parameter spelled otherwise needs an alias.
+    sim.set_defaults(func=_simulate, flag_aliases={"jobs": "--synthetic"})  # synthetic_workload(jobs=…)
 
 
 def _client(args: argparse.Namespace):

@@ -29,15 +29,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from elastic_ops.errors import SpecError
+from elastic_ops.errors import SpecError, UnknownPolicyError
 from elastic_ops.pool.model import Host, Job, PolicyConfig, Preemption, Snapshot
 from elastic_ops.pool.policies import POLICIES, get_policy
 from elastic_ops.pool.workload import (
     GPUS_PER_NODE,
+    MAX_SUBMIT_S,
+    TRACES_ENV,
     Application,
     WorkloadJob,
     default_traces_dir,
@@ -50,6 +53,10 @@ from elastic_ops.spec import check_number
 
 STATIC = "static"
 EPS = 1e-6
+# A job is done when what is left is below the clock's rounding (about 1e-16 of its reading):
+# a relative 1e-12 covers that with room, and stays a millisecond at the latest arrival a
+# workload may have (1e9 s; 1e-6 of it would end jobs 1000 s early).
+CLOCK_ROUNDING = 1e-12
 PLACEMENTS = ("actual", "packed")
 
 
@@ -144,10 +151,25 @@ class SimConfig:
         check_number("replan_interval", self.replan_interval, minimum=1)
 
 
+def _check_jobs(workload: Sequence[WorkloadJob]) -> None:
+    """What read_workload checks of a file, for a list the caller built."""
+    seen: set[str] = set()
+    for w in workload:
+        # the policies and the metrics know a job by its name: two jobs of one name would be one job
+        if w.name in seen:
+            raise SpecError("workload", w.name, "job names must be unique: this one is used twice")
+        seen.add(w.name)
+        # past the bound the clock stops moving (now + a tick == now) and the run never ends
+        if not (math.isfinite(w.submit) and 0 <= w.submit <= MAX_SUBMIT_S):
+            raise SpecError("workload", w.name, f"submit must be a number of seconds from 0 to "
+                            f"{MAX_SUBMIT_S:,.0f}, not {w.submit!r}")
+
+
 class Simulation:
     def __init__(self, workload: Sequence[WorkloadJob], policy: str, config: SimConfig, traces: str | Path):
-        if policy != STATIC:
-            get_policy(policy)  # unknown names fail before any work
+        if policy != STATIC and policy not in POLICIES:  # unknown names fail before any work
+            raise UnknownPolicyError(policy, [STATIC, *POLICIES])
+        _check_jobs(workload)
         self.policy = policy
         self.cfg = config
         n_hosts = math.ceil(config.slots / config.slots_per_host)
@@ -179,6 +201,10 @@ class Simulation:
         arrived: list[_SimJob] = []
         next_tick = 0.0
         while pending or any(j.finished is None for j in arrived):
+            if pending and all(j.finished is not None for j in arrived):
+                # an empty cluster: re-planning it changes nothing, and one tick at a time a far
+                # arrival (days, years away) would take forever to reach
+                next_tick = self._tick_at_or_after(next_tick, pending[0].spec.submit)
             running = [j for j in arrived if j.finished is None and j.held]
             t_done = min((self.now + j.time_to_finish() for j in running), default=math.inf)
             t_arr = pending[0].spec.submit if pending else math.inf
@@ -192,7 +218,7 @@ class Simulation:
             self.now = t_next
             changed = False
             for j in running:
-                if j.time_to_finish() <= EPS * max(1.0, self.now):
+                if j.time_to_finish() <= max(EPS, CLOCK_ROUNDING * self.now):
                     j.finished, changed = self.now, True
                     j.place(())
             while pending and pending[0].spec.submit <= self.now + EPS:
@@ -204,6 +230,13 @@ class Simulation:
                 self._replan(arrived)
                 next_tick = self.now + self.cfg.replan_interval
         return self._metrics()
+
+    def _tick_at_or_after(self, tick: float, t: float) -> float:
+        """The first tick at or after ``t`` of the ticks ``tick + k * replan_interval`` (the ones
+        re-planning the empty cluster would have reached: the tick-only timing stays as it was)."""
+        if t <= tick:
+            return tick
+        return tick + math.ceil((t - tick) / self.cfg.replan_interval) * self.cfg.replan_interval
 
     def _start_or_rescale(self, j: _SimJob, held: tuple[tuple[str, int], ...]) -> None:
         if len(held) != len(j.held):
@@ -297,24 +330,40 @@ def simulate(
 
 
 def policy_names(name: str) -> list[str]:
+    """The policies ``name`` runs: one registered policy, ``static``, or ``all`` of them."""
+    everything = [STATIC, *sorted(POLICIES)]
     if name == "all":
-        return [STATIC, *sorted(POLICIES)]
-    if name != STATIC:
-        get_policy(name)
+        return everything
+    if name not in everything:
+        raise SpecError("policy", name, f"must be one of {', '.join(everything)}, or all")
     return [name]
 
 
 def main_simulate(args) -> int:
+    names = policy_names(args.policy)  # a typo fails before any work
     cfg = SimConfig(
         slots=args.slots,
         slots_per_host=args.slots_per_host,
         rescale_cost=args.rescale_cost,
         replan_interval=args.replan_interval,
         preemption=args.preemption,
-        min_rescale_interval_s=args.min_rescale_interval,
+        min_rescale_interval_s=args.min_rescale_interval_s,
         min_gain=args.min_gain,
         placement=args.placement,
     )
+    try:
+        results = _run_policies(args, names, cfg)
+    except SpecError as exc:
+        # the CLI shows an error about the traces as --traces; without it they came from elsewhere
+        if exc.field == "traces" and not args.traces and os.environ.get(TRACES_ENV):
+            raise exc.naming(f"${TRACES_ENV}") from None
+        raise
+    if args.json:
+        print(json.dumps(results if args.policy == "all" else results[args.policy], sort_keys=True))
+    return 0
+
+
+def _run_policies(args, names: list[str], cfg: SimConfig) -> dict[str, dict[str, Any]]:
     traces = Path(args.traces) if args.traces else default_traces_dir()
     if args.synthetic is not None:
         workload: str | list[WorkloadJob] = synthetic_workload(
@@ -323,13 +372,10 @@ def main_simulate(args) -> int:
     else:
         workload = args.workload
     results = {}
-    for name in policy_names(args.policy):
-        results[name] = simulate(workload, name, cfg, traces)
-        r = results[name]
+    for name in names:
+        results[name] = r = simulate(workload, name, cfg, traces)
         print(
             f"{name:<10} avg_jct {r['avg_jct']:>10.1f}s  p99_jct {r['p99_jct']:>10.1f}s  "
             f"makespan {r['makespan']:>10.1f}s  utilization {r['utilization']:.3f}  rescales {r['rescales']}"
         )
-    if args.json:
-        print(json.dumps(results if args.policy == "all" else results[args.policy], sort_keys=True))
-    return 0
+    return results

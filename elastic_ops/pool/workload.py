@@ -28,18 +28,21 @@ import bisect
 import csv
 import dataclasses
 import functools
+import io
 import math
 import os
+import re
 from pathlib import Path
 
 from elastic_ops.errors import SpecError
 
 GPUS_PER_NODE = 4
+TRACES_ENV = "ELASTIC_OPS_TRACES"
 
 
 def default_traces_dir() -> Path:
     """``$ELASTIC_OPS_TRACES`` or ``../shared/traces/pollux/traces`` next to the repository."""
-    env = os.environ.get("ELASTIC_OPS_TRACES")
+    env = os.environ.get(TRACES_ENV)
     if env:
         return Path(env)
     repo = Path(__file__).resolve().parents[2]
@@ -55,40 +58,109 @@ class WorkloadJob:
     batch_size: int
 
 
+# Latest arrival a workload may have, in seconds (about 31 years): far beyond any trace, and far
+# below where the simulator's clock would stop moving (past ~1e15 s, now + a 60 s tick == now).
+MAX_SUBMIT_S = 1e9
+
+# An application is a folder directly in the traces folder: a plain name, never a path.
+_APP_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+_COLUMNS = "name,time,application,num_replicas,batch_size"
+
+
+def check_application(name: str) -> str:
+    """``name`` if it is a plain application name (else a SpecError quoting it as given)."""
+    if not _APP_NAME.fullmatch(name):
+        raise SpecError(
+            "application", name, "must be a plain name: a folder of the traces folder (e.g. cifar10)"
+        )
+    return name
+
+
 def read_workload(path: str | Path) -> list[WorkloadJob]:
+    """The jobs of a workload CSV by arrival; a bad row, a repeated name or a byte that is not
+    UTF-8 is a SpecError naming the file and line."""
     path = Path(path)
     if not path.is_file():
         raise SpecError("workload", str(path), "must be an existing CSV file")
-    jobs = []
-    with path.open() as f:
-        for i, row in enumerate(csv.DictReader(f), start=2):
-            try:
-                job = WorkloadJob(
-                    row["name"],
-                    float(row["time"]),
-                    row["application"],
-                    int(row["num_replicas"]),
-                    int(row["batch_size"]),
-                )
-                if not math.isfinite(job.submit) or job.submit < 0:
-                    raise ValueError(f"time {row['time']!r} is not a finite number >= 0")
-                if job.num_replicas < 1 or job.batch_size < 1:
-                    raise ValueError("num_replicas and batch_size must be >= 1")
-            except (KeyError, TypeError, ValueError) as exc:
-                raise SpecError(
-                    "workload",
-                    f"{path}:{i}",
-                    f"rows need name,time,application,num_replicas,batch_size ({exc})",
-                ) from None
-            jobs.append(job)
+    jobs: list[WorkloadJob] = []
+    first_line: dict[str, int] = {}  # name -> the line it first appears on
+    for i, row in enumerate(csv.DictReader(io.StringIO(_decode(path))), start=2):
+        try:
+            job = _parse_row(row)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise SpecError("workload", f"{path}:{i}", f"rows need {_COLUMNS} ({exc})") from None
+        if job.name in first_line:
+            # the policies and the metrics know a job by its name: two would be one job twice
+            raise SpecError(
+                "workload", f"{path}:{i}",
+                f"job name {job.name!r} is already used on line {first_line[job.name]}; names must be unique",
+            )
+        first_line[job.name] = i
+        jobs.append(job)
     return sorted(jobs, key=lambda j: (j.submit, j.name))
 
 
-def _read(path: Path) -> list[dict[str, float | str]]:
-    with path.open() as f:
-        return [
-            {k: (v if k == "placement" else float(v)) for k, v in row.items()} for row in csv.DictReader(f)
-        ]
+def _decode(path: Path) -> str:
+    """The file's text; an encoding error names the line it is on (a BOM, as spreadsheets write
+    one, is dropped)."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise SpecError("workload", str(path), f"must be a readable CSV file ({exc.strerror})") from None
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise SpecError(
+            "workload", f"{path}:{line}",
+            f"must be a UTF-8 text CSV; byte {data[exc.start]:#04x} is not UTF-8",
+        ) from None
+
+
+def _parse_row(row: dict[str, str]) -> WorkloadJob:
+    """One workload row; ValueError (KeyError: a missing column) says what is wrong with it."""
+    job = WorkloadJob(
+        row["name"], float(row["time"]), row["application"], int(row["num_replicas"]), int(row["batch_size"])
+    )
+    if not job.name:
+        raise ValueError("name is empty")
+    if not (math.isfinite(job.submit) and 0 <= job.submit <= MAX_SUBMIT_S):
+        raise ValueError(f"time {row['time']!r} is not a number of seconds from 0 to {MAX_SUBMIT_S:,.0f}")
+    if not _APP_NAME.fullmatch(job.application):
+        raise ValueError(f"application {row['application']!r} is not a plain name (a folder of the traces)")
+    if job.num_replicas < 1 or job.batch_size < 1:
+        raise ValueError("num_replicas and batch_size must be >= 1")
+    return job
+
+
+def _read(path: Path, columns: tuple[str, ...]) -> list[dict[str, float | str]]:
+    """The rows of one trace file (numbers but ``placement``); a file that is missing, empty or
+    not the measured table is a SpecError about the traces folder."""
+    try:
+        with path.open(encoding="utf-8") as f:
+            reader = csv.DictReader(f)
+            missing = [c for c in columns if c not in (reader.fieldnames or ())]
+            if missing:
+                raise ValueError(f"no column {', '.join(missing)}")
+            rows = [
+                {k: (v if k == "placement" else float(v)) for k, v in row.items() if k in columns}
+                for row in reader
+            ]
+    except FileNotFoundError:
+        raise _trace_error(path.parent, f"has no {path.name}") from None
+    except (OSError, UnicodeDecodeError, TypeError, ValueError) as exc:
+        raise _trace_error(path.parent, f"has an unreadable {path.name} ({exc})") from None
+    if not rows:
+        raise _trace_error(path.parent, f"has an empty {path.name}")
+    return rows
+
+
+def _trace_error(folder: Path, what: str) -> SpecError:
+    """An error about the traces folder: ``folder``, one application's folder in it, ``what``."""
+    return SpecError(
+        "traces", str(folder.parent), f"Pollux application traces: {folder.name} {what} (each application "
+        "folder holds placements.csv, scalability.csv and validation-<batch>.csv)",
+    )
 
 
 def _interp(xs: list[float], ys: list[float], x: float) -> float:
@@ -127,7 +199,7 @@ class Application:
             raise SpecError("application", folder.name, f"no traces folder {folder}")
         self.name = folder.name
         curves: dict[str, list[tuple[float, float]]] = {}
-        for row in _read(folder / "placements.csv"):
+        for row in _read(folder / "placements.csv", ("placement", "local_bsz", "step_time")):
             curves.setdefault(str(row["placement"]), []).append(
                 (float(row["local_bsz"]), float(row["step_time"]))
             )
@@ -138,7 +210,8 @@ class Application:
         for p in sorted(self.by_placement):
             self.by_spread.setdefault(tuple(sorted(int(c) for c in p)), p)
         scal: dict[int, dict[int, list[tuple[float, float]]]] = {}
-        for row in _read(folder / "scalability.csv"):
+        columns = ("num_replicas", "num_nodes", "local_bsz", "step_time")
+        for row in _read(folder / "scalability.csv", columns):
             scal.setdefault(int(row["num_replicas"]), {}).setdefault(int(row["num_nodes"]), []).append(
                 (float(row["local_bsz"]), float(row["step_time"]))
             )
@@ -149,10 +222,12 @@ class Application:
         self.max_local = max(b for v in self.by_placement.values() for b, _ in v)
         self.validation: dict[int, list[tuple[float, float]]] = {}
         for f in folder.glob("validation-*.csv"):
-            rows = _read(f)
-            self.validation[int(f.stem.split("-")[1])] = [
-                (float(r["iteration"]), float(r["metric"])) for r in rows
-            ]
+            batch = re.fullmatch(r"validation-([0-9]+)\.csv", f.name)
+            if batch:  # other files are not the artifact's: leave them
+                rows = _read(f, ("iteration", "metric"))
+                self.validation[int(batch[1])] = [(float(r["iteration"]), float(r["metric"])) for r in rows]
+        if not self.validation:
+            raise _trace_error(folder, "has no validation-<batch>.csv")
         smallest = self.validation[min(self.validation)]
         self.higher_is_better = smallest[-1][1] >= smallest[0][1]
         finals = [v[-1][1] for v in self.validation.values()]
@@ -227,7 +302,7 @@ class Application:
 
 @functools.cache
 def load_application(traces: str, name: str) -> Application:
-    return Application(Path(traces) / name)
+    return Application(Path(traces) / check_application(name))
 
 
 # Global batch a synthetic job of each application uses (the most common choice in the

@@ -66,7 +66,7 @@ def test_the_simulator_calls_the_registered_policy(monkeypatch):
 
 
 def test_bad_simulation_input():
-    with pytest.raises(UnknownPolicyError):
+    with pytest.raises(UnknownPolicyError, match="known policies: fairshare, priority, static, strict"):
         simulate(WORKLOAD, "best", SMALL, TRACES)
     with pytest.raises(SpecError, match="slots=0"):
         SimConfig(slots=0)
