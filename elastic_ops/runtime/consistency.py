@@ -59,6 +59,28 @@ class FlatGrads:
                 p.grad = v
 
 
+def trainable_params(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters gradients are computed for. They share one dtype: their gradients live in
+    one flat buffer that is reduced in one piece (bitwise mode: in a fixed order)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError(
+            "build_model() returned a model with no parameter that requires grad: nothing to train"
+        )
+    names = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            names.setdefault(p.dtype, name)
+    if len(names) > 1:
+        mixed = ", ".join(f"{dtype} (e.g. {name!r})" for dtype, name in names.items())
+        raise TypeError(
+            f"the model's trainable parameters mix dtypes: {mixed}; elastic_ops reduces their gradients "
+            "as one flat tensor, so cast the model to one dtype (model.to(torch.float32)) or set "
+            "requires_grad=False on the parameters of the other"
+        )
+    return params
+
+
 _split = functools.lru_cache(maxsize=256)(lambda total, parts: tuple(even_split(total, parts)))
 
 
@@ -90,7 +112,7 @@ class GradientEngine:
         self.mode, self.rank, self.workers = mode, rank, workers
         self.loss_fn, self.fetch = loss_fn, fetch
         self.micro_batch, self.data_seed, self.device = micro_batch, data_seed, device
-        params = [p for p in model.parameters() if p.requires_grad]
+        params = trainable_params(model)
         if mode == "bitwise":
             self.shards = virtual_shards or 1
             self.my_shards = shards_of_worker(self.shards, workers, rank)

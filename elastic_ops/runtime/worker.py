@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from elastic_ops.runtime.consistency import GradientEngine, lr_factor, target_factor
+from elastic_ops.runtime.consistency import GradientEngine, lr_factor, target_factor, trainable_params
 from elastic_ops.runtime.data_order import batch_size, stream_slice
 from elastic_ops.runtime.segment import NonFiniteLoss, Segment, UserFailure, user_code
 from elastic_ops.runtime.state import build_state, restore_rng
@@ -41,6 +41,7 @@ class TrainableWorker:
             self.scheduler = self.trainable.build_scheduler(self.optimizer)
             self.dataset = self.trainable.train_dataset()
             self.num_samples = len(self.dataset)
+            trainable_params(self.model)  # one dtype, at least one: the user's model to change
         self.iteration, self.cursor = seg.start, 0
         self.metrics: dict[str, list] = {"loss": [], "eval": []}
         self.scaled = spec.scaling.value != "fixed"
@@ -259,7 +260,9 @@ def main() -> int:
         seg.write_error("nonfinite", str(exc), "", iteration)
         return 1
     except Exception as exc:  # collectives failing because a peer died, or our own bug
-        kind = "comm" if isinstance(exc, (RuntimeError, TimeoutError, ConnectionError)) else "internal"
+        # a lone worker has no peer to lose: its RuntimeError is a bug, not a lost connection
+        comm = seg.workers > 1 and isinstance(exc, (RuntimeError, TimeoutError, ConnectionError))
+        kind = "comm" if comm else "internal"
         seg.write_error(kind, f"{type(exc).__name__}: {exc}", traceback.format_exc(), iteration)
         return 1
     finally:

@@ -36,7 +36,8 @@ class TinyMLP(Trainable):
     ``fail_at`` raises a user error at that iteration's loss; ``nan_at`` returns NaN there;
     ``kill_rank``/``kill_at`` SIGKILL that rank once (a marker file makes it one-shot);
     ``hold_at`` waits there until the file ``hold_file`` exists (a test's gate, at most 120 s);
-    ``sleep_s`` slows every loss call (the runner then decides few boundaries ahead).
+    ``sleep_s`` slows every loss call (the runner then decides few boundaries ahead);
+    ``double_head`` makes the last layer float64 (parameters of two dtypes).
     """
 
     def __init__(self, **params: Any) -> None:
@@ -45,7 +46,8 @@ class TinyMLP(Trainable):
 
     def build_model(self) -> nn.Module:
         drop = float(self.params.get("dropout", 0.1))
-        return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(drop), nn.Linear(16, 3))
+        head = nn.Linear(16, 3).double() if self.params.get("double_head") else nn.Linear(16, 3)
+        return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(drop), head)
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         return torch.optim.SGD(model.parameters(), lr=float(self.params.get("lr", 0.1)), momentum=0.9)

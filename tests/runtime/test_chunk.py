@@ -141,6 +141,17 @@ def test_user_exception_is_a_non_retryable_user_code_error_with_the_traceback(tm
     assert "tiny model refuses this batch" in str(err.value) and "builders.py" in str(err.value)
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+def test_parameters_of_two_dtypes_are_a_user_error_naming_them_not_a_lost_worker(tmp_path, workers):
+    """It failed inside the runtime's gradient buffer as a RuntimeError, reported as a lost worker
+    (retried, the host blamed) even on one worker."""
+    spec = make_spec(tmp_path, params={"double_head": True})
+    with pytest.raises(UserCodeError) as err:
+        run_chunk(spec, 0, 30, target=lambda i: workers)
+    assert not err.value.retryable
+    assert "mix dtypes: torch.float32 (e.g. '0.weight'), torch.float64 (e.g. '3.weight')" in str(err.value)
+
+
 def test_nan_loss_is_a_non_finite_loss_error(tmp_path):
     spec = make_spec(tmp_path, params={"nan_at": 4})
     with pytest.raises(NonFiniteLossError) as err:
