@@ -20,7 +20,8 @@ from airflow.sdk import DAG, Asset, task
 from elastic_ops.taskgroup import elastic_training
 
 START = pendulum.datetime(2024, 1, 1, tz="UTC")
-HOME = Path(os.environ.get("AIRFLOW_HOME", Path.home() / "airflow")) / "elastic_ops"
+# not AIRFLOW_HOME/elastic_ops: a folder of the package's name there hides it from `python -m`
+HOME = Path(os.environ.get("AIRFLOW_HOME", Path.home() / "airflow")) / "elastic_ops_pipeline"
 DATASET = Asset(name="digits_dataset", uri=f"file://{HOME / 'data' / 'digits.json'}", group="dataset")
 MODEL = Asset(name="digits_model", uri=f"file://{HOME / 'checkpoints' / 'digits_pipeline'}", group="model")
 REGISTRY = HOME / "registry" / "digits.json"

@@ -17,7 +17,7 @@ from airflow.sdk import Asset, TaskGroup
 from airflow.sdk.definitions._internal.contextmanager import DagContext
 
 from elastic_ops.errors import SpecError
-from elastic_ops.hooks.elastic_ops import DEFAULT_CONN_ID, airflow_home
+from elastic_ops.hooks.elastic_ops import CHECKPOINT_DIR, DEFAULT_CONN_ID, airflow_home
 from elastic_ops.operators.chunk import WARM_START_PREVIOUS, ElasticChunkOperator
 from elastic_ops.operators.jobs import is_template, safe_name
 from elastic_ops.operators.lifecycle import ElasticFinalizeOperator, ElasticRegisterOperator
@@ -110,7 +110,7 @@ def elastic_training(
     :param trainable: ``"package.module:TrainableClass"`` (or a script path).
     :param checkpoint: ``file://…`` or ``s3://bucket/prefix``; each DAG run trains under its own
         ``<checkpoint>/<run_id>`` prefix. Default:
-        ``file://$AIRFLOW_HOME/elastic_ops/checkpoints/<dag_id>/<task_id>``.
+        ``file://$AIRFLOW_HOME/elastic_ops_checkpoints/<dag_id>/<task_id>``.
     :param num_chunks: the number of chunk tasks, instead of ``chunk_iterations`` (required when
         ``total_iterations`` is a template; giving both is an error).
     :param warm_start: a checkpoint URI, or ``"previous"``: the model of the latest event of
@@ -148,7 +148,7 @@ def elastic_training(
         # must not share a pool job, a checkpoint root or a model Asset
         full_id = group.group_id or task_id
         if model_asset is None:
-            default_root = airflow_home() / "elastic_ops" / "checkpoints" / safe_name(dag_id)
+            default_root = airflow_home() / CHECKPOINT_DIR / safe_name(dag_id)
             default_root = default_root / safe_name(full_id)
             root = checkpoint if checkpoint and not is_template(checkpoint) else f"file://{default_root}"
             model_asset = Asset(name=f"{dag_id}.{full_id}.model", uri=root, group="model")

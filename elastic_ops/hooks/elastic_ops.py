@@ -36,8 +36,15 @@ def default_ledger_url() -> str:
     return f"sqlite:///{airflow_home() / LEDGER_FILE}"
 
 
+CHECKPOINT_DIR = "elastic_ops_checkpoints"
+
+
 def default_checkpoint_root() -> str:
-    return f"file://{airflow_home() / 'elastic_ops' / 'checkpoints'}"
+    """``file://$AIRFLOW_HOME/elastic_ops_checkpoints``. Not ``elastic_ops/``: Python puts the
+    working directory first on ``sys.path`` for ``python -m``, and a folder of the package's name
+    there (Airflow and the agents are often started from ``AIRFLOW_HOME``) hid the installed
+    package."""
+    return f"file://{airflow_home() / CHECKPOINT_DIR}"
 
 
 def url_from_connection(conn: Any) -> str:

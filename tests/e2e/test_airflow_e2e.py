@@ -246,7 +246,7 @@ def test_killed_worker_is_retried_on_another_host_from_the_latest_checkpoint(dep
 
     run = af.trigger("e2e_sigkill", run_id="kill_run")
     job = job_id("e2e_sigkill", "train", run)
-    store = open_store(f"file://{af.home}/elastic_ops/checkpoints/e2e_sigkill/train/{run}")
+    store = open_store(f"file://{af.home}/elastic_ops_checkpoints/e2e_sigkill/train/{run}")
     wait_until("first checkpoint of chunk 1", lambda: (r := store.latest()) is not None and r.iteration >= 20,
                af)
     killed_at = store.latest().iteration

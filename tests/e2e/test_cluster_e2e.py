@@ -128,7 +128,7 @@ def test_a_chunk_whose_host_dies_is_retried_on_the_other_hosts_node(cluster, tmp
     af.wait_dag("e2e_sigkill")
     run = af.trigger("e2e_sigkill", run_id="host_dies")
     job = job_id("e2e_sigkill", "train", run)
-    store = open_store(f"file://{af.home}/elastic_ops/checkpoints/e2e_sigkill/train/{run}")
+    store = open_store(f"file://{af.home}/elastic_ops_checkpoints/e2e_sigkill/train/{run}")
     wait_until("the first checkpoints", lambda: (r := store.latest()) is not None and r.iteration >= 20, af)
     killed_at = store.latest().iteration
     (holding,) = [j for j in pool.status()["jobs"] if j["name"] == job]

@@ -58,7 +58,7 @@ def test_register_submits_the_rendered_demand(pool):
     (job,) = pool.status()["jobs"]
     assert job["name"] == out["job"] == job_id("d", "train", "run1")
     assert (job["min_workers"], job["max_workers"], job["priority"]) == (1, 2, 2)
-    assert out["checkpoint"].endswith("/elastic_ops/checkpoints/d/train/run1")
+    assert out["checkpoint"].endswith("/elastic_ops_checkpoints/d/train/run1")
     assert job["selector"] == {}
 
 
