@@ -5,7 +5,10 @@ Everything not marked ``# elastic_ops`` is what a DDP script already has. The ad
 ``iterations()`` (instead of ``range``; it stops at the chunk's end or when the worker count
 changes, and the runner restarts the script with the new count), ``my_samples`` (instead of a
 DistributedSampler: this worker's share of the fixed global batch, in the job's
-deterministic data order) and ``commit`` (the iteration is done).
+deterministic data order), ``loss_weight()`` (weights this worker's mean loss by its share, so
+DDP's equal-weight average is the global batch's mean when 64 samples split 22/21/21 over
+three workers; 1.0 when the split is even) and ``commit`` (the iteration is done; the job's
+loss is the workers' weighted mean).
 
 Run from the repository root (``elastic-ops`` starts this file on every worker):
 
@@ -39,6 +42,6 @@ for it in ctx.iterations():  # elastic_ops
     xb, yb = x[idx].to(ctx.device), y[idx].to(ctx.device)
     optimizer.zero_grad()
     loss = F.cross_entropy(model(xb), yb)
-    loss.backward()  # DDP averages the workers' gradients
+    (loss * ctx.loss_weight()).backward()  # elastic_ops: DDP's average is the global batch's mean
     optimizer.step()
     ctx.commit(it, loss.item())  # elastic_ops: the iteration is done

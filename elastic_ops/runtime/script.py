@@ -12,12 +12,17 @@ worker with the usual environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``M
     ctx.restore(model, optimizer)                   # resume where the job stands
     for it in ctx.iterations():                     # stops at the chunk end or a rescale
         idx = ctx.my_samples(it)                    # this worker's share of the global batch
-        loss = train_step(model, optimizer, dataset[idx])
-        ctx.commit(it, loss)                        # iteration done (loss for progress/NaN)
+        loss = loss_fn(model(x[idx]), y[idx])       # the mean over this worker's share
+        (loss * ctx.loss_weight()).backward()       # DDP's average is then the global batch's mean
+        optimizer.step()
+        ctx.commit(it, loss)                        # iteration done (the job's loss: progress/NaN)
 
-The script owns the gradient reduction (normally DDP, which averages over workers: give each
-worker its ``my_samples`` share, a near-equal split of ``global_batch``). Only
-``consistency: fast`` applies. Exceptions in the script are reported as ``UserCodeError``.
+The script owns the gradient reduction (normally DDP, which averages over workers with equal
+weights). Each worker's ``my_samples`` share is a near-equal split of ``global_batch``; where
+the split is uneven (64 samples on 3 workers) ``loss_weight()`` (``share * workers / batch``)
+weights each worker's mean so the average is the global batch's mean, and the training does not
+depend on the worker count. Only ``consistency: fast`` applies. Exceptions in the script are
+reported as ``UserCodeError``.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from elastic_ops.runtime.data_order import even_split, stream_slice
 from elastic_ops.runtime.segment import NonFiniteLoss, Segment
@@ -78,6 +84,17 @@ class ScriptContext:
         lo, hi = even_split(len(batch), self.workers)[self.rank]
         return batch[lo:hi]
 
+    def _share(self) -> int:
+        """How many of the running iteration's ``global_batch`` samples are this worker's."""
+        lo, hi = even_split(self.seg.spec.global_batch, self.workers)[self.rank]
+        return hi - lo
+
+    def loss_weight(self) -> float:
+        """``share * workers / global_batch`` for the running iteration: multiply this worker's
+        mean loss by it before ``backward()``, and DDP's equal-weight average over the workers is
+        the mean over the global batch however it splits (exactly 1.0 when it splits evenly)."""
+        return self._share() * self.workers / self.seg.spec.global_batch
+
     def iterations(self) -> Iterator[int]:
         if self.model is None:
             raise RuntimeError("call ctx.restore(model, optimizer) before ctx.iterations()")
@@ -107,16 +124,29 @@ class ScriptContext:
             )
 
     def commit(self, iteration: int, loss: float | torch.Tensor | None = None) -> None:
-        """Mark ``iteration`` done. A non-finite ``loss`` stops the job (``NonFiniteLossError``)."""
+        """Mark ``iteration`` done. ``loss``: this worker's mean loss (give it on every worker or
+        on none); the job's loss is their mean weighted by share, the global batch's mean, so
+        what progress, checkpoints and ``stop_when`` see does not depend on the worker count. A
+        non-finite one stops the job (``NonFiniteLossError``) on every worker."""
         if iteration != self.iteration:
             raise ValueError(f"commit({iteration}) but iteration {self.iteration} is running")
         value = float(loss) if loss is not None else math.nan
+        if loss is not None and self.workers > 1:
+            value = self._global_mean(value)
         if loss is not None and not math.isfinite(value):
             raise NonFiniteLoss(f"loss is {value} at iteration {iteration}")
         self._loss = value
         self.metrics["loss"].append([iteration, value])
         self.cursor += self.seg.spec.global_batch
         self.iteration = iteration + 1
+
+    def _global_mean(self, value: float) -> float:
+        """The workers' mean losses weighted by their shares of the global batch (one scalar
+        all-reduce; a NaN anywhere is a NaN everywhere)."""
+        weighted = torch.tensor([value * self._share() / self.seg.spec.global_batch], dtype=torch.float64,
+                                device=self.device)
+        dist.all_reduce(weighted)
+        return float(weighted.item())
 
     def _state(self) -> dict[str, Any]:
         return build_state(

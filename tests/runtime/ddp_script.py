@@ -20,6 +20,6 @@ for it in ctx.iterations():
     idx = ctx.my_samples(it)
     optimizer.zero_grad()
     loss = F.mse_loss(model(x[idx]), y[idx])
-    loss.backward()  # DDP averages over workers: equal shares give the global mean
+    (loss * ctx.loss_weight()).backward()  # DDP's average over workers is then the global mean
     optimizer.step()
     ctx.commit(it, loss.item())

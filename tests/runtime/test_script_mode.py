@@ -46,6 +46,27 @@ def test_a_ddp_script_trains_across_rescales_and_learns(tmp_path):
     assert torch.isfinite(w).all()
 
 
+def _trained(tmp_path: Path, name: str, schedule: str, **kw) -> dict:
+    spec = script_spec(tmp_path / name, total_iterations=12, **kw)
+    assert run_chunk(spec, 0, 12, target=Schedule.parse(schedule, spec, 0, 12)).status is ChunkStatus.COMPLETED
+    store = open_store(spec.checkpoint)
+    return store.load(store.latest())
+
+
+def test_a_batch_that_splits_unevenly_trains_and_reports_the_same_whatever_the_workers(tmp_path):
+    """7 samples on 3 workers are shares 3, 2, 2: DDP's equal-weight average of the workers'
+    means is not the batch mean unless each is weighted (``loss_weight``), and rank 0's own
+    loss is not the job's (a probe found 4199x the tolerance, and three different losses)."""
+    one = _trained(tmp_path, "one", "1", global_batch=7)
+    for schedule in ("3", "1@0,3@4,2@8"):
+        other = _trained(tmp_path, schedule, schedule, global_batch=7)
+        for k in one["model"]:
+            assert torch.allclose(one["model"][k], other["model"][k], rtol=1e-5, atol=1e-6), (schedule, k)
+        losses = torch.tensor([loss for _, loss in one["metrics"]["loss"]])
+        theirs = torch.tensor([loss for _, loss in other["metrics"]["loss"]])
+        assert torch.allclose(losses, theirs, rtol=1e-5, atol=1e-7), schedule
+
+
 def test_script_mode_refuses_bitwise_consistency(tmp_path):
     with pytest.raises(SpecError, match="consistency"):
         run_chunk(script_spec(tmp_path, consistency="bitwise", virtual_shards=3), 0, 4, target=lambda i: 1)
