@@ -48,7 +48,8 @@ def test_a_ddp_script_trains_across_rescales_and_learns(tmp_path):
 
 def _trained(tmp_path: Path, name: str, schedule: str, **kw) -> dict:
     spec = script_spec(tmp_path / name, total_iterations=12, **kw)
-    assert run_chunk(spec, 0, 12, target=Schedule.parse(schedule, spec, 0, 12)).status is ChunkStatus.COMPLETED
+    result = run_chunk(spec, 0, 12, target=Schedule.parse(schedule, spec, 0, 12))
+    assert result.status is ChunkStatus.COMPLETED
     store = open_store(spec.checkpoint)
     return store.load(store.latest())
 
