@@ -479,7 +479,8 @@ class _Runner:
             found = [r for r in reports if r["kind"] == kind]
             if found:
                 r = min(found, key=lambda r: r["time"])
-                msg = f"rank {r['rank']} at iteration {r['iteration']}: {r['message']}"
+                when = "before training" if r["iteration"] is None else f"at iteration {r['iteration']}"
+                msg = f"rank {r['rank']} {when}: {r['message']}"
                 if r["traceback"]:
                     msg += "\n" + r["traceback"]
                 return cls(msg)

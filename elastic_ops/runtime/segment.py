@@ -53,6 +53,18 @@ class NonFiniteLoss(Exception):
     pass
 
 
+def _stage(state: dict[str, Any], path: Path) -> None:
+    """Write a state for the runner to commit. A value the safe loader would refuse (a numpy
+    scalar in a scheduler's state) is the user's to fix: refused here, at the first state,
+    naming where it is, not when the runner loads the file to commit it."""
+    from elastic_ops.checkpoint.codec import check_state
+    from elastic_ops.runtime.state import save_atomic
+
+    with user_code():
+        check_state(state)
+    save_atomic(state, path)
+
+
 @contextlib.contextmanager
 def user_code() -> Iterator[None]:
     """Attribute any exception raised inside to the user's code."""
@@ -198,16 +210,12 @@ class Segment:
             self.channel.publish(iteration - self.start, loss, cursor)
 
     def write_checkpoint(self, iteration: int, state: dict[str, Any]) -> None:
-        from elastic_ops.runtime.state import save_atomic
-
-        save_atomic(state, self.dir / f"ckpt-{iteration}.pt")
+        _stage(state, self.dir / f"ckpt-{iteration}.pt")
 
     def write_result(self, iteration: int, state: dict[str, Any], **info: Any) -> None:
         """Rank 0: the state where this segment stopped, then ``result.json`` (written last)."""
-        from elastic_ops.runtime.state import save_atomic
-
         path = self.dir / f"state-{iteration}.pt"
-        save_atomic(state, path)
+        _stage(state, path)
         info = {"iteration": iteration, "state_path": str(path), **info}
         tmp = self.dir / ".result.json.tmp"
         tmp.write_text(json.dumps(info))

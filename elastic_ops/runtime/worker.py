@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from elastic_ops.checkpoint.codec import check_state
 from elastic_ops.runtime.consistency import GradientEngine, lr_factor, target_factor, trainable_params
 from elastic_ops.runtime.data_order import batch_size, stream_slice
 from elastic_ops.runtime.segment import NonFiniteLoss, Segment, UserFailure, user_code
@@ -47,6 +48,10 @@ class TrainableWorker:
         self.scaled = spec.scaling.value != "fixed"
         self.lr_ramp: dict[str, float] = {}
         self._restore(seg.load_state())
+        if seg.rank == 0:  # what the user's optimizer and scheduler keep must load safely: say so now
+            with user_code():
+                check_state({"optimizer": self.optimizer.state_dict(),
+                             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else {}})
         if self.scaled:
             self._ramp_to(seg.workers)
         self.engine = GradientEngine(

@@ -37,7 +37,8 @@ class TinyMLP(Trainable):
     ``kill_rank``/``kill_at`` SIGKILL that rank once (a marker file makes it one-shot);
     ``hold_at`` waits there until the file ``hold_file`` exists (a test's gate, at most 120 s);
     ``sleep_s`` slows every loss call (the runner then decides few boundaries ahead);
-    ``double_head`` makes the last layer float64 (parameters of two dtypes).
+    ``double_head`` makes the last layer float64 (parameters of two dtypes); ``numpy_scheduler``
+    keeps a numpy scalar in the scheduler's state (which the safe loader refuses).
     """
 
     def __init__(self, **params: Any) -> None:
@@ -53,7 +54,12 @@ class TinyMLP(Trainable):
         return torch.optim.SGD(model.parameters(), lr=float(self.params.get("lr", 0.1)), momentum=0.9)
 
     def build_scheduler(self, optimizer: torch.optim.Optimizer) -> Any:
-        return torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.9)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.9)
+        if self.params.get("numpy_scheduler"):
+            import numpy as np
+
+            scheduler.base = np.float64(0.1)  # in state_dict(): every attribute but the optimizer
+        return scheduler
 
     def train_dataset(self) -> TensorDataset:
         return _data(self.n)

@@ -152,6 +152,27 @@ def test_parameters_of_two_dtypes_are_a_user_error_naming_them_not_a_lost_worker
     assert "mix dtypes: torch.float32 (e.g. '0.weight'), torch.float64 (e.g. '3.weight')" in str(err.value)
 
 
+def test_a_state_the_safe_loader_refuses_is_a_user_error_before_training_and_nothing_is_committed(tmp_path):
+    """It was found only when the runner loaded the staged file to commit it, after the whole
+    chunk had trained: a raw UnpicklingError, nothing committed."""
+    spec = make_spec(tmp_path, params={"numpy_scheduler": True})
+    with pytest.raises(UserCodeError) as err:
+        run_chunk(spec, 0, 30, target=lambda i: 2)
+    assert "rank 0 before training" in str(err.value)
+    assert "invalid state['scheduler']['base']: type numpy.float64 is not allowed" in str(err.value)
+    assert open_store(spec.checkpoint_uri()).latest() is None
+
+
+def test_a_staged_state_is_checked_before_it_is_written(tmp_path):
+    import numpy as np
+
+    from elastic_ops.runtime.segment import UserFailure, _stage
+
+    with pytest.raises(UserFailure, match=r"state\['metrics'\]\['x'\]: type numpy.float64"):
+        _stage({"metrics": {"x": np.float64(1.0)}}, tmp_path / "ckpt-1.pt")
+    assert not (tmp_path / "ckpt-1.pt").exists()
+
+
 def test_nan_loss_is_a_non_finite_loss_error(tmp_path):
     spec = make_spec(tmp_path, params={"nan_at": 4})
     with pytest.raises(NonFiniteLossError) as err:
