@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from elastic_ops.errors import SpecError
+from elastic_ops.errors import UNSET, SpecError
 
 # matched with fullmatch: a trailing newline is not part of a valid value
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}")
@@ -353,6 +353,8 @@ class JobSpec:
             "entrypoint", "global_batch", "consistency", "virtual_shards", "micro_batch",
             "scaling", "warmup_iterations", "data_seed", "params", "total_iterations",
         )
+        if self.scaling != Scaling.FIXED:  # the batch and the LR grow from min_workers' (fixed: no
+            keys += ("min_workers",)       # hash change, so existing checkpoints still resume)
         data = {k: _plain(getattr(self, k)) for k in keys}
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -374,7 +376,7 @@ class JobSpec:
             raise SpecError("spec", unknown[0], f"unknown field; known fields: {', '.join(sorted(known))}")
         for required in ("name", "entrypoint", "total_iterations", "global_batch"):
             if required not in data:
-                raise SpecError(required, None, "is required")
+                raise SpecError(required, UNSET, "a job spec must set it")
         return cls(**dict(data))
 
     @classmethod

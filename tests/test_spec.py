@@ -117,6 +117,11 @@ def test_spec_hash_ignores_workers_and_priority_but_not_the_trajectory():
     assert base.spec_hash() == make_spec(max_workers=8, priority=7).spec_hash()
     assert base.spec_hash() != make_spec(max_workers=2, data_seed=1).spec_hash()
     assert base.spec_hash() != make_spec(max_workers=2, params={"lr": 0.1}).spec_hash()
+    assert base.spec_hash() == make_spec(max_workers=2, min_workers=2).spec_hash()  # fixed batch
+    # scaling: the per-worker batch and the LR factor grow from min_workers' (a probe resumed a
+    # min 1 job's checkpoint as a min 2 job, its batch halved, silently)
+    scaled = make_spec(max_workers=4, scaling="linear_lr")
+    assert scaled.spec_hash() != make_spec(max_workers=4, min_workers=2, scaling="linear_lr").spec_hash()
 
 
 def test_from_dict_rejects_unknown_and_missing_fields():
@@ -127,6 +132,7 @@ def test_from_dict_rejects_unknown_and_missing_fields():
     with pytest.raises(SpecError) as info:
         JobSpec.from_dict({"name": "j", "entrypoint": "a:B", "total_iterations": 1})
     assert info.value.field == "global_batch"
+    assert str(info.value) == "missing global_batch: a job spec must set it"  # not "invalid …=None"
 
 
 def test_from_yaml_reports_unreadable_and_invalid_files(tmp_path):
