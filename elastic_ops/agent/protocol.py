@@ -57,6 +57,7 @@ from typing import Any
 from elastic_ops import errors
 from elastic_ops.errors import ElasticOpsError, SpecError
 from elastic_ops.runtime.outcome import Progress
+from elastic_ops.runtime.outcome import finite as _finite
 from elastic_ops.spec import MAX_WORKERS_LIMIT, check_checkpoint_uri
 
 PROTOCOL_VERSION = 1
@@ -383,22 +384,6 @@ def encode(msg: dict[str, Any]) -> bytes:
     if len(data) > MAX_MESSAGE_BYTES:
         raise AgentProtocolError(f"message of {len(data)} bytes exceeds the limit of {MAX_MESSAGE_BYTES}")
     return data
-
-
-def _finite(value: Any) -> Any:
-    """JSON has no NaN/inf; progress values (ETA before the first step, a diverging loss) may."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
-
-
-def jsonable(value: Any) -> Any:
-    """``value`` with every non-finite float (a NaN metric) replaced by ``None``."""
-    if isinstance(value, dict):
-        return {k: jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [jsonable(v) for v in value]
-    return _finite(value)
 
 
 def progress_to_wire(p: Any) -> dict[str, Any]:

@@ -37,7 +37,6 @@ from elastic_ops.agent.protocol import (
     check_socket_path,
     encode,
     error_to_wire,
-    jsonable,
     peer_uid,
     progress_to_wire,
     require_int,
@@ -47,6 +46,7 @@ from elastic_ops.agent.protocol import (
     trusted_peer,
 )
 from elastic_ops.errors import AgentLostError, SpecError, WorkerLostError
+from elastic_ops.runtime.outcome import jsonable
 from elastic_ops.spec import check_host_name
 
 log = logging.getLogger("elastic_ops.agent")

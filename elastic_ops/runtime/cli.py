@@ -33,6 +33,7 @@ def add_commands(subparsers: Any) -> None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from elastic_ops.runtime.job import Schedule, parse_range, run_job
+    from elastic_ops.runtime.outcome import jsonable
     from elastic_ops.spec import JobSpec, stop_reached
 
     spec = JobSpec.from_yaml(args.spec)
@@ -69,5 +70,6 @@ def cmd_run(args: argparse.Namespace) -> int:
         "duration_s": round(result.duration_s, 3),
         "stopped_early": result.iteration < end and stop_reached(spec.stop_when, ends),
     }
-    print(json.dumps(out), flush=True)
+    # strict JSON for whatever parses it: a NaN or inf metric (a diverged evaluation) is null
+    print(json.dumps(jsonable(out), allow_nan=False), flush=True)
     return 0

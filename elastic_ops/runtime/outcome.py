@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from typing import Any
 
 
@@ -69,3 +70,19 @@ class ChunkResult:
         fields["status"] = ChunkStatus(d["status"])
         fields["workers_timeline"] = [tuple(t) for t in d.get("workers_timeline") or []]
         return cls(**fields)
+
+
+def finite(value: Any) -> Any:
+    """JSON has no NaN/inf; progress values (ETA before the first step, a diverging loss) may."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def jsonable(value: Any) -> Any:
+    """``value`` with every non-finite float (a NaN metric) replaced by ``None``."""
+    if isinstance(value, dict):
+        return {k: jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    return finite(value)

@@ -73,6 +73,16 @@ def test_run_prints_progress_and_ends_with_one_json_line(tmp_path):
     assert same.param_sha256 == out["param_sha256"]
 
 
+def test_the_json_line_is_strict_json_when_a_metric_is_not_finite(tmp_path, capsys):
+    """Python's json.dumps wrote NaN and Infinity, which strict parsers (jq, JSON.parse) refuse."""
+    spec = write_spec(tmp_path, total_iterations=4, params={"nan_eval": True})
+    assert main(["run", "--spec", str(spec), "--checkpoint", f"file://{tmp_path}/ck", "--quiet"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    out = json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} in {line}"))
+    assert out["metrics"]["perplexity"] is None and out["metrics"]["r2"] is None
+    assert 0 <= out["metrics"]["accuracy"] <= 1
+
+
 def test_run_with_stop_when_stops_where_airflow_would(tmp_path, capsys):
     """Chunk by chunk, up to the first chunk end whose metrics meet stop_when: the model of
     training that far, nothing after."""
