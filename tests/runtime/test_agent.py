@@ -215,8 +215,7 @@ def test_a_target_the_agent_can_no_longer_take_does_not_lose_its_result():
     target failed because the agent had closed after its result, and the task raised
     AgentLostError (a retry, slots released) for a chunk that had completed."""
     from elastic_ops.agent.client import drive_chunk
-    from elastic_ops.runtime.outcome import jsonable
-    from elastic_ops.runtime.outcome import ChunkResult
+    from elastic_ops.runtime.outcome import ChunkResult, jsonable
 
     done = ChunkResult(status=ChunkStatus.COMPLETED, start=0, end=300, iteration=300, checkpoint_uri=None,
                        loss=0.1, metrics={}, workers_timeline=[(0, 4, 0.0)], samples_per_sec=1.0,
