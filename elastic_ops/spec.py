@@ -254,6 +254,10 @@ class JobSpec:
         set_("device", _enum(Device, "device", self.device))
         self._check_batching()
         _int("warmup_iterations", self.warmup_iterations, 0)
+        if self.warmup_iterations and self.scaling == Scaling.FIXED:
+            raise SpecError("warmup_iterations", self.warmup_iterations,
+                            "must be 0 with scaling 'fixed' (it ramps the LR of linear_lr / sqrt_lr)",
+                            hint="set scaling, or use an LR scheduler (build_scheduler) for a warmup")
         if self.checkpoint is not None:
             check_checkpoint_uri("checkpoint", self.checkpoint)
         interval = chunk if self.checkpoint_interval is None else self.checkpoint_interval

@@ -54,6 +54,7 @@ def make_spec(**overrides) -> JobSpec:
             ">= max_workers",
         ),
         ({"virtual_shards": 4}, "virtual_shards", "only applies to consistency 'bitwise'"),
+        ({"warmup_iterations": 5}, "warmup_iterations", "must be 0 with scaling 'fixed'"),  # was ignored
         ({"consistency": "bitwise", "scaling": "linear_lr"}, "scaling", "must be 'fixed'"),
         ({"name": "bad name!"}, "name", "letters, digits"),
         ({"min_workers": True}, "min_workers", "integer"),

@@ -618,6 +618,9 @@ def _check_entrypoint(spec: JobSpec) -> None:
                 "script entrypoints support consistency 'fast' with scaling 'fixed' only",
                 hint="the script reduces its own gradients (e.g. with DDP)",
             )
+        if spec.micro_batch is not None:
+            raise SpecError("micro_batch", spec.micro_batch, "not with a script entrypoint",
+                            hint="the script runs its own forward and backward: accumulate there")
         if not Path(spec.entrypoint).is_file():
             from elastic_ops.errors import EntrypointError
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import logging
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -85,11 +86,13 @@ class Schedule:
         return cls(tuple(starts), tuple(counts))
 
 
+_INT = re.compile(r"\s*-?[0-9]+\s*")  # ASCII digits: int() also takes "1_0", "+1" and "１"
+
+
 def _int(text: str, value: str) -> int:
-    try:
-        return int(value)  # a negative count or boundary gets the range check's message
-    except ValueError:
-        raise SpecError(FLAG, text, f"{value!r} is not an integer") from None
+    if not _INT.fullmatch(value):
+        raise SpecError(FLAG, text, f"{value!r} is not an integer")
+    return int(value)  # a negative count or boundary gets the range check's message
 
 
 def parse_range(text: str | None, spec: JobSpec) -> tuple[int, int]:
@@ -97,10 +100,10 @@ def parse_range(text: str | None, spec: JobSpec) -> tuple[int, int]:
     if not text:
         return 0, spec.total_iterations
     lo, sep, hi = text.partition(":")
-    try:
+    if all(_INT.fullmatch(side) or not side.strip() for side in (lo, hi)):
         start = int(lo) if lo.strip() else 0
         end = int(hi) if hi.strip() else spec.total_iterations
-    except ValueError:
+    else:
         start = end = -1
     if not sep or not 0 <= start < end <= spec.total_iterations:
         raise SpecError(

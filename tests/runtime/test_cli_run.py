@@ -119,6 +119,11 @@ def test_a_stop_when_metric_no_chunk_reports_is_warned_about_once(tmp_path, capl
     ("flag", "value", "needle"),
     [
         ("--workers-schedule", "1,x", "not an integer"),
+        # int() takes these; what a typo or a pasted full-width digit makes is not a count
+        ("--workers-schedule", "1@1_0", "'1_0' is not an integer"),
+        ("--workers-schedule", "+1", "'+1' is not an integer"),
+        ("--workers-schedule", "\uff11", "is not an integer"),
+        ("--iterations", "1_0:15", "START:END"),
         ("--workers-schedule", "1,5", "max_workers"),
         ("--workers-schedule", "1@0,2", "one form"),
         ("--workers-schedule", "2@10,1@5", "ascending"),

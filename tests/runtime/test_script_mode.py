@@ -71,6 +71,9 @@ def test_a_batch_that_splits_unevenly_trains_and_reports_the_same_whatever_the_w
 def test_script_mode_refuses_bitwise_consistency(tmp_path):
     with pytest.raises(SpecError, match="consistency"):
         run_chunk(script_spec(tmp_path, consistency="bitwise", virtual_shards=3), 0, 4, target=lambda i: 1)
+    # the script runs its own forward and backward: a micro_batch would be silently ignored
+    with pytest.raises(SpecError, match="invalid micro_batch=2: not with a script entrypoint"):
+        run_chunk(script_spec(tmp_path, micro_batch=2), 0, 4, target=lambda i: 1)
 
 
 def test_a_script_that_skips_the_loop_gets_a_clear_error(tmp_path):
