@@ -186,6 +186,7 @@ class Simulation:
         self.jobs: list[_SimJob] = []
         for w in workload:
             app = load_application(str(traces), w.application)
+            app.check_batch(w.name, w.batch_size)
             job = _SimJob(
                 w, app.iterations(w.batch_size), tuned_max_workers(app, w.batch_size, config.slots), app,
                 spread_aware=config.placement == "actual", slots_per_host=config.slots_per_host,

@@ -233,6 +233,15 @@ class Application:
         finals = [v[-1][1] for v in self.validation.values()]
         self.target_metric = min(finals) if self.higher_is_better else max(finals)
 
+    def check_batch(self, job: str, batch: int) -> None:
+        """A job's global batch lies within what the traces measured: past the largest
+        validation batch, step times are extrapolated without bound (a batch of 1e11 made one
+        job run for ages of simulated time, re-planned every tick)."""
+        most = max(self.validation)
+        if batch > most:
+            raise SpecError("batch_size", batch, f"job {job!r}: at most {most}, the largest batch the "
+                            f"{self.name} traces measured")
+
     @functools.cache  # noqa: B019 - one Application per process, few keys
     def iterations(self, batch: int) -> float:
         """Iterations to reach the target metric at global batch ``batch`` (nearest measured batch)."""

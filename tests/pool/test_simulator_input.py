@@ -190,3 +190,13 @@ def test_simulate_names_where_a_broken_traces_folder_came_from(tmp_path, capsys,
     monkeypatch.setenv("ELASTIC_OPS_TRACES", str(traces))
     assert run(["simulate", "--workload", workload, "--policy", "static"]) == 2
     assert f"invalid $ELASTIC_OPS_TRACES='{traces}'" in capsys.readouterr().err
+
+
+def test_a_batch_beyond_what_the_traces_measured_is_refused_naming_the_job(tmp_path):
+    """Step times past the largest measured batch are extrapolated without bound: a batch of
+    1e11 kept the simulator busy far past any limit (a probe stopped it after 20 s)."""
+    with pytest.raises(SpecError, match=r"invalid batch_size=99999999999: job 'a': at most 32, the largest "
+                                        r"batch the toy traces measured"):
+        toy_run(tmp_path, "a,0,toy,1,99999999999")
+    result, _ = toy_run(tmp_path / "ok", "a,0,toy,1,32")
+    assert result["avg_jct"] > 0
