@@ -166,12 +166,17 @@ def _client(args: argparse.Namespace):
 def parse_labels(items: Sequence[str]) -> dict[str, str]:
     """``--label KEY=VALUE`` arguments as a mapping."""
     from elastic_ops.errors import SpecError
+    from elastic_ops.spec import check_host_selector
 
     labels = {}
     for item in items:
         if "=" not in item:
             raise SpecError("label", item, "must be KEY=VALUE")
         k, v = item.split("=", 1)
+        try:  # checked one by one, so that the error quotes the argument as typed
+            check_host_selector("labels", {k: v})
+        except SpecError as exc:
+            raise SpecError("label", item, exc.allowed) from None
         labels[k] = v
     return labels
 
