@@ -88,7 +88,7 @@ def test_an_invalid_value_names_the_option_it_came_from(tmp_path, monkeypatch, c
         (["pool", "--pool-url", url, "configure", "--lease-ttl-s", "0"], "invalid --lease-ttl-s=0.0"),
         (["pool", "--pool-url", url, "usage", "--hours", "-1"], "invalid --hours=-1.0"),
         (["pool", "--pool-url", url, "add-host", "h", "1", "--label", "x"], "invalid --label='x'"),
-        (["pool", "--pool-url", url, "add-host", "h", "1", "--label", "=v"], "invalid --label='=v'"),  # not a dict
+        (["pool", "--pool-url", url, "add-host", "h", "1", "--label", "=v"], "invalid --label='=v'"),
         (["pool", "--api-url", "ftp://x", "status"], "invalid --api-url='ftp://x'"),
         (["pool", "--pool-url", "sqlite:///relative.db", "status"], "invalid --pool-url='sqlite:///relative.db'"),
         (["pool", "status"], "missing --pool-url: the ledger's SQLAlchemy URL (or $ELASTIC_OPS_POOL_URL), "
