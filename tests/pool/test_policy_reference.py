@@ -185,3 +185,23 @@ def test_a_newcomer_that_avoids_the_next_free_host_skips_it_in_a_run(big):
     new = VECTORISED["fairshare"](snap)["b"].placements
     assert new and all(h not in avoid for h, _ in new)
     assert VECTORISED["fairshare"](snap)["c000"].placements[0] == (hosts[3 * n].name, 0)
+
+
+@pytest.mark.parametrize("settle_after", [1, 2])
+@pytest.mark.parametrize("seed", range(3))
+def test_the_settling_round_gives_the_reference_plan_and_keeps_every_frozen_job(monkeypatch, seed, settle_after):
+    """The round that cuts a chain of freezes (plain_policies.SETTLE_AFTER, 8) is rarely reached
+    on small snapshots: brought forward here, both implementations still agree, and every job
+    a rule keeps is given exactly what it holds."""
+    from elastic_ops.pool import plain_policies
+
+    monkeypatch.setattr(plain_policies, "SETTLE_AFTER", settle_after)
+    monkeypatch.setattr(policies, "SETTLE_AFTER", settle_after)
+    snap = _scattered(seed, n_jobs=120, n_hosts=40)
+    # more to freeze: the later half of the running jobs rescaled within the interval, min_gain
+    snap = Snapshot(snap.hosts, snap.jobs, snap.now, PolicyConfig(min_rescale_interval_s=150.0, min_gain=0.2))
+    _assert_same_plan(snap)
+    for name in sorted(VECTORISED):
+        for d in VECTORISED[name](snap).decisions:
+            if d.reason.startswith("keeps "):
+                assert d.target == int(d.reason.split()[1].rstrip(":")), (name, d)
