@@ -189,7 +189,9 @@ def test_a_newcomer_that_avoids_the_next_free_host_skips_it_in_a_run(big):
 
 @pytest.mark.parametrize("settle_after", [1, 2])
 @pytest.mark.parametrize("seed", range(3))
-def test_the_settling_round_gives_the_reference_plan_and_keeps_every_frozen_job(monkeypatch, seed, settle_after):
+def test_the_settling_round_gives_the_reference_plan_and_keeps_every_frozen_job(
+    monkeypatch, seed, settle_after
+):
     """The round that cuts a chain of freezes (plain_policies.SETTLE_AFTER, 8) is rarely reached
     on small snapshots: brought forward here, both implementations still agree, and every job
     a rule keeps is given exactly what it holds."""
