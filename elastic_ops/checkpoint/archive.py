@@ -188,6 +188,8 @@ def _records(infos: list[zipfile.ZipInfo]) -> list[_Record] | None:
     if not infos:
         return None
     top = infos[0].filename.split("/", 1)[0] + "/"
+    if len({zi.filename for zi in infos}) != len(infos):
+        return None  # a name twice: decode_state refuses the file (check_layout)
     out = []
     for zi in sorted(infos, key=lambda z: z.header_offset):
         if (

@@ -18,6 +18,7 @@ import io
 import os
 import pickle
 import random
+import zipfile
 from collections.abc import Mapping
 from typing import Any, BinaryIO
 
@@ -169,6 +170,7 @@ def decode_state(data: bytes | memoryview, *, name: str = "state.pt") -> Any:
     unpickler does not allow (code execution attempt, or a foreign object), and
     :class:`CheckpointCorruptError` when it is not a readable torch file.
     """
+    check_layout(_reader(data), name)
     with decode_errors(name):
         return torch.load(_reader(data), weights_only=True, map_location="cpu")
 
@@ -176,8 +178,35 @@ def decode_state(data: bytes | memoryview, *, name: str = "state.pt") -> Any:
 def check_decodable(path: str | os.PathLike[str], *, name: str = "state.pt") -> None:
     """Raise what :func:`decode_state` would raise for the file at ``path``, reading only its
     pickle: tensors are built on the ``meta`` device, without their data (~2 ms whatever the size)."""
+    check_layout(path, name)
     with decode_errors(name):
         torch.load(path, weights_only=True, map_location="meta")
+
+
+def check_layout(source: str | os.PathLike[str] | BinaryIO, name: str = "state.pt") -> None:
+    """Refuse a torch archive unlike any ``torch.save`` writes, before ``torch.load`` reads it:
+    a compressed record (its zip reader inflates it: a 1 MB file became 1 GB in memory) or a
+    record name given twice (two readers would decode two different states from one verified
+    file). Only the zip directory is read. Not a zip at all: left to ``torch.load`` to refuse."""
+    try:
+        with zipfile.ZipFile(source) as zf:
+            infos = zf.infolist()
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, ValueError, EOFError):
+        return
+    seen: set[str] = set()
+    for zi in infos:
+        if zi.compress_type != zipfile.ZIP_STORED or zi.compress_size != zi.file_size:
+            raise CheckpointCorruptError(
+                f"cannot decode {name}: record {zi.filename[:200]!r} is compressed "
+                f"({zi.compress_size} bytes for {zi.file_size}); torch.save stores every record as is",
+                hint="the file was not written by torch.save or was tampered with; nothing was inflated",
+            )
+        if zi.filename in seen:
+            raise CheckpointCorruptError(
+                f"cannot decode {name}: record {zi.filename[:200]!r} appears twice",
+                hint="the file was not written by torch.save or was tampered with",
+            )
+        seen.add(zi.filename)
 
 
 class decode_errors:

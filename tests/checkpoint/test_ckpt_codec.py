@@ -6,6 +6,7 @@ import io
 import os
 import pickle
 import random
+import zipfile
 from pathlib import Path
 from typing import NamedTuple
 
@@ -24,6 +25,7 @@ from elastic_ops.checkpoint import (
 from elastic_ops.checkpoint.codec import encode_state_into
 from elastic_ops.checkpoint.manifest import FileEntry, Manifest
 from elastic_ops.errors import CheckpointCorruptError, UnsafeCheckpointError
+from elastic_ops.runtime.state import load_state
 from tests.checkpoint.builders import StoreTarget, make_model, make_state, small_state, train_steps
 
 
@@ -181,3 +183,43 @@ def test_a_malicious_checkpoint_placed_as_a_file_is_refused_and_removed(
     with pytest.raises(UnsafeCheckpointError):
         store.export(store.list()[-1], out)
     assert not out.exists() and not exploit.marker.exists()
+
+
+def _rezip(data: bytes, *, compress: int = zipfile.ZIP_STORED, twice: str | None = None) -> bytes:
+    """``data`` (a torch.save archive) rewritten: its records compressed, or one given twice."""
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(data)) as src, zipfile.ZipFile(out, "w", compress) as dst:
+        for zi in src.infolist():
+            dst.writestr(zi.filename, src.read(zi.filename))
+            if zi.filename.endswith(twice or "\0"):
+                with pytest.warns(UserWarning, match="Duplicate name"):
+                    dst.writestr(zi.filename, pickle.dumps({"which": "second"}, protocol=2))
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("layout", ["deflated", "duplicate"])
+def test_an_archive_unlike_torch_saves_is_refused_before_anything_is_inflated(
+    target: StoreTarget, tmp_path: Path, layout: str
+) -> None:
+    """A DEFLATEd record of zeros: 8 MB of state in ~10 KB of file (a probe reached 1000x, 1 GB
+    in memory); a record given twice: two readers decoding two states from one verified file."""
+    plain = encode_state({"m": torch.zeros(2_000_000)})
+    if layout == "deflated":
+        evil = _rezip(plain, compress=zipfile.ZIP_DEFLATED)
+    else:
+        evil = _rezip(plain, twice="data.pkl")
+    if layout == "deflated":
+        assert len(evil) < len(plain) / 100
+    store = target.open()
+    store.save(10, small_state(1), epoch=1, spec_hash="h")
+    _plant(target, evil)
+    ref = target.open().latest(decode=False)
+    assert ref.iteration == 20, "checksums verify, so it is the latest"
+    says = "is compressed" if layout == "deflated" else "appears twice"
+    with pytest.raises(CheckpointCorruptError, match=says):
+        target.open().load(ref)
+    with pytest.raises(CheckpointCorruptError, match=says):
+        decode_state(evil)
+    (tmp_path / "state.pt").write_bytes(evil)
+    with pytest.raises(CheckpointCorruptError, match=says):  # the runtime's restore of a staged file
+        load_state(tmp_path / "state.pt")

@@ -1,0 +1,31 @@
+"""What a message may show of a URL: never a password, in any form the clients accept."""
+
+from __future__ import annotations
+
+import pytest
+
+from elastic_ops.urls import shown_url
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("postgresql+psycopg2://pool:hunter2@db:5432/pool", "postgresql+psycopg2://pool:***@db:5432/pool"),
+        # SQLAlchemy and redis-py take these unencoded (a probe found them shown in full)
+        ("postgresql+psycopg2://pool:se/cret@db:5432/pool", "postgresql+psycopg2://pool:***@db:5432/pool"),
+        ("postgresql+psycopg2://pool:se?cret@db/pool", "postgresql+psycopg2://pool:***@db/pool"),
+        ("postgresql+psycopg2://pool:se#cret@db/pool", "postgresql+psycopg2://pool:***@db/pool"),
+        ("postgresql+psycopg2://pool:p@ss@db/pool", "postgresql+psycopg2://pool:***@db/pool"),
+        ("redis://default:a/b@redis:6379/0", "redis://default:***@redis:6379/0"),
+        ("redis://:r3d1s@redis:6379/0", "redis://:***@redis:6379/0"),
+        ("rediss://u:pw@redis:6379/0?password=qs_secret", "rediss://u:***@redis:6379/0?password=***"),
+        ("postgresql://pool@db/pool?sslmode=require&password=qs", "postgresql://pool@db/pool?sslmode=require&password=***"),
+        ("unix:///run/redis.sock?db=0&PASSWORD=qs#x", "unix:///run/redis.sock?db=0&PASSWORD=***#x"),
+        # nothing to hide: shown as given
+        ("postgresql://db.example:5432/pool", "postgresql://db.example:5432/pool"),
+        ("sqlite:////var/lib/airflow/elastic_ops_pool.db", "sqlite:////var/lib/airflow/elastic_ops_pool.db"),
+        ("s3://bucket/prefix", "s3://bucket/prefix"),
+    ],
+)
+def test_no_password_is_shown(url, shown):
+    assert shown_url(url) == shown
