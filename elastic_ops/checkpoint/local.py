@@ -17,6 +17,7 @@ import ctypes
 import errno
 import fcntl
 import os
+import stat
 import sys
 import time
 import uuid
@@ -155,11 +156,7 @@ class LocalBackend:
             return True
 
     def get(self, key: str, *, size_hint: int | None = None) -> bytes | None:
-        with _os_errors(self.uri, key):
-            try:
-                return self._path(key).read_bytes()
-            except FileNotFoundError:
-                return None
+        return self.read_stream(key, lambda f, size: f.read())
 
     def read_stream(self, key: str, read: Callable[[BinaryIO, int], T]) -> T | None:
         """``read(file, size)`` on the file at ``key`` (``None`` when it is missing).
@@ -168,9 +165,8 @@ class LocalBackend:
         every other call.
         """
         with _os_errors(self.uri, key):
-            try:
-                f = open(self._path(key), "rb", buffering=0)  # noqa: SIM115  (closed below)
-            except FileNotFoundError:
+            f = _open_regular(self._path(key))
+            if f is None:
                 return None
             with f:
                 return read(f, os.fstat(f.fileno()).st_size)
@@ -195,6 +191,11 @@ class LocalBackend:
         src, dest = self._path(key), Path(dest)
         tmp = dest.with_name(f"{_TMP_PREFIX}{uuid.uuid4().hex}")
         with _os_errors(self.uri, key):
+            try:  # only a regular file of its own is a stored object (see _open_regular)
+                if not stat.S_ISREG(os.lstat(src).st_mode):
+                    return None
+            except (FileNotFoundError, NotADirectoryError):
+                return None
             try:
                 size = _link_or_copy(src, tmp, hasher)
                 os.replace(tmp, dest)
@@ -265,8 +266,8 @@ class LocalBackend:
                     inside = key + "/"
                     if not entry.is_symlink() and (inside.startswith(prefix) or prefix.startswith(inside)):
                         self._walk(entry.path, key, prefix, out)
-                elif key.startswith(prefix):
-                    try:
+                elif key.startswith(prefix) and entry.is_file(follow_symlinks=False):
+                    try:  # a planted link or FIFO is no object: reading it could hang or read /dev/zero
                         out.append(ObjectInfo(key, entry.stat().st_size))
                     except FileNotFoundError:  # deleted while we walked
                         continue
@@ -345,6 +346,26 @@ def _publish(path: Path, fill: Callable[[Path], T]) -> T:
         raise
     _fsync_dir(path.parent)
     return result
+
+
+def _open_regular(path: Path) -> BinaryIO | None:
+    """``path`` open for reading (binary, unbuffered), or ``None`` when it is missing or not a
+    regular file of its own: a symbolic link (to /dev/zero, to a file outside the store) or a
+    FIFO someone planted in the store is no stored object. O_NONBLOCK: opening a FIFO must not
+    wait for a writer."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a symbolic link
+            return None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        return None
+    os.set_blocking(fd, True)
+    return open(fd, "rb", buffering=0)  # noqa: SIM115 (the caller closes it)
 
 
 def _link_or_copy(src: Path, dest: Path, hasher: Hasher) -> int:

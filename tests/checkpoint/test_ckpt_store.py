@@ -655,3 +655,43 @@ def test_a_new_local_checkpoint_directory_is_made_durable(tmp_path, monkeypatch)
     monkeypatch.setattr(local, "_fsync_dir", lambda path: synced.append(path) or real(path))
     open_store(f"file://{tmp_path}").save(10, small_state(1), epoch=1, spec_hash="h")
     assert tmp_path in synced and tmp_path / "it-00000010" in synced
+
+
+@pytest.mark.parametrize("plant", ["manifest -> /dev/zero", "state -> a FIFO", "state -> a file outside"])
+def test_links_and_fifos_planted_in_a_local_store_are_no_checkpoint(tmp_path, plant) -> None:
+    """Reading through them hung (a FIFO), ran out of memory (/dev/zero) or loaded a file from
+    outside the store; they are now invisible, and latest() falls back past them."""
+    import os
+
+    from elastic_ops.checkpoint import open_store
+
+    root = tmp_path / "store"
+    store = open_store(f"file://{root}")
+    store.save(10, small_state(1), epoch=1, spec_hash="h")
+    store.save(20, small_state(2), epoch=1, spec_hash="h")
+    it20 = root / "it-00000020"
+    [state] = it20.rglob("state.pt")
+    manifest = json.loads((it20 / "manifest.json").read_text())
+    if plant.startswith("manifest"):
+        (it20 / "manifest.json").unlink()
+        (it20 / "manifest.json").symlink_to("/dev/zero")
+    else:
+        outside = tmp_path / "outside.pt"
+        if plant.endswith("FIFO"):
+            os.mkfifo(outside)
+            data = b""
+        else:
+            data = state.read_bytes()  # the same bytes: only where they lie differs
+            outside.write_bytes(data)
+        state.unlink()
+        state.symlink_to(outside)
+        for f in manifest["files"]:
+            f["size"] = len(data)
+            f["digest"] = Checksum(f["algorithm"]).hexdigest(data)
+        (it20 / "manifest.json").write_text(json.dumps(manifest))
+    done: list = []
+    reader = threading.Thread(target=lambda: done.append(open_store(f"file://{root}").latest()), daemon=True)
+    reader.start()
+    reader.join(60)
+    assert done, "latest() hung on what was planted"
+    assert done[0].iteration == 10
