@@ -7,17 +7,20 @@ authorized through the configured auth manager as an Airflow pool named ``elasti
 reading needs ``GET`` (read) access, changing a job, a host or a setting ``PUT`` (edit), adding a
 host ``POST`` (create), pruning events ``DELETE``. Bodies are strict JSON (nothing coerced, no
 unknown fields: 422, naming the field); values the pool refuses are 400 with its message (field,
-value, what is allowed), an unknown job or host 404.
+value, what is allowed), an unknown job or host 404, the ledger out of reach 503 (the cause is
+logged here, not shown: it names the database's host and user). No OpenAPI document or
+interactive docs are served: they would be the only routes without a login.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import math
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from airflow.api_fastapi.core_api.security import GetUserDep
-from fastapi import FastAPI, HTTPException, Query
+from fastapi import FastAPI, HTTPException, Path, Query
 from fastapi.responses import HTMLResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
@@ -25,7 +28,12 @@ from elastic_ops.errors import ElasticOpsError, UnknownHostError, UnknownJobErro
 from elastic_ops.pool.client import MAX_LOOKBACK_H
 from elastic_ops.spec import MAX_WORKERS_LIMIT
 
+log = logging.getLogger(__name__)
+
 HostStateName = Literal["up", "draining", "down", "cooling"]
+NAME_MAX = 255  # job and host names (the pool allows fewer; longer is refused before any echo)
+Job = Annotated[str, Path(max_length=NAME_MAX)]
+Host = Annotated[str, Path(max_length=NAME_MAX)]
 
 
 def _authorize(method: str, user: Any) -> None:
@@ -73,13 +81,19 @@ def _client():
     return ElasticOpsHook().pool()
 
 
-def _call(fn, *args, **kwargs) -> Any:
-    """Run a pool call, mapping its errors onto HTTP: unknown job/host 404, refused value 400."""
+def _call(method: str, *args, **kwargs) -> Any:
+    """Call the pool's ``method``, mapping its errors onto HTTP: unknown job/host 404, refused
+    value 400, the ledger out of reach or busy (a retryable error: the caller may try again)
+    503 with the cause only in this server's log."""
     try:
-        return fn(*args, **kwargs)
+        return getattr(_client(), method)(*args, **kwargs)
     except (UnknownJobError, UnknownHostError) as exc:
         raise HTTPException(status_code=404, detail=str(exc)) from None
     except ElasticOpsError as exc:
+        if exc.retryable:
+            log.warning("elastic_ops pool API: %s failed: %s", method, exc)
+            raise HTTPException(status_code=503, detail="the pool ledger is not reachable now; "
+                                "try again (the api-server's log says why)") from None
         raise HTTPException(status_code=400, detail=str(exc)) from None
 
 
@@ -124,7 +138,7 @@ class HostBody(_Body):
 class SettingsBody(_Body):
     """Pool-wide settings to change (any subset); the pool validates the values."""
 
-    policy: StrictStr | None = None
+    policy: StrictStr | None = Field(None, max_length=64)
     preemption: Literal["none", "graceful"] | None = None
     lease_ttl_s: StrictFloat | StrictInt | None = None
     min_rescale_interval_s: StrictFloat | StrictInt | None = None
@@ -135,7 +149,8 @@ class SettingsBody(_Body):
     failure_threshold: StrictInt | None = None
 
 
-app = FastAPI(title="elastic_ops pool", description="Resource pool status and runtime control")
+app = FastAPI(title="elastic_ops pool", description="Resource pool status and runtime control",
+              docs_url=None, redoc_url=None, openapi_url=None)
 
 
 # --- reading ----------------------------------------------------------------------------------
@@ -144,26 +159,26 @@ app = FastAPI(title="elastic_ops pool", description="Resource pool status and ru
 @app.get("/status")
 def pool_status(user: GetUserDep) -> dict[str, Any]:
     _authorize("GET", user)
-    return _client().status()
+    return _call("status")
 
 
 @app.get("/events")
 def pool_events(
     user: GetUserDep,
-    job: str | None = None,
+    job: str | None = Query(None, max_length=NAME_MAX),
     since_id: int = Query(0, ge=0, le=2**63 - 1),  # a larger id overflows the ledger's integer
     last: int | None = Query(None, ge=1, le=1_000_000),
 ) -> list[dict[str, Any]]:
     """The event log, oldest first: one job's, after ``since_id``, the ``last`` N (any subset)."""
     _authorize("GET", user)
-    return _client().events(job=job, since_id=since_id, last=last)
+    return _call("events", job=job, since_id=since_id, last=last)
 
 
 @app.get("/usage")
 def pool_usage(user: GetUserDep, hours: float | None = Query(None, gt=0)) -> dict[str, Any]:
     """Slot-hours per job and per host over the last ``hours`` (default: the whole event log)."""
     _authorize("GET", user)
-    return _call(_client().usage, hours=hours)
+    return _call("usage", hours=hours)
 
 
 @app.get("/nodes")
@@ -184,8 +199,7 @@ def status_page(user: GetUserDep) -> HTMLResponse:
     from elastic_ops.plugin_page import CSP, render
 
     _authorize("GET", user)
-    client = _client()
-    page = render(client.status(), client.events(last=50), _node_view())
+    page = render(_call("status"), _call("events", last=50), _node_view())
     return HTMLResponse(page, headers={"Content-Security-Policy": CSP, "Cache-Control": "no-store"})
 
 
@@ -193,30 +207,30 @@ def status_page(user: GetUserDep) -> HTMLResponse:
 
 
 @app.post("/jobs/{job}/priority")
-def set_priority(job: str, body: PriorityBody, user: GetUserDep) -> dict[str, Any]:
+def set_priority(job: Job, body: PriorityBody, user: GetUserDep) -> dict[str, Any]:
     _authorize("PUT", user)
-    _call(_client().set_priority, job, body.priority)
+    _call("set_priority", job, body.priority)
     return {"job": job, "priority": body.priority}
 
 
 @app.post("/jobs/{job}/bounds")
-def set_bounds(job: str, body: BoundsBody, user: GetUserDep) -> dict[str, Any]:
+def set_bounds(job: Job, body: BoundsBody, user: GetUserDep) -> dict[str, Any]:
     _authorize("PUT", user)
-    _call(_client().set_bounds, job, body.min_workers, body.max_workers)
+    _call("set_bounds", job, body.min_workers, body.max_workers)
     return {"job": job, "min_workers": body.min_workers, "max_workers": body.max_workers}
 
 
 @app.post("/jobs/{job}/preemptible")
-def set_preemptible(job: str, body: PreemptibleBody, user: GetUserDep) -> dict[str, Any]:
+def set_preemptible(job: Job, body: PreemptibleBody, user: GetUserDep) -> dict[str, Any]:
     _authorize("PUT", user)
-    _call(_client().set_preemptible, job, body.preemptible)
+    _call("set_preemptible", job, body.preemptible)
     return {"job": job, "preemptible": body.preemptible}
 
 
 @app.post("/jobs/{job}/selector")
-def set_selector(job: str, body: SelectorBody, user: GetUserDep) -> dict[str, Any]:
+def set_selector(job: Job, body: SelectorBody, user: GetUserDep) -> dict[str, Any]:
     _authorize("PUT", user)
-    _call(_client().set_selector, job, body.selector)
+    _call("set_selector", job, body.selector)
     return {"job": job, "selector": body.selector}
 
 
@@ -224,18 +238,18 @@ def set_selector(job: str, body: SelectorBody, user: GetUserDep) -> dict[str, An
 
 
 @app.put("/hosts/{host}")
-def add_host(host: str, body: HostBody, user: GetUserDep) -> dict[str, Any]:
+def add_host(host: Host, body: HostBody, user: GetUserDep) -> dict[str, Any]:
     _authorize("POST", user)
-    _call(_client().add_host, host, body.slots, body.labels)
+    _call("add_host", host, body.slots, body.labels)
     return {"host": host, "slots": body.slots, "labels": body.labels, "state": "up"}
 
 
 @app.post("/hosts/{host}/state")
-def set_host_state(host: str, body: HostStateBody, user: GetUserDep) -> dict[str, Any]:
+def set_host_state(host: Host, body: HostStateBody, user: GetUserDep) -> dict[str, Any]:
     """``{"state": "draining"}`` drains a host: no new grants, its jobs move off at their next
     iteration boundary."""
     _authorize("PUT", user)
-    _call(_client().set_host_state, host, body.state)
+    _call("set_host_state", host, body.state)
     return {"host": host, "state": body.state}
 
 
@@ -246,7 +260,7 @@ def set_host_state(host: str, body: HostStateBody, user: GetUserDep) -> dict[str
 def configure(body: SettingsBody, user: GetUserDep) -> dict[str, Any]:
     """Change the given settings (none: re-plan only); returns every setting."""
     _authorize("PUT", user)
-    return _call(_client().configure, **body.model_dump(exclude_none=True))
+    return _call("configure", **body.model_dump(exclude_none=True))
 
 
 @app.delete("/events")
@@ -256,4 +270,4 @@ def prune_events(user: GetUserDep, older_than_days: float = Query(gt=0)) -> dict
     if not math.isfinite(older_than_days) or older_than_days > MAX_LOOKBACK_H / 24:
         raise HTTPException(status_code=422, detail=f"older_than_days={older_than_days}: must be finite and "
                             f"<= {MAX_LOOKBACK_H / 24:g}")
-    return {"deleted": _call(_client().prune_events, older_than_days * 86400.0)}
+    return {"deleted": _call("prune_events", older_than_days * 86400.0)}

@@ -190,3 +190,40 @@ def test_node_agents_are_listed_and_hosts_without_one_named(tmp_path, monkeypatc
     r = client.get("/nodes")
     assert r.status_code == 503 and "unreachable" in r.json()["detail"]
     assert "unreachable" in client.get("/ui").text
+
+
+@pytest.mark.parametrize("path", ["/openapi.json", "/docs", "/redoc", "/docs/oauth2-redirect"])
+def test_no_route_is_served_without_a_login_not_even_fastapis_own(tmp_path, monkeypatch, path):
+    client, _ = make_api(tmp_path, monkeypatch, role=None)
+    assert client.get(path).status_code == 404
+
+
+@pytest.mark.parametrize(("path", "status"), [
+    ("/events?job=a%01b", 400),  # a name the pool refuses: its message, not a 500
+    ("/events?job=" + "a" * 300, 422),  # refused before anything echoes it
+    ("/jobs/" + "a" * 300 + "/priority", 422),
+])
+def test_bad_names_are_refused_not_server_errors(tmp_path, monkeypatch, path, status):
+    client, _ = make_api(tmp_path, monkeypatch)
+    method = "POST" if path.endswith("priority") else "GET"
+    r = client.request(method, path, json={"priority": 3} if method == "POST" else None)
+    assert r.status_code == status, r.text
+
+
+@pytest.mark.parametrize(("method", "path", "body"), READS[:4] + CHANGES)
+def test_a_ledger_out_of_reach_is_503_without_the_databases_address(
+    tmp_path, monkeypatch, method, path, body
+):
+    """It was a 500 on the reading routes and a 400 (not retryable, naming the database's
+    host and user) on the others."""
+    from elastic_ops.errors import LedgerUnavailableError
+
+    client, _ = make_api(tmp_path, monkeypatch)
+
+    def unreachable():
+        raise LedgerUnavailableError("pool ledger postgresql://pool:***@db.internal:5432/pool unreachable")
+
+    monkeypatch.setattr(plugin_api, "_client", unreachable)
+    r = call(client, method, path, body)
+    assert r.status_code == 503, r.text
+    assert "db.internal" not in r.text and "not reachable now" in r.json()["detail"]
