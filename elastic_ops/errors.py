@@ -7,6 +7,9 @@ normal retry with backoff. Messages carry the values involved and a hint.
 
 from __future__ import annotations
 
+import reprlib
+from typing import Any
+
 
 class ElasticOpsError(Exception):
     """Base class. ``retryable`` tells the caller whether another try may succeed."""
@@ -31,6 +34,21 @@ UNSET = _Unset()
 """The value of a :class:`SpecError` about a setting that was not given at all."""
 
 
+def short_repr(value: Any, limit: int = 300) -> str:
+    """``repr(value)`` cut to ``limit`` characters for a message. Bounded in depth and width as
+    it is built, so a value that nests or repeats itself enormously (a YAML alias bomb, a 1 MB
+    string sent over HTTP) costs nothing to quote and is not echoed back whole."""
+    shown = reprlib.Repr()  # (keyword arguments only from Python 3.12)
+    shown.maxlevel, shown.maxdict = 4, 20
+    shown.maxlist = shown.maxtuple = shown.maxset = 20
+    shown.maxstring = shown.maxlong = shown.maxother = limit
+    try:
+        text = shown.repr(value)
+    except RecursionError:
+        text = f"<{type(value).__name__} that contains itself>"
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
 class SpecError(ElasticOpsError, ValueError):
     """A user-facing value is invalid (or, ``value=UNSET``, missing). Names the field, the value
     and what is allowed."""
@@ -39,7 +57,7 @@ class SpecError(ElasticOpsError, ValueError):
         self.field = field
         self.value = value
         self.allowed = allowed
-        shown = f"missing {field}" if value is UNSET else f"invalid {field}={value!r}"
+        shown = f"missing {field}" if value is UNSET else f"invalid {field}={short_repr(value)}"
         super().__init__(f"{shown}: {allowed}", hint=hint)
 
     def naming(self, field: str) -> SpecError:

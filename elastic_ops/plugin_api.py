@@ -240,6 +240,8 @@ def set_selector(job: Job, body: SelectorBody, user: GetUserDep) -> dict[str, An
 @app.put("/hosts/{host}")
 def add_host(host: Host, body: HostBody, user: GetUserDep) -> dict[str, Any]:
     _authorize("POST", user)
+    if any(h["name"] == host for h in _call("status")["hosts"]):
+        _authorize("PUT", user)  # re-enabling or resizing a host is an edit (it undoes a drain)
     _call("add_host", host, body.slots, body.labels)
     return {"host": host, "slots": body.slots, "labels": body.labels, "state": "up"}
 

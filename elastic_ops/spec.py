@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from elastic_ops.errors import UNSET, SpecError
+from elastic_ops.errors import UNSET, SpecError, short_repr
 
 # matched with fullmatch: a trailing newline is not part of a valid value
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}")
@@ -41,7 +41,7 @@ MAX_SELECTOR_LABELS = 16
 
 def check_host_selector(field: str, value: Any) -> dict[str, str]:
     """Host labels a job's hosts must all carry (``{"gpu": "h100"}``): keys of letters, digits,
-    ``_ . - /`` (up to 63), string values (up to 253), at most 16 pairs."""
+    ``_ . - /`` (up to 63), printable string values (up to 253), at most 16 pairs."""
     if value is None:
         return {}
     if not isinstance(value, Mapping):
@@ -52,9 +52,10 @@ def check_host_selector(field: str, value: Any) -> dict[str, str]:
         if not isinstance(key, str) or not _LABEL_KEY_RE.fullmatch(key):
             raise SpecError(field, dict(value), f"label name {key!r} must be 1-63 letters, digits, "
                             "'_', '.', '-', '/', starting with a letter or digit")
-        if not isinstance(label, str) or len(label) > 253:
-            raise SpecError(field, dict(value), f"label {key!r} must have a string value of at most 253 "
-                            f"characters, not {label!r}")
+        if not isinstance(label, str) or len(label) > 253 or not label.isprintable():
+            # printable: labels are shown in tables, logs and event reasons (no escape sequences)
+            raise SpecError(field, dict(value), f"label {key!r} must have a printable string value of at "
+                            f"most 253 characters, not {label!r}")
     return dict(value)
 
 
@@ -405,20 +406,8 @@ class JobSpec:
 
 
 def _short(value: Any, limit: int = 200) -> str:
-    """``repr(value)`` cut to ``limit`` characters (an error message quotes it); bounded in
-    depth and width as it is built, so a value that nests or repeats itself enormously (a YAML
-    alias bomb) costs nothing to quote."""
-    import reprlib
-
-    shown = reprlib.Repr()  # (keyword arguments only from Python 3.12)
-    shown.maxlevel, shown.maxdict = 4, 8
-    shown.maxlist = shown.maxtuple = shown.maxset = 8
-    shown.maxstring = shown.maxlong = shown.maxother = limit
-    try:
-        text = shown.repr(value)
-    except RecursionError:
-        text = f"<{type(value).__name__} that contains itself>"
-    return text if len(text) <= limit else text[:limit] + "…"
+    """``repr(value)`` cut to ``limit`` characters (see :func:`elastic_ops.errors.short_repr`)."""
+    return short_repr(value, limit)
 
 
 MAX_PARAMS_NODES = 100_000  # values in params, each repetition counted (a YAML alias expands)

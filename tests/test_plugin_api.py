@@ -227,3 +227,19 @@ def test_a_ledger_out_of_reach_is_503_without_the_databases_address(
     r = call(client, method, path, body)
     assert r.status_code == 503, r.text
     assert "db.internal" not in r.text and "not reachable now" in r.json()["detail"]
+
+
+def test_re_registering_a_host_needs_edit_permission_not_only_create(tmp_path, monkeypatch):
+    """PUT /hosts/{host} also re-enables and resizes a host: with create alone, a user could undo
+    a drain."""
+    client, pool = make_api(tmp_path, monkeypatch)
+
+    class CreateOnly:
+        def is_authorized_pool(self, *, method, details, user):
+            return method in ("GET", "POST")
+
+    monkeypatch.setattr("airflow.api_fastapi.app.get_auth_manager", CreateOnly)
+    assert client.put("/hosts/h9", json={"slots": 2}).status_code == 200  # a new host: create
+    pool.drain_host("h1")
+    assert client.put("/hosts/h1", json={"slots": 8}).status_code == 403
+    assert host(pool, "h1")["state"] == "draining" and host(pool, "h1")["slots"] == 4

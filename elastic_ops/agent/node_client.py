@@ -27,7 +27,7 @@ from elastic_ops.agent.protocol import (
     latest_of,
 )
 from elastic_ops.agent.redis_channel import BEAT_S, PEER_TIMEOUT_S, RedisChannel, redis_error_types
-from elastic_ops.errors import AgentLostError, NodeLostError, NodeUnavailableError
+from elastic_ops.errors import AgentLostError, NodeLostError, NodeUnavailableError, SpecError
 from elastic_ops.runtime.outcome import ChunkResult, Progress
 from elastic_ops.spec import check_host_name
 from elastic_ops.urls import shown_url
@@ -44,13 +44,26 @@ def without_credentials(store: StoreConfig | None) -> StoreConfig | None:
 
 
 def _announcement(raw: bytes | None) -> dict[str, Any] | None:
+    """An announcement's fields. Announcements are not signed (anyone who can write to the
+    Redis can write one), and they end up in tables and pages: only short printable strings and
+    plain numbers are kept."""
     if raw is None:
         return None
     try:
         info = json.loads(raw)
     except ValueError:
         return None
-    return info if isinstance(info, dict) else None
+    if not isinstance(info, dict):
+        return None
+    return {k: v for k, v in info.items() if _printable(k) and (_printable(v) or _plain_number(v))}
+
+
+def _printable(value: Any) -> bool:
+    return isinstance(value, str) and len(value) <= 255 and value.isprintable()
+
+
+def _plain_number(value: Any) -> bool:
+    return value is None or isinstance(value, bool | int | float)
 
 
 def _announced(raw: bytes | None) -> bool:
@@ -123,8 +136,12 @@ class NodeClient:
         out = {}
         for key, raw in zip(keys, raws, strict=True):
             info = _announcement(raw)
+            try:  # a key a node agent could not have written (not UTF-8, not a host name): skipped
+                host = check_host_name("host", key.decode()[len(prefix):])
+            except (UnicodeDecodeError, SpecError):
+                continue
             if info is not None:
-                out[key.decode()[len(prefix):]] = info
+                out[host] = info
         return out
 
     def abort(self) -> None:

@@ -230,7 +230,8 @@ def _events(args: argparse.Namespace) -> None:
         facts = [f"{k}={e[k]}" for k in ("workers", "epoch") if e[k] is not None]  # a host event has none
         if e["slots"]:
             facts.append("slots=[" + ",".join(f"{h}:{s}" for h, s in e["slots"]) + "]")
-        print(" ".join([f"{e['id']:>6} {ts} {e['kind']:<8} {who:<20}", *facts, e["reason"] or ""]))
+        line = " ".join([f"{e['id']:>6} {ts} {e['kind']:<8} {who:<20}", *facts, e["reason"] or ""])
+        print(report.shown(line))
 
 
 def _usage(args: argparse.Namespace) -> None:

@@ -15,9 +15,15 @@ JOB_COLUMNS = (
 
 def text_table(rows: list[list[Any]], header: Sequence[str]) -> str:
     """``rows`` under ``header`` in aligned columns (the CLI's tables)."""
-    cells = [header] + [[str(c) for c in r] for r in rows]
+    cells = [header] + [[shown(str(c)) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells)
+
+
+def shown(cell: str) -> str:
+    """A cell as the terminal may show it: a control character (an escape sequence, a newline
+    forging a row) from whatever wrote the value is shown escaped, never acted on."""
+    return cell if cell.isprintable() else cell.encode("unicode_escape").decode("ascii")
 
 
 def summary(st: dict[str, Any]) -> str:

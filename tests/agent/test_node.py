@@ -160,6 +160,22 @@ def test_the_announced_nodes_are_listed(cluster, monkeypatch, capsys):
     assert table[1].split()[0] == "host-a" and table[1].split()[-1] == "-"  # no --advertise-addr
 
 
+def test_forged_announcements_cannot_break_or_dress_up_the_node_list(cluster):
+    """Announcements are not signed: a key that is not UTF-8 made every listing (CLI, /nodes,
+    the status page) fail, and escape sequences in a field reached the terminal."""
+    import redis
+
+    config, _, _ = cluster
+    r = redis.Redis.from_url(REDIS_URL)
+    prefix = config.alive_key("").encode()
+    r.set(prefix + b"\xff\xfe", b'{"pid": 1}', ex=60)
+    r.set(prefix + b"evil host", b'{"pid": 1}', ex=60)
+    r.set(config.alive_key("host-x"), json.dumps({"pid": 7, "addr": "\x1b]0;pwned\x07", "version": 1}), ex=60)
+    nodes = NodeClient(config).announced()
+    assert sorted(nodes) == ["host-a", "host-b", "host-x"]
+    assert nodes["host-x"] == {"pid": 7, "version": 1}  # the field with a control character is dropped
+
+
 def test_a_host_without_a_node_agent_is_a_retryable_error_naming_it(cluster, tmp_path):
     config, _, _ = cluster
     with pytest.raises(NodeUnavailableError) as info:

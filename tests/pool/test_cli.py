@@ -50,6 +50,14 @@ def test_pool_url_flag_and_clear_errors(tmp_path, capsys):
     assert "invalid --policy='nope': must be a policy name, one of fairshare" in capsys.readouterr().err
 
 
+def test_tables_show_control_characters_escaped_not_acted_on():
+    from elastic_ops.pool.report import text_table
+
+    table = text_table([["a\x1b[2J\nFAKE ROW", "1"]], ["NAME", "N"])
+    lines = table.splitlines()
+    assert len(lines) == 2 and lines[1] == "a\\x1b[2J\\nFAKE ROW  1" and "\x1b" not in table
+
+
 def test_events_for_a_job_without_events_says_so(sqlite_url, monkeypatch, capsys):
     """An unknown (or mistyped) job is not an empty table that looks like success."""
     monkeypatch.setenv("ELASTIC_OPS_POOL_URL", sqlite_url)

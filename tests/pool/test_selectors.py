@@ -123,9 +123,12 @@ def test_no_job_ever_holds_a_slot_on_a_host_without_its_labels(sqlite_url, clock
 def test_selectors_are_checked_where_they_enter(sqlite_url):
     pool = make_pool(sqlite_url)
     for bad, says in (({"gpu": 1}, "string value"), ({"": "x"}, "label name ''"), ("gpu=h100", "mapping"),
-                      ({f"k{i}": "v" for i in range(17)}, "at most 16")):
+                      ({f"k{i}": "v" for i in range(17)}, "at most 16"),
+                      ({"k": "\x1b[2J\nFAKE ROW"}, "printable string value")):  # shown in tables and logs
         with pytest.raises(SpecError, match=says):
             pool.submit("j", min_workers=1, max_workers=1, selector=bad)
+    with pytest.raises(SpecError, match="printable string value"):
+        pool.add_host("h9", 1, {"k": "\x1b]0;pwned\x07"})
     assert outside({"gpu": "h100"}, [Host("a", 1, labels=(("gpu", "a100"),)), Host("b", 1)]) == {"a", "b"}
     assert outside({}, [Host("a", 1)]) == frozenset()
 
