@@ -453,7 +453,9 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
             final = not killed and _final_failure(context, exc)
             if final:
                 self.log.info("job %s: this failure is final; ending the job in the pool", spec.name)
-            self._quietly("release the lease", self._release, client, spec.name, grant.epoch, finished=final)
+            # killed: on_kill ended the job already (this release finds the lease gone)
+            self._quietly("release the lease", self._release, client, spec.name, grant.epoch,
+                          finished=final or killed)
             raise
         finally:
             self._running = None
@@ -563,9 +565,11 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
 
     def on_kill(self) -> None:
         """Airflow is killing this try (mark failed, clear, timeout): give the slots back now
-        rather than when the lease's TTL runs out. The workers stop with the task (its process
-        group, or the agent when the task's connection closes); a worker lost that way is not
-        the host's fault."""
+        rather than when the lease's TTL runs out, and end the job in the pool, so that its
+        demand does not hold slots back from other jobs (a run marked failed never asks again;
+        a cleared or retried chunk's next request makes the job wait again). The workers stop
+        with the task (its process group, or the agent when the task's connection closes); a
+        worker lost that way is not the host's fault."""
         self._killed = True
         node_client = getattr(self, "_node_client", None)
         if node_client is not None:  # the node agent kills the workers now, not after its timeout
@@ -575,7 +579,7 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
             return
         keeper, client, job, epoch = running
         keeper.stop()
-        self._quietly("release the lease", self._release, client, job, epoch)
+        self._quietly("release the lease", self._release, client, job, epoch, finished=True)
 
     def _quietly(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> None:
         """Clean-up that must not replace the error being raised (the pool's own safety net,

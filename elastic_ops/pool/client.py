@@ -719,7 +719,10 @@ class PoolClient:
             why = "finished" if finished else "released"
             self._free(conn, now, job, held, "release", why, epoch=epoch, workers=0)
             self._end_lease(conn, now, job, epoch, why)
-        if epoch == row.epoch or released:
+        # a late release of a lease already ended does not bring a finished job back: only its
+        # next request does (on_kill ends the job, then the dying try releases again)
+        revived = row.state == JobState.FINISHED.value and not released and not finished
+        if (epoch == row.epoch or released) and not revived:
             state = JobState.FINISHED if finished else JobState.WAITING
             conn.execute(
                 update(s.jobs)
@@ -1222,7 +1225,18 @@ class PoolClient:
                 self._reserve(conn, now, name, epoch, list(d.placements), "grant", d)
             if values:
                 conn.execute(update(s.jobs).where(s.jobs.c.name == name).values(**values))
+        self._mark_idle(conn, rows, set(plan.jobs), cfg["job_idle_s"])
         return plan
+
+    @staticmethod
+    def _mark_idle(conn: Connection, rows: dict[str, Any], planned: set[str], idle_s: float) -> None:
+        """Jobs left out of the plan because nobody asked for them for ``job_idle_s`` (a task
+        marked failed while it waited, a paused DAG): shown as such, not with the last share the
+        plan gave them."""
+        reason = f"idle: no request for over {idle_s:g}s (job_idle_s); planned again at its next request"
+        for name, row in rows.items():
+            if name not in planned and (row.target != 0 or row.reason != reason):
+                conn.execute(update(s.jobs).where(s.jobs.c.name == name).values(target=0, reason=reason))
 
     def _unpark(self, conn: Connection, now: float, plan: Plan, rows: dict[str, Any], snap: Snapshot) -> bool:
         """Apply at once what ``plan`` takes from parked jobs (they run nothing, so there is no

@@ -104,6 +104,26 @@ class GrantTrigger(_LedgerTrigger):
     def _request_once(self, client: Any) -> Any:
         return client.request(self.job, avoid_hosts=tuple(self.avoid_hosts))
 
+    async def on_kill(self) -> None:
+        """A user acted on the waiting task (mark failed or succeeded, clear; Airflow 3.3 calls
+        this only then, not when a triggerer stops): end the job in the pool, whose queue place
+        this trigger held, so that its demand stops holding slots back from other jobs at once,
+        not after ``job_idle_s``. A cleared task's next request makes the job wait again."""
+        def finish() -> None:
+            client = _open_ledger(self.ledger_url)
+            try:
+                client.finish(self.job)
+            finally:
+                client.close()
+
+        try:
+            await asyncio.to_thread(finish)
+        except ElasticOpsError as exc:  # the ledger's own safety net (job_idle_s) still applies
+            self.log.warning("could not end job %s in the pool (%s); it leaves the plan after "
+                             "job_idle_s", self.job, exc)
+        else:
+            self.log.info("job %s: its waiting task was stopped by a user; ended in the pool", self.job)
+
     async def run(self) -> AsyncIterator[TriggerEvent]:
         started = time.monotonic()
         if self.not_before is not None and (delay := self.not_before - _wall_clock()) > 0:

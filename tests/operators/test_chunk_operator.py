@@ -233,7 +233,9 @@ def test_a_failing_clean_up_does_not_replace_the_training_error(pool, monkeypatc
         make_chunk(1).execute(ti_context(1, 3))
 
 
-def test_on_kill_gives_the_slots_back_and_does_not_blame_the_host(pool, monkeypatch):
+def test_on_kill_gives_the_slots_back_ends_the_job_and_does_not_blame_the_host(pool, monkeypatch):
+    """Ended, not only released: a run marked failed never asks again, and its waiting job kept
+    its planned share for job_idle_s (a probe saw another job wait 600 s for those slots)."""
     op = make_chunk(1)
 
     def killed_mid_chunk(self, spec, state, epoch, host, keeper, hook):
@@ -246,6 +248,10 @@ def test_on_kill_gives_the_slots_back_and_does_not_blame_the_host(pool, monkeypa
         op.execute(ti_context(1, 3))
     assert not [e for e in pool.events() if e["kind"] == "failure"]
     assert {h["name"]: h for h in pool.status()["hosts"]}["h1"]["failures"] == 0
+    job = next(e["job"] for e in pool.events() if e["kind"] == "grant")
+    assert job_row(pool, job)["state"] == "finished"
+    pool.request(job)  # a cleared or retried chunk asks again: planned again
+    assert job_row(pool, job)["state"] != "finished"
 
 
 @pytest.mark.parametrize(("kwargs", "field"), [

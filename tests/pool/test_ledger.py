@@ -564,3 +564,28 @@ def test_clients_on_hosts_with_skewed_clocks_share_the_databases_clock(pg_url, m
     monkeypatch.setattr(time, "time", real)
     a.check_epoch("j", g.epoch)  # still live: both clients read the database's clock
     assert a.status()["slots"]["used"] == 2
+
+
+def test_a_job_nobody_asks_for_shows_as_idle_not_with_its_last_share(tmp_path):
+    """A task marked failed between chunks asks no more: after job_idle_s it leaves the plan, and
+    its row said so only as the last share it was given (a probe read it as still planned)."""
+    now = [1000.0]
+    pool = PoolClient(f"sqlite:///{tmp_path / 'pool.db'}", clock=lambda: now[0])
+    pool.add_host("h1", 2)
+    pool.submit("gone", min_workers=2, max_workers=2)
+    pool.request("gone")  # granted
+    pool.release("gone", pool.request("gone").epoch)  # released, not finished: it may ask again
+    pool.submit("other", min_workers=1, max_workers=1)
+    now[0] += pool.status()["settings"]["job_idle_s"] + 1
+    pool.request("other")
+    gone = next(j for j in pool.status()["jobs"] if j["name"] == "gone")
+    assert gone["target"] == 0 and gone["reason"].startswith("idle: no request for over 180s"), gone
+
+
+def test_a_late_release_does_not_bring_a_finished_job_back(pool):
+    g = grant(pool, "a")
+    pool.finish("a")  # e.g. on_kill ended it
+    assert pool.release("a", g.epoch) is False  # the dying try releases again: nothing live
+    assert {j["name"]: j for j in pool.status()["jobs"]}["a"]["state"] == "finished"
+    pool.request("a")  # only a request makes it wait again
+    assert {j["name"]: j for j in pool.status()["jobs"]}["a"]["state"] != "finished"

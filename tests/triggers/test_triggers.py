@@ -197,3 +197,22 @@ def test_an_unreachable_ledger_keeps_the_triggers_waiting(monkeypatch, kind):
         task.cancel()
 
     asyncio.run(scenario())
+
+
+def test_a_user_stopping_the_waiting_task_ends_its_job_in_the_pool(tmp_path):
+    """Marked failed while deferred, the task ran no code: its job kept its planned share for
+    job_idle_s (180 s by default), holding slots back from a job that could use them."""
+    pool = make_pool(tmp_path, slots=2)
+    pool.submit("holder", min_workers=1, max_workers=1, priority=1)
+    pool.request("holder")
+    pool.submit("waiter", min_workers=2, max_workers=2, priority=5)
+    assert not hasattr(pool.request("waiter"), "epoch")  # planned 2, holder must shrink first
+    assert next(j for j in pool.status()["jobs"] if j["name"] == "waiter")["target"] == 2
+
+    asyncio.run(GrantTrigger(job="waiter", ledger_url=pool.url, state={}).on_kill())
+    jobs = {j["name"]: j for j in pool.status()["jobs"]}
+    assert jobs["waiter"]["state"] == "finished"
+    assert jobs["holder"]["target"] == 1  # nothing planned for the stopped job any more
+    assert not hasattr(pool.request("waiter"), "epoch")  # a cleared task asks again: it waits again
+    assert next(j for j in pool.status()["jobs"] if j["name"] == "waiter")["state"] == "waiting"
+    asyncio.run(GrantTrigger(job="nobody", ledger_url=pool.url, state={}).on_kill())  # unknown: no error
