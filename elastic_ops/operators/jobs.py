@@ -26,12 +26,14 @@ _NONE_STRINGS = {"", "none", "null"}
 
 
 def safe_name(text: str, limit: int = 128) -> str:
-    """``text`` reduced to the characters a job name allows, short enough, still unique."""
+    """``text`` reduced to the characters a job name allows, short enough, still unique: a name
+    that had to change (characters replaced, or cut) ends in a hash of ``text``, so that two
+    that differ only where they were changed (run ids ``a:1`` and ``a+1``) stay two names."""
     name = _UNSAFE.sub("_", text).strip("_.-") or "job"
-    if len(name) > limit:
-        digest = hashlib.sha256(text.encode()).hexdigest()[:16]
-        name = f"{name[: limit - 17]}-{digest}"
-    return name
+    if name == text and len(name) <= limit:
+        return name
+    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+    return f"{name[: limit - 17]}-{digest}"
 
 
 def job_id(dag_id: str, group_id: str, run_id: str) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from hashlib import sha256
+
 import pytest
 from airflow.sdk import RetryAction
 from hypothesis import given
@@ -62,6 +64,14 @@ def test_job_names_of_different_long_runs_differ():
     assert len(safe_name("y" * 500)) == 128
 
 
+def test_runs_whose_ids_differ_only_in_replaced_characters_are_different_jobs():
+    """``col:1`` and ``col+1`` both became ``col_1``: one pool job and one checkpoint prefix for
+    two runs, which fenced each other until one failed (a chaos probe)."""
+    assert job_id("d", "g", "col:1") != job_id("d", "g", "col+1")
+    assert safe_name("col:1") != safe_name("col+1")
+    assert safe_name("run_1") == "run_1" and job_id("d", "g", "run_1") == "d.g.run_1"  # unchanged: as is
+
+
 def test_rendered_strings_become_typed_values():
     out = coerce_rendered({"max_workers": "8", "priority": " 3 ", "preemptible": "False",
                            "checkpoint": "None", "keep_every": "", "entrypoint": "a.b:C"})
@@ -74,7 +84,8 @@ def test_each_run_trains_under_its_own_checkpoint_prefix():
                      run_id="manual__2024-01-01T00:00:00+00:00")
     b = runtime_spec(FIELDS | {"checkpoint": "s3://models/digits/"}, name="j", checkpoint_root="file:///x",
                      run_id="scheduled__1")
-    assert a.checkpoint == "file:///ck/d/g/manual__2024-01-01T00_00_00_00_00"
+    assert a.checkpoint == "file:///ck/d/g/manual__2024-01-01T00_00_00_00_00-" + sha256(
+        b"manual__2024-01-01T00:00:00+00:00").hexdigest()[:16]
     assert b.checkpoint == "s3://models/digits/scheduled__1"
 
 
