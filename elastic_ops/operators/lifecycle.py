@@ -98,9 +98,14 @@ class ElasticFinalizeOperator(ElasticOperatorMixin, BaseOperator):
     def execute(self, context: Any) -> dict[str, Any]:
         spec = self._spec(context)
         ti = context["ti"]
-        chunks = [
-            ChunkTaskResult.from_dict(ti.xcom_pull(task_ids=tid)) for tid in self.chunk_task_ids
-        ]
+        pulled = {tid: ti.xcom_pull(task_ids=tid) for tid in self.chunk_task_ids}
+        # a chunk a user marked success (or skipped) pushed no result: the final checkpoint below
+        # still decides whether the model is complete; only the figures lack that chunk's part
+        missing = [tid for tid, data in pulled.items() if not isinstance(data, dict)]
+        if missing:
+            self.log.warning("job %s: no result from %s (marked success or skipped?); the summary "
+                             "leaves them out", spec.name, ", ".join(missing))
+        chunks = [ChunkTaskResult.from_dict(data) for data in pulled.values() if isinstance(data, dict)]
         hook = self._hook()
         store = hook.store(spec.checkpoint_uri(), keep_last=spec.keep_last, keep_every=spec.keep_every)
         ref = store.latest(spec_hash=spec.spec_hash(), decode=False)
@@ -125,7 +130,8 @@ class ElasticFinalizeOperator(ElasticOperatorMixin, BaseOperator):
             "loss": final.get("loss"),
             "metrics": {k: v for k, v in final.items() if k not in ("loss", "param_sha256")},
             "param_sha256": final.get("param_sha256"),
-            "chunks": len(chunks), "preemptions": sum(c.preemptions for c in chunks),
+            "chunks": len(self.chunk_task_ids), "chunks_without_result": missing,
+            "preemptions": sum(c.preemptions for c in chunks),
             "waited_s": round(sum(c.waited_s for c in chunks), 3),
             "train_s": round(sum(c.duration_s - c.waited_s for c in trained), 3),
             "max_workers_used": max((int(w) for c in chunks for _, w, _ in c.workers_timeline), default=0),

@@ -26,7 +26,11 @@ def already_done(index: int, job: str) -> dict:
     ).to_dict()
 
 
-def test_a_rerun_that_trained_nothing_still_reports_the_final_models_figures(monkeypatch, tmp_path):
+@pytest.mark.parametrize("marked_success", [False, True])
+def test_a_rerun_that_trained_nothing_still_reports_the_final_models_figures(monkeypatch, tmp_path,
+                                                                             marked_success):
+    """``marked_success``: a user marked chunk 1 success mid-chunk; it pushed no result, and
+    finalize failed with an AttributeError although chunk 2 had completed the model (a probe)."""
     pool = airflow_pool(monkeypatch, tmp_path)
     asset = Asset(name="d.train.model", uri="file:///models/d/train")
     op = ElasticFinalizeOperator(task_id="finalize", spec_fields=FIELDS, group_id="train",
@@ -39,12 +43,15 @@ def test_a_rerun_that_trained_nothing_still_reports_the_final_models_figures(mon
     open_store(spec.checkpoint_uri()).save(40, {"model": {}, "iteration": 40}, epoch=1,
                                            spec_hash=spec.spec_hash(), metrics=metrics)
     events: dict = defaultdict(SimpleNamespace)
-    results = {"train.c1": already_done(0, spec.name), "train.c2": already_done(1, spec.name)}
+    results = {"train.c1": None if marked_success else already_done(0, spec.name),
+               "train.c2": already_done(1, spec.name)}
     context = {"dag": dag, "run_id": "r1", "outlet_events": events,
                "ti": SimpleNamespace(xcom_pull=lambda task_ids: results[task_ids])}
     summary = op.execute(context)
     assert summary["loss"] == pytest.approx(0.125) and summary["metrics"] == {"accuracy": 0.97}
     assert summary["param_sha256"] == "ab" * 32 and summary["iteration"] == 40
+    assert summary["chunks"] == 2
+    assert summary["chunks_without_result"] == (["train.c1"] if marked_success else [])
     assert events[asset].extra == summary
 
 
