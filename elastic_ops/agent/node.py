@@ -50,6 +50,7 @@ from elastic_ops.agent.server import (
     warm_launcher,
 )
 from elastic_ops.agent.span import RanksSession, check_advertise_addr
+from elastic_ops.agent.throttle import ThrottledLog
 from elastic_ops.errors import AgentLostError, SpecError
 from elastic_ops.metrics import NO_METRICS, Metrics
 from elastic_ops.spec import check_host_name
@@ -81,6 +82,7 @@ class NodeAgent:
     ) -> None:
         self.host = check_host_name("--host", host)
         self.metrics, self._tags = metrics, {"host": self.host}
+        self._refusals = ThrottledLog(log)  # every refusal is counted; the log gets a bounded share
         # where the other hosts' ranks reach this host's (segments spanning hosts); None: no spanning
         self.address = None if advertise_addr is None else check_advertise_addr(advertise_addr)
         self.config = config
@@ -129,7 +131,7 @@ class NodeAgent:
     def _refuse(self, reason: str, message: str, *args: Any) -> None:
         """Log a refused request (its sender gets no answer) and count it by ``reason``."""
         self.metrics.incr("node.requests_refused", tags={**self._tags, "reason": reason})
-        log.warning(message, *args)
+        self._refusals.warning(message, *args)
 
     def _keep_announcing(self) -> None:
         while not self._stop.wait(ALIVE_EVERY_S):

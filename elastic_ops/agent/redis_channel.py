@@ -27,9 +27,11 @@ from collections.abc import Callable
 from typing import Any
 
 from elastic_ops.agent.protocol import MAX_MESSAGE_BYTES, AgentProtocolError, decode
+from elastic_ops.agent.throttle import ThrottledLog
 from elastic_ops.errors import UNSET, SpecError
 
 log = logging.getLogger("elastic_ops.node")
+_DROPPED = ThrottledLog(log)  # junk anyone with Redis access pushes: counted, logged at a bounded rate
 
 SECRET_ENV = "ELASTIC_OPS_NODE_SECRET"
 MIN_SECRET_CHARS = 16
@@ -190,12 +192,12 @@ class RedisChannel:
             body = self.signer.open(self.inbox, raw)
         except AgentProtocolError as exc:
             self.dropped += 1
-            log.warning("dropped a message on %s: %s", self.inbox, exc)
+            _DROPPED.warning("dropped a message on %s: %s", self.inbox, exc)
             return None
         seq, kind = body.get("seq"), body.get("kind")
         if type(seq) is int and seq <= self._seq_in:
             self.dropped += 1
-            log.warning("dropped a replayed message %d on %s (at %d)", seq, self.inbox, self._seq_in)
+            _DROPPED.warning("dropped a replayed message %d on %s (at %d)", seq, self.inbox, self._seq_in)
             return None
         if type(seq) is not int or seq != self._seq_in + 1:
             raise AgentProtocolError(
