@@ -25,7 +25,7 @@ from fastapi.responses import HTMLResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from elastic_ops.errors import ElasticOpsError, UnknownHostError, UnknownJobError
-from elastic_ops.pool.client import MAX_LOOKBACK_H
+from elastic_ops.pool.checks import MAX_LOOKBACK_H
 from elastic_ops.spec import MAX_WORKERS_LIMIT
 
 log = logging.getLogger(__name__)

@@ -251,7 +251,7 @@ def _usage(args: argparse.Namespace) -> None:
 
 
 def _prune_events(args: argparse.Namespace) -> None:
-    from elastic_ops.pool.client import MAX_LOOKBACK_H
+    from elastic_ops.pool.checks import MAX_LOOKBACK_H
     from elastic_ops.spec import check_number
 
     days = check_number("--older-than-days", args.older_than_days, minimum=0, exclusive=True,

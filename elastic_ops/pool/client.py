@@ -37,6 +37,21 @@ from elastic_ops.errors import (
 )
 from elastic_ops.metrics import NO_METRICS, Metrics
 from elastic_ops.pool import schema as s
+from elastic_ops.pool.checks import (
+    CONFIG_FIELDS,
+    MAX_EPOCH,
+    MAX_LOOKBACK_H,
+    check_bounds,
+    check_config,
+    check_epoch,
+    check_flag,
+    check_host,
+    check_host_state,
+    check_hosts,
+    check_int,
+    check_name,
+    check_placements,
+)
 from elastic_ops.pool.model import (
     Decision,
     Host,
@@ -49,20 +64,16 @@ from elastic_ops.pool.model import (
     Slot,
     Snapshot,
     TargetAction,
-    check_aging,
     outside,
 )
-from elastic_ops.pool.policies import POLICIES, get_policy
+from elastic_ops.pool.policies import get_policy
 from elastic_ops.pool.usage import ADD as USAGE_ADD
 from elastic_ops.pool.usage import REMOVE as USAGE_REMOVE
 from elastic_ops.pool.usage import usage as usage_of
-from elastic_ops.spec import MAX_WORKERS_LIMIT, check_host_name, check_host_selector, check_number
+from elastic_ops.spec import MAX_WORKERS_LIMIT, check_host_selector, check_number
 from elastic_ops.urls import shown_url
 
 ENV_URL = "ELASTIC_OPS_POOL_URL"
-MAX_LEASE_TTL_S = 86_400.0  # a day
-MAX_SETTING = 1e9  # any other setting (seconds or a fraction): past it, arithmetic leaves the finite
-MAX_LOOKBACK_H = 1e6  # ~114 years: more reads the whole log anyway; a huge value would overflow to inf
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,108 +104,6 @@ class Target:
     action: TargetAction
     reason: str
     placements: tuple[Slot, ...]
-
-
-# --- validation ------------------------------------------------------------------------------
-
-
-def _check_int(field: str, value: Any, lo: int, hi: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise SpecError(field, value, f"must be an integer in [{lo}, {hi}]")
-    return value
-
-
-def _check_bounds(min_workers: Any, max_workers: Any) -> None:
-    _check_int("min_workers", min_workers, 1, MAX_WORKERS_LIMIT)
-    _check_int("max_workers", max_workers, 1, MAX_WORKERS_LIMIT)
-    if min_workers > max_workers:
-        raise SpecError("min_workers", min_workers, f"must be <= max_workers ({max_workers})")
-
-
-def _check_name(field: str, value: Any) -> str:
-    """A job's name: printable (no control characters), no surrounding spaces, 1-255 characters
-    (the Airflow layer's are ``<dag>.<group>.<run_id>``, sanitised)."""
-    if (
-        not isinstance(value, str) or not value or len(value) > 255 or value != value.strip()
-        or not value.isprintable()
-    ):
-        raise SpecError(field, value, "must be 1-255 printable characters without surrounding spaces")
-    return value
-
-
-MAX_EPOCH = 2**63 - 1  # the ledger's integers
-
-
-def _check_epoch(value: Any) -> int:
-    return _check_int("epoch", value, 0, MAX_EPOCH)
-
-
-def _check_flag(field: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise SpecError(field, value, "must be true or false")
-    return value
-
-
-def _check_hosts(field: str, value: Any) -> list[str]:
-    """A collection of host names (a string is one name, not a collection of letters)."""
-    if isinstance(value, str | bytes | Mapping) or not isinstance(value, Iterable):
-        raise SpecError(field, value, "must be a list of host names")
-    return sorted({check_host_name(field, h) for h in value})
-
-
-def _check_placements(value: Any) -> list[Slot] | None:
-    """``[(host, slot), ...]``: the slots a job says it still uses. A malformed entry would match
-    none of its slots, so that every slot the plan takes looked given up while still in use."""
-    if value is None:
-        return None
-    allowed = "must be a list of (host, slot) pairs, slot an integer >= 0"
-    if isinstance(value, str | bytes | Mapping) or not isinstance(value, Iterable):
-        raise SpecError("placements", value, allowed)
-    out = []
-    for p in value:
-        if isinstance(p, str | bytes) or not isinstance(p, Sequence) or len(p) != 2:
-            raise SpecError("placements", p, allowed)
-        out.append((check_host_name("placements", p[0]), _check_int("placements", p[1], 0, 1_000_000)))
-    return out
-
-
-_check_host = check_host_name
-
-
-def _check_host_state(value: Any) -> HostState:
-    try:
-        return HostState(value)
-    except ValueError:
-        raise SpecError("state", value, "must be one of 'up', 'draining', 'down', 'cooling'") from None
-
-
-CONFIG_FIELDS = tuple(k for k in s.DEFAULTS)
-
-
-def _check_config(changes: dict[str, Any]) -> dict[str, Any]:
-    out = {}
-    for key, value in changes.items():
-        if key not in CONFIG_FIELDS:
-            raise SpecError(key, value, f"unknown pool setting; known: {', '.join(CONFIG_FIELDS)}")
-        if key == "policy":
-            if not isinstance(value, str) or value not in POLICIES:  # a SpecError names the option
-                known = ", ".join(sorted(POLICIES))
-                raise SpecError("policy", value, f"must be a policy name, one of {known}")
-        elif key == "preemption":
-            if value not in ("none", "graceful"):
-                raise SpecError("preemption", value, "must be one of 'none', 'graceful'")
-            value = Preemption(value).value
-        elif key == "failure_threshold":
-            _check_int(key, value, 1, 1_000_000)
-        elif key == "aging_s":
-            check_aging(key, value)
-            check_number(key, value, minimum=0, maximum=MAX_SETTING)
-        else:
-            # a lease that outlives every heartbeat gap by days would keep a dead holder's slots
-            most = MAX_LEASE_TTL_S if key == "lease_ttl_s" else MAX_SETTING
-            check_number(key, value, minimum=0, exclusive=key == "lease_ttl_s", maximum=most)
-        out[key] = value
-    return out
 
 
 # --- engine ----------------------------------------------------------------------------------
@@ -412,7 +321,7 @@ class PoolClient:
 
     def configure(self, **settings: Any) -> dict[str, Any]:
         """Change pool-wide settings (policy, preemption, TTL, anti-thrashing, aging) and re-plan."""
-        changes = _check_config(settings)
+        changes = check_config(settings)
 
         def op(conn, now):
             if changes:
@@ -426,8 +335,8 @@ class PoolClient:
 
     def add_host(self, name: str, slots: int, labels: dict[str, str] | None = None) -> None:
         """Register (or update) a host with ``slots`` slots; it becomes ``up``."""
-        _check_host("host", name)
-        _check_int("slots", slots, 1, 1_000_000)
+        check_host("host", name)
+        check_int("slots", slots, 1, 1_000_000)
         # the rules host selectors follow: a label no selector could name is a typo
         labels_json = json.dumps(check_host_selector("labels", labels), sort_keys=True)
 
@@ -458,8 +367,8 @@ class PoolClient:
         self.set_host_state(name, HostState.DRAINING)
 
     def set_host_state(self, name: str, state: HostState | str) -> None:
-        _check_host("host", name)
-        st = _check_host_state(state)
+        check_host("host", name)
+        st = check_host_state(state)
 
         def op(conn, now):
             self._host_row(conn, name)
@@ -487,9 +396,9 @@ class PoolClient:
     ) -> None:
         """Register a job or update its demand (idempotent). A finished job becomes waiting again.
         ``selector``: labels every host the job runs on must carry (``{"gpu": "h100"}``)."""
-        _check_name("job", job)
-        _check_bounds(min_workers, max_workers)
-        _check_int("priority", priority, 1, 1000)
+        check_name("job", job)
+        check_bounds(min_workers, max_workers)
+        check_int("priority", priority, 1, 1000)
         if not isinstance(preemptible, bool):
             raise SpecError("preemptible", preemptible, "must be true or false")
         wanted = check_host_selector("selector", selector)
@@ -550,9 +459,9 @@ class PoolClient:
         workers still commit): it is re-issued under a new epoch, same slots, so fencing refuses
         whatever the earlier try still writes.
         """
-        _check_name("job", job)
-        avoid = _check_hosts("avoid_hosts", avoid_hosts)
-        _check_flag("new_attempt", new_attempt)
+        check_name("job", job)
+        avoid = check_hosts("avoid_hosts", avoid_hosts)
+        check_flag("new_attempt", new_attempt)
 
         def op(conn, now):
             self._sync(conn, now)  # an overdue lease is not handed out again
@@ -601,10 +510,10 @@ class PoolClient:
         ``workers=0`` (the job stopped at a boundary after ``preempt``) ends the lease and returns
         all its slots, even if the plan has changed since; the job requests again later.
         """
-        _check_name("job", job)
-        _check_epoch(epoch)
-        _check_int("workers", workers, 0, MAX_WORKERS_LIMIT)
-        placements = _check_placements(placements)
+        check_name("job", job)
+        check_epoch(epoch)
+        check_int("workers", workers, 0, MAX_WORKERS_LIMIT)
+        placements = check_placements(placements)
 
         def op(conn, now):
             self._sync(conn, now)
@@ -678,10 +587,10 @@ class PoolClient:
         elsewhere, and the slots do not show as free in the gap between two Airflow tasks.
         Parked slots are still the plan's to move: a shrink frees them at once. Returns True if
         the lease was live."""
-        _check_name("job", job)
-        _check_epoch(epoch)
-        _check_flag("finished", finished)
-        _check_flag("handover", handover)
+        check_name("job", job)
+        check_epoch(epoch)
+        check_flag("finished", finished)
+        check_flag("handover", handover)
         if finished and handover:
             raise SpecError("handover", handover, "a finished job has no next chunk to hand over to; "
                             "pass finished=True or handover=True, not both")
@@ -750,8 +659,8 @@ class PoolClient:
 
     def report_failure(self, job: str, host: str) -> None:
         """``job`` failed on ``host``: the job avoids it from now on; enough failures cool it."""
-        _check_name("job", job)
-        _check_host("host", host)
+        check_name("job", job)
+        check_host("host", host)
 
         def op(conn, now):
             row = self._job_row(conn, job)
@@ -773,8 +682,8 @@ class PoolClient:
 
     def check_epoch(self, job: str, epoch: int) -> None:
         """Raise :class:`LeaseExpiredError` unless ``epoch`` is the job's live lease."""
-        _check_name("job", job)
-        _check_epoch(epoch)
+        check_name("job", job)
+        check_epoch(epoch)
 
         def op(conn, now):
             self._job_row(conn, job)
@@ -784,13 +693,13 @@ class PoolClient:
         _raise_if_error(self._tx(op))
 
     def set_priority(self, job: str, priority: int) -> None:
-        _check_int("priority", priority, 1, 1000)
+        check_int("priority", priority, 1, 1000)
         self._update_job(job, {"priority": priority}, f"priority -> {priority}")
 
     def set_bounds(self, job: str, min_workers: int, max_workers: int) -> None:
         """Change a job's demand. A job that may not be preempted and holds fewer slots than the
         new minimum would have to be preempted to honour it: refused."""
-        _check_bounds(min_workers, max_workers)
+        check_bounds(min_workers, max_workers)
         self._update_job(
             job,
             {"min_workers": min_workers, "max_workers": max_workers},
@@ -906,10 +815,10 @@ class PoolClient:
         """The event log, oldest first (optionally one job's, only ids above ``since_id``, only the
         ``last`` N)."""
         if last is not None:
-            _check_int("last", last, 1, 1_000_000)
-        _check_int("since_id", since_id, 0, MAX_EPOCH)
+            check_int("last", last, 1, 1_000_000)
+        check_int("since_id", since_id, 0, MAX_EPOCH)
         if job is not None:
-            _check_name("job", job)
+            check_name("job", job)
 
         def op(conn, now):
             q = select(s.events).where(s.events.c.id > since_id)
@@ -931,7 +840,7 @@ class PoolClient:
         if hours is not None:
             check_number("hours", hours, minimum=0, exclusive=True, maximum=MAX_LOOKBACK_H)
         if job is not None:
-            _check_name("job", job)
+            check_name("job", job)
 
         def op(conn, now):
             # only the events that give or take slots: targets, submissions and the rest change
@@ -984,14 +893,14 @@ class PoolClient:
         return cached
 
     def _job_row(self, conn: Connection, job: str):
-        _check_name("job", job)  # every job-named call comes here (a list would reach the SQL)
+        check_name("job", job)  # every job-named call comes here (a list would reach the SQL)
         row = conn.execute(select(s.jobs).where(s.jobs.c.name == job)).first()
         if row is None:
             raise UnknownJobError(job)
         return row
 
     def _host_row(self, conn: Connection, host: str):
-        _check_host("host", host)
+        check_host("host", host)
         row = conn.execute(select(s.hosts).where(s.hosts.c.name == host)).first()
         if row is None:
             raise UnknownHostError(host)

@@ -1,0 +1,117 @@
+"""The ledger's argument checks: every value a :class:`~elastic_ops.pool.client.PoolClient` call
+takes is checked here before its transaction starts, and a bad one is a
+:class:`~elastic_ops.errors.SpecError` naming the field, the value and what is allowed."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from elastic_ops.errors import SpecError
+from elastic_ops.pool import schema as s
+from elastic_ops.pool.model import HostState, Preemption, Slot, check_aging
+from elastic_ops.pool.policies import POLICIES
+from elastic_ops.spec import MAX_WORKERS_LIMIT, check_host_name, check_number
+
+MAX_LEASE_TTL_S = 86_400.0  # a day
+MAX_SETTING = 1e9  # any other setting (seconds or a fraction): past it, arithmetic leaves the finite
+MAX_LOOKBACK_H = 1e6  # ~114 years: more reads the whole log anyway; a huge value would overflow to inf
+
+
+def check_int(field: str, value: Any, lo: int, hi: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise SpecError(field, value, f"must be an integer in [{lo}, {hi}]")
+    return value
+
+
+def check_bounds(min_workers: Any, max_workers: Any) -> None:
+    check_int("min_workers", min_workers, 1, MAX_WORKERS_LIMIT)
+    check_int("max_workers", max_workers, 1, MAX_WORKERS_LIMIT)
+    if min_workers > max_workers:
+        raise SpecError("min_workers", min_workers, f"must be <= max_workers ({max_workers})")
+
+
+def check_name(field: str, value: Any) -> str:
+    """A job's name: printable (no control characters), no surrounding spaces, 1-255 characters
+    (the Airflow layer's are ``<dag>.<group>.<run_id>``, sanitised)."""
+    if (
+        not isinstance(value, str) or not value or len(value) > 255 or value != value.strip()
+        or not value.isprintable()
+    ):
+        raise SpecError(field, value, "must be 1-255 printable characters without surrounding spaces")
+    return value
+
+
+MAX_EPOCH = 2**63 - 1  # the ledger's integers
+
+
+def check_epoch(value: Any) -> int:
+    return check_int("epoch", value, 0, MAX_EPOCH)
+
+
+def check_flag(field: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise SpecError(field, value, "must be true or false")
+    return value
+
+
+def check_hosts(field: str, value: Any) -> list[str]:
+    """A collection of host names (a string is one name, not a collection of letters)."""
+    if isinstance(value, str | bytes | Mapping) or not isinstance(value, Iterable):
+        raise SpecError(field, value, "must be a list of host names")
+    return sorted({check_host_name(field, h) for h in value})
+
+
+def check_placements(value: Any) -> list[Slot] | None:
+    """``[(host, slot), ...]``: the slots a job says it still uses. A malformed entry would match
+    none of its slots, so that every slot the plan takes looked given up while still in use."""
+    if value is None:
+        return None
+    allowed = "must be a list of (host, slot) pairs, slot an integer >= 0"
+    if isinstance(value, str | bytes | Mapping) or not isinstance(value, Iterable):
+        raise SpecError("placements", value, allowed)
+    out = []
+    for p in value:
+        if isinstance(p, str | bytes) or not isinstance(p, Sequence) or len(p) != 2:
+            raise SpecError("placements", p, allowed)
+        out.append((check_host_name("placements", p[0]), check_int("placements", p[1], 0, 1_000_000)))
+    return out
+
+
+check_host = check_host_name
+
+
+def check_host_state(value: Any) -> HostState:
+    try:
+        return HostState(value)
+    except ValueError:
+        raise SpecError("state", value, "must be one of 'up', 'draining', 'down', 'cooling'") from None
+
+
+CONFIG_FIELDS = tuple(k for k in s.DEFAULTS)
+
+
+def check_config(changes: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for key, value in changes.items():
+        if key not in CONFIG_FIELDS:
+            raise SpecError(key, value, f"unknown pool setting; known: {', '.join(CONFIG_FIELDS)}")
+        if key == "policy":
+            if not isinstance(value, str) or value not in POLICIES:  # a SpecError names the option
+                known = ", ".join(sorted(POLICIES))
+                raise SpecError("policy", value, f"must be a policy name, one of {known}")
+        elif key == "preemption":
+            if value not in ("none", "graceful"):
+                raise SpecError("preemption", value, "must be one of 'none', 'graceful'")
+            value = Preemption(value).value
+        elif key == "failure_threshold":
+            check_int(key, value, 1, 1_000_000)
+        elif key == "aging_s":
+            check_aging(key, value)
+            check_number(key, value, minimum=0, maximum=MAX_SETTING)
+        else:
+            # a lease that outlives every heartbeat gap by days would keep a dead holder's slots
+            most = MAX_LEASE_TTL_S if key == "lease_ttl_s" else MAX_SETTING
+            check_number(key, value, minimum=0, exclusive=key == "lease_ttl_s", maximum=most)
+        out[key] = value
+    return out
