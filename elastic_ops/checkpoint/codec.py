@@ -170,9 +170,10 @@ def decode_state(data: bytes | memoryview, *, name: str = "state.pt") -> Any:
     unpickler does not allow (code execution attempt, or a foreign object), and
     :class:`CheckpointCorruptError` when it is not a readable torch file.
     """
-    check_layout(_reader(data), name)
+    reader = _reader(data)
+    check_layout(reader, name)
     with decode_errors(name):
-        return torch.load(_reader(data), weights_only=True, map_location="cpu")
+        return torch.load(reader, weights_only=True, map_location="cpu")
 
 
 def check_decodable(path: str | os.PathLike[str], *, name: str = "state.pt") -> None:
@@ -187,12 +188,17 @@ def check_layout(source: str | os.PathLike[str] | BinaryIO, name: str = "state.p
     """Refuse a torch archive unlike any ``torch.save`` writes, before ``torch.load`` reads it:
     a compressed record (its zip reader inflates it: a 1 MB file became 1 GB in memory) or a
     record name given twice (two readers would decode two different states from one verified
-    file). Only the zip directory is read. Not a zip at all: left to ``torch.load`` to refuse."""
+    file). Only the zip directory is read; a stream is left where it was. Not a zip at all: left
+    to ``torch.load`` to refuse."""
+    start = source.tell() if hasattr(source, "tell") else None
     try:
         with zipfile.ZipFile(source) as zf:
             infos = zf.infolist()
     except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, ValueError, EOFError):
         return
+    finally:
+        if start is not None:
+            source.seek(start)
     seen: set[str] = set()
     for zi in infos:
         if zi.compress_type != zipfile.ZIP_STORED or zi.compress_size != zi.file_size:

@@ -81,12 +81,16 @@ class ScriptContext:
             raise ValueError(f"my_samples({iteration}) called while iteration {self.iteration} runs")
         spec = self.seg.spec
         batch = stream_slice(spec.data_seed, self.num_samples, self.cursor, spec.global_batch)
-        lo, hi = even_split(len(batch), self.workers)[self.rank]
+        lo, hi = self._bounds()
         return batch[lo:hi]
 
+    def _bounds(self) -> tuple[int, int]:
+        """This worker's part ``[lo, hi)`` of every global batch (a near-equal split)."""
+        return even_split(self.seg.spec.global_batch, self.workers)[self.rank]
+
     def _share(self) -> int:
-        """How many of the running iteration's ``global_batch`` samples are this worker's."""
-        lo, hi = even_split(self.seg.spec.global_batch, self.workers)[self.rank]
+        """How many of an iteration's ``global_batch`` samples are this worker's."""
+        lo, hi = self._bounds()
         return hi - lo
 
     def loss_weight(self) -> float:

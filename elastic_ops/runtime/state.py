@@ -100,10 +100,5 @@ def load_state(path: str | Path | IO[bytes], *, mmap: bool = False) -> dict[str,
     ``mmap=True`` maps the file instead of reading it (tensors read only where touched): for a
     look at part of a state, e.g. :func:`param_sha256` of its model, not for training from it.
     """
-    if not isinstance(path, (str, Path)):  # a stream: read its directory, then start again
-        pos = path.tell()
-        check_layout(path)
-        path.seek(pos)
-    else:
-        check_layout(path)
+    check_layout(path)
     return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
