@@ -1134,7 +1134,8 @@ class PoolClient:
                 self._reserve(conn, now, name, epoch, list(d.placements), "grant", d)
             if values:
                 conn.execute(update(s.jobs).where(s.jobs.c.name == name).values(**values))
-        self._mark_idle(conn, rows, set(plan.jobs), cfg["job_idle_s"])
+        if len(rows) != len(plan.jobs):  # the common case: every job was planned, none idle
+            self._mark_idle(conn, rows, set(plan.jobs), cfg["job_idle_s"])
         return plan
 
     @staticmethod
@@ -1143,8 +1144,9 @@ class PoolClient:
         marked failed while it waited, a paused DAG): shown as such, not with the last share the
         plan gave them."""
         reason = f"idle: no request for over {idle_s:g}s (job_idle_s); planned again at its next request"
-        for name, row in rows.items():
-            if name not in planned and (row.target != 0 or row.reason != reason):
+        for name in rows.keys() - planned:
+            row = rows[name]
+            if row.target != 0 or row.reason != reason:
                 conn.execute(update(s.jobs).where(s.jobs.c.name == name).values(target=0, reason=reason))
 
     def _unpark(self, conn: Connection, now: float, plan: Plan, rows: dict[str, Any], snap: Snapshot) -> bool:
