@@ -1,4 +1,5 @@
-"""``elastic_training(...)``: one call in a DAG → a task group register → chunk × N → finalize.
+"""``elastic_training(...)``: one call in a DAG → a task group register → chunk × N → finalize,
+and an ``end_job`` teardown.
 
 Every argument is validated when the DAG is parsed (a bad value raises ``SpecError`` naming the
 field, the value and what is allowed). Worker bounds, priority, checkpoint and total iterations
@@ -20,7 +21,11 @@ from elastic_ops.errors import SpecError
 from elastic_ops.hooks.elastic_ops import CHECKPOINT_DIR, DEFAULT_CONN_ID, airflow_home
 from elastic_ops.operators.chunk import WARM_START_PREVIOUS, ElasticChunkOperator
 from elastic_ops.operators.jobs import is_template, safe_name
-from elastic_ops.operators.lifecycle import ElasticFinalizeOperator, ElasticRegisterOperator
+from elastic_ops.operators.lifecycle import (
+    ElasticEndJobOperator,
+    ElasticFinalizeOperator,
+    ElasticRegisterOperator,
+)
 from elastic_ops.spec import MAX_CHUNKS, JobSpec, check_checkpoint_uri
 
 # Fields that cannot be templates: they decide the task structure or the training trajectory.
@@ -171,5 +176,9 @@ def elastic_training(
         for task in [*chunks, finalize]:
             prev >> task
             prev = task
+        # a teardown: it runs once the rest is done in any state (a chunk killed on its last try
+        # ends nothing itself), is left out of the run's state and out of `group >> downstream`
+        end_job = ElasticEndJobOperator(task_id="end_job", **common)
+        finalize >> end_job.as_teardown(setups=register)
     group.model_asset = model_asset  # type: ignore[attr-defined] - for DAG authors wiring Assets
     return group

@@ -1,11 +1,16 @@
-"""Elastic training operators: register → chunk × N → finalize (see ``elastic_training``)."""
+"""Elastic training operators: register → chunk × N → finalize, and the end_job teardown (see
+``elastic_training``)."""
 
 from elastic_ops.operators.chunk import ElasticChunkOperator
-from elastic_ops.operators.lifecycle import ElasticFinalizeOperator, ElasticRegisterOperator
+from elastic_ops.operators.lifecycle import (
+    ElasticEndJobOperator,
+    ElasticFinalizeOperator,
+    ElasticRegisterOperator,
+)
 from elastic_ops.operators.results import ChunkTaskResult
 from elastic_ops.operators.retry import ElasticRetryPolicy
 
 __all__ = [
-    "ChunkTaskResult", "ElasticChunkOperator", "ElasticFinalizeOperator", "ElasticRegisterOperator",
-    "ElasticRetryPolicy",
+    "ChunkTaskResult", "ElasticChunkOperator", "ElasticEndJobOperator", "ElasticFinalizeOperator",
+    "ElasticRegisterOperator", "ElasticRetryPolicy",
 ]

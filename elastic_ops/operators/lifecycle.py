@@ -1,13 +1,16 @@
-"""``ElasticRegisterOperator`` (submit the job to the pool) and ``ElasticFinalizeOperator``
-(finish the job in the pool, emit the trained model as an Asset event with its metrics)."""
+"""``ElasticRegisterOperator`` (submit the job to the pool), ``ElasticFinalizeOperator`` (finish
+the job in the pool, emit the trained model as an Asset event with its metrics) and
+``ElasticEndJobOperator`` (the teardown that ends the job in the pool however the run ended)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import Any
 
 from airflow.sdk import BaseOperator
 
+from elastic_ops.errors import ElasticOpsError, UnknownJobError
 from elastic_ops.hooks.elastic_ops import DEFAULT_CONN_ID
 from elastic_ops.operators.chunk import ElasticOperatorMixin
 from elastic_ops.operators.jobs import check_conn_ids, register
@@ -16,11 +19,11 @@ from elastic_ops.operators.retry import ElasticRetryPolicy
 from elastic_ops.spec import stop_reached
 
 
-class ElasticRegisterOperator(ElasticOperatorMixin, BaseOperator):
-    """Register (idempotently) the run's job with the pool: ``min..max`` workers, priority."""
+class JobTaskOperator(ElasticOperatorMixin, BaseOperator):
+    """What register, finalize and end_job share: the job's fields (templated), its identity and
+    hook. A bad rendered value fails them at once, whatever retries ``default_args`` give."""
 
     template_fields: Sequence[str] = ("spec_fields",)
-    ui_color = "#e8f4d9"
 
     def __init__(
         self,
@@ -33,13 +36,19 @@ class ElasticRegisterOperator(ElasticOperatorMixin, BaseOperator):
         **kwargs: Any,
     ) -> None:
         check_conn_ids(elastic_ops_conn_id, aws_conn_id)
-        kwargs.setdefault("retry_policy", ElasticRetryPolicy())  # a bad rendered value: fail at once
+        kwargs.setdefault("retry_policy", ElasticRetryPolicy())
         super().__init__(**kwargs)
         self.spec_fields = spec_fields
         self.group_id = group_id
         self.num_chunks = num_chunks
         self.elastic_ops_conn_id = elastic_ops_conn_id
         self.aws_conn_id = aws_conn_id
+
+
+class ElasticRegisterOperator(JobTaskOperator):
+    """Register (idempotently) the run's job with the pool: ``min..max`` workers, priority."""
+
+    ui_color = "#e8f4d9"
 
     def execute(self, context: Any) -> dict[str, Any]:
         spec = self._spec(context)
@@ -68,32 +77,14 @@ def unknown_conf_keys(context: Any) -> list[str]:
     return sorted(str(k) for k in conf if k not in params) if params else []
 
 
-class ElasticFinalizeOperator(ElasticOperatorMixin, BaseOperator):
+class ElasticFinalizeOperator(JobTaskOperator):
     """Finish the job: sum up the chunks' results, emit the model Asset event (URI + metrics)."""
 
-    template_fields: Sequence[str] = ("spec_fields",)
     ui_color = "#ffe7b3"
 
-    def __init__(
-        self,
-        *,
-        spec_fields: dict[str, Any],
-        group_id: str,
-        chunk_task_ids: list[str],
-        num_chunks: int | None = None,
-        elastic_ops_conn_id: str = DEFAULT_CONN_ID,
-        aws_conn_id: str | None = "aws_default",
-        **kwargs: Any,
-    ) -> None:
-        check_conn_ids(elastic_ops_conn_id, aws_conn_id)
-        kwargs.setdefault("retry_policy", ElasticRetryPolicy())  # a bad rendered value: fail at once
+    def __init__(self, *, chunk_task_ids: list[str], **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.spec_fields = spec_fields
-        self.group_id = group_id
         self.chunk_task_ids = list(chunk_task_ids)
-        self.num_chunks = num_chunks
-        self.elastic_ops_conn_id = elastic_ops_conn_id
-        self.aws_conn_id = aws_conn_id
 
     def execute(self, context: Any) -> dict[str, Any]:
         spec = self._spec(context)
@@ -149,8 +140,40 @@ class ElasticFinalizeOperator(ElasticOperatorMixin, BaseOperator):
 
     def _finish_in_pool(self, hook: Any, job: str) -> None:
         """The last chunk released with ``finished=True``; this covers a last chunk that had no
-        work (already done) and so held no lease. Releasing the job's current epoch ends it."""
-        client = hook.pool()
-        for row in client.status()["jobs"]:
-            if row["name"] == job and row["state"] != "finished":
-                client.release(job, int(row["epoch"]), finished=True)
+        work (already done) and so held no lease."""
+        hook.pool().finish(job)
+
+
+class ElasticEndJobOperator(JobTaskOperator):
+    """The group's teardown: end the run's job in the pool however the chunks ended.
+
+    finalize ends the job when the model is complete, and a chunk whose failure is final ends it
+    on the way out; neither runs when a chunk's process was killed on its last try (SIGKILL, the
+    OOM killer, a lost worker node) or when finalize itself fails. Without this task such a job
+    stayed in the plan, holding slots back from other jobs, until the pool's ``job_idle_s``.
+    Airflow runs a teardown once everything upstream is done, in any state, and leaves it out of
+    the DAG run's state. Idempotent: a job already finished (or never registered) is left as is.
+    """
+
+    ui_color = "#eeeeee"
+
+    def __init__(self, **kwargs: Any) -> None:
+        kwargs.setdefault("retries", 3)  # the pool's database may be briefly unreachable
+        kwargs.setdefault("retry_delay", timedelta(seconds=5))
+        super().__init__(**kwargs)
+
+    def execute(self, context: Any) -> dict[str, Any]:
+        try:
+            job = self._spec(context).name
+        except ElasticOpsError as exc:  # register failed on the same spec: no job was registered
+            self.log.info("no job to end: the spec does not render (%s)", exc)
+            return {"job": None, "ended": False}
+        try:
+            ended = self._hook().pool().finish(job)
+        except UnknownJobError:
+            self.log.info("job %s is not in the pool; nothing to end", job)
+            return {"job": job, "ended": False}
+        if ended:
+            self.log.warning("job %s was still in the pool's plan after its chunks ended (a chunk "
+                             "killed on its last try, or finalize failed): ended it", job)
+        return {"job": job, "ended": ended}

@@ -643,19 +643,21 @@ class PoolClient:
         self._replan(conn, now, synced=True)
         return released
 
-    def finish(self, job: str) -> None:
+    def finish(self, job: str) -> bool:
         """End ``job`` whatever it holds: a live lease is released (its slots return), the job
-        leaves the plan. Idempotent. For a job whose run failed for good outside any grant."""
+        leaves the plan. Idempotent: False when it had ended already. For a job whose run failed
+        for good outside any grant."""
 
         def op(conn, now):
             row = self._job_row(conn, job)
             self._sync(conn, now)
             if row.state == JobState.FINISHED.value:
-                return
+                return False
             live = self._live_lease(conn, job)
             self._give_back(conn, now, row, row.epoch if live is None else live.epoch, True)
+            return True
 
-        self._tx(op)
+        return self._tx(op)
 
     def report_failure(self, job: str, host: str) -> None:
         """``job`` failed on ``host``: the job avoids it from now on; enough failures cool it."""

@@ -65,7 +65,7 @@ def test_example_dags_parse_without_import_errors(deployment):
     af, _ = deployment
     for dag_id in ("elastic_seed_job1", "elastic_seed_job2", "elastic_train_from_form",
                    "elastic_scheduled_retraining", "digits_prepare_data", "digits_train_on_new_data",
-                   "digits_evaluate_and_promote", "e2e_sigkill"):
+                   "digits_evaluate_and_promote", "e2e_sigkill", "e2e_task_killed"):
         af.wait_dag(dag_id, timeout=180)
     assert af.api("GET", "/importErrors")["total_entries"] == 0
 
@@ -261,3 +261,36 @@ def test_killed_worker_is_retried_on_another_host_from_the_latest_checkpoint(dep
     assert 0 < killed_at <= result["workers_timeline"][0][0] < 240  # resumed mid-chunk from a checkpoint
     summary = af.xcom("e2e_sigkill", run, "train.finalize")
     assert summary["param_sha256"] == ref_sha  # bitwise identical to an uninterrupted run
+
+
+def kill_task_process(af: AirflowDeployment, ti_id: str) -> int | None:
+    """SIGKILL the process running task instance ``ti_id`` (the task SDK titles it
+    ``airflow worker -- <ti id>``); its pid, or None while it is not running."""
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        if " ".join(proc.info["cmdline"] or []).strip() != f"airflow worker -- {ti_id}":
+            continue
+        os.kill(proc.info["pid"], signal.SIGKILL)
+        return proc.info["pid"]
+    return None
+
+
+def test_a_chunk_task_killed_on_its_last_try_leaves_no_job_in_the_pool(deployment, request):
+    """No ``on_kill`` runs for a SIGKILLed task: its lease would expire after its TTL and its
+    demand stay in the plan until ``job_idle_s``; the group's ``end_job`` teardown ends it."""
+    af, pool = deployment
+    from elastic_ops.checkpoint import open_store
+
+    run = af.trigger("e2e_task_killed", run_id="task_kill_run")
+    job = job_id("e2e_task_killed", "train", run)
+    store = open_store(f"file://{af.home}/elastic_ops_checkpoints/e2e_task_killed/train/{run}")
+    wait_until("first checkpoint", lambda: (r := store.latest()) is not None and r.iteration >= 20, af)
+    (ti,) = [t for t in af.task_instances("e2e_task_killed", run) if t["task_id"] == "train.chunk_01_of_01"]
+    assert kill_task_process(af, ti["id"]) is not None
+    assert af.wait_run("e2e_task_killed", run, timeout=300) == "failed"
+    states = {t["task_id"]: t["state"] for t in af.task_instances("e2e_task_killed", run)}
+    assert states["train.chunk_01_of_01"] == "failed" and states["train.finalize"] == "upstream_failed"
+    assert states["train.end_job"] == "success"
+    assert af.xcom("e2e_task_killed", run, "train.end_job") == {"job": job, "ended": True}
+    (row,) = [j for j in pool.status()["jobs"] if j["name"] == job]
+    assert row["state"] == "finished" and row["workers"] == 0 and row["placements"] == []
+    assert store.latest().iteration >= 20  # the committed checkpoint survived the kill

@@ -74,3 +74,37 @@ def test_register_warns_about_conf_keys_no_param_declares(monkeypatch, tmp_path,
     assert "conf has keys" not in logged(dag, {"max_workers": 8}, "r2")
     # a DAG without params: its conf is the author's own
     assert "conf has keys" not in logged(SimpleNamespace(dag_id="d", params={}), {"anything": 1}, "r3")
+
+
+def test_end_job_ends_a_job_its_chunks_left_in_the_plan(monkeypatch, tmp_path):
+    """A chunk SIGKILLed on its last try ran no clean-up: its lease expires, but the job stayed
+    in the plan (holding slots back from the others) until ``job_idle_s``. The teardown ends it;
+    run again, or on a job finalize ended, it changes nothing."""
+    from elastic_ops.operators.lifecycle import ElasticEndJobOperator
+
+    pool = airflow_pool(monkeypatch, tmp_path)
+    pool.add_host("h1", 2)
+    op = ElasticEndJobOperator(task_id="end_job", spec_fields=FIELDS, group_id="train")
+    context = {"dag": SimpleNamespace(dag_id="d"), "run_id": "r1"}
+    job = op._spec(context).name
+    pool.submit(job, min_workers=1, max_workers=2)
+    pool.request(job)  # granted, then the task was killed: nothing released
+    pool.submit("other", min_workers=1, max_workers=2)
+    assert op.execute(context) == {"job": job, "ended": True}
+    jobs = {j["name"]: j for j in pool.status()["jobs"]}
+    assert jobs[job]["state"] == "finished" and jobs[job]["workers"] == 0
+    assert jobs["other"]["target"] == 2  # the plan gives its share to the job still there
+    assert op.execute(context) == {"job": job, "ended": False}
+
+
+def test_end_job_without_a_registered_job_does_nothing(monkeypatch, tmp_path):
+    from elastic_ops.operators.lifecycle import ElasticEndJobOperator
+
+    pool = airflow_pool(monkeypatch, tmp_path)
+    op = ElasticEndJobOperator(task_id="end_job", spec_fields=FIELDS, group_id="train")
+    context = {"dag": SimpleNamespace(dag_id="d"), "run_id": "r1"}
+    assert op.execute(context) == {"job": op._spec(context).name, "ended": False}
+    broken = ElasticEndJobOperator(task_id="end_job", spec_fields={**FIELDS, "max_workers": "x"},
+                                   group_id="train")
+    assert broken.execute(context) == {"job": None, "ended": False}
+    assert pool.status()["jobs"] == []

@@ -154,3 +154,40 @@ def test_a_job_that_meets_stop_when_stops_at_that_chunk_and_emits_that_model(mig
     (job,) = result["pool_jobs"]
     assert job["state"] == "finished" and job["workers"] == 0
     assert [e["kind"] for e in result["pool_events"]].count("grant") == 1  # chunks 2 and 3 asked for nothing
+
+
+def test_a_chunk_killed_on_its_last_try_leaves_no_job_in_the_plan(migrated_db, tmp_path):
+    """The chunk dies holding its grant and runs none of its own clean-up (as a SIGKILLed or
+    OOM-killed task process does): the run fails, and the ``end_job`` teardown ends the job in the
+    pool, so the other job's plan no longer leaves it a share."""
+    result = run_dag_file(migrated_db, tmp_path, """
+        with DAG(dag_id="killed", schedule=None, start_date=START) as dag:
+            elastic_training(task_id="train", trainable=DIGITS, total_iterations=4, chunk_iterations=2,
+                             min_workers=1, max_workers=2, chunk_kwargs={"retries": 0}, **TINY)
+
+        if __name__ == "__main__":
+            from elastic_ops.operators.chunk import ElasticChunkOperator
+
+            def killed(self, *args, **kwargs):
+                raise SystemExit(-9)
+
+            ElasticChunkOperator._train = killed  # dies while it holds the grant
+            ElasticChunkOperator._quietly = lambda self, *a, **k: None  # and cleans nothing up
+            POOL.add_host("h1", 2)
+            POOL.submit("other", min_workers=1, max_workers=2)
+            dr = dag.test()
+            from airflow.utils.session import create_session
+
+            with create_session() as session:
+                tis = {ti.task_id: str(ti.state) for ti in dr.get_task_instances(session=session)}
+            out = {"state": str(dr.state), "tis": tis, "pool_jobs": POOL.status()["jobs"]}
+            json.dump(out, open(OUT, "w"), default=str)
+    """)
+    assert result["state"] == "failed"
+    assert result["tis"]["train.chunk_01_of_02"] == "failed"
+    assert result["tis"]["train.finalize"] == "upstream_failed"
+    assert result["tis"]["train.end_job"] == "success"
+    jobs = {j["name"]: j for j in result["pool_jobs"]}
+    (job,) = set(jobs) - {"other"}
+    assert jobs[job]["state"] == "finished" and jobs[job]["workers"] == 0
+    assert jobs["other"]["target"] == 2

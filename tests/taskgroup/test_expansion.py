@@ -11,6 +11,7 @@ from airflow.sdk import DAG, Asset
 from elastic_ops.errors import SpecError
 from elastic_ops.operators import (
     ElasticChunkOperator,
+    ElasticEndJobOperator,
     ElasticFinalizeOperator,
     ElasticRegisterOperator,
     ElasticRetryPolicy,
@@ -31,11 +32,11 @@ def make_dag(**kwargs):
 
 
 def chain_of(dag) -> list[str]:
-    """Follow the single downstream edge from ``train.register`` to the end."""
+    """Follow the single downstream edge (teardowns aside) from ``train.register`` to the end."""
     order, task = [], dag.get_task("train.register")
     while task is not None:
         order.append(task.task_id)
-        downs = list(task.downstream_list)
+        downs = [t for t in task.downstream_list if not t.is_teardown]
         assert len(downs) <= 1
         task = downs[0] if downs else None
     return order
@@ -56,6 +57,27 @@ def test_expands_into_register_chunks_finalize_in_a_line():
     assert isinstance(dag.get_task("train.register").retry_policy, ElasticRetryPolicy)
     assert isinstance(dag.get_task("train.finalize").retry_policy, ElasticRetryPolicy)
     assert dag.get_task("train.finalize").chunk_task_ids == [c.task_id for c in chunks]
+
+
+def test_end_job_is_the_groups_teardown_and_stays_out_of_its_wiring():
+    """It runs however the chunks ended (a chunk killed on its last try ends nothing itself), is
+    left out of the run's state, and ``upstream >> group >> downstream`` still wire register and
+    finalize."""
+    from airflow.providers.standard.operators.empty import EmptyOperator
+
+    with DAG(dag_id="d", schedule=None, start_date=pendulum.datetime(2024, 1, 1, tz="UTC")) as dag:
+        before = EmptyOperator(task_id="before")
+        group = elastic_training(task_id="train", trainable=DIGITS, total_iterations=60,
+                                 chunk_iterations=30, max_workers=2)
+        after = EmptyOperator(task_id="after")
+        before >> group >> after
+    end_job = dag.get_task("train.end_job")
+    assert isinstance(end_job, ElasticEndJobOperator)
+    assert end_job.is_teardown and not end_job.on_failure_fail_dagrun
+    assert end_job.upstream_task_ids == {"train.register", "train.finalize"}
+    assert dag.get_task("train.register").is_setup
+    assert after.upstream_task_ids == {"train.finalize"}
+    assert before.downstream_task_ids == {"train.register"}
 
 
 def test_finalize_emits_the_model_asset_and_previous_warm_start_reads_it():
