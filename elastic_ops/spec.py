@@ -13,7 +13,7 @@ import hashlib
 import json
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -215,6 +215,7 @@ class JobSpec:
     params: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     host_selector: Mapping[str, str] = dataclasses.field(default_factory=dict)  # labels its hosts carry
     stop_when: Mapping[str, Any] | None = None  # stop at the first chunk end that meets it
+    script_args: Sequence[str] = ()  # a script entrypoint's sys.argv[1:]
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen dataclass
@@ -281,6 +282,7 @@ class JobSpec:
         set_("params", dict(self.params))
         set_("host_selector", check_host_selector("host_selector", self.host_selector))
         set_("stop_when", check_stop_when("stop_when", self.stop_when))
+        set_("script_args", self._checked_script_args())
 
     def _check_entrypoint(self) -> None:
         ep = self.entrypoint
@@ -291,6 +293,24 @@ class JobSpec:
                 ep,
                 "must be 'package.module:TrainableClass' or a path to a Python script ending in .py",
             )
+
+    def is_script(self) -> bool:
+        """Whether the entrypoint is a DDP-style script (else a Trainable class)."""
+        return self.entrypoint.endswith(".py")
+
+    def _checked_script_args(self) -> tuple[str, ...]:
+        args = self.script_args
+        allowed = (f"must be a list of at most {MAX_SCRIPT_ARGS} strings (the script's sys.argv[1:]), "
+                   f"each at most {MAX_SCRIPT_ARG_CHARS} characters without NUL")
+        if isinstance(args, str | bytes) or not isinstance(args, Sequence) or len(args) > MAX_SCRIPT_ARGS:
+            raise SpecError("script_args", args, allowed)
+        for arg in args:
+            if not isinstance(arg, str) or len(arg) > MAX_SCRIPT_ARG_CHARS or "\0" in arg:
+                raise SpecError("script_args", args, allowed + f"; not {_short(arg, 80)}")
+        if args and not self.is_script():
+            raise SpecError("script_args", args, "only with a script entrypoint",
+                            hint="a Trainable takes its hyperparameters from params")
+        return tuple(args)
 
     def _check_batching(self) -> None:
         if self.micro_batch is not None:
@@ -360,6 +380,8 @@ class JobSpec:
         )
         if self.scaling != Scaling.FIXED:  # the batch and the LR grow from min_workers' (fixed: no
             keys += ("min_workers",)       # hash change, so existing checkpoints still resume)
+        if self.script_args:  # likewise only when given
+            keys += ("script_args",)
         data = {k: _plain(getattr(self, k)) for k in keys}
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -410,6 +432,8 @@ def _short(value: Any, limit: int = 200) -> str:
     return short_repr(value, limit)
 
 
+MAX_SCRIPT_ARGS = 1000
+MAX_SCRIPT_ARG_CHARS = 4096
 MAX_PARAMS_NODES = 100_000  # values in params, each repetition counted (a YAML alias expands)
 MAX_PARAMS_DEPTH = 64
 
@@ -466,7 +490,13 @@ def _unique_key_loader():
                 seen.add(key)
             return super().construct_mapping(node, deep=deep)
 
+    # YAML 1.1 (PyYAML) reads 1e-3 and 5E4 as strings (its floats need a dot and a signed
+    # exponent); YAML 1.2, JSON and every ML config reads them as numbers, as users write LRs
+    UniqueKeyLoader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT_RE, list("-+0123456789."))
     return UniqueKeyLoader
+
+
+_FLOAT_RE = re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9][0-9_]*)[eE][-+]?[0-9]+$")
 
 
 def _plain(value: Any) -> Any:
@@ -474,4 +504,6 @@ def _plain(value: Any) -> Any:
         return value.value
     if isinstance(value, Mapping):
         return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, tuple):
+        return list(value)
     return value

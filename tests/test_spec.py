@@ -175,3 +175,30 @@ def test_from_yaml_reports_unreadable_and_invalid_files(tmp_path):
     good = tmp_path / "good.yaml"
     good.write_text("name: j\nentrypoint: a.b:C\ntotal_iterations: 10\nglobal_batch: 8\nmax_workers: 2\n")
     assert JobSpec.from_yaml(good).to_dict()["max_workers"] == 2
+
+
+def test_yaml_reads_exponent_floats_as_numbers(tmp_path):
+    """``lr: 1e-3`` is how learning rates are written; YAML 1.1 (PyYAML's) made it the string
+    '1e-3', which the Trainable compared with a float only after the workers had started."""
+    path = tmp_path / "job.yaml"
+    path.write_text("name: j\nentrypoint: a.b:C\ntotal_iterations: 10\nglobal_batch: 8\n"
+                    "params: {lr: 1e-3, wd: 5E-4, big: 2e+3, dotted: 1.5e-3, word: e3, hex: 0x1e3}\n")
+    assert JobSpec.from_yaml(path).params == {"lr": 0.001, "wd": 0.0005, "big": 2000.0, "dotted": 0.0015,
+                                              "word": "e3", "hex": 483}
+    path.write_text("name: j\nentrypoint: a.b:C\ntotal_iterations: 10\nglobal_batch: 4.8e1\n")
+    with pytest.raises(SpecError, match=r"invalid global_batch=48\.0: must be an integer"):
+        JobSpec.from_yaml(path)
+
+
+def test_script_args_are_strings_for_a_script_only_and_part_of_its_hash():
+    base = {"name": "j", "entrypoint": "train.py", "total_iterations": 2, "global_batch": 4}
+    spec = JobSpec.from_dict({**base, "script_args": ["--lr", "0.1"]})
+    assert spec.script_args == ("--lr", "0.1") and spec.to_dict()["script_args"] == ["--lr", "0.1"]
+    assert JobSpec.from_dict(spec.to_dict()) == spec
+    assert spec.spec_hash() != spec.replace(script_args=["--lr", "0.2"]).spec_hash()
+    assert JobSpec.from_dict(base).spec_hash() == JobSpec.from_dict({**base, "script_args": []}).spec_hash()
+    for bad in ("--lr 0.1", [0.1], ["a\0b"], ["x" * 4097], ["x"] * 1001):
+        with pytest.raises(SpecError, match="invalid script_args=.*must be a list of at most 1000 strings"):
+            JobSpec.from_dict({**base, "script_args": bad})
+    with pytest.raises(SpecError, match="only with a script entrypoint.*hint: a Trainable takes"):
+        JobSpec.from_dict({**base, "entrypoint": "a.b:C", "script_args": ["--lr"]})

@@ -52,9 +52,11 @@ from elastic_ops.checkpoint.manifest import (
 from elastic_ops.errors import (
     CheckpointCorruptError,
     CheckpointError,
+    CheckpointNotFoundError,
     CommitConflictError,
     SpecError,
     StaleEpochError,
+    short_repr,
 )
 
 log = logging.getLogger("elastic_ops.checkpoint")
@@ -743,8 +745,14 @@ class CheckpointStore:
         """The state saved in ``ref``, after verifying every checksum. Never executes code.
 
         Raises :class:`CheckpointCorruptError` (damage) or :class:`UnsafeCheckpointError`
-        (content the safe loader refuses).
+        (content the safe loader refuses); :class:`CheckpointNotFoundError` for ``None`` (what
+        :meth:`latest` returns for a store with no committed checkpoint).
         """
+        if not isinstance(ref, CheckpointRef):
+            raise CheckpointNotFoundError(
+                f"load() needs a CheckpointRef (from latest() or list()), not {short_repr(ref, 80)}"
+                + (f": no committed checkpoint under {self.uri}" if ref is None else "")
+            )
         with self._lock:
             cached, self._loaded = self._loaded, None
         result = cached[1] if cached is not None and cached[0] == ref else self._read_verified(ref)

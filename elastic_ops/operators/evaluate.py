@@ -11,6 +11,7 @@ def evaluate_checkpoint(root_uri: str, entrypoint: str, params: dict[str, Any] |
     from elastic_ops.checkpoint import open_store
     from elastic_ops.errors import CheckpointNotFoundError
     from elastic_ops.runtime import load_trainable
+    from elastic_ops.runtime.model_checks import metric_values
 
     store = open_store(root_uri, s3_client=s3_client)
     ref = store.latest()
@@ -20,4 +21,4 @@ def evaluate_checkpoint(root_uri: str, entrypoint: str, params: dict[str, Any] |
     model = trainable.build_model()
     model.load_state_dict(store.load(ref)["model"])
     model.eval()
-    return {k: float(v) for k, v in (trainable.evaluate(model) or {}).items()}
+    return metric_values(trainable.evaluate(model))

@@ -591,7 +591,7 @@ class _Runner:
 
 
 def _script(spec: JobSpec) -> str | None:
-    return str(Path(spec.entrypoint).resolve()) if spec.entrypoint.endswith(".py") else None
+    return str(Path(spec.entrypoint).resolve()) if spec.is_script() else None
 
 
 def _device(spec: JobSpec) -> str:
@@ -610,7 +610,7 @@ def _check_range(spec: JobSpec, start: int, end: int) -> None:
 
 
 def _check_entrypoint(spec: JobSpec) -> None:
-    if spec.entrypoint.endswith(".py"):
+    if spec.is_script():
         if spec.consistency.value != "fast" or spec.scaling.value != "fixed":
             raise SpecError(
                 "consistency",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from typing import Any
 
@@ -45,6 +46,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     start, end = parse_range(args.iterations, spec)
     schedule = args.workers_schedule
     schedule = None if schedule is None else Schedule.parse(schedule, spec, start, end)
+    if not os.environ.get("ELASTIC_OPS_DEBUG"):
+        # torch's launcher logs a worker's exit as a traceback of its own (ProcessExitedException)
+        # before the error this command reports with the worker's cause
+        logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
+        logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     if not args.quiet:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("elastic-ops: %(message)s"))

@@ -21,12 +21,18 @@ The script owns the gradient reduction (normally DDP, which averages over worker
 weights). Each worker's ``my_samples`` share is a near-equal split of ``global_batch``; where
 the split is uneven (64 samples on 3 workers) ``loss_weight()`` (``share * workers / batch``)
 weights each worker's mean so the average is the global batch's mean, and the training does not
-depend on the worker count. Only ``consistency: fast`` applies. Exceptions in the script are
-reported as ``UserCodeError``.
+depend on the worker count. Only ``consistency: fast`` applies. Exceptions in the script, and
+its exiting with a status other than 0, are reported as ``UserCodeError``.
+
+The script sees ``sys.argv`` = ``[script, *spec.script_args]`` (an ``argparse`` script takes its
+arguments from the spec, never from the runner's command line), the spec's ``params`` as
+``ctx.params``, and torch seeded with ``data_seed`` before it starts (as a Trainable's model is),
+so every worker builds the same initial model unless the script seeds otherwise.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from collections.abc import Iterator
@@ -51,6 +57,11 @@ class ScriptContext:
         self.optimizer: Any = None
         self.scheduler: Any = None
         self._loss = math.nan
+
+    @property
+    def params(self) -> dict[str, Any]:
+        """The spec's ``params`` (a copy): hyperparameters without an argument parser."""
+        return copy.deepcopy(dict(self.seg.spec.params))
 
     @property
     def device(self) -> torch.device:

@@ -21,6 +21,14 @@ import torch
 from elastic_ops.checkpoint.codec import check_state
 from elastic_ops.runtime.consistency import GradientEngine, lr_factor, target_factor, trainable_params
 from elastic_ops.runtime.data_order import batch_size, stream_slice
+from elastic_ops.runtime.model_checks import (
+    GradientWatch,
+    check_scheduler,
+    metric_values,
+    norm_layer_warning,
+    unused_warning,
+    warn,
+)
 from elastic_ops.runtime.segment import NonFiniteLoss, Segment, UserFailure, user_code
 from elastic_ops.runtime.state import build_state, restore_rng
 from elastic_ops.runtime.trainable import load_trainable, to_device
@@ -40,6 +48,7 @@ class TrainableWorker:
             self.model = self.trainable.build_model().to(self.device)
             self.optimizer = self.trainable.build_optimizer(self.model)
             self.scheduler = self.trainable.build_scheduler(self.optimizer)
+            check_scheduler(self.scheduler)
             self.dataset = self.trainable.train_dataset()
             self.num_samples = len(self.dataset)
             trainable_params(self.model)  # one dtype, at least one: the user's model to change
@@ -54,6 +63,9 @@ class TrainableWorker:
                              "scheduler": self.scheduler.state_dict() if self.scheduler is not None else {}})
         if self.scaled:
             self._ramp_to(seg.workers)
+        if seg.rank == 0 and (norms := norm_layer_warning(self.model, spec.consistency.value)):
+            warn(norms)
+        self._watch: GradientWatch | None = GradientWatch(self.model) if seg.rank == 0 else None
         self.engine = GradientEngine(
             mode=spec.consistency.value,
             model=self.model,
@@ -143,6 +155,10 @@ class TrainableWorker:
             CURRENT_ITERATION = it
             b = batch_size(spec.global_batch, spec.min_workers, seg.workers, self.scaled)
             loss = self.engine.step(it, stream_slice(spec.data_seed, self.num_samples, self.cursor, b))
+            if self._watch is not None:  # the first iteration only
+                if unused := unused_warning(self._watch.unused()):
+                    warn(unused)
+                self._watch = None
             if not math.isfinite(loss):
                 raise NonFiniteLoss(f"loss is {loss} at iteration {it}")
             self._optimizer_step()
@@ -158,7 +174,7 @@ class TrainableWorker:
             was_training = self.model.training
             self.model.eval()  # evaluation without dropout, without autograd
             with user_code(), torch.no_grad():
-                evaluation = {k: float(v) for k, v in (self.trainable.evaluate(self.model) or {}).items()}
+                evaluation = metric_values(self.trainable.evaluate(self.model))
             self.model.train(was_training)
             self.metrics["eval"].append([self.iteration, evaluation])
         seg.write_result(
@@ -215,15 +231,27 @@ def worker_entry(script: str | None) -> None:
 
 
 def run_script(path: str) -> int:
-    """Script mode: run the user's file as ``__main__``; its exceptions are user errors."""
+    """Script mode: run the user's file as ``__main__`` with ``sys.argv`` = the script and the
+    spec's ``script_args``, torch seeded with ``data_seed`` as a Trainable's model is (every
+    worker builds the same initial model). Its exceptions, and its exiting with a status other
+    than 0 (``sys.exit("message")``, an argparse error), are user errors: the same on any host,
+    never retried as a lost worker."""
     import runpy
 
+    seg = Segment.from_env()
+    sys.argv = [path, *seg.spec.script_args]
+    torch.manual_seed(seg.spec.data_seed)
     try:
         runpy.run_path(path, run_name="__main__")
     except SystemExit as exc:
-        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if exc.code is None or exc.code == 0:
+            return 0
+        how = f"with status {exc.code}" if isinstance(exc.code, int) else f"with the message {exc.code!r}"
+        seg.write_error("user", f"the script exited {how} (sys.exit; argparse exits with 2 on arguments "
+                        f"it does not take: sys.argv[1:] is the spec's script_args "
+                        f"{list(seg.spec.script_args)})", "", None)
+        return 1
     except Exception as exc:
-        seg = Segment.from_env()
         import torch.distributed as dist
 
         # A collective failing because a peer died is a lost worker, not a bug in the script.

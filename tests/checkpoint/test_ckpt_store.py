@@ -695,3 +695,15 @@ def test_links_and_fifos_planted_in_a_local_store_are_no_checkpoint(tmp_path, pl
     reader.join(60)
     assert done, "latest() hung on what was planted"
     assert done[0].iteration == 10
+
+
+def test_loading_what_latest_found_in_an_empty_store_says_so(tmp_path) -> None:
+    """``store.load(store.latest())`` on an empty store was an AttributeError on ``None``."""
+    from elastic_ops.checkpoint import open_store
+    from elastic_ops.errors import CheckpointNotFoundError
+
+    store = open_store(f"file://{tmp_path}/empty")
+    with pytest.raises(CheckpointNotFoundError, match=r"not None: no committed checkpoint under file://"):
+        store.load(store.latest())
+    with pytest.raises(CheckpointNotFoundError, match=r"needs a CheckpointRef .*not 'it-3'"):
+        store.load("it-3")

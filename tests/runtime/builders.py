@@ -38,7 +38,8 @@ class TinyMLP(Trainable):
     ``hold_at`` waits there until the file ``hold_file`` exists (a test's gate, at most 120 s);
     ``sleep_s`` slows every loss call (the runner then decides few boundaries ahead);
     ``double_head`` makes the last layer float64 (parameters of two dtypes); ``numpy_scheduler``
-    keeps a numpy scalar in the scheduler's state (which the safe loader refuses).
+    keeps a numpy scalar in the scheduler's state (which the safe loader refuses);
+    ``plateau`` builds a ReduceLROnPlateau; ``eval_extra`` adds its items to evaluate()'s.
     """
 
     def __init__(self, **params: Any) -> None:
@@ -54,6 +55,8 @@ class TinyMLP(Trainable):
         return torch.optim.SGD(model.parameters(), lr=float(self.params.get("lr", 0.1)), momentum=0.9)
 
     def build_scheduler(self, optimizer: torch.optim.Optimizer) -> Any:
+        if self.params.get("plateau"):
+            return torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer)
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.9)
         if self.params.get("numpy_scheduler"):
             import numpy as np
@@ -99,7 +102,7 @@ class TinyMLP(Trainable):
             acc = (model(x).argmax(dim=1) == y).float().mean().item()
         if self.params.get("nan_eval"):
             return {"accuracy": acc, "perplexity": float("inf"), "r2": float("nan")}
-        return {"accuracy": acc}
+        return {"accuracy": acc, **self.params.get("eval_extra", {})}
 
 
 def _hold(gate: Path) -> None:

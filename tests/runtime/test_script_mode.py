@@ -82,3 +82,68 @@ def test_a_script_that_skips_the_loop_gets_a_clear_error(tmp_path):
     spec = script_spec(tmp_path, entrypoint=str(script))
     with pytest.raises(TrainingError, match="without handing over"):
         run_chunk(spec, 0, 4, target=lambda i: 1)
+
+
+ARGPARSE_SCRIPT = """
+import argparse, json, sys
+import torch
+import elastic_ops.runtime.script as elastic
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--lr", type=float, required=True)
+args = parser.parse_args()
+ctx = elastic.init(num_samples=8)
+model = torch.nn.Linear(2, 1)
+if ctx.rank == 0:  # what the script saw: its argv, params and the seeded initial weights
+    with open(ctx.params["seen"], "w") as f:
+        json.dump({"argv": sys.argv[1:], "lr": args.lr, "params": ctx.params,
+                   "weight": model.weight.tolist()}, f)
+optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
+ctx.restore(model, optimizer)
+for it in ctx.iterations():
+    ctx.commit(it, 0.0)
+"""
+
+
+def test_a_script_gets_the_specs_arguments_and_params_and_a_seeded_start(tmp_path):
+    """An argparse script parsed the runner's own command line (``run --spec …``) and failed;
+    scripts were not seeded, so two runs started from different models (a probe)."""
+    import json
+
+    script = tmp_path / "train.py"
+    script.write_text(ARGPARSE_SCRIPT)
+    seen = []
+    for run in ("a", "b"):
+        params = {"depth": 2, "seen": str(tmp_path / f"{run}.json")}
+        spec = script_spec(tmp_path / run, entrypoint=str(script), script_args=["--lr", "0.5"],
+                           params=params, total_iterations=2, global_batch=4)
+        assert run_chunk(spec, 0, 2, target=lambda i: 2).status is ChunkStatus.COMPLETED
+        seen.append(json.loads((tmp_path / f"{run}.json").read_text()))
+    assert seen[0]["argv"] == ["--lr", "0.5"] and seen[0]["lr"] == 0.5
+    assert seen[0]["params"] == {"depth": 2, "seen": str(tmp_path / "a.json")}
+    assert seen[0]["weight"] == seen[1]["weight"]  # seeded with data_seed, as a Trainable's model
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    ([], r"the script exited with status 2 \(sys.exit; argparse exits with 2 .* script_args \[\]\)"),
+    (["--lr", "x"], r"exited with status 2"),
+])
+def test_a_script_that_exits_with_an_error_is_a_user_error_not_a_lost_worker(tmp_path, args, says):
+    """A non-zero exit was reported as a lost worker: retryable, blamed on the host."""
+    from elastic_ops.errors import UserCodeError
+
+    script = tmp_path / "train.py"
+    script.write_text(ARGPARSE_SCRIPT)
+    spec = script_spec(tmp_path, entrypoint=str(script), script_args=args, total_iterations=2, global_batch=4)
+    with pytest.raises(UserCodeError, match=says) as err:
+        run_chunk(spec, 0, 2, target=lambda i: 2)
+    assert not err.value.retryable
+
+
+def test_sys_exit_with_a_message_is_that_message(tmp_path):
+    from elastic_ops.errors import UserCodeError
+
+    script = tmp_path / "train.py"
+    script.write_text("import sys\nsys.exit('no data in /nowhere')\n")
+    with pytest.raises(UserCodeError, match="exited with the message 'no data in /nowhere'"):
+        run_chunk(script_spec(tmp_path, entrypoint=str(script)), 0, 4, target=lambda i: 1)
