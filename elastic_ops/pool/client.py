@@ -150,8 +150,34 @@ def _engine(url: str) -> Engine:
 
         return engine
     if backend == "postgresql":
-        return create_engine(parsed, pool_pre_ping=True)
+        return _postgres_engine(parsed)
     raise SpecError("url", shown_url(url), "the pool ledger supports sqlite and postgresql URLs")
+
+
+PG_CONNECT_TIMEOUT_S = 10  # an unreachable server: LedgerUnavailableError, not a hang (unless the URL says)
+PG_LOCK_TIMEOUT_S = 30  # waiting for the pool's lock longer than this: LedgerBusyError
+PG_IDLE_IN_TX_S = 15  # the server ends a transaction left idle this long (its client hung or stopped)
+
+
+def _postgres_engine(parsed: Any) -> Engine:
+    """READ COMMITTED whatever the server's default: every transaction first takes the pool row's
+    lock, and under REPEATABLE READ its snapshot would predate the lock wait (it planned from
+    stale rows: a raw IntegrityError on the allocation key). A client that stops inside a
+    transaction (SIGSTOP, a frozen VM) holds that lock: the server ends its transaction after
+    ``PG_IDLE_IN_TX_S``, and the others wait at most ``PG_LOCK_TIMEOUT_S`` for it."""
+    connect_args = {} if "connect_timeout" in parsed.query else {"connect_timeout": PG_CONNECT_TIMEOUT_S}
+    engine = create_engine(parsed, pool_pre_ping=True, isolation_level="READ COMMITTED",
+                           connect_args=connect_args)
+
+    @event.listens_for(engine, "connect")
+    def _connect(dbapi_conn, _rec):  # session settings (the URL's own options, e.g. a search_path, stay)
+        cur = dbapi_conn.cursor()
+        cur.execute(f"SET lock_timeout = {int(PG_LOCK_TIMEOUT_S * 1000)}")
+        cur.execute(f"SET idle_in_transaction_session_timeout = {int(PG_IDLE_IN_TX_S * 1000)}")
+        cur.close()
+        dbapi_conn.commit()
+
+    return engine
 
 
 def _event_dict(r: Any) -> dict[str, Any]:
@@ -204,6 +230,22 @@ def _raise_if_error(result: Any) -> Any:
 def _first_line(exc: BaseException) -> str:
     lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
     return (lines[0] if lines else type(exc).__name__)[:300]
+
+
+def _changed_demand(row: Any, values: dict[str, Any]) -> str:
+    """What a submit changes of a job's demand, as ``"max 8 -> 2, priority 1 -> 7"`` ('' if nothing)."""
+    parts = []
+    for key in ("min_workers", "max_workers", "priority", "preemptible", "selector"):
+        old, new = getattr(row, key), values[key]
+        if key == "preemptible":
+            old = bool(old)
+        if old != new:
+            parts.append(f"{key.removesuffix('_workers')} {old} -> {new}")
+    return ", ".join(parts)
+
+
+def _lock_timeout(exc: DBAPIError) -> bool:
+    return getattr(exc.orig, "pgcode", None) == "55P03" or "lock timeout" in str(exc.orig).lower()
 
 
 def _retryable(exc: DBAPIError) -> bool:
@@ -273,6 +315,13 @@ class PoolClient:
                 self._send(sent)
                 return out
             except OperationalError as exc:
+                if _lock_timeout(exc):  # another client held the pool's lock for PG_LOCK_TIMEOUT_S
+                    raise LedgerBusyError(
+                        f"pool ledger {shown_url(self.url)}: the pool's lock was not granted within "
+                        f"{PG_LOCK_TIMEOUT_S}s",
+                        hint=f"a client holds it in a long transaction; the server ends one left idle for "
+                        f"{PG_IDLE_IN_TX_S}s (a hung or stopped client)",
+                    ) from exc
                 if not _retryable(exc):
                     # connection refused or lost: retryable by the caller (a heartbeat, a trigger,
                     # an Airflow try), never a raw driver error
@@ -444,6 +493,8 @@ class PoolClient:
                     )
                     self._event(conn, now, "submit", job=job, reason=f"registered again: min {min_workers} "
                                 f"max {max_workers} priority {priority} preemptible {preemptible}{on}")
+                elif changed := _changed_demand(row, values):  # the log keeps every job's demand
+                    self._event(conn, now, "config", job=job, reason=f"submitted again: {changed}")
                 conn.execute(update(s.jobs).where(s.jobs.c.name == job).values(**values))
             self._replan(conn, now)
 

@@ -149,6 +149,9 @@ SETTLE_AFTER = 8  # exact freeze rounds before a chain of freezes is settled in 
 
 def _targets(snap, share: ShareFn, ordered: list[Job], up: dict[str, int], capacity: int, held_up: list[int]):
     caps = [_cap(j, up, capacity) for j in ordered]
+    # what a frozen job keeps: what it holds, down to its max (a user lowered it: the job shrinks
+    # to it, and no further than a job that may not shrink may go)
+    keep = [min(h, j.max_workers) for h, j in zip(held_up, ordered, strict=True)]
     frozen: dict[int, str] = {}
     # Freezing only ever grows the frozen set, so this reaches a fixed point. A round usually
     # freezes every job it must, but freezing one job can shrink the next (N equal jobs that may
@@ -159,22 +162,22 @@ def _targets(snap, share: ShareFn, ordered: list[Job], up: dict[str, int], capac
     for rnd in range(SETTLE_AFTER + 1):
         if rnd == SETTLE_AFTER:
             for i in range(len(ordered)):
-                why = None if i in frozen else _freeze_reason(ordered[i], held_up[i], 0, snap)
+                why = None if i in frozen else _freeze_reason(ordered[i], keep[i], 0, snap)
                 if why:
                     frozen[i] = why
         free_idx = [i for i in range(len(ordered)) if i not in frozen]
-        cap_left = capacity - sum(held_up[i] for i in frozen)
+        cap_left = capacity - sum(keep[i] for i in frozen)
         part, left_out = _share_round(
             [ordered[i] for i in free_idx], [caps[i] for i in free_idx], cap_left, snap, share
         )
-        targets = list(held_up)  # frozen jobs keep what they hold
+        targets = list(keep)  # frozen jobs keep what they hold
         for k, i in enumerate(free_idx):
             targets[i] = part[k]
         new = {}
         admitted_above = False  # a job ranked above i that holds nothing gets slots
         for i in free_idx:
-            if held_up[i] and targets[i] != held_up[i]:
-                r = _freeze_reason(ordered[i], held_up[i], targets[i], snap, admits=admitted_above)
+            if keep[i] and targets[i] != keep[i]:
+                r = _freeze_reason(ordered[i], keep[i], targets[i], snap, admits=admitted_above)
                 if r:
                     new[i] = r
             admitted_above = admitted_above or (held_up[i] == 0 and targets[i] > 0)
@@ -185,7 +188,7 @@ def _targets(snap, share: ShareFn, ordered: list[Job], up: dict[str, int], capac
     for k, why in left_out.items():
         reasons[free_idx[k]] = why
     for i, why in frozen.items():
-        reasons[i] = f"keeps {held_up[i]}: {why}"
+        reasons[i] = f"keeps {keep[i]}: {why}"
     return targets, reasons
 
 

@@ -11,7 +11,7 @@ A decision has three steps, all deterministic and free of I/O:
    3/5) or ``strict`` (minimums first, then the rest to the highest priority class, max-min fair
    inside a class). Running jobs that must not move (``preemption=none``, non-preemptible,
    rescaled too recently, or a change smaller than ``min_gain``) are frozen at what they hold
-   and the rest is re-shared around them.
+   (capped at their max, which a user may have lowered) and the rest is re-shared around them.
 3. **Place.** Each job keeps its held slots on ``up`` hosts (most-used hosts first) up to its
    target and releases the rest at its next boundary; growth takes free slots on ``up`` hosts
    it does not avoid, its own hosts first, then hosts in name order (lowest slot index first).
@@ -523,6 +523,8 @@ def _targets(t: _Table, share: ShareFn, held_up, hs: _Hosts, snap: Snapshot):
     capacity = hs.capacity
     caps = _caps(t, hs, capacity)
     n = t.n
+    # what a frozen job keeps: down to its max (see plain_policies._targets)
+    held_up = np.minimum(held_up, t.maxs)
     frozen: dict[int, str] = {}
     is_free = np.ones(n, dtype=bool)
     # A fixed point, with a long chain of freezes cut after SETTLE_AFTER rounds: see

@@ -107,3 +107,60 @@ def test_many_processes_on_sqlite(sqlite_url):
 @pytest.mark.postgres
 def test_many_processes_on_postgres(pg_url):
     _run(pg_url)
+
+
+def _hold_the_pool_lock(url: str, *, engine=None):
+    """A client stopped inside a transaction that holds the pool's lock (a SIGSTOPped or frozen
+    process): the connection, idle in its transaction."""
+    engine = engine or sa.create_engine(url)
+    conn = engine.connect()
+    conn.begin()
+    conn.execute(sa.text("SELECT id FROM pool WHERE id = 1 FOR UPDATE"))
+    return conn
+
+
+@pytest.mark.postgres
+def test_a_client_stopped_inside_a_transaction_does_not_stall_the_pool(pg_url, monkeypatch):
+    """It blocked every other client for good: heartbeats too, so every lease expired (a probe)."""
+    from elastic_ops.pool import client as client_module
+
+    monkeypatch.setattr(client_module, "PG_IDLE_IN_TX_S", 1)
+    stopped = PoolClient(pg_url)
+    held = _hold_the_pool_lock(pg_url, engine=stopped.engine)
+    other = PoolClient(pg_url)
+    other.add_host("h0", 2)  # the server ended the stopped client's transaction after 1 s
+    assert other.status()["slots"]["up"] == 2
+    with pytest.raises(sa.exc.OperationalError, match="server closed the connection"):
+        held.execute(sa.text("SELECT 1"))
+    held.close()
+    stopped.add_host("h1", 1)  # the stopped client's next call works on a new connection
+    assert other.status()["slots"]["up"] == 3
+
+
+@pytest.mark.postgres
+def test_waiting_too_long_for_the_pool_lock_is_ledger_busy(pg_url, monkeypatch):
+    from elastic_ops.errors import LedgerBusyError
+    from elastic_ops.pool import client as client_module
+
+    pool = PoolClient(pg_url)
+    held = _hold_the_pool_lock(pg_url)  # a client without the server's idle limit
+    monkeypatch.setattr(client_module, "PG_LOCK_TIMEOUT_S", 1)
+    waiting = PoolClient(pg_url)
+    with pytest.raises(LedgerBusyError, match=r"the pool's lock was not granted within 1s") as err:
+        waiting.add_host("h0", 2)
+    assert err.value.retryable
+    held.close()
+    waiting.add_host("h0", 2)
+    assert pool.status()["slots"]["up"] == 2
+
+
+@pytest.mark.postgres
+def test_the_ledger_reads_committed_data_whatever_the_servers_default(pg_url):
+    """Under REPEATABLE READ a transaction's snapshot predates its wait for the pool's lock: it
+    planned from stale rows and a raw IntegrityError reached the caller (a probe)."""
+    url = pg_url.replace("options=", "options=-cdefault_transaction_isolation%3Drepeatable%5C%20read%20")
+    pool = PoolClient(url)
+    with pool.engine.begin() as conn:
+        assert conn.execute(sa.text("SHOW transaction_isolation")).scalar() == "read committed"
+    with sa.create_engine(url).connect() as conn:  # the URL does set the server's default
+        assert conn.execute(sa.text("SHOW transaction_isolation")).scalar() == "repeatable read"

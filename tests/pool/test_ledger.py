@@ -166,6 +166,26 @@ def test_a_non_preemptible_jobs_minimum_cannot_rise_above_what_it_holds(pool):
     assert pool.heartbeat("np", g.epoch, workers=2).workers == 0
 
 
+def test_a_non_preemptible_job_whose_max_is_lowered_shrinks_to_it_and_no_further(pool):
+    """Its max lowered by one, it was preempted outright for a waiting job (a probe)."""
+    g = grant(pool, "np", min_workers=2, max_workers=4, preemptible=False)
+    pool.submit("vip", min_workers=1, max_workers=4, priority=10)
+    assert pool.request("vip").__class__.__name__ == "Wait"
+    pool.set_bounds("np", 2, 3)
+    t = pool.heartbeat("np", g.epoch, workers=4)
+    assert t.workers == 3 and "keeps 3: job is not preemptible" in t.reason
+
+
+def test_submitting_a_live_job_again_logs_what_changed(pool):
+    """A re-submit changed bounds and priority with no event: nothing explained a drop from 8 to
+    2 workers, and the log could not tell a job's demand (a probe)."""
+    grant(pool, "j", min_workers=1, max_workers=4)
+    pool.submit("j", min_workers=1, max_workers=4)  # the same demand: nothing to log
+    pool.submit("j", min_workers=1, max_workers=2, priority=7, selector={"gpu": "a100"})
+    configs = [e["reason"] for e in pool.events(job="j") if e["kind"] == "config"]
+    assert configs == ['submitted again: max 4 -> 2, priority 1 -> 7, selector {} -> {"gpu": "a100"}']
+
+
 def test_drained_host_takes_no_new_grants(pool):
     pool.drain_host("h0")
     pool.submit("a", min_workers=1, max_workers=4)

@@ -127,6 +127,24 @@ def test_a_long_chain_of_jobs_that_may_not_shrink_keeps_every_one_of_them(policy
         assert by["vip"].target == 0, by["vip"]
 
 
+@pytest.mark.parametrize("policy", ["priority", "fairshare", "strict"])
+@pytest.mark.parametrize("rule", ["not preemptible", "preemption none", "rescaled"])
+def test_a_job_that_may_not_shrink_whose_max_is_lowered_shrinks_to_that_max_only(policy, rule):
+    """Holding 8 with max lowered to 7 (or 6) it lost every protection: preempted to 0 for a
+    waiting job, or shrunk to a fair share of 4 (a probe)."""
+    extra = {"not preemptible": dict(preemptible=False), "rescaled": dict(last_rescale=990.0)}.get(rule, {})
+    config = {"preemption none": dict(preemption="none"), "rescaled": dict(min_rescale_interval_s=60)}
+    for new_max in (7, 6):
+        a = dict(name="a", min_workers=4, max_workers=new_max, held=slots("h0", *range(8)), **extra)
+        snap = make_snapshot(jobs=[a, dict(name="b", min_workers=1, max_workers=8, priority=10)],
+                             now=1000.0, **config.get(rule, {}))
+        for plan in (VECTORISED[policy](snap), PLAIN[policy](snap)):
+            d = plan.by_job()["a"]
+            assert d.target == new_max and d.reason.startswith(f"keeps {new_max}: "), d
+            assert len(d.release) == 8 - new_max, d
+            assert plan.by_job()["b"].target == 8 - new_max
+
+
 def test_anti_thrashing_interval_and_min_gain():
     recent = dict(name="a", held=slots("h0", *range(8)), last_rescale=990.0)
     snap = make_snapshot(jobs=[recent, dict(name="b")], now=1000.0, min_rescale_interval_s=60)
