@@ -16,7 +16,12 @@ the gradient over micro-batches, each scaled by its share of the global batch, a
 worker count, so results agree within floating-point tolerance only.
 
 Both keep the loss as one extra element at the end of the flat gradient buffer, so the global
-loss travels with the gradients and costs no extra collective.
+loss travels with the gradients and costs no extra collective; before it, one flag per
+parameter says whether autograd gave it a gradient (a hook adds it to a set; the flags are
+written once per iteration). Summed with the gradients, the flags tell which parameters no
+worker's loss used in this iteration: their ``p.grad`` is ``None``, as in a plain loop and
+under DDP with ``find_unused_parameters``, so the optimizer skips them (no weight decay, no
+momentum) instead of stepping on a zero gradient.
 """
 
 from __future__ import annotations
@@ -34,7 +39,8 @@ from elastic_ops.runtime.data_order import even_split, iteration_seed, shards_of
 
 
 class FlatGrads:
-    """``rows`` flat buffers of ``numel + 1`` elements; ``bind(r)`` points every ``p.grad`` at row r.
+    """``rows`` flat buffers of ``numel + len(params) + 1`` elements (gradients, used flags,
+    loss); ``bind(r)`` points every ``p.grad`` at row r.
 
     Autograd accumulates into an existing ``.grad`` in place, so backward writes straight into
     the buffer that is then communicated (as DDP's ``gradient_as_bucket_view`` does).
@@ -43,8 +49,13 @@ class FlatGrads:
     def __init__(self, params: list[torch.nn.Parameter], rows: int, device: torch.device) -> None:
         self.params = params
         self.numel = sum(p.numel() for p in params)
-        self.buf = torch.zeros(rows, self.numel + 1, device=device, dtype=params[0].dtype)
+        self.width = self.numel + len(params) + 1
+        self.buf = torch.zeros(rows, self.width, device=device, dtype=params[0].dtype)
         self._views = [self.row_views(self.buf[r]) for r in range(rows)]
+        self._seen: set[int] = set()  # parameters autograd reached since the last record_used
+        self._used: set[int] = set()  # ... in this worker's rows of the running iteration
+        self._ids = [id(p) for p in params]
+        self._hooks = [p.register_post_accumulate_grad_hook(self._mark) for p in params]
 
     def row_views(self, row: torch.Tensor) -> list[torch.Tensor]:
         views, off = [], 0
@@ -57,6 +68,37 @@ class FlatGrads:
         for p, v in zip(self.params, self._views[row], strict=True):
             if p.grad is not v:  # re-point only what user code (or another row) replaced
                 p.grad = v
+
+    def _mark(self, param: torch.Tensor) -> None:
+        self._seen.add(id(param))
+
+    def flags(self, row: torch.Tensor) -> torch.Tensor:
+        return row[self.numel : self.numel + len(self.params)]
+
+    def record_used(self, row: torch.Tensor) -> None:
+        """Write which parameters got a gradient since the last call into ``row``'s flags."""
+        flags, seen = self.flags(row), self._seen
+        if len(seen) == len(self.params):  # the common case: one fill
+            flags.fill_(1)
+        elif seen:
+            flags.copy_(torch.tensor([1.0 if i in seen else 0.0 for i in self._ids], dtype=flags.dtype))
+        self._used |= seen
+        self._seen = set()
+
+    def give_grads(self, row: torch.Tensor, views: list[torch.Tensor] | None = None) -> None:
+        """Point every ``p.grad`` at its part of the reduced ``row`` (``views``; None: row 0's,
+        where ``bind(0)`` pointed them already), or at ``None`` where no worker's loss used
+        ``p`` (its flags summed to 0). When this worker's own loss used every parameter, the
+        sums are all positive: nothing to read."""
+        used_here, self._used = len(self._used) == len(self.params), set()
+        if used_here or bool((self.flags(row) > 0).all()):
+            if views is not None:
+                for p, v in zip(self.params, views, strict=True):
+                    p.grad = v
+            return
+        views = self._views[0] if views is None else views
+        for p, v, u in zip(self.params, views, (self.flags(row) > 0).tolist(), strict=True):
+            p.grad = v if u else None
 
 
 def trainable_params(model: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -118,7 +160,7 @@ class GradientEngine:
             self.my_shards = shards_of_worker(self.shards, workers, rank)
             self.max_rows = math.ceil(self.shards / workers)
             self.grads = FlatGrads(params, self.max_rows, device)
-            self.out = torch.zeros(self.grads.numel + 1, device=device, dtype=self.grads.buf.dtype)
+            self.out = torch.zeros(self.grads.width, device=device, dtype=self.grads.buf.dtype)
             self.row_owner = [
                 (r, k - shards_of_worker(self.shards, workers, r).start)
                 for r in range(workers)
@@ -163,8 +205,10 @@ class GradientEngine:
         if hi > lo:
             with self.guard():
                 self._accumulate(batch[lo:hi], len(batch), buf[-1])
+        self.grads.record_used(buf)
         if self.workers > 1:
             dist.all_reduce(buf)
+        self.grads.give_grads(buf)
         return buf[-1].item()
 
     def _bitwise(self, iteration: int, batch: torch.Tensor) -> float:
@@ -175,6 +219,7 @@ class GradientEngine:
             self._seed(iteration_seed(self.data_seed, iteration, k))
             with self.guard():
                 self._accumulate(batch[k * size : (k + 1) * size], len(batch), self.grads.buf[row, -1])
+            self.grads.record_used(self.grads.buf[row])
         if self.workers > 1:
             dist.all_gather(self._gathered, self.grads.buf)
             rows = self._gathered
@@ -187,8 +232,7 @@ class GradientEngine:
                 out.copy_(rows[r][j])
             else:
                 out.add_(rows[r][j])
-        for p, v in zip(self.grads.params, self._out_views, strict=True):
-            p.grad = v
+        self.grads.give_grads(out, self._out_views)
         return out[-1].item()
 
 

@@ -56,37 +56,6 @@ def norm_layer_warning(model: torch.nn.Module, consistency: str) -> str | None:
     )
 
 
-class GradientWatch:
-    """Which trainable parameters autograd gave a gradient during one step (a hook each, removed
-    by :meth:`unused`): the runtime gives every trainable parameter a gradient, zero where the
-    loss does not use it, so weight decay and momentum still move a parameter a plain loop
-    (``zero_grad(set_to_none=True)``) leaves alone."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self._seen: set[int] = set()
-        self._named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self._handles = [p.register_post_accumulate_grad_hook(self._mark) for _, p in self._named]
-
-    def _mark(self, param: torch.Tensor) -> None:
-        self._seen.add(id(param))
-
-    def unused(self) -> list[str]:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-        return [n for n, p in self._named if id(p) not in self._seen]
-
-
-def unused_warning(names: list[str]) -> str | None:
-    if not names:
-        return None
-    return (
-        f"trainable parameters {_names(names)} got no gradient on rank 0 in this segment's first iteration: "
-        "elastic_ops gives them a zero gradient (as zero_grad(set_to_none=False) would), so weight decay "
-        "and momentum still change them; set requires_grad=False on what the loss does not train"
-    )
-
-
 def metric_values(result: Any, where: str = "evaluate()") -> dict[str, float]:
     """``evaluate()``'s mapping as floats, or a ``TypeError`` naming the key and the value."""
     if result is None:

@@ -21,14 +21,7 @@ import torch
 from elastic_ops.checkpoint.codec import check_state
 from elastic_ops.runtime.consistency import GradientEngine, lr_factor, target_factor, trainable_params
 from elastic_ops.runtime.data_order import batch_size, stream_slice
-from elastic_ops.runtime.model_checks import (
-    GradientWatch,
-    check_scheduler,
-    metric_values,
-    norm_layer_warning,
-    unused_warning,
-    warn,
-)
+from elastic_ops.runtime.model_checks import check_scheduler, metric_values, norm_layer_warning, warn
 from elastic_ops.runtime.segment import NonFiniteLoss, Segment, UserFailure, user_code
 from elastic_ops.runtime.state import build_state, restore_rng
 from elastic_ops.runtime.trainable import load_trainable, to_device
@@ -65,7 +58,6 @@ class TrainableWorker:
             self._ramp_to(seg.workers)
         if seg.rank == 0 and (norms := norm_layer_warning(self.model, spec.consistency.value)):
             warn(norms)
-        self._watch: GradientWatch | None = GradientWatch(self.model) if seg.rank == 0 else None
         self.engine = GradientEngine(
             mode=spec.consistency.value,
             model=self.model,
@@ -155,10 +147,6 @@ class TrainableWorker:
             CURRENT_ITERATION = it
             b = batch_size(spec.global_batch, spec.min_workers, seg.workers, self.scaled)
             loss = self.engine.step(it, stream_slice(spec.data_seed, self.num_samples, self.cursor, b))
-            if self._watch is not None:  # the first iteration only
-                if unused := unused_warning(self._watch.unused()):
-                    warn(unused)
-                self._watch = None
             if not math.isfinite(loss):
                 raise NonFiniteLoss(f"loss is {loss} at iteration {it}")
             self._optimizer_step()

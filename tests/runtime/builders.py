@@ -39,7 +39,8 @@ class TinyMLP(Trainable):
     ``sleep_s`` slows every loss call (the runner then decides few boundaries ahead);
     ``double_head`` makes the last layer float64 (parameters of two dtypes); ``numpy_scheduler``
     keeps a numpy scalar in the scheduler's state (which the safe loader refuses);
-    ``plateau`` builds a ReduceLROnPlateau; ``eval_extra`` adds its items to evaluate()'s.
+    ``plateau`` builds a ReduceLROnPlateau; ``eval_extra`` adds its items to evaluate()'s;
+    ``aux_head`` adds a layer the loss never uses; ``weight_decay`` is SGD's.
     """
 
     def __init__(self, **params: Any) -> None:
@@ -49,10 +50,12 @@ class TinyMLP(Trainable):
     def build_model(self) -> nn.Module:
         drop = float(self.params.get("dropout", 0.1))
         head = nn.Linear(16, 3).double() if self.params.get("double_head") else nn.Linear(16, 3)
-        return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(drop), head)
+        body = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(drop), head)
+        return WithAux(body) if self.params.get("aux_head") else body
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
-        return torch.optim.SGD(model.parameters(), lr=float(self.params.get("lr", 0.1)), momentum=0.9)
+        return torch.optim.SGD(model.parameters(), lr=float(self.params.get("lr", 0.1)), momentum=0.9,
+                               weight_decay=float(self.params.get("weight_decay", 0.0)))
 
     def build_scheduler(self, optimizer: torch.optim.Optimizer) -> Any:
         if self.params.get("plateau"):
@@ -103,6 +106,17 @@ class TinyMLP(Trainable):
         if self.params.get("nan_eval"):
             return {"accuracy": acc, "perplexity": float("inf"), "r2": float("nan")}
         return {"accuracy": acc, **self.params.get("eval_extra", {})}
+
+
+class WithAux(nn.Module):
+    """A model with a head its forward never uses (an auxiliary head kept for later)."""
+
+    def __init__(self, body: nn.Module) -> None:
+        super().__init__()
+        self.body, self.aux = body, nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
 
 
 def _hold(gate: Path) -> None:
