@@ -146,7 +146,8 @@ def _client(args: argparse.Namespace):
 
         return ApiPoolClient(api_url)
     from elastic_ops.errors import SpecError
-    from elastic_ops.pool.client import PoolClient, sqlite_file
+    from elastic_ops.pool.client import PoolClient
+    from elastic_ops.pool.engine import sqlite_file
 
     source = "--pool-url" if args.pool_url else f"${ENV_URL}"  # where the user gave the URL
     path = sqlite_file(ledger)

@@ -23,9 +23,8 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from sqlalchemy import Connection, create_engine, delete, event, func, insert, or_, select, true, update
-from sqlalchemy.engine import Engine, make_url
-from sqlalchemy.exc import ArgumentError, DatabaseError, DBAPIError, OperationalError
+from sqlalchemy import Connection, delete, func, insert, or_, select, true, update
+from sqlalchemy.exc import DatabaseError, OperationalError
 
 from elastic_ops.errors import (
     LeaseExpiredError,
@@ -36,6 +35,7 @@ from elastic_ops.errors import (
     UnknownJobError,
 )
 from elastic_ops.metrics import NO_METRICS, Metrics
+from elastic_ops.pool import engine as db
 from elastic_ops.pool import schema as s
 from elastic_ops.pool.checks import (
     CONFIG_FIELDS,
@@ -52,6 +52,7 @@ from elastic_ops.pool.checks import (
     check_name,
     check_placements,
 )
+from elastic_ops.pool.engine import first_line, lock_timeout, make_engine, retryable
 from elastic_ops.pool.model import (
     Decision,
     Host,
@@ -106,80 +107,6 @@ class Target:
     placements: tuple[Slot, ...]
 
 
-# --- engine ----------------------------------------------------------------------------------
-
-
-def sqlite_file(url: str) -> str | None:
-    """The file of an ``sqlite:///`` ledger URL; ``None`` for other (or unparsable) URLs."""
-    try:
-        parsed = make_url(url)
-    except ArgumentError:
-        return None
-    return parsed.database if parsed.get_backend_name() == "sqlite" else None
-
-
-def _engine(url: str) -> Engine:
-    try:
-        parsed = make_url(url)
-    except ArgumentError:
-        raise SpecError(
-            "url", shown_url(url), "must be an SQLAlchemy URL: sqlite:////abs/pool.db or postgresql+psycopg2://…"
-        ) from None
-    backend = parsed.get_backend_name()
-    if backend == "sqlite":
-        if not parsed.database or parsed.database == ":memory:" or not os.path.isabs(parsed.database):
-            # relative: each process (scheduler, triggerer, agent, CLI) would open its own ledger
-            raise SpecError(
-                "url", shown_url(url), "an SQLite ledger needs an absolute file path (sqlite:////abs/path/pool.db)"
-            )
-        os.makedirs(os.path.dirname(os.path.abspath(parsed.database)), exist_ok=True)
-        engine = create_engine(parsed, connect_args={"timeout": 30})
-
-        @event.listens_for(engine, "connect")
-        def _connect(dbapi_conn, _rec):  # pragma: no cover - exercised by every sqlite test
-            dbapi_conn.isolation_level = None  # we issue BEGIN ourselves
-            cur = dbapi_conn.cursor()
-            cur.execute("PRAGMA journal_mode=WAL")
-            cur.execute("PRAGMA busy_timeout=30000")
-            cur.execute("PRAGMA synchronous=NORMAL")
-            cur.close()
-
-        @event.listens_for(engine, "begin")
-        def _begin(conn):  # take the write lock up front: no upgrade deadlocks between readers
-            conn.exec_driver_sql("BEGIN IMMEDIATE")
-
-        return engine
-    if backend == "postgresql":
-        return _postgres_engine(parsed)
-    raise SpecError("url", shown_url(url), "the pool ledger supports sqlite and postgresql URLs")
-
-
-PG_CONNECT_TIMEOUT_S = 10  # an unreachable server: LedgerUnavailableError, not a hang (unless the URL says)
-PG_LOCK_TIMEOUT_S = 30  # waiting for the pool's lock longer than this: LedgerBusyError
-PG_IDLE_IN_TX_S = 15  # the server ends a transaction left idle this long (its client hung or stopped)
-
-
-def _postgres_engine(parsed: Any) -> Engine:
-    """READ COMMITTED whatever the server's default: every transaction first takes the pool row's
-    lock, and under REPEATABLE READ its snapshot would predate the lock wait (it planned from
-    stale rows: a raw IntegrityError on the allocation key). A client that stops inside a
-    transaction (SIGSTOP, a frozen VM) holds that lock: the server ends its transaction after
-    ``PG_IDLE_IN_TX_S``, and the others wait at most ``PG_LOCK_TIMEOUT_S`` for it."""
-    connect_args = {} if "connect_timeout" in parsed.query else {"connect_timeout": PG_CONNECT_TIMEOUT_S}
-    engine = create_engine(parsed, pool_pre_ping=True, isolation_level="READ COMMITTED",
-                           connect_args=connect_args)
-
-    @event.listens_for(engine, "connect")
-    def _connect(dbapi_conn, _rec):  # session settings (the URL's own options, e.g. a search_path, stay)
-        cur = dbapi_conn.cursor()
-        cur.execute(f"SET lock_timeout = {int(PG_LOCK_TIMEOUT_S * 1000)}")
-        cur.execute(f"SET idle_in_transaction_session_timeout = {int(PG_IDLE_IN_TX_S * 1000)}")
-        cur.close()
-        dbapi_conn.commit()
-
-    return engine
-
-
 def _event_dict(r: Any) -> dict[str, Any]:
     return {
         "id": r.id,
@@ -227,11 +154,6 @@ def _raise_if_error(result: Any) -> Any:
     return result
 
 
-def _first_line(exc: BaseException) -> str:
-    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-    return (lines[0] if lines else type(exc).__name__)[:300]
-
-
 def _changed_demand(row: Any, values: dict[str, Any]) -> str:
     """What a submit changes of a job's demand, as ``"max 8 -> 2, priority 1 -> 7"`` ('' if nothing)."""
     parts = []
@@ -242,18 +164,6 @@ def _changed_demand(row: Any, values: dict[str, Any]) -> str:
         if old != new:
             parts.append(f"{key.removesuffix('_workers')} {old} -> {new}")
     return ", ".join(parts)
-
-
-def _lock_timeout(exc: DBAPIError) -> bool:
-    return getattr(exc.orig, "pgcode", None) == "55P03" or "lock timeout" in str(exc.orig).lower()
-
-
-def _retryable(exc: DBAPIError) -> bool:
-    msg = str(exc.orig).lower() if exc.orig is not None else str(exc).lower()
-    return any(
-        m in msg
-        for m in ("database is locked", "could not serialize", "deadlock detected", "database is busy")
-    )
 
 
 class PoolClient:
@@ -287,7 +197,7 @@ class PoolClient:
         self.sleep = sleep
         self.retries = retries
         self.metrics = metrics
-        self.engine = _engine(url)
+        self.engine = make_engine(url)
         try:
             self._tx(lambda conn, now: s.migrate(conn), lock=False)
         except DatabaseError as exc:
@@ -315,18 +225,18 @@ class PoolClient:
                 self._send(sent)
                 return out
             except OperationalError as exc:
-                if _lock_timeout(exc):  # another client held the pool's lock for PG_LOCK_TIMEOUT_S
+                if lock_timeout(exc):  # another client held the pool's lock for PG_LOCK_TIMEOUT_S
                     raise LedgerBusyError(
                         f"pool ledger {shown_url(self.url)}: the pool's lock was not granted within "
-                        f"{PG_LOCK_TIMEOUT_S}s",
+                        f"{db.PG_LOCK_TIMEOUT_S}s",
                         hint=f"a client holds it in a long transaction; the server ends one left idle for "
-                        f"{PG_IDLE_IN_TX_S}s (a hung or stopped client)",
+                        f"{db.PG_IDLE_IN_TX_S}s (a hung or stopped client)",
                     ) from exc
-                if not _retryable(exc):
+                if not retryable(exc):
                     # connection refused or lost: retryable by the caller (a heartbeat, a trigger,
                     # an Airflow try), never a raw driver error
                     raise LedgerUnavailableError(
-                        f"pool ledger {shown_url(self.url)} unreachable: {_first_line(exc.orig or exc)}",
+                        f"pool ledger {shown_url(self.url)} unreachable: {first_line(exc.orig or exc)}",
                         hint="check that the database is up and reachable from this host",
                     ) from exc
                 if attempt == self.retries:

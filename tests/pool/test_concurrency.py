@@ -122,9 +122,9 @@ def _hold_the_pool_lock(url: str, *, engine=None):
 @pytest.mark.postgres
 def test_a_client_stopped_inside_a_transaction_does_not_stall_the_pool(pg_url, monkeypatch):
     """It blocked every other client for good: heartbeats too, so every lease expired (a probe)."""
-    from elastic_ops.pool import client as client_module
+    from elastic_ops.pool import engine as engine_module
 
-    monkeypatch.setattr(client_module, "PG_IDLE_IN_TX_S", 1)
+    monkeypatch.setattr(engine_module, "PG_IDLE_IN_TX_S", 1)
     stopped = PoolClient(pg_url)
     held = _hold_the_pool_lock(pg_url, engine=stopped.engine)
     other = PoolClient(pg_url)
@@ -140,11 +140,11 @@ def test_a_client_stopped_inside_a_transaction_does_not_stall_the_pool(pg_url, m
 @pytest.mark.postgres
 def test_waiting_too_long_for_the_pool_lock_is_ledger_busy(pg_url, monkeypatch):
     from elastic_ops.errors import LedgerBusyError
-    from elastic_ops.pool import client as client_module
+    from elastic_ops.pool import engine as engine_module
 
     pool = PoolClient(pg_url)
     held = _hold_the_pool_lock(pg_url)  # a client without the server's idle limit
-    monkeypatch.setattr(client_module, "PG_LOCK_TIMEOUT_S", 1)
+    monkeypatch.setattr(engine_module, "PG_LOCK_TIMEOUT_S", 1)
     waiting = PoolClient(pg_url)
     with pytest.raises(LedgerBusyError, match=r"the pool's lock was not granted within 1s") as err:
         waiting.add_host("h0", 2)

@@ -1,0 +1,102 @@
+"""The ledger's database: engines for SQLite and PostgreSQL with the session settings the
+pool's transactions rely on, and which database errors mean busy, unreachable or retry."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from sqlalchemy import create_engine, event
+from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.exc import ArgumentError, DBAPIError
+
+from elastic_ops.errors import SpecError
+from elastic_ops.urls import shown_url
+
+
+def sqlite_file(url: str) -> str | None:
+    """The file of an ``sqlite:///`` ledger URL; ``None`` for other (or unparsable) URLs."""
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        return None
+    return parsed.database if parsed.get_backend_name() == "sqlite" else None
+
+
+def make_engine(url: str) -> Engine:
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        raise SpecError(
+            "url", shown_url(url), "must be an SQLAlchemy URL: sqlite:////abs/pool.db or postgresql+psycopg2://…"
+        ) from None
+    backend = parsed.get_backend_name()
+    if backend == "sqlite":
+        if not parsed.database or parsed.database == ":memory:" or not os.path.isabs(parsed.database):
+            # relative: each process (scheduler, triggerer, agent, CLI) would open its own ledger
+            raise SpecError(
+                "url", shown_url(url), "an SQLite ledger needs an absolute file path (sqlite:////abs/path/pool.db)"
+            )
+        os.makedirs(os.path.dirname(os.path.abspath(parsed.database)), exist_ok=True)
+        engine = create_engine(parsed, connect_args={"timeout": 30})
+
+        @event.listens_for(engine, "connect")
+        def _connect(dbapi_conn, _rec):  # pragma: no cover - exercised by every sqlite test
+            dbapi_conn.isolation_level = None  # we issue BEGIN ourselves
+            cur = dbapi_conn.cursor()
+            cur.execute("PRAGMA journal_mode=WAL")
+            cur.execute("PRAGMA busy_timeout=30000")
+            cur.execute("PRAGMA synchronous=NORMAL")
+            cur.close()
+
+        @event.listens_for(engine, "begin")
+        def _begin(conn):  # take the write lock up front: no upgrade deadlocks between readers
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+        return engine
+    if backend == "postgresql":
+        return _postgres_engine(parsed)
+    raise SpecError("url", shown_url(url), "the pool ledger supports sqlite and postgresql URLs")
+
+
+PG_CONNECT_TIMEOUT_S = 10  # an unreachable server: LedgerUnavailableError, not a hang (unless the URL says)
+PG_LOCK_TIMEOUT_S = 30  # waiting for the pool's lock longer than this: LedgerBusyError
+PG_IDLE_IN_TX_S = 15  # the server ends a transaction left idle this long (its client hung or stopped)
+
+
+def _postgres_engine(parsed: Any) -> Engine:
+    """READ COMMITTED whatever the server's default: every transaction first takes the pool row's
+    lock, and under REPEATABLE READ its snapshot would predate the lock wait (it planned from
+    stale rows: a raw IntegrityError on the allocation key). A client that stops inside a
+    transaction (SIGSTOP, a frozen VM) holds that lock: the server ends its transaction after
+    ``PG_IDLE_IN_TX_S``, and the others wait at most ``PG_LOCK_TIMEOUT_S`` for it."""
+    connect_args = {} if "connect_timeout" in parsed.query else {"connect_timeout": PG_CONNECT_TIMEOUT_S}
+    engine = create_engine(parsed, pool_pre_ping=True, isolation_level="READ COMMITTED",
+                           connect_args=connect_args)
+
+    @event.listens_for(engine, "connect")
+    def _connect(dbapi_conn, _rec):  # session settings (the URL's own options, e.g. a search_path, stay)
+        cur = dbapi_conn.cursor()
+        cur.execute(f"SET lock_timeout = {int(PG_LOCK_TIMEOUT_S * 1000)}")
+        cur.execute(f"SET idle_in_transaction_session_timeout = {int(PG_IDLE_IN_TX_S * 1000)}")
+        cur.close()
+        dbapi_conn.commit()
+
+    return engine
+
+
+def first_line(exc: BaseException) -> str:
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    return (lines[0] if lines else type(exc).__name__)[:300]
+
+
+def lock_timeout(exc: DBAPIError) -> bool:
+    return getattr(exc.orig, "pgcode", None) == "55P03" or "lock timeout" in str(exc.orig).lower()
+
+
+def retryable(exc: DBAPIError) -> bool:
+    msg = str(exc.orig).lower() if exc.orig is not None else str(exc).lower()
+    return any(
+        m in msg
+        for m in ("database is locked", "could not serialize", "deadlock detected", "database is busy")
+    )
