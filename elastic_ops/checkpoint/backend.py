@@ -16,6 +16,9 @@ from typing import Protocol
 class ObjectInfo:
     key: str
     size: int
+    #: when the object was written, by the backend's clock (S3: LastModified, a multipart upload's
+    #: start; local: mtime); None where a backend cannot tell
+    mtime: float | None = None
 
 
 class Backend(Protocol):

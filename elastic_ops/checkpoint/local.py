@@ -268,7 +268,8 @@ class LocalBackend:
                         self._walk(entry.path, key, prefix, out)
                 elif key.startswith(prefix) and entry.is_file(follow_symlinks=False):
                     try:  # a planted link or FIFO is no object: reading it could hang or read /dev/zero
-                        out.append(ObjectInfo(key, entry.stat().st_size))
+                        st = entry.stat()
+                        out.append(ObjectInfo(key, st.st_size, st.st_mtime))
                     except FileNotFoundError:  # deleted while we walked
                         continue
 
@@ -399,10 +400,22 @@ def _copy_hashing(src: Path, dest: Path, hasher: Hasher) -> int:
     return size
 
 
-def _make_dirs(path: Path) -> None:
+def _make_dirs(path: Path, attempts: int = 100) -> None:
     """``mkdir -p path``, durably: the parent of each directory created is fsync'd, so a new
     ``it-…/d-…`` survives a power cut together with the files published in it (their own
-    directory is fsync'd after publishing)."""
+    directory is fsync'd after publishing). Another writer's clean-up removes directories it
+    left empty (``_prune``): one that vanishes between the check and the ``mkdir`` inside it is
+    made again, rather than failing a live save with "No such file or directory"."""
+    for attempt in range(attempts):
+        try:
+            _make_dirs_once(path)
+            return
+        except FileNotFoundError:
+            if attempt == attempts - 1:
+                raise
+
+
+def _make_dirs_once(path: Path) -> None:
     missing = []
     while not path.is_dir():
         missing.append(path)

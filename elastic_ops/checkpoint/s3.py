@@ -162,7 +162,8 @@ class S3Backend:
             while True:
                 page = self.client.list_objects_v2(**params)
                 out.extend(
-                    ObjectInfo(obj["Key"][strip:], int(obj["Size"])) for obj in page.get("Contents", [])
+                    ObjectInfo(obj["Key"][strip:], int(obj["Size"]), _timestamp(obj.get("LastModified")))
+                    for obj in page.get("Contents", [])
                 )
                 token = page.get("NextContinuationToken")
                 if not page.get("IsTruncated") or not token:
@@ -221,3 +222,8 @@ class S3Backend:
                     )
 
             self._call("delete", f"{keys[i]} (+{len(batch) - 1} more)", attempt)
+
+
+def _timestamp(value: Any) -> float | None:
+    """A listing's ``LastModified`` (a datetime) as seconds since the epoch."""
+    return value.timestamp() if hasattr(value, "timestamp") else None

@@ -62,6 +62,7 @@ from elastic_ops.errors import (
 log = logging.getLogger("elastic_ops.checkpoint")
 
 _IT_RE = re.compile(r"^it-(\d+)$")
+ORPHAN_AGE_S = 3600.0  # data without a manifest this much older than the store's newest object is an orphan
 _FENCE_DIR = "_fence"
 _FENCE_RE = re.compile(r"^_fence/epoch-(\d+)$")
 
@@ -850,11 +851,17 @@ class CheckpointStore:
 
         Data without a manifest may be a save still in flight (``save_async`` followed by
         ``save``, or another writer) whose manifest the listing predates: it is removed only
-        below the last ``keep_last`` committed checkpoints, and only if it still has no manifest
-        when removed. Temporary files a killed local writer left there go too.
+        below the last ``keep_last`` committed checkpoints, only once its newest file is
+        ``ORPHAN_AGE_S`` older than the newest object listed (the backend's own clock: a writer
+        commits its manifest seconds after its data, so checking for the manifest and then
+        deleting could otherwise remove the data of a save committing in between), and only if
+        it still has no manifest when removed. Temporary files a killed local writer left there
+        go too.
         """
         try:
+            objects = self.backend.list("it-") if objects is None else objects
             by_it = self._scan(objects)
+            settled = _settled(objects)
             committed_its = sorted({i for i, keys in by_it.items() if MANIFEST_NAME in keys} | {committed})
             recent = set(committed_its[-self.keep_last :]) | {committed}
             keep = set(recent)
@@ -863,7 +870,7 @@ class CheckpointStore:
             floor = min(recent)
             doomed = [
                 i for i in sorted(by_it) if i < committed and i not in keep
-                and (MANIFEST_NAME in by_it[i] or (i < floor and not self._has_manifest(i)))
+                and (MANIFEST_NAME in by_it[i] or (i < floor and i in settled and not self._has_manifest(i)))
             ]
             self._sweep_temp(floor, keep)
             if not doomed:
@@ -876,3 +883,23 @@ class CheckpointStore:
             log.info("retention: removed iterations %s from %s", doomed, self.uri)
         except CheckpointError as exc:  # the commit itself succeeded; cleanup is retried next time
             log.warning("retention after committing iteration %d failed: %s", committed, exc)
+
+
+def _settled(objects: list[ObjectInfo]) -> set[int]:
+    """Iterations all of whose objects are ``ORPHAN_AGE_S`` older than the newest object listed
+    (times from one clock, the backend's). Objects of unknown age are never settled."""
+    times = [o.mtime for o in objects if o.mtime is not None]
+    if not times:
+        return set()
+    cutoff = max(times) - ORPHAN_AGE_S
+    young: set[int] = set()
+    seen: set[int] = set()
+    for obj in objects:
+        m = _IT_RE.match(obj.key.partition("/")[0])
+        if not m:
+            continue
+        it = int(m.group(1))
+        seen.add(it)
+        if obj.mtime is None or obj.mtime > cutoff:
+            young.add(it)
+    return seen - young

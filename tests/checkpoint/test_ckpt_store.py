@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -565,37 +566,46 @@ def test_of_two_writers_replacing_one_damaged_checkpoint_exactly_one_commits(tar
     assert data == [f"it-00000020/{won[0].files[0].name}"]  # a's data removed, b's kept
 
 
+@contextlib.contextmanager
+def save_held_before_its_manifest(target: StoreTarget, writer, iteration: int):
+    """``writer`` saves ``iteration`` in a thread, held after its data and before its manifest
+    for the ``with`` block (another writer's retention then sees data without a manifest)."""
+    release = threading.Event()
+    real_put = writer.backend.put_if_absent
+
+    def manifest_later(key: str, data: bytes) -> bool:
+        if key.endswith(f"it-{iteration:08d}/manifest.json"):
+            release.wait(60)
+        return real_put(key, data)
+
+    writer.backend.put_if_absent = manifest_later
+    saving = threading.Thread(target=lambda: writer.save(iteration, small_state(iteration), epoch=1,
+                                                         spec_hash="h"))
+    saving.start()
+    try:
+        for _ in range(1200):  # up to 60 s on a loaded machine
+            if any(k.startswith(f"it-{iteration:08d}/d-") for k in target.keys()):
+                break
+            threading.Event().wait(0.05)
+        else:
+            raise AssertionError(f"the writer never wrote the data of {iteration}: the race was not set up")
+        yield
+    finally:
+        release.set()
+        saving.join(60)
+
+
 def test_retention_never_removes_the_data_of_a_save_still_in_flight(target: StoreTarget) -> None:
     """Writer a's save of 30 has written its data, not yet its manifest, when writer b commits
     40 and plans retention from a listing that shows 30 as data without a manifest."""
     a, b = target.open(keep_last=3), target.open(keep_last=3)
     b.save(20, small_state(2), epoch=1, spec_hash="h")
-    release = threading.Event()
-    real_put = a.backend.put_if_absent
-
-    def manifest_later(key: str, data: bytes) -> bool:
-        if key.endswith("it-00000030/manifest.json"):
-            release.wait(60)
-        return real_put(key, data)
-
-    a.backend.put_if_absent = manifest_later
-    saving = threading.Thread(target=lambda: a.save(30, small_state(3), epoch=1, spec_hash="h"))
-    saving.start()
-    try:
-        for _ in range(1200):  # up to 60 s on a loaded machine
-            if any(k.startswith("it-00000030/d-") for k in target.keys()):
-                break
-            threading.Event().wait(0.05)
-        else:
-            raise AssertionError("writer a never wrote the data of iteration 30: the race was not set up")
+    with save_held_before_its_manifest(target, a, 30):
         b.save(40, small_state(4), epoch=1, spec_hash="h")
         b.wait()  # b's retention has run
-    finally:
-        release.set()
-        saving.join(60)
     store = target.open(keep_last=3)
     assert [r.iteration for r in store.list()] == [20, 30, 40]
-    assert store.load(next(r for r in store.list() if r.iteration == 30))["step"] == 3
+    assert store.load(next(r for r in store.list() if r.iteration == 30))["step"] == 30
 
 
 def test_a_reader_whose_checkpoint_retention_removed_finds_the_newer_one(tmp_path, monkeypatch) -> None:
@@ -622,12 +632,79 @@ def test_a_reader_whose_checkpoint_retention_removed_finds_the_newer_one(tmp_pat
     assert raced and ref is not None and ref.iteration == 20 and reader.load(ref)["step"] == 2
 
 
+def test_retention_leaves_a_young_save_below_the_kept_window_alone(target: StoreTarget) -> None:
+    """Writer a's save of 5 (kept: keep_every=5) has its data written when writer b commits 30
+    and 40 with keep_last=2: 5 lies below the window, has no manifest yet, and retention's
+    check-then-delete removed its data just before a committed; a's save() returned a checkpoint
+    that could not be loaded (a probe). Data newer than ORPHAN_AGE_S is never an orphan."""
+    a, b = target.open(keep_last=2, keep_every=5), target.open(keep_last=2, keep_every=5)
+    with save_held_before_its_manifest(target, a, 5):
+        for it in (30, 40):
+            b.save(it, small_state(it), epoch=1, spec_hash="h")
+            b.wait()  # b's retention has run
+    store = target.open(keep_last=2, keep_every=5)
+    assert [r.iteration for r in store.list()] == [5, 30, 40]
+    assert store.load(next(r for r in store.list() if r.iteration == 5))["step"] == 5
+
+
+def commit_20_and_30(root):
+    """A local store keeping 1 checkpoint, after committing 20 then 30 (two retention passes)."""
+    from elastic_ops.checkpoint import open_store
+
+    store = open_store(f"file://{root}", keep_last=1)
+    for it in (20, 30):
+        store.save(it, small_state(it), epoch=1, spec_hash="h")
+        store.wait()
+    return store
+
+
+def test_retention_removes_data_a_killed_writer_left_once_it_is_old(tmp_path) -> None:
+    """Data without a manifest (a writer killed between its data and its manifest) goes once it
+    is ORPHAN_AGE_S older than the store's newest object."""
+    import os
+    import time
+
+    from elastic_ops.checkpoint.store import ORPHAN_AGE_S
+
+    old = tmp_path / "it-00000010" / "d-killed" / "state.pt"
+    young = tmp_path / "it-00000012" / "d-killed" / "state.pt"
+    for path in (old, young):
+        path.parent.mkdir(parents=True)
+        path.write_bytes(b"x" * 100)
+    long_ago = time.time() - ORPHAN_AGE_S - 60
+    os.utime(old, (long_ago, long_ago))
+    store = commit_20_and_30(tmp_path)
+    assert not (tmp_path / "it-00000010").exists()
+    assert young.exists()  # may be a save in flight
+    assert [r.iteration for r in store.list()] == [30]
+
+
+def test_a_directory_another_writer_prunes_meanwhile_is_made_again(tmp_path, monkeypatch) -> None:
+    """A stale writer cleaning up removed the empty it-… directory between a live writer's check
+    and its mkdir of d-… inside: the live save failed, not retryable (a probe: 24 of 3000)."""
+    from pathlib import Path
+
+    from elastic_ops.checkpoint import local, open_store
+
+    real_mkdir, raced = Path.mkdir, []
+
+    def racing_mkdir(self, *args, **kwargs):
+        if self.name.startswith("d-") and not raced:
+            raced.append(self)
+            self.parent.rmdir()  # pruned, empty, by the other writer
+        return real_mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(local.Path, "mkdir", racing_mkdir)
+    store = open_store(f"file://{tmp_path}")
+    store.save(7, small_state(7), epoch=1, spec_hash="h")
+    assert raced and store.load(store.latest())["step"] == 7
+
+
 def test_retention_removes_what_a_killed_local_writer_left(tmp_path) -> None:
     """A save killed mid-write leaves a hidden temporary file that listings never show."""
     import os
     import time
 
-    from elastic_ops.checkpoint import open_store
 
     old = tmp_path / "it-00000010" / "d-killed" / ".tmp-0123"
     old.parent.mkdir(parents=True)
@@ -637,10 +714,7 @@ def test_retention_removes_what_a_killed_local_writer_left(tmp_path) -> None:
     fresh.write_bytes(b"y")
     hour_ago = time.time() - 3600
     os.utime(old, (hour_ago, hour_ago))
-    store = open_store(f"file://{tmp_path}", keep_last=1)
-    for it in (20, 30):
-        store.save(it, small_state(it), epoch=1, spec_hash="h")
-        store.wait()
+    store = commit_20_and_30(tmp_path)
     assert not (tmp_path / "it-00000010").exists()
     assert fresh.exists()
     assert [r.iteration for r in store.list()] == [30]
