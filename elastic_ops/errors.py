@@ -222,6 +222,20 @@ class UnknownPolicyError(PoolError, ValueError):
         super().__init__(f"unknown policy {name!r}; known policies: {', '.join(sorted(known))}")
 
 
+class JobEndedError(PoolError):
+    """The job ended in the pool (its run was marked failed, its ``end_job`` teardown ran, or it
+    was finished by hand) while a try still asked for workers. Not retryable: a new try (a
+    cleared or retried chunk) asks again, and makes the job wait again."""
+
+    def __init__(self, job: str) -> None:
+        self.job = job
+        super().__init__(
+            f"job {job!r} has ended in the pool while this try was still running; not asking for "
+            "workers again",
+            hint="its run was marked failed or its end_job teardown ran; clear the chunk to train again",
+        )
+
+
 class LeaseExpiredError(PoolError):
     """The lease is gone (expired, released, or superseded by a newer epoch)."""
 

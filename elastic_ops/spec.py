@@ -350,6 +350,7 @@ class JobSpec:
                 "global_batch",
                 self.global_batch,
                 f"must be >= max_workers ({self.max_workers}) so every worker gets a sample",
+                hint=f"or lower max_workers to at most {self.global_batch}",
             )
 
     # --- derived values -----------------------------------------------------------------

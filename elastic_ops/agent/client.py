@@ -5,6 +5,7 @@ Never imports torch (a task process that delegates its chunk stays light) nor Ai
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import socket
@@ -54,6 +55,16 @@ class AgentClient:
     def __init__(self, path: str, *, connect_timeout_s: float = 5.0) -> None:
         self.path = check_socket_path(path, "agent socket")
         self.connect_timeout_s = connect_timeout_s
+        self._running: set[socket.socket] = set()  # the connections of chunks running now
+
+    def abort(self) -> None:
+        """End the chunks this client runs (the task is being killed): the agent sees the
+        connection close and kills their workers at once. Safe in a signal handler (Airflow's
+        on_kill): no lock, one ``shutdown`` per connection; the thread driving the chunk then
+        reads the end of the connection."""
+        for sock in list(self._running):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
 
     def __repr__(self) -> str:
         return f"AgentClient({self.path!r})"
@@ -151,6 +162,7 @@ class AgentClient:
         current = target_reader(wanted, slots)
         sock = self._connect()
         channel = SocketChannel(sock)
+        self._running.add(sock)
         try:
             sent = current()
             channel.send(run_request(spec, start, end, epoch, host, sent, store, warm_start))
@@ -167,6 +179,7 @@ class AgentClient:
                 poll_s=poll_s, lost=lost, error=self._error,
             )
         finally:
+            self._running.discard(sock)
             sock.close()
 
 

@@ -33,7 +33,7 @@ from datetime import timedelta
 from typing import Any
 
 from airflow.sdk import BaseOperator
-from airflow.sdk.exceptions import TaskDeferred
+from airflow.sdk.exceptions import AirflowTaskTerminated, TaskDeferred
 
 from elastic_ops.agent.cluster import node_config_from_env
 from elastic_ops.agent.protocol import AGENT_SOCKET_ENV, AgentUnavailableError
@@ -354,7 +354,12 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
             self.log.warning("%s; reading the checkpoint store in this task process", exc)
         return _UNASKED
 
-    def _acquire(self, context: Any, state: dict[str, Any], hook: ElasticOpsHook) -> dict[str, Any]:
+    def _acquire(
+        self, context: Any, state: dict[str, Any], hook: ElasticOpsHook, *, again: bool = False
+    ) -> dict[str, Any]:
+        """Ask the pool for workers: train if granted, else wait (in the task, then deferred).
+        ``again``: this try asks once more (preempted, a grant given back or expired): a job
+        ended in the pool meanwhile (its run marked failed, its teardown ran) is not revived."""
         job = state["spec"]["name"]
         asked = time.time()
         client = hook.pool()
@@ -370,15 +375,18 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
         # new_attempt: a lease the job still holds is an earlier try's; it is re-issued under a
         # new epoch, which run_chunk fences the store with, so that try can no longer commit
         try:
-            outcome = client.request(job, avoid_hosts=tuple(avoid), new_attempt=True)
+            outcome = client.request(job, avoid_hosts=tuple(avoid), new_attempt=not again)
         except UnknownJobError:  # register was skipped or the ledger was reset: register again
             register(client, JobSpec.from_dict(state["spec"]))
-            outcome = client.request(job, avoid_hosts=tuple(avoid), new_attempt=True)
+            outcome = client.request(job, avoid_hosts=tuple(avoid), new_attempt=not again)
         outcome = self._wait_in_task(client, job, avoid, outcome)
         if hasattr(outcome, "epoch"):
             hook.metrics().timing("chunk.wait", time.time() - asked, tags=self._tags(context, job))
             return self._run_granted(context, state, GrantEvent.from_grant(outcome, state), hook)
-        self.log.info("job %s waits for workers (%s); deferring", job, getattr(outcome, "reason", ""))
+        bound = (f"for at most execution_timeout ({self.execution_timeout}) in all" if self.execution_timeout
+                 else "with no bound (the task sets no execution_timeout)")
+        self.log.info("job %s waits for workers (%s); deferring, %s", job, getattr(outcome, "reason", ""),
+                      bound)
         state = {**state, "deferred_at": time.time(), "asked_at": asked}
         self.defer(
             trigger=GrantTrigger(job=job, ledger_url=hook.ledger_url(), state=state,
@@ -423,7 +431,7 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
             self.log.warning("job %s: host %s has no live node agent any more; asking again", spec.name, host)
             self._gave_back = gave_back | {host}
             self._release(client, spec.name, grant.epoch)
-            return self._acquire(context, state, hook)
+            return self._acquire(context, state, hook, again=True)
         self.log.info("job %s: chunk [%d, %d) on %d workers on %s (epoch %d)", spec.name,
                       state["start"], state["end"], grant.workers, ", ".join(grant.hosts), grant.epoch)
         metrics, tags = hook.metrics(), self._tags(context, spec.name)
@@ -434,7 +442,7 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
         if keeper.lost:
             self.log.warning("job %s: the grant of epoch %d expired before this task resumed; asking again",
                              spec.name, grant.epoch)
-            return self._acquire(context, state, hook)
+            return self._acquire(context, state, hook, again=True)
         keeper.start()
         metrics.gauge("chunk.workers", grant.workers, tags=tags)
         # for on_kill only (same process, same try): nothing here outlives a deferral
@@ -472,9 +480,12 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
             self._release(client, spec.name, grant.epoch)
             state["preemptions"] += 1
             state["warm_start"] = None  # the checkpoint it just wrote is where it resumes
+            if getattr(self, "_killed", False):  # on_kill took the lease: the task is ending
+                raise AirflowTaskTerminated(f"job {spec.name}: chunk stopped at iteration "
+                                            f"{result.iteration}, its task being killed")
             self.log.info("job %s preempted at iteration %d; waiting for workers again",
                           spec.name, result.iteration)
-            return self._acquire(context, state, hook)
+            return self._acquire(context, state, hook, again=True)
         last = state["end"] >= spec.total_iterations
         ends = {"loss": getattr(result, "loss", None), **dict(getattr(result, "metrics", None) or {})}
         stopping = not last and stop_reached(spec.stop_when, ends)
@@ -540,8 +551,9 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
             from elastic_ops.agent.client import AgentClient
 
             self.log.info("sending the chunk to the elastic-ops agent at %s", path)
+            self._agent_client = AgentClient(path)  # for on_kill (same process, same try)
             try:
-                return AgentClient(path).run_chunk(
+                return self._agent_client.run_chunk(
                     spec.to_dict(), state["start"], state["end"], epoch=epoch, host=host,
                     store=hook.store_config(spec.checkpoint_uri(), keep_last=spec.keep_last,
                                             keep_every=spec.keep_every),
@@ -551,6 +563,8 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
                 )
             except AgentUnavailableError as exc:
                 self.log.warning("%s; training in this task process instead", exc)
+            finally:
+                self._agent_client = None
         from elastic_ops.runtime import run_chunk
 
         store = hook.store(spec.checkpoint_uri(), keep_last=spec.keep_last, keep_every=spec.keep_every)
@@ -568,12 +582,15 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
         rather than when the lease's TTL runs out, and end the job in the pool, so that its
         demand does not hold slots back from other jobs (a run marked failed never asks again;
         a cleared or retried chunk's next request makes the job wait again). The workers stop
-        with the task (its process group, or the agent when the task's connection closes); a
-        worker lost that way is not the host's fault."""
+        at once where an agent runs them (it sees the task's connection close), else with the
+        task's process; a worker lost that way is not the host's fault, and a chunk that stops
+        at a boundary because its lease went does not ask for workers again."""
         self._killed = True
-        node_client = getattr(self, "_node_client", None)
-        if node_client is not None:  # the node agent kills the workers now, not after its timeout
-            node_client.abort()
+        # the agent (per-host or node) kills the workers now: they stopped only with the task's
+        # process, seconds later, training on slots the pool had already given to another job
+        for client in (getattr(self, "_node_client", None), getattr(self, "_agent_client", None)):
+            if client is not None:
+                client.abort()
         running = getattr(self, "_running", None)
         if running is None:
             return

@@ -4,6 +4,7 @@ the job in the pool, emit the trained model as an Asset event with its metrics) 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
@@ -17,6 +18,9 @@ from elastic_ops.operators.jobs import check_conn_ids, register
 from elastic_ops.operators.results import ChunkTaskResult
 from elastic_ops.operators.retry import ElasticRetryPolicy
 from elastic_ops.spec import stop_reached
+
+LEASE_QUIET_S = 10.0  # a lease not renewed for this long has no live holder (see end_job)
+_sleep = time.sleep
 
 
 class JobTaskOperator(ElasticOperatorMixin, BaseOperator):
@@ -168,12 +172,36 @@ class ElasticEndJobOperator(JobTaskOperator):
         except ElasticOpsError as exc:  # register failed on the same spec: no job was registered
             self.log.info("no job to end: the spec does not render (%s)", exc)
             return {"job": None, "ended": False}
+        client = self._hook().pool()
         try:
-            ended = self._hook().pool().finish(job)
+            self._wait_for_a_quiet_lease(client, job)
+            ended = client.finish(job)
         except UnknownJobError:
             self.log.info("job %s is not in the pool; nothing to end", job)
             return {"job": job, "ended": False}
         if ended:
-            self.log.warning("job %s was still in the pool's plan after its chunks ended (a chunk "
-                             "killed on its last try, or finalize failed): ended it", job)
+            self.log.warning("job %s was still in the pool's plan after the group's tasks ended (a chunk "
+                             "killed on its last try, finalize failed, the run marked failed, or a chunk "
+                             "cleared without the tasks after it): ended it", job)
         return {"job": job, "ended": ended}
+
+    def _wait_for_a_quiet_lease(self, client: Any, job: str) -> None:
+        """Airflow runs this once the chunk tasks are *marked* done: for a run marked failed,
+        before the chunk's process has stopped (its workers train on until its on_kill or its
+        death). Ending the job then would give the slots to another job while those workers
+        still use them (two jobs on one GPU). So wait while the lease is still being renewed;
+        one nobody renewed for ``LEASE_QUIET_S`` has no live holder (heartbeats come every 2 s),
+        and a lease expires by itself after its TTL, which bounds the wait."""
+        while True:
+            status = client.status()
+            row = next((j for j in status["jobs"] if j["name"] == job), None)
+            left = None if row is None else row.get("lease_expires_in")
+            if left is None:
+                return
+            ttl = float(status["settings"]["lease_ttl_s"])
+            quiet, renewed_ago = min(LEASE_QUIET_S, ttl / 2), ttl - float(left)
+            if renewed_ago >= quiet:
+                return
+            self.log.info("job %s: a chunk still renews its lease (%.1fs ago); waiting until it stops",
+                          job, renewed_ago)
+            _sleep(min(quiet - renewed_ago, 2.0))

@@ -27,6 +27,7 @@ from sqlalchemy import Connection, delete, func, insert, or_, select, true, upda
 from sqlalchemy.exc import DatabaseError, OperationalError
 
 from elastic_ops.errors import (
+    JobEndedError,
     LeaseExpiredError,
     LedgerBusyError,
     LedgerUnavailableError,
@@ -418,7 +419,10 @@ class PoolClient:
         ``new_attempt=True`` (the first request of a new try of a chunk): a lease the job still
         holds belongs to an earlier try, which may not be quite dead (a task killed while its
         workers still commit): it is re-issued under a new epoch, same slots, so fencing refuses
-        whatever the earlier try still writes.
+        whatever the earlier try still writes. A finished job waits again (a cleared or retried
+        chunk); without ``new_attempt`` (a try asking again after a preemption, or a trigger
+        polling) it raises :class:`JobEndedError`: the job was ended while that try ran (its run
+        marked failed, its teardown ran), and must not be revived by it.
         """
         check_name("job", job)
         avoid = check_hosts("avoid_hosts", avoid_hosts)
@@ -431,6 +435,8 @@ class PoolClient:
             if avoid:
                 values["avoid_hosts"] = json.dumps(sorted(set(json.loads(row.avoid_hosts)) | set(avoid)))
             if row.state == JobState.FINISHED.value:
+                if not new_attempt:
+                    raise JobEndedError(job)
                 values.update(state=JobState.WAITING.value, waiting_since=now)
             lease = self._live_lease(conn, job)
             if lease is not None and row.state == JobState.PARKED.value:

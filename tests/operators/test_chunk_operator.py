@@ -9,11 +9,12 @@ import time
 from types import SimpleNamespace
 
 import pytest
-from airflow.sdk.exceptions import TaskDeferred
+from airflow.sdk.exceptions import AirflowTaskTerminated, TaskDeferred
 
 from elastic_ops.checkpoint import open_store
 from elastic_ops.errors import (
     AgentLostError,
+    JobEndedError,
     LeaseExpiredError,
     LedgerBusyError,
     PoolError,
@@ -250,7 +251,7 @@ def test_on_kill_gives_the_slots_back_ends_the_job_and_does_not_blame_the_host(p
     assert {h["name"]: h for h in pool.status()["hosts"]}["h1"]["failures"] == 0
     job = next(e["job"] for e in pool.events() if e["kind"] == "grant")
     assert job_row(pool, job)["state"] == "finished"
-    pool.request(job)  # a cleared or retried chunk asks again: planned again
+    pool.request(job, new_attempt=True)  # a cleared or retried chunk asks again: planned again
     assert job_row(pool, job)["state"] != "finished"
 
 
@@ -344,6 +345,44 @@ def test_a_wait_that_failed_for_good_ends_the_job_in_the_pool(pool):
     pool.submit("next", min_workers=2, max_workers=2)
     assert pool.request("next").workers == 2  # the failed job holds nothing back
 
+
+
+def _stopped_at_a_boundary(iteration: int = 26):
+    """What the runner returns when the lease's target went to 0 (preempted, or the lease lost)."""
+    return SimpleNamespace(status=ChunkStatus.PREEMPTED, workers_timeline=[[20, 2, time.time()]],
+                           iteration=iteration, start=20, samples_per_sec=1.0, duration_s=1.0,
+                           checkpoint_uri=None)
+
+
+def test_a_chunk_whose_job_ended_while_it_trained_does_not_bring_it_back(pool, monkeypatch):
+    """Its run marked failed, Airflow ran the end_job teardown while the chunk's process still
+    lived: the chunk saw its lease gone, stopped like a preempted one, asked the pool again and
+    was granted slots for a run that had ended (a probe)."""
+    job = job_id("d", "train", "run1")
+
+    def ended_meanwhile(self, spec, state, epoch, host, keeper, hook):
+        pool.finish(job)  # the teardown
+        return _stopped_at_a_boundary()
+
+    monkeypatch.setattr(ElasticChunkOperator, "_train", ended_meanwhile)
+    with pytest.raises(JobEndedError):
+        make_chunk(1).execute(ti_context(1, 3))
+    assert job_row(pool, job)["state"] == "finished"
+    assert [e["kind"] for e in pool.events(job=job)].count("grant") == 1
+
+
+def test_a_killed_chunk_that_stops_at_a_boundary_does_not_ask_again(pool, monkeypatch):
+    job = job_id("d", "train", "run1")
+
+    def killed(self, spec, state, epoch, host, keeper, hook):
+        self.on_kill()  # Airflow's SIGTERM: the lease goes, the runner stops at its next boundary
+        return _stopped_at_a_boundary()
+
+    monkeypatch.setattr(ElasticChunkOperator, "_train", killed)
+    with pytest.raises(AirflowTaskTerminated, match="stopped at iteration 26, its task being killed"):
+        make_chunk(1).execute(ti_context(1, 3))
+    assert job_row(pool, job)["state"] == "finished"
+    assert [e["kind"] for e in pool.events(job=job)].count("grant") == 1
 
 
 def test_a_full_preemption_releases_and_waits_again_without_failing(pool, monkeypatch):

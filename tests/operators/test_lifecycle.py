@@ -80,8 +80,10 @@ def test_end_job_ends_a_job_its_chunks_left_in_the_plan(monkeypatch, tmp_path):
     """A chunk SIGKILLed on its last try ran no clean-up: its lease expires, but the job stayed
     in the plan (holding slots back from the others) until ``job_idle_s``. The teardown ends it;
     run again, or on a job finalize ended, it changes nothing."""
+    from elastic_ops.operators import lifecycle
     from elastic_ops.operators.lifecycle import ElasticEndJobOperator
 
+    monkeypatch.setattr(lifecycle, "LEASE_QUIET_S", 0.2)  # the killed chunk's lease was granted just now
     pool = airflow_pool(monkeypatch, tmp_path)
     pool.add_host("h1", 2)
     op = ElasticEndJobOperator(task_id="end_job", spec_fields=FIELDS, group_id="train")
@@ -108,3 +110,40 @@ def test_end_job_without_a_registered_job_does_nothing(monkeypatch, tmp_path):
                                    group_id="train")
     assert broken.execute(context) == {"job": None, "ended": False}
     assert pool.status()["jobs"] == []
+
+
+def test_end_job_waits_while_a_chunk_still_renews_its_lease(monkeypatch, tmp_path):
+    """A run marked failed: Airflow marks the chunk failed and runs the teardown while the
+    chunk's process still trains (until its on_kill). Ending the job then gave its slots to
+    another job while its workers still used them (a probe: 5 s of two jobs on the same slots)."""
+    import threading
+    import time
+
+    from elastic_ops.operators import lifecycle
+    from elastic_ops.operators.lifecycle import ElasticEndJobOperator
+
+    monkeypatch.setattr(lifecycle, "LEASE_QUIET_S", 1.0)
+    pool = airflow_pool(monkeypatch, tmp_path)
+    op = ElasticEndJobOperator(task_id="end_job", spec_fields=FIELDS, group_id="train")
+    context = {"dag": SimpleNamespace(dag_id="d"), "run_id": "r1"}
+    job = op._spec(context).name
+    pool.submit(job, min_workers=1, max_workers=2)
+    grant = pool.request(job)
+    beats: list[float] = []
+
+    def dying_chunk() -> None:  # heartbeats for another 1.5 s, then its process is gone
+        until = time.time() + 1.5
+        while time.time() < until:
+            pool.heartbeat(job, grant.epoch, workers=2)
+            beats.append(time.time())
+            time.sleep(0.1)
+
+    chunk = threading.Thread(target=dying_chunk)
+    chunk.start()
+    try:
+        assert op.execute(context) == {"job": job, "ended": True}
+    finally:
+        chunk.join()
+    finished = next(e["ts"] for e in pool.events(job=job) if e["kind"] == "finish")
+    assert finished >= beats[-1] + 0.9  # not while the chunk still held its slots
+

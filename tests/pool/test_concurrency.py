@@ -23,6 +23,7 @@ def _worker(url: str, proc: int, seed: int, out) -> None:
     jobs = [f"p{proc}-j{k}" for k in range(2)]
     live: dict[str, tuple[int, int]] = {}  # job -> (epoch, workers)
     parked: set[str] = set()
+    new_try: set[str] = set(jobs)
     for j in jobs:
         pool.submit(
             j, min_workers=rng.randint(1, 3), max_workers=rng.randint(3, 8), priority=rng.randint(1, 5)
@@ -31,8 +32,9 @@ def _worker(url: str, proc: int, seed: int, out) -> None:
     for _ in range(OPS):
         j = rng.choice(jobs)
         if j not in live:
-            g = pool.request(j, new_attempt=j in parked)
+            g = pool.request(j, new_attempt=j in new_try)  # a preempted try asks again as itself
             parked.discard(j)
+            new_try.discard(j)
             if isinstance(g, Grant):
                 live[j] = (g.epoch, g.workers)
             done += 1
@@ -41,6 +43,7 @@ def _worker(url: str, proc: int, seed: int, out) -> None:
         if rng.random() < 0.2:
             how = rng.choice(["finished", "unfinished", "handover"])
             pool.release(j, epoch, finished=how == "finished", handover=how == "handover")
+            new_try.add(j)  # the next chunk, a retry, or a cleared run
             if how == "handover":
                 parked.add(j)
             del live[j]

@@ -6,6 +6,7 @@ import pytest
 import sqlalchemy as sa
 
 from elastic_ops.errors import (
+    JobEndedError,
     LeaseExpiredError,
     LedgerUnavailableError,
     SpecError,
@@ -607,5 +608,8 @@ def test_a_late_release_does_not_bring_a_finished_job_back(pool):
     pool.finish("a")  # e.g. on_kill ended it
     assert pool.release("a", g.epoch) is False  # the dying try releases again: nothing live
     assert {j["name"]: j for j in pool.status()["jobs"]}["a"]["state"] == "finished"
-    pool.request("a")  # only a request makes it wait again
+    with pytest.raises(JobEndedError, match="'a' has ended in the pool while this try was still running"):
+        pool.request("a")  # the dying try, preempted by the lost lease, asks again: not revived
+    assert {j["name"]: j for j in pool.status()["jobs"]}["a"]["state"] == "finished"
+    pool.request("a", new_attempt=True)  # only a new try (a cleared chunk) makes it wait again
     assert {j["name"]: j for j in pool.status()["jobs"]}["a"]["state"] != "finished"

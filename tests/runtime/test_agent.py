@@ -356,6 +356,37 @@ def test_a_task_that_disconnects_mid_chunk_leaves_no_workers_and_an_intact_check
     assert AgentClient(agent.path).ping()["chunks"] == 0  # and the agent serves on
 
 
+def test_abort_kills_the_workers_of_a_running_chunk_at_once(agent, tmp_path):
+    """The chunk operator's on_kill aborted node-agent chunks only: a per-host agent's workers
+    trained on for seconds, committing checkpoints on slots the pool had already given to
+    another job (a probe), until the task's process died."""
+    import threading
+
+    spec = make_spec(tmp_path, total_iterations=100_000, checkpoint_interval=10)
+    client, outcome, seen = AgentClient(agent.path), [], []
+
+    def run() -> None:
+        try:
+            client.run_chunk(spec.to_dict(), 0, 100_000, epoch=1, host="h1", store=store_of(spec),
+                             wanted=lambda: 2, on_progress=lambda p: seen.append(p.iteration))
+        except BaseException as exc:  # noqa: BLE001 - what the caller gets is the assertion
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        wait_for("a few iterations", lambda: seen and seen[-1] >= 15)
+        (session,) = agent.sessions.values()
+        pids = [pid for pc in session.launcher._contexts for pid in pc.pids().values()]
+    finally:
+        client.abort()  # in on_kill: from Airflow's signal handler
+    thread.join(60)
+    assert not thread.is_alive() and isinstance(outcome[0], AgentLostError), outcome
+    wait_for("the workers to be killed", lambda: all(_gone(p) for p in pids), timeout=30)
+    wait_for("the chunk to end", lambda: not agent.sessions)
+    client.abort()  # nothing running: nothing to do
+
+
 def test_an_agent_that_stops_mid_chunk_fails_the_chunk_as_retryable_without_blaming_the_host(tmp_path):
     spec = make_spec(tmp_path, total_iterations=100_000, checkpoint_interval=10)
     errors: list[BaseException] = []

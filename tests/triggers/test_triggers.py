@@ -213,6 +213,6 @@ def test_a_user_stopping_the_waiting_task_ends_its_job_in_the_pool(tmp_path):
     jobs = {j["name"]: j for j in pool.status()["jobs"]}
     assert jobs["waiter"]["state"] == "finished"
     assert jobs["holder"]["target"] == 1  # nothing planned for the stopped job any more
-    assert not hasattr(pool.request("waiter"), "epoch")  # a cleared task asks again: it waits again
+    assert not hasattr(pool.request("waiter", new_attempt=True), "epoch")  # a cleared task: it waits again
     assert next(j for j in pool.status()["jobs"] if j["name"] == "waiter")["state"] == "waiting"
     asyncio.run(GrantTrigger(job="nobody", ledger_url=pool.url, state={}).on_kill())  # unknown: no error
