@@ -136,7 +136,22 @@ def check_checkpoint_uri(field: str, value: Any) -> str:
     if not isinstance(value, str) or not _URI_RE.fullmatch(value):
         hint = "a file:// URI takes an absolute path: note the three slashes in file:///"
         raise SpecError(field, value, URI_ALLOWED, hint=hint if str(value).startswith("file://") else None)
+    if value.startswith("s3://") and (why := bucket_problem(value[5:].partition("/")[0])):
+        raise SpecError(field, value, URI_ALLOWED, hint=why)
     return value
+
+
+_IP_RE = re.compile(r"\d{1,3}(\.\d{1,3}){3}")
+
+
+def bucket_problem(name: str) -> str | None:
+    """What S3's naming rules refuse in a bucket name the URI pattern admits (None: nothing):
+    S3 answers these only at the first request, as InvalidBucketName."""
+    if ".." in name:
+        return f"bucket {name!r} has two adjacent periods, which S3 refuses"
+    if _IP_RE.fullmatch(name):
+        return f"bucket {name!r} is formatted as an IP address, which S3 refuses"
+    return None
 
 
 MAX_WORKERS_LIMIT = 4096
@@ -276,8 +291,10 @@ class JobSpec:
         try:
             json.dumps(dict(self.params), sort_keys=True, allow_nan=False)
         except (TypeError, ValueError, RecursionError) as exc:  # ValueError: NaN, inf, a cycle
+            hint = ("YAML reads 1e999 or a hash like 8e12345 as a number too large for a float: quote "
+                    "a value meant as text" if isinstance(exc, ValueError) else None)
             raise SpecError(
-                "params", _short(self.params), f"must be JSON-serialisable, numbers finite ({exc})"
+                "params", _short(self.params), f"must be JSON-serialisable, numbers finite ({exc})", hint=hint
             ) from None
         set_("params", dict(self.params))
         set_("host_selector", check_host_selector("host_selector", self.host_selector))

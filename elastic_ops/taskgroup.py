@@ -177,8 +177,11 @@ def elastic_training(
             prev >> task
             prev = task
         # a teardown: it runs once the rest is done in any state (a chunk killed on its last try
-        # ends nothing itself), is left out of the run's state and out of `group >> downstream`
-        end_job = ElasticEndJobOperator(task_id="end_job", **common)
-        finalize >> end_job.as_teardown(setups=register)
+        # ends nothing itself), is left out of the run's state and out of `group >> downstream`.
+        # Downstream of every chunk too: a chunk cleared on its own (Airflow clears the setup and
+        # the teardown with it, not finalize) must be done before the job is ended
+        end_job = ElasticEndJobOperator(task_id="end_job", heartbeat_interval=chunks[0].heartbeat_interval,
+                                        **common)
+        [*chunks, finalize] >> end_job.as_teardown(setups=register)
     group.model_asset = model_asset  # type: ignore[attr-defined] - for DAG authors wiring Assets
     return group

@@ -185,6 +185,10 @@ def test_yaml_reads_exponent_floats_as_numbers(tmp_path):
                     "params: {lr: 1e-3, wd: 5E-4, big: 2e+3, dotted: 1.5e-3, word: e3, hex: 0x1e3}\n")
     assert JobSpec.from_yaml(path).params == {"lr": 0.001, "wd": 0.0005, "big": 2000.0, "dotted": 0.0015,
                                               "word": "e3", "hex": 483}
+    path.write_text("name: j\nentrypoint: a.b:C\ntotal_iterations: 10\nglobal_batch: 8\n"
+                    "params: {sha: 8e12345}\n")
+    with pytest.raises(SpecError, match=r"numbers finite .*\(hint: YAML reads .* quote a value meant"):
+        JobSpec.from_yaml(path)
     path.write_text("name: j\nentrypoint: a.b:C\ntotal_iterations: 10\nglobal_batch: 4.8e1\n")
     with pytest.raises(SpecError, match=r"invalid global_batch=48\.0: must be an integer"):
         JobSpec.from_yaml(path)
@@ -202,3 +206,19 @@ def test_script_args_are_strings_for_a_script_only_and_part_of_its_hash():
             JobSpec.from_dict({**base, "script_args": bad})
     with pytest.raises(SpecError, match="only with a script entrypoint.*hint: a Trainable takes"):
         JobSpec.from_dict({**base, "entrypoint": "a.b:C", "script_args": ["--lr"]})
+
+
+@pytest.mark.parametrize(("uri", "why"), [
+    ("s3://a..b/x", "two adjacent periods"),
+    ("s3://192.168.1.1/x", "formatted as an IP address"),
+])
+def test_bucket_names_s3_refuses_are_refused_where_they_enter(uri, why):
+    """They passed the spec and failed at the first request with InvalidBucketName (a probe)."""
+    from elastic_ops.checkpoint import open_store
+
+    base = {"name": "j", "entrypoint": "a.b:C", "total_iterations": 2, "global_batch": 4}
+    with pytest.raises(SpecError, match=f"invalid checkpoint=.*hint: bucket .* {why}"):
+        JobSpec.from_dict({**base, "checkpoint": uri})
+    with pytest.raises(SpecError, match=why):
+        open_store(uri)
+    assert JobSpec.from_dict({**base, "checkpoint": "s3://my.bucket-1/x"}).checkpoint == "s3://my.bucket-1/x"

@@ -23,6 +23,7 @@ from elastic_ops.checkpoint.local import LocalBackend
 from elastic_ops.checkpoint.manifest import FORMAT_VERSION, FileEntry
 from elastic_ops.checkpoint.store import CheckpointRef, CheckpointStore
 from elastic_ops.errors import SpecError
+from elastic_ops.spec import bucket_problem
 
 __all__ = [
     "FORMAT_VERSION",
@@ -90,6 +91,8 @@ def open_store(
         if not _BUCKET_RE.fullmatch(parsed.netloc):  # as the spec checks it: here, not at the first call
             raise SpecError("checkpoint", uri, _ALLOWED_URI, hint="a bucket name has 3-63 lowercase letters, "
                             "digits, '.' and '-', and starts and ends with a letter or digit")
+        if why := bucket_problem(parsed.netloc):
+            raise SpecError("checkpoint", uri, _ALLOWED_URI, hint=why)
         backend = S3Backend(parsed.netloc, parsed.path.strip("/"), client=s3_client, **backend_options)
     else:
         raise SpecError("checkpoint", uri, _ALLOWED_URI)

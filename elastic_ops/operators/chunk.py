@@ -33,7 +33,7 @@ from datetime import timedelta
 from typing import Any
 
 from airflow.sdk import BaseOperator
-from airflow.sdk.exceptions import AirflowTaskTerminated, TaskDeferred
+from airflow.sdk.exceptions import TaskDeferred
 
 from elastic_ops.agent.cluster import node_config_from_env
 from elastic_ops.agent.protocol import AGENT_SOCKET_ENV, AgentUnavailableError
@@ -41,6 +41,7 @@ from elastic_ops.agent.protocol import agent_socket_from_env as agent_socket
 from elastic_ops.errors import (
     AgentLostError,
     ElasticOpsError,
+    LeaseExpiredError,
     LedgerBusyError,
     LedgerUnavailableError,
     NodeUnavailableError,
@@ -481,8 +482,10 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
             state["preemptions"] += 1
             state["warm_start"] = None  # the checkpoint it just wrote is where it resumes
             if getattr(self, "_killed", False):  # on_kill took the lease: the task is ending
-                raise AirflowTaskTerminated(f"job {spec.name}: chunk stopped at iteration "
-                                            f"{result.iteration}, its task being killed")
+                # retryable: Airflow also kills a try on a worker's graceful shutdown or lost
+                # heartbeats, and a retry resumes from the checkpoint this stop committed
+                raise LeaseExpiredError(f"job {spec.name}: chunk stopped at iteration {result.iteration}: "
+                                        "its task is being killed and gave its lease back")
             self.log.info("job %s preempted at iteration %d; waiting for workers again",
                           spec.name, result.iteration)
             return self._acquire(context, state, hook, again=True)
@@ -610,8 +613,6 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
     def _release(
         self, client: Any, job: str, epoch: int, finished: bool = False, handover: bool = False
     ) -> None:
-        from elastic_ops.errors import LeaseExpiredError
-
         try:
             client.release(job, epoch, finished=finished, handover=handover)
         except LeaseExpiredError:

@@ -14,13 +14,14 @@ from airflow.sdk import BaseOperator
 from elastic_ops.errors import ElasticOpsError, UnknownJobError
 from elastic_ops.hooks.elastic_ops import DEFAULT_CONN_ID
 from elastic_ops.operators.chunk import ElasticOperatorMixin
-from elastic_ops.operators.jobs import check_conn_ids, register
+from elastic_ops.operators.jobs import check_conn_ids, check_seconds, register
 from elastic_ops.operators.results import ChunkTaskResult
 from elastic_ops.operators.retry import ElasticRetryPolicy
 from elastic_ops.spec import stop_reached
 
-LEASE_QUIET_S = 10.0  # a lease not renewed for this long has no live holder (see end_job)
+MISSED_HEARTBEATS = 3  # a lease not renewed for this many heartbeat intervals has no live holder
 _sleep = time.sleep
+_monotonic = time.monotonic
 
 
 class JobTaskOperator(ElasticOperatorMixin, BaseOperator):
@@ -161,10 +162,12 @@ class ElasticEndJobOperator(JobTaskOperator):
 
     ui_color = "#eeeeee"
 
-    def __init__(self, **kwargs: Any) -> None:
+    def __init__(self, *, heartbeat_interval: float = 2.0, **kwargs: Any) -> None:
+        check_seconds("heartbeat_interval", heartbeat_interval)
         kwargs.setdefault("retries", 3)  # the pool's database may be briefly unreachable
         kwargs.setdefault("retry_delay", timedelta(seconds=5))
         super().__init__(**kwargs)
+        self.heartbeat_interval = heartbeat_interval  # the chunks' (their lease keepers renew at it)
 
     def execute(self, context: Any) -> dict[str, Any]:
         try:
@@ -189,9 +192,10 @@ class ElasticEndJobOperator(JobTaskOperator):
         """Airflow runs this once the chunk tasks are *marked* done: for a run marked failed,
         before the chunk's process has stopped (its workers train on until its on_kill or its
         death). Ending the job then would give the slots to another job while those workers
-        still use them (two jobs on one GPU). So wait while the lease is still being renewed;
-        one nobody renewed for ``LEASE_QUIET_S`` has no live holder (heartbeats come every 2 s),
-        and a lease expires by itself after its TTL, which bounds the wait."""
+        still use them (two jobs on one GPU). So wait while the lease is still being renewed:
+        one nobody renewed for ``MISSED_HEARTBEATS`` of the chunks' heartbeat intervals has no
+        live holder. At most one lease TTL: by then a lease nobody renews has expired."""
+        deadline = None
         while True:
             status = client.status()
             row = next((j for j in status["jobs"] if j["name"] == job), None)
@@ -199,8 +203,11 @@ class ElasticEndJobOperator(JobTaskOperator):
             if left is None:
                 return
             ttl = float(status["settings"]["lease_ttl_s"])
-            quiet, renewed_ago = min(LEASE_QUIET_S, ttl / 2), ttl - float(left)
-            if renewed_ago >= quiet:
+            deadline = deadline or _monotonic() + ttl
+            # the keeper renews every min(heartbeat_interval, ttl / 3)
+            quiet = MISSED_HEARTBEATS * min(self.heartbeat_interval, ttl / 3)
+            renewed_ago = ttl - float(left)
+            if renewed_ago >= quiet or _monotonic() >= deadline:
                 return
             self.log.info("job %s: a chunk still renews its lease (%.1fs ago); waiting until it stops",
                           job, renewed_ago)

@@ -69,16 +69,25 @@ def _postgres_engine(parsed: Any) -> Engine:
     lock, and under REPEATABLE READ its snapshot would predate the lock wait (it planned from
     stale rows: a raw IntegrityError on the allocation key). A client that stops inside a
     transaction (SIGSTOP, a frozen VM) holds that lock: the server ends its transaction after
-    ``PG_IDLE_IN_TX_S``, and the others wait at most ``PG_LOCK_TIMEOUT_S`` for it."""
-    connect_args = {} if "connect_timeout" in parsed.query else {"connect_timeout": PG_CONNECT_TIMEOUT_S}
+    ``PG_IDLE_IN_TX_S``, and the others wait at most ``PG_LOCK_TIMEOUT_S`` for it. A URL's own
+    ``connect_timeout`` or ``options=-c …`` for these settings wins; the connect timeout is set
+    for the psycopg drivers only (pg8000 names it otherwise)."""
+    connect_args: dict[str, Any] = {}
+    if parsed.get_driver_name() in ("psycopg2", "psycopg") and "connect_timeout" not in parsed.query:
+        connect_args["connect_timeout"] = PG_CONNECT_TIMEOUT_S
+    options = str(parsed.query.get("options", ""))
+    ours = {"lock_timeout": PG_LOCK_TIMEOUT_S, "idle_in_transaction_session_timeout": PG_IDLE_IN_TX_S}
+    settings = {name: int(seconds * 1000) for name, seconds in ours.items() if name not in options}
     engine = create_engine(parsed, pool_pre_ping=True, isolation_level="READ COMMITTED",
                            connect_args=connect_args)
 
     @event.listens_for(engine, "connect")
     def _connect(dbapi_conn, _rec):  # session settings (the URL's own options, e.g. a search_path, stay)
+        if not settings:
+            return
         cur = dbapi_conn.cursor()
-        cur.execute(f"SET lock_timeout = {int(PG_LOCK_TIMEOUT_S * 1000)}")
-        cur.execute(f"SET idle_in_transaction_session_timeout = {int(PG_IDLE_IN_TX_S * 1000)}")
+        for name, ms in settings.items():
+            cur.execute(f"SET {name} = {ms}")
         cur.close()
         dbapi_conn.commit()
 

@@ -9,7 +9,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
-from airflow.sdk.exceptions import AirflowTaskTerminated, TaskDeferred
+from airflow.sdk.exceptions import TaskDeferred
 
 from elastic_ops.checkpoint import open_store
 from elastic_ops.errors import (
@@ -379,8 +379,9 @@ def test_a_killed_chunk_that_stops_at_a_boundary_does_not_ask_again(pool, monkey
         return _stopped_at_a_boundary()
 
     monkeypatch.setattr(ElasticChunkOperator, "_train", killed)
-    with pytest.raises(AirflowTaskTerminated, match="stopped at iteration 26, its task being killed"):
+    with pytest.raises(LeaseExpiredError, match="stopped at iteration 26: its task is being killed") as err:
         make_chunk(1).execute(ti_context(1, 3))
+    assert err.value.retryable  # a worker's graceful shutdown kills tries too: they are retried
     assert job_row(pool, job)["state"] == "finished"
     assert [e["kind"] for e in pool.events(job=job)].count("grant") == 1
 

@@ -80,13 +80,13 @@ def test_end_job_ends_a_job_its_chunks_left_in_the_plan(monkeypatch, tmp_path):
     """A chunk SIGKILLed on its last try ran no clean-up: its lease expires, but the job stayed
     in the plan (holding slots back from the others) until ``job_idle_s``. The teardown ends it;
     run again, or on a job finalize ended, it changes nothing."""
-    from elastic_ops.operators import lifecycle
     from elastic_ops.operators.lifecycle import ElasticEndJobOperator
 
-    monkeypatch.setattr(lifecycle, "LEASE_QUIET_S", 0.2)  # the killed chunk's lease was granted just now
     pool = airflow_pool(monkeypatch, tmp_path)
     pool.add_host("h1", 2)
-    op = ElasticEndJobOperator(task_id="end_job", spec_fields=FIELDS, group_id="train")
+    # the killed chunk's lease was granted just now: quiet after 3 heartbeats of 0.07 s
+    op = ElasticEndJobOperator(task_id="end_job", spec_fields=FIELDS, group_id="train",
+                               heartbeat_interval=0.07)
     context = {"dag": SimpleNamespace(dag_id="d"), "run_id": "r1"}
     job = op._spec(context).name
     pool.submit(job, min_workers=1, max_workers=2)
@@ -115,16 +115,18 @@ def test_end_job_without_a_registered_job_does_nothing(monkeypatch, tmp_path):
 def test_end_job_waits_while_a_chunk_still_renews_its_lease(monkeypatch, tmp_path):
     """A run marked failed: Airflow marks the chunk failed and runs the teardown while the
     chunk's process still trains (until its on_kill). Ending the job then gave its slots to
-    another job while its workers still used them (a probe: 5 s of two jobs on the same slots)."""
+    another job while its workers still used them (a probe: 5 s of two jobs on the same slots).
+    The wait follows the chunks' heartbeat interval (a fixed 10 s ended a live job whose chunks
+    renewed every 15 s) and ends after one lease TTL at most."""
     import threading
     import time
 
-    from elastic_ops.operators import lifecycle
     from elastic_ops.operators.lifecycle import ElasticEndJobOperator
 
-    monkeypatch.setattr(lifecycle, "LEASE_QUIET_S", 1.0)
     pool = airflow_pool(monkeypatch, tmp_path)
-    op = ElasticEndJobOperator(task_id="end_job", spec_fields=FIELDS, group_id="train")
+    # quiet once 3 heartbeats of 1/3 s are missed: the chunk below beats every 0.1 s
+    op = ElasticEndJobOperator(task_id="end_job", spec_fields=FIELDS, group_id="train",
+                               heartbeat_interval=1 / 3)
     context = {"dag": SimpleNamespace(dag_id="d"), "run_id": "r1"}
     job = op._spec(context).name
     pool.submit(job, min_workers=1, max_workers=2)
@@ -147,3 +149,39 @@ def test_end_job_waits_while_a_chunk_still_renews_its_lease(monkeypatch, tmp_pat
     finished = next(e["ts"] for e in pool.events(job=job) if e["kind"] == "finish")
     assert finished >= beats[-1] + 0.9  # not while the chunk still held its slots
 
+
+
+def test_end_job_waits_one_lease_ttl_at_most(monkeypatch, tmp_path):
+    """A holder that renews for ever (none should, once Airflow has ended its task) does not
+    hold the teardown for ever: a lease TTL, after which a dead holder's lease has expired."""
+    import threading
+    import time
+
+    from elastic_ops.errors import LeaseExpiredError
+    from elastic_ops.operators.lifecycle import ElasticEndJobOperator
+
+    pool = airflow_pool(monkeypatch, tmp_path)
+    pool.configure(lease_ttl_s=2)
+    op = ElasticEndJobOperator(task_id="end_job", spec_fields=FIELDS, group_id="train", heartbeat_interval=1)
+    context = {"dag": SimpleNamespace(dag_id="d"), "run_id": "r1"}
+    job = op._spec(context).name
+    pool.submit(job, min_workers=1, max_workers=2)
+    grant, stop = pool.request(job), threading.Event()
+
+    def renewing() -> None:
+        while not stop.is_set():
+            try:
+                pool.heartbeat(job, grant.epoch, workers=2)
+            except LeaseExpiredError:  # ended by end_job
+                return
+            time.sleep(0.1)
+
+    holder = threading.Thread(target=renewing)
+    holder.start()
+    started = time.monotonic()
+    try:
+        assert op.execute(context) == {"job": job, "ended": True}
+    finally:
+        stop.set()
+        holder.join()
+    assert 1.5 <= time.monotonic() - started < 10

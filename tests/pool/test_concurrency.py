@@ -167,3 +167,12 @@ def test_the_ledger_reads_committed_data_whatever_the_servers_default(pg_url):
         assert conn.execute(sa.text("SHOW transaction_isolation")).scalar() == "read committed"
     with sa.create_engine(url).connect() as conn:  # the URL does set the server's default
         assert conn.execute(sa.text("SHOW transaction_isolation")).scalar() == "repeatable read"
+
+
+@pytest.mark.postgres
+def test_a_urls_own_session_settings_win(pg_url):
+    url = pg_url.replace("options=", "options=-clock_timeout%3D5000%20")
+    with PoolClient(url).engine.connect() as conn:
+        assert conn.execute(sa.text("SHOW lock_timeout")).scalar() == "5s"
+        assert conn.execute(sa.text("SHOW idle_in_transaction_session_timeout")).scalar() == "15s"
+        assert conn.execute(sa.text("SHOW search_path")).scalar().startswith("pool_")  # the URL's own

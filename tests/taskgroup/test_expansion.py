@@ -74,7 +74,11 @@ def test_end_job_is_the_groups_teardown_and_stays_out_of_its_wiring():
     end_job = dag.get_task("train.end_job")
     assert isinstance(end_job, ElasticEndJobOperator)
     assert end_job.is_teardown and not end_job.on_failure_fail_dagrun
-    assert end_job.upstream_task_ids == {"train.register", "train.finalize"}
+    # every chunk too: one cleared alone (Airflow clears register and end_job with it, not
+    # finalize) is done before the job is ended
+    assert end_job.upstream_task_ids == {"train.register", "train.chunk_01_of_02", "train.chunk_02_of_02",
+                                         "train.finalize"}
+    assert end_job.heartbeat_interval == dag.get_task("train.chunk_01_of_02").heartbeat_interval
     assert dag.get_task("train.register").is_setup
     assert after.upstream_task_ids == {"train.finalize"}
     assert before.downstream_task_ids == {"train.register"}
