@@ -144,9 +144,15 @@ def check_checkpoint_uri(field: str, value: Any) -> str:
 _IP_RE = re.compile(r"\d{1,3}(\.\d{1,3}){3}")
 
 
+_BUCKET_RE = re.compile(r"[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]")
+
+
 def bucket_problem(name: str) -> str | None:
-    """What S3's naming rules refuse in a bucket name the URI pattern admits (None: nothing):
-    S3 answers these only at the first request, as InvalidBucketName."""
+    """What S3's naming rules refuse in a bucket name (None: nothing): S3 answers these only at
+    the first request, as InvalidBucketName."""
+    if not _BUCKET_RE.fullmatch(name):
+        return ("a bucket name has 3-63 lowercase letters, digits, '.' and '-', and starts and ends "
+                "with a letter or digit")
     if ".." in name:
         return f"bucket {name!r} has two adjacent periods, which S3 refuses"
     if _IP_RE.fullmatch(name):

@@ -91,13 +91,14 @@ class FlatGrads:
         ``p`` (its flags summed to 0). When this worker's own loss used every parameter, the
         sums are all positive: nothing to read."""
         used_here, self._used = len(self._used) == len(self.params), set()
-        if used_here or bool((self.flags(row) > 0).all()):
+        used = None if used_here else (self.flags(row) > 0).tolist()
+        if used is None or all(used):
             if views is not None:
                 for p, v in zip(self.params, views, strict=True):
                     p.grad = v
             return
         views = self._views[0] if views is None else views
-        for p, v, u in zip(self.params, views, (self.flags(row) > 0).tolist(), strict=True):
+        for p, v, u in zip(self.params, views, used, strict=True):
             p.grad = v if u else None
 
 
