@@ -1,12 +1,7 @@
-"""The pool client: the ledger's mechanism around the pure policies.
+"""The pool client: the ledger's API, one database transaction per call.
 
-Every call runs **sync → decide → apply** in one database transaction:
-
-- *sync* expires leases whose TTL passed (their slots return, their epoch dies) and returns
-  cooled-down hosts to ``up``;
-- *decide* builds a :class:`~elastic_ops.pool.model.Snapshot` and calls the configured policy;
-- *apply* reserves the slots of decided grows, creates the caller's grant, releases slots a
-  job has given up at its boundary, and records every change in ``events``.
+Every call runs **sync → decide → apply** (:mod:`elastic_ops.pool.ledger`) in one transaction,
+so the plan every client acts on is the one the last change made.
 
 Transactions are serialised: SQLite takes the write lock at ``BEGIN IMMEDIATE`` (with a busy
 timeout and retries), PostgreSQL locks the single ``pool`` row with ``SELECT … FOR UPDATE``.
@@ -32,14 +27,12 @@ from elastic_ops.errors import (
     LedgerBusyError,
     LedgerUnavailableError,
     SpecError,
-    UnknownHostError,
-    UnknownJobError,
 )
 from elastic_ops.metrics import NO_METRICS, Metrics
 from elastic_ops.pool import engine as db
+from elastic_ops.pool import ledger
 from elastic_ops.pool import schema as s
 from elastic_ops.pool.checks import (
-    CONFIG_FIELDS,
     MAX_EPOCH,
     MAX_LOOKBACK_H,
     check_bounds,
@@ -54,21 +47,8 @@ from elastic_ops.pool.checks import (
     check_placements,
 )
 from elastic_ops.pool.engine import first_line, lock_timeout, make_engine, retryable
-from elastic_ops.pool.model import (
-    Decision,
-    Host,
-    HostState,
-    Job,
-    JobState,
-    Plan,
-    PolicyConfig,
-    Preemption,
-    Slot,
-    Snapshot,
-    TargetAction,
-    outside,
-)
-from elastic_ops.pool.policies import get_policy
+from elastic_ops.pool.ledger import Target
+from elastic_ops.pool.model import HostState, JobState, Slot
 from elastic_ops.pool.usage import ADD as USAGE_ADD
 from elastic_ops.pool.usage import REMOVE as USAGE_REMOVE
 from elastic_ops.pool.usage import usage as usage_of
@@ -96,18 +76,6 @@ class Wait:
     reason: str
 
 
-@dataclasses.dataclass(frozen=True)
-class Target:
-    """What a running job should do at its next boundary. ``workers`` = ``len(placements)``,
-    the slots it holds now (0 for ``preempt``)."""
-
-    job: str
-    workers: int
-    action: TargetAction
-    reason: str
-    placements: tuple[Slot, ...]
-
-
 def _event_dict(r: Any) -> dict[str, Any]:
     return {
         "id": r.id,
@@ -124,29 +92,6 @@ def _event_dict(r: Any) -> dict[str, Any]:
 
 def _labels(labels: Mapping[str, str]) -> str:
     return ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
-
-
-def _avoidable(avoid: frozenset[str], up_slots: dict[str, int], min_workers: int) -> frozenset[str]:
-    """The hosts a job avoids (those that failed it), unless the other hosts that are up cannot
-    hold even its minimum: then avoiding them would make it wait forever (a one-host pool after
-    one lost worker), and it is retried where it failed."""
-    if avoid and sum(n for h, n in up_slots.items() if h not in avoid) < min_workers:
-        return frozenset()
-    return avoid
-
-
-def _within_minimum(d: Decision, min_workers: int) -> Decision:
-    """``d`` for a running job, never below its minimum while it moves: a job moved off an
-    unhealthy host whose new slots are not all free yet (others release them at their next
-    boundary) keeps enough of its old slots to run ``min_workers`` meanwhile, rather than shrink
-    under its minimum and grow back. (With no new slot at all it is preempted, as planned.)"""
-    short = min_workers - len(d.placements)
-    if short <= 0 or not d.placements or not d.release:
-        return d
-    return dataclasses.replace(
-        d, placements=d.placements + d.release[:short], release=d.release[short:],
-        reason=f"{d.reason}; keeps {min(short, len(d.release))} old slots until its minimum fits on up hosts",
-    )
 
 
 def _raise_if_error(result: Any) -> Any:
@@ -219,6 +164,7 @@ class PoolClient:
                 with self.engine.begin() as conn:
                     conn.info.pop("pool_settings", None)
                     conn.info["pool_metrics"] = sent
+                    conn.info["pool_gauges"] = self.metrics is not NO_METRICS
                     if lock and conn.dialect.name == "postgresql":
                         conn.execute(select(s.pool.c.id).where(s.pool.c.id == 1).with_for_update())
                     out = fn(conn, self._now(conn))
@@ -256,16 +202,6 @@ class PoolClient:
             else:
                 self.metrics.gauge(name, value)
 
-    @staticmethod
-    def _gauges(conn: Connection, snap: Snapshot) -> None:
-        """The pool as this decision found it (before it applies its own changes)."""
-        running = sum(1 for j in snap.jobs if j.held)
-        conn.info["pool_metrics"].extend([
-            ("gauge", "pool.slots_up", sum(h.slots for h in snap.hosts if h.state == HostState.UP)),
-            ("gauge", "pool.slots_used", sum(len(j.held) for j in snap.jobs)),
-            ("gauge", "pool.jobs_running", running),
-            ("gauge", "pool.jobs_waiting", len(snap.jobs) - running),
-        ])
 
     def _now(self, conn: Connection) -> float:
         if self.clock is not None:
@@ -287,9 +223,9 @@ class PoolClient:
             if changes:
                 conn.execute(update(s.pool).where(s.pool.c.id == 1).values(**changes))
                 conn.info.pop("pool_settings", None)
-                self._event(conn, now, "config", reason=json.dumps(changes, sort_keys=True))
-            self._replan(conn, now)
-            return self._settings(conn)
+                ledger.log_event(conn, now, "config", reason=json.dumps(changes, sort_keys=True))
+            ledger.replan(conn, now)
+            return ledger.pool_settings(conn)
 
         return self._tx(op)
 
@@ -317,8 +253,8 @@ class PoolClient:
                 conn.execute(insert(s.hosts).values(name=name, **values))
             else:
                 conn.execute(update(s.hosts).where(s.hosts.c.name == name).values(**values))
-            self._event(conn, now, "host", host=name, workers=slots, reason=f"added: {slots} slots, up")
-            self._replan(conn, now)
+            ledger.log_event(conn, now, "host", host=name, workers=slots, reason=f"added: {slots} slots, up")
+            ledger.replan(conn, now)
 
         self._tx(op)
 
@@ -331,14 +267,14 @@ class PoolClient:
         st = check_host_state(state)
 
         def op(conn, now):
-            self._host_row(conn, name)
+            ledger.host_row(conn, name)
             conn.execute(
                 update(s.hosts)
                 .where(s.hosts.c.name == name)
                 .values(state=st.value, state_since=now, failures=0)
             )
-            self._event(conn, now, "host", host=name, reason=f"state -> {st.value}")
-            self._replan(conn, now)
+            ledger.log_event(conn, now, "host", host=name, reason=f"state -> {st.value}")
+            ledger.replan(conn, now)
 
         self._tx(op)
 
@@ -388,7 +324,7 @@ class PoolClient:
                         **values,
                     )
                 )
-                self._event(
+                ledger.log_event(
                     conn,
                     now,
                     "submit",
@@ -402,12 +338,14 @@ class PoolClient:
                     values.update(
                         state=JobState.WAITING.value, waiting_since=now, submitted=now, avoid_hosts="[]"
                     )
-                    self._event(conn, now, "submit", job=job, reason=f"registered again: min {min_workers} "
-                                f"max {max_workers} priority {priority} preemptible {preemptible}{on}")
+                    ledger.log_event(
+                        conn, now, "submit", job=job, reason=f"registered again: min {min_workers} "
+                        f"max {max_workers} priority {priority} preemptible {preemptible}{on}",
+                    )
                 elif changed := _changed_demand(row, values):  # the log keeps every job's demand
-                    self._event(conn, now, "config", job=job, reason=f"submitted again: {changed}")
+                    ledger.log_event(conn, now, "config", job=job, reason=f"submitted again: {changed}")
                 conn.execute(update(s.jobs).where(s.jobs.c.name == job).values(**values))
-            self._replan(conn, now)
+            ledger.replan(conn, now)
 
         self._tx(op)
 
@@ -429,8 +367,8 @@ class PoolClient:
         check_flag("new_attempt", new_attempt)
 
         def op(conn, now):
-            self._sync(conn, now)  # an overdue lease is not handed out again
-            row = self._job_row(conn, job)
+            ledger.sync(conn, now)  # an overdue lease is not handed out again
+            row = ledger.job_row(conn, job)
             values: dict[str, Any] = {"last_seen": now}
             if avoid:
                 values["avoid_hosts"] = json.dumps(sorted(set(json.loads(row.avoid_hosts)) | set(avoid)))
@@ -438,34 +376,23 @@ class PoolClient:
                 if not new_attempt:
                     raise JobEndedError(job)
                 values.update(state=JobState.WAITING.value, waiting_since=now)
-            lease = self._live_lease(conn, job)
+            lease = ledger.live_lease(conn, job)
             if lease is not None and row.state == JobState.PARKED.value:
                 values["state"] = JobState.RUNNING.value  # the next chunk takes the parked slots
             conn.execute(update(s.jobs).where(s.jobs.c.name == job).values(**values))
             if lease is not None and new_attempt:
-                lease = self._reissue(conn, now, job, lease)
+                lease = ledger.reissue(conn, now, job, lease)
             if lease is None:
-                plan = self._replan(conn, now, grant_to=job, synced=True)
-                lease = self._live_lease(conn, job)
+                plan = ledger.replan(conn, now, grant_to=job, synced=True)
+                lease = ledger.live_lease(conn, job)
                 if lease is None:
                     d = plan.get(job)
                     return Wait(job, d.reason if d else "not planned")
-            ttl = self._settings(conn)["lease_ttl_s"]
-            return Grant(job, lease.epoch, self._held(conn, job), ttl)
+            ttl = ledger.pool_settings(conn)["lease_ttl_s"]
+            return Grant(job, lease.epoch, ledger.held_slots(conn, job), ttl)
 
         return self._tx(op)
 
-    def _reissue(self, conn: Connection, now: float, job: str, lease: Any) -> Any:
-        """End ``lease`` and give its slots to a new lease of the next epoch."""
-        epoch = self._job_row(conn, job).epoch + 1
-        ttl = self._settings(conn)["lease_ttl_s"]
-        self._end_lease(conn, now, job, lease.epoch, "superseded by a new try")
-        conn.execute(insert(s.leases).values(job=job, epoch=epoch, granted=now, expires=now + ttl))
-        conn.execute(update(s.allocations).where(s.allocations.c.job == job).values(epoch=epoch))
-        conn.execute(update(s.jobs).where(s.jobs.c.name == job).values(epoch=epoch, last_seen=now))
-        self._event(conn, now, "reissue", job=job, epoch=epoch, slots=self._held(conn, job),
-                    reason=f"new try: epoch {lease.epoch} -> {epoch}, same slots")
-        return self._live_lease(conn, job)
 
     def heartbeat(
         self, job: str, epoch: int, *, workers: int, placements: Sequence[Slot] | None = None
@@ -483,13 +410,13 @@ class PoolClient:
         placements = check_placements(placements)
 
         def op(conn, now):
-            self._sync(conn, now)
-            row = self._job_row(conn, job)
-            if (dead := self._not_live(conn, job, epoch)) is not None:
-                return dead  # raised after the commit: the expiry _sync found must stick
+            ledger.sync(conn, now)
+            row = ledger.job_row(conn, job)
+            if (dead := ledger.lease_error(conn, job, epoch)) is not None:
+                return dead  # raised after the commit: the expiry sync() found must stick
             if workers == 0:
-                return self._stopped(conn, now, job, epoch)
-            ttl = self._settings(conn)["lease_ttl_s"]
+                return ledger.stopped(conn, now, job, epoch)
+            ttl = ledger.pool_settings(conn)["lease_ttl_s"]
             conn.execute(
                 update(s.leases)
                 .where(s.leases.c.job == job, s.leases.c.epoch == epoch)
@@ -500,14 +427,14 @@ class PoolClient:
                 values["state"] = JobState.RUNNING.value
             conn.execute(update(s.jobs).where(s.jobs.c.name == job).values(**values))
             lo = row.min_workers
-            d = _within_minimum(self._replan(conn, now, synced=True)[job], lo)
+            d = ledger.within_minimum(ledger.replan(conn, now, synced=True)[job], lo)
             # the slots a shrink gives up go once the job runs no more workers than the slots it
             # keeps (not its target: slots the target counts may not be free yet, e.g. when its
             # host drains while the others are full, and the job still runs on the old ones)
             if d.release and workers <= len(d.placements):
-                gone = self._given_up(conn, job, d, placements)
+                gone = ledger.given_up(conn, job, d, placements)
                 if gone:
-                    self._free(
+                    ledger.free_slots(
                         conn,
                         now,
                         job,
@@ -517,32 +444,12 @@ class PoolClient:
                         epoch=epoch,
                         workers=d.target,
                     )
-                    d = _within_minimum(self._replan(conn, now, synced=True)[job], lo)
-            self._mark_releasing(conn, now, job, d.release)
-            return self._target(job, workers, d)
+                    d = ledger.within_minimum(ledger.replan(conn, now, synced=True)[job], lo)
+            ledger.mark_releasing(conn, now, job, d.release)
+            return ledger.target_of(job, workers, d)
 
         return _raise_if_error(self._tx(op))
 
-    def _stopped(self, conn: Connection, now: float, job: str, epoch: int) -> Target:
-        """The job reports ``workers=0``: it checkpointed and stopped at a boundary (only a
-        preempted job runs nothing, ``min_workers >= 1``). All its slots return, with a
-        ``release`` event, and its lease ends, *whatever the plan says now*: the preemptor may
-        have left since the job was told ``preempt``, and a plan that lets it keep its slots
-        must not leave them (and a live lease) to a job that is no longer running."""
-        held = self._held(conn, job)
-        reason = self._job_row(conn, job).reason
-        if held:
-            self._free(
-                conn, now, job, held, "release", f"stopped at boundary: {reason}", epoch=epoch, workers=0
-            )
-        self._end_lease(conn, now, job, epoch, "preempted")
-        conn.execute(
-            update(s.jobs)
-            .where(s.jobs.c.name == job)
-            .values(state=JobState.WAITING.value, waiting_since=now, last_seen=now)
-        )
-        self._replan(conn, now, synced=True)
-        return Target(job, 0, TargetAction.PREEMPT, reason, ())
 
     def release(self, job: str, epoch: int, *, finished: bool = False, handover: bool = False) -> bool:
         """Give back every slot of the lease ``epoch``. Idempotent: a lease already ended (or
@@ -563,52 +470,16 @@ class PoolClient:
                             "pass finished=True or handover=True, not both")
 
         def op(conn, now):
-            row = self._job_row(conn, job)
-            self._sync(conn, now)
-            live = self._live_lease(conn, job)
+            row = ledger.job_row(conn, job)
+            ledger.sync(conn, now)
+            live = ledger.live_lease(conn, job)
             if handover and live is not None and live.epoch == epoch:
-                return self._park(conn, now, job, epoch)
-            return self._give_back(conn, now, row, epoch, finished)
+                return ledger.park(conn, now, job, epoch)
+            return ledger.give_back(conn, now, row, epoch, finished)
 
         return self._tx(op)
 
-    def _park(self, conn: Connection, now: float, job: str, epoch: int) -> bool:
-        ttl = self._settings(conn)["lease_ttl_s"]
-        conn.execute(
-            update(s.leases).where(s.leases.c.job == job, s.leases.c.epoch == epoch).values(expires=now + ttl)
-        )
-        conn.execute(
-            update(s.jobs).where(s.jobs.c.name == job).values(state=JobState.PARKED.value, last_seen=now)
-        )
-        self._event(conn, now, "park", job=job, epoch=epoch, workers=0,
-                    reason=f"chunk done; slots kept for the next chunk for {ttl:.0f}s")
-        self._replan(conn, now, synced=True)
-        return True
 
-    def _give_back(self, conn: Connection, now: float, row: Any, epoch: int, finished: bool) -> bool:
-        """:meth:`release` inside its transaction (the ledger synced)."""
-        job = row.name
-        live = self._live_lease(conn, job)
-        released = live is not None and live.epoch == epoch
-        if released:
-            held = self._held(conn, job)
-            why = "finished" if finished else "released"
-            self._free(conn, now, job, held, "release", why, epoch=epoch, workers=0)
-            self._end_lease(conn, now, job, epoch, why)
-        # a late release of a lease already ended does not bring a finished job back: only its
-        # next request does (on_kill ends the job, then the dying try releases again)
-        revived = row.state == JobState.FINISHED.value and not released and not finished
-        if (epoch == row.epoch or released) and not revived:
-            state = JobState.FINISHED if finished else JobState.WAITING
-            conn.execute(
-                update(s.jobs)
-                .where(s.jobs.c.name == job)
-                .values(state=state.value, waiting_since=now, target=0, reason=state.value)
-            )
-            if finished:
-                self._event(conn, now, "finish", job=job, epoch=epoch)
-        self._replan(conn, now, synced=True)
-        return released
 
     def finish(self, job: str) -> bool:
         """End ``job`` whatever it holds: a live lease is released (its slots return), the job
@@ -616,12 +487,12 @@ class PoolClient:
         for good outside any grant."""
 
         def op(conn, now):
-            row = self._job_row(conn, job)
-            self._sync(conn, now)
+            row = ledger.job_row(conn, job)
+            ledger.sync(conn, now)
             if row.state == JobState.FINISHED.value:
                 return False
-            live = self._live_lease(conn, job)
-            self._give_back(conn, now, row, row.epoch if live is None else live.epoch, True)
+            live = ledger.live_lease(conn, job)
+            ledger.give_back(conn, now, row, row.epoch if live is None else live.epoch, True)
             return True
 
         return self._tx(op)
@@ -632,9 +503,9 @@ class PoolClient:
         check_host("host", host)
 
         def op(conn, now):
-            row = self._job_row(conn, job)
-            h = self._host_row(conn, host)
-            cfg = self._settings(conn)
+            row = ledger.job_row(conn, job)
+            h = ledger.host_row(conn, host)
+            cfg = ledger.pool_settings(conn)
             avoid = sorted(set(json.loads(row.avoid_hosts)) | {host})
             conn.execute(update(s.jobs).where(s.jobs.c.name == job).values(avoid_hosts=json.dumps(avoid)))
             failures = h.failures + 1
@@ -644,8 +515,8 @@ class PoolClient:
                 values.update(state=HostState.COOLING.value, state_since=now, failures=0)
                 reason += f"; cooling for {cfg['cooling_s']:.0f}s"
             conn.execute(update(s.hosts).where(s.hosts.c.name == host).values(**values))
-            self._event(conn, now, "failure", job=job, host=host, reason=reason)
-            self._replan(conn, now)
+            ledger.log_event(conn, now, "failure", job=job, host=host, reason=reason)
+            ledger.replan(conn, now)
 
         self._tx(op)
 
@@ -655,9 +526,9 @@ class PoolClient:
         check_epoch(epoch)
 
         def op(conn, now):
-            self._job_row(conn, job)
-            self._sync(conn, now)
-            return self._not_live(conn, job, epoch)
+            ledger.job_row(conn, job)
+            ledger.sync(conn, now)
+            return ledger.lease_error(conn, job, epoch)
 
         _raise_if_error(self._tx(op))
 
@@ -682,7 +553,7 @@ class PoolClient:
         """A job that may not be preempted and holds fewer slots than its minimum would have to be
         preempted to honour it: the change that would make it so is refused (bounds, submit,
         preemptible)."""
-        held = len(self._held(conn, job))
+        held = len(ledger.held_slots(conn, job))
         if not preemptible and 0 < held < min_workers:
             raise SpecError(
                 "min_workers", min_workers,
@@ -712,12 +583,12 @@ class PoolClient:
         check: Callable[[Connection, Any], None] | None = None,
     ) -> None:
         def op(conn, now):
-            row = self._job_row(conn, job)
+            row = ledger.job_row(conn, job)
             if check is not None:
                 check(conn, row)
             conn.execute(update(s.jobs).where(s.jobs.c.name == job).values(**values))
-            self._event(conn, now, "config", job=job, reason=reason)
-            self._replan(conn, now)
+            ledger.log_event(conn, now, "config", job=job, reason=reason)
+            ledger.replan(conn, now)
 
         self._tx(op)
 
@@ -727,7 +598,7 @@ class PoolClient:
         """Hosts, jobs (with held slots, targets, leases) and settings, after a sync."""
 
         def op(conn, now):
-            self._sync(conn, now)
+            ledger.sync(conn, now)
             held: dict[str, list[Slot]] = {}
             per_host: dict[str, int] = {}
             for r in conn.execute(select(s.allocations).order_by(s.allocations.c.host, s.allocations.c.slot)):
@@ -770,7 +641,7 @@ class PoolClient:
             used = sum(per_host.values())
             return {
                 "now": now,
-                "settings": self._settings(conn),
+                "settings": ledger.pool_settings(conn),
                 "hosts": hosts,
                 "jobs": jobs,
                 "slots": {"up": total, "used": used},
@@ -853,323 +724,20 @@ class PoolClient:
 
     # --- internals -----------------------------------------------------------------------
 
-    def _settings(self, conn: Connection) -> dict[str, Any]:
-        """Pool settings, read once per transaction (``_tx`` clears the cache)."""
-        cached = conn.info.get("pool_settings")
-        if cached is None:
-            row = conn.execute(select(s.pool).where(s.pool.c.id == 1)).mappings().one()
-            cached = conn.info["pool_settings"] = {k: row[k] for k in CONFIG_FIELDS}
-        return cached
 
-    def _job_row(self, conn: Connection, job: str):
-        check_name("job", job)  # every job-named call comes here (a list would reach the SQL)
-        row = conn.execute(select(s.jobs).where(s.jobs.c.name == job)).first()
-        if row is None:
-            raise UnknownJobError(job)
-        return row
 
-    def _host_row(self, conn: Connection, host: str):
-        check_host("host", host)
-        row = conn.execute(select(s.hosts).where(s.hosts.c.name == host)).first()
-        if row is None:
-            raise UnknownHostError(host)
-        return row
 
-    def _live_lease(self, conn: Connection, job: str):
-        return conn.execute(select(s.leases).where(s.leases.c.job == job, s.leases.c.ended.is_(None))).first()
 
-    def _not_live(self, conn: Connection, job: str, epoch: int) -> LeaseExpiredError | None:
-        """The error to raise (once the transaction has committed) unless ``epoch`` is live."""
-        live = self._live_lease(conn, job)
-        if live is None or live.epoch != epoch:
-            current = None if live is None else live.epoch
-            return LeaseExpiredError(
-                f"lease epoch {epoch} of job {job!r} is not live (live epoch: {current})",
-                hint="the lease expired, was released or was replaced; request a new grant",
-            )
-        return None
 
-    def _held(self, conn: Connection, job: str) -> tuple[Slot, ...]:
-        rows = conn.execute(
-            select(s.allocations.c.host, s.allocations.c.slot)
-            .where(s.allocations.c.job == job)
-            .order_by(s.allocations.c.host, s.allocations.c.slot)
-        )
-        return tuple((r.host, r.slot) for r in rows)
 
-    def _event(
-        self,
-        conn: Connection,
-        now: float,
-        kind: str,
-        *,
-        job: str | None = None,
-        host: str | None = None,
-        slots: Sequence[Slot] = (),
-        epoch: int | None = None,
-        workers: int | None = None,
-        reason: str = "",
-    ) -> None:
-        conn.info["pool_metrics"].append(("incr", f"pool.event.{kind}", 1))
-        conn.execute(
-            insert(s.events).values(
-                ts=now,
-                kind=kind,
-                job=job,
-                host=host,
-                slots=json.dumps([list(x) for x in slots]),
-                epoch=epoch,
-                workers=workers,
-                reason=reason,
-            )
-        )
 
-    def _free(self, conn, now, job, slots: Sequence[Slot], kind: str, reason: str, *, epoch, workers) -> None:
-        for h, sl in slots:
-            conn.execute(
-                delete(s.allocations).where(
-                    s.allocations.c.host == h, s.allocations.c.slot == sl, s.allocations.c.job == job
-                )
-            )
-        if slots:
-            conn.execute(update(s.jobs).where(s.jobs.c.name == job).values(last_rescale=now))
-        self._event(conn, now, kind, job=job, slots=slots, epoch=epoch, workers=workers, reason=reason)
 
-    def _given_up(self, conn, job, d: Decision, placements) -> list[Slot]:
-        """Slots of ``d.release`` the job has certainly stopped using: it says so (``placements``),
-        or it was told to release them in an earlier heartbeat and now runs ``workers <= target``
-        (it acted at a boundary). A job that runs nothing is handled by :meth:`_stopped`."""
-        if placements is not None:
-            still = {tuple(p) for p in placements}
-            return [sl for sl in d.release if sl not in still]
-        rows = conn.execute(
-            select(s.allocations.c.host, s.allocations.c.slot).where(
-                s.allocations.c.job == job, s.allocations.c.releasing.is_not(None)
-            )
-        )
-        told = {(r.host, r.slot) for r in rows}
-        return [sl for sl in d.release if sl in told]
 
-    def _mark_releasing(self, conn, now, job, release: Sequence[Slot]) -> None:
-        """Remember which slots this heartbeat told the job to give up (and forget the rest)."""
-        rows = conn.execute(
-            select(s.allocations.c.host, s.allocations.c.slot, s.allocations.c.releasing).where(
-                s.allocations.c.job == job
-            )
-        ).all()
-        wanted = set(release)
-        for r in rows:
-            told = (r.host, r.slot) in wanted
-            if told != (r.releasing is not None):
-                conn.execute(
-                    update(s.allocations)
-                    .where(s.allocations.c.host == r.host, s.allocations.c.slot == r.slot)
-                    .values(releasing=now if told else None)
-                )
 
-    def _end_lease(self, conn, now, job, epoch, why: str) -> None:
-        conn.execute(
-            update(s.leases)
-            .where(s.leases.c.job == job, s.leases.c.epoch == epoch)
-            .values(ended=now, end_reason=why)
-        )
 
-    def _sync(self, conn: Connection, now: float) -> None:
-        """Expire overdue leases (slots return, epoch dies) and end finished cooling periods."""
-        expired = conn.execute(
-            select(s.leases).where(s.leases.c.ended.is_(None), s.leases.c.expires < now)
-        ).all()
-        for lease in expired:
-            held = self._held(conn, lease.job)
-            self._free(
-                conn,
-                now,
-                lease.job,
-                held,
-                "expiry",
-                f"lease expired at {lease.expires:.3f}",
-                epoch=lease.epoch,
-                workers=0,
-            )
-            self._end_lease(conn, now, lease.job, lease.epoch, "expired")
-            conn.execute(
-                update(s.jobs)
-                .where(s.jobs.c.name == lease.job, s.jobs.c.state != JobState.FINISHED.value)
-                .values(state=JobState.WAITING.value, waiting_since=now)
-            )
-        cooling_s = self._settings(conn)["cooling_s"]
-        for h in conn.execute(
-            select(s.hosts).where(
-                s.hosts.c.state == HostState.COOLING.value, s.hosts.c.state_since + cooling_s <= now
-            )
-        ).all():
-            conn.execute(
-                update(s.hosts)
-                .where(s.hosts.c.name == h.name)
-                .values(state=HostState.UP.value, state_since=now)
-            )
-            self._event(conn, now, "host", host=h.name, reason="cooling over -> up")
 
-    def _snapshot(self, conn: Connection, now: float, cfg: dict[str, Any]) -> Snapshot:
-        hosts = tuple(
-            Host(r.name, r.slots, HostState(r.state), tuple(sorted(json.loads(r.labels).items())))
-            for r in conn.execute(select(s.hosts))
-        )
-        held: dict[str, list[Slot]] = {}
-        for r in conn.execute(select(s.allocations.c.job, s.allocations.c.host, s.allocations.c.slot)):
-            held.setdefault(r.job, []).append((r.host, r.slot))
-        idle_before = now - cfg["job_idle_s"]
-        up_slots = {h.name: h.slots for h in hosts if h.state is HostState.UP}
-        jobs = []
-        rows = conn.execute(select(s.jobs).where(s.jobs.c.state != JobState.FINISHED.value)).all()
-        conn.info["pool_job_rows"] = {r.name: r for r in rows}
-        for r in rows:
-            mine = held.get(r.name, ())
-            if not mine and r.last_seen < idle_before:
-                continue  # a waiting job that stopped asking does not block others
-            # hosts without the job's labels are never its own; among the others, those that
-            # failed it are avoided unless that leaves too few
-            excluded = outside(json.loads(r.selector), hosts)
-            usable = {h: n for h, n in up_slots.items() if h not in excluded} if excluded else up_slots
-            failed = _avoidable(frozenset(json.loads(r.avoid_hosts)), usable, r.min_workers)
-            jobs.append(
-                Job(
-                    name=r.name,
-                    min_workers=r.min_workers,
-                    max_workers=r.max_workers,
-                    priority=r.priority,
-                    preemptible=bool(r.preemptible),
-                    avoid_hosts=failed | excluded,
-                    leave_hosts=excluded,  # a narrowed selector moves the job off them
-                    submitted=r.submitted,
-                    waiting_since=r.waiting_since,
-                    last_rescale=r.last_rescale,
-                    held=tuple(sorted(mine)),
-                    epoch=r.epoch,
-                )
-            )
-        config = PolicyConfig(
-            preemption=Preemption(cfg["preemption"]),
-            min_rescale_interval_s=cfg["min_rescale_interval_s"],
-            min_gain=cfg["min_gain"],
-            aging_s=cfg["aging_s"],
-        )
-        return Snapshot(hosts, tuple(jobs), now, config)
 
-    def _replan(
-        self, conn: Connection, now: float, *, grant_to: str | None = None, synced: bool = False
-    ) -> Plan:
-        """sync → decide → apply. Reserves decided grows of running jobs; grants only to
-        ``grant_to`` (other waiting jobs get theirs when they ask). Returns the plan
-        (``plan[job]`` is a job's :class:`Decision`). Reads every job's target and reason from
-        the plan's columns; slot tuples are made only for the jobs given slots."""
-        if not synced:
-            self._sync(conn, now)
-        cfg = self._settings(conn)
-        while True:  # each pass that frees parked slots frees at least one: it ends
-            snap = self._snapshot(conn, now, cfg)
-            plan = get_policy(cfg["policy"])(snap)
-            rows = conn.info.pop("pool_job_rows")  # read by _snapshot in this transaction
-            if not self._unpark(conn, now, plan, rows, snap):
-                break
-        if self.metrics is not NO_METRICS:
-            self._gauges(conn, snap)
-        held_by = {j.name: j.held for j in snap.jobs}
-        changed = set(plan.changed())
-        for k, (name, target, reason) in enumerate(zip(plan.jobs, plan.target, plan.reason, strict=True)):
-            row = rows[name]
-            values: dict[str, Any] = {}
-            if row.target != target or row.reason != reason:
-                values.update(target=target, reason=reason)
-                if row.target != target:
-                    self._event(conn, now, "target", job=name, workers=target, reason=reason)
-            if held_by[name]:
-                new = plan.slots.new(k) if k in changed else ()
-                if new:
-                    self._reserve(conn, now, name, row.epoch, list(new), "grow", plan.decision(k))
-                state = JobState.PREEMPTING if target == 0 else JobState.RUNNING
-                if row.state == JobState.PARKED.value:  # _unpark left it slots to keep
-                    state = JobState.PARKED
-                if row.state != state.value:
-                    values["state"] = state.value
-                    if state == JobState.PREEMPTING:
-                        self._event(conn, now, "preempt", job=name, epoch=row.epoch, workers=0, reason=reason)
-            elif name == grant_to and k in changed:
-                d = plan.decision(k)
-                epoch = row.epoch + 1
-                ttl = cfg["lease_ttl_s"]
-                conn.execute(insert(s.leases).values(job=name, epoch=epoch, granted=now, expires=now + ttl))
-                values.update(epoch=epoch, state=JobState.RUNNING.value)
-                self._reserve(conn, now, name, epoch, list(d.placements), "grant", d)
-            if values:
-                conn.execute(update(s.jobs).where(s.jobs.c.name == name).values(**values))
-        if len(rows) != len(plan.jobs):  # the common case: every job was planned, none idle
-            self._mark_idle(conn, rows, set(plan.jobs), cfg["job_idle_s"])
-        return plan
 
-    @staticmethod
-    def _mark_idle(conn: Connection, rows: dict[str, Any], planned: set[str], idle_s: float) -> None:
-        """Jobs left out of the plan because nobody asked for them for ``job_idle_s`` (a task
-        marked failed while it waited, a paused DAG): shown as such, not with the last share the
-        plan gave them."""
-        reason = f"idle: no request for over {idle_s:g}s (job_idle_s); planned again at its next request"
-        for name in rows.keys() - planned:
-            row = rows[name]
-            if row.target != 0 or row.reason != reason:
-                conn.execute(update(s.jobs).where(s.jobs.c.name == name).values(target=0, reason=reason))
 
-    def _unpark(self, conn: Connection, now: float, plan: Plan, rows: dict[str, Any], snap: Snapshot) -> bool:
-        """Apply at once what ``plan`` takes from parked jobs (they run nothing, so there is no
-        boundary to wait for): a shrink frees the slots; a preemption, or a move of all its
-        slots (e.g. off a draining host), ends the lease, and the next chunk's request is granted
-        afresh. Returns whether any slot was freed (the plan must then be made again: they are
-        free now)."""
-        parked = {name for name, r in rows.items() if r.state == JobState.PARKED.value}
-        if not parked:  # the common case: one pass over the rows, on every re-plan
-            return False
-        freed = False
-        for job in snap.jobs:
-            if job.name not in parked or not job.held:
-                continue
-            row = rows[job.name]
-            # a parked job too keeps old slots rather than hand its next chunk less than its minimum
-            d = _within_minimum(plan.decision(plan.index(job.name)), row.min_workers)
-            if d.target == 0 or not d.placements or len(d.release) == len(job.held):
-                why = "preempted" if d.target == 0 or not d.placements else "moved"
-                self._free(conn, now, job.name, job.held, "release", f"parked, then {why}: {d.reason}",
-                           epoch=row.epoch, workers=0)
-                self._end_lease(conn, now, job.name, row.epoch, f"{why} while parked")
-                conn.execute(
-                    update(s.jobs)
-                    .where(s.jobs.c.name == job.name)
-                    .values(state=JobState.WAITING.value, waiting_since=now)
-                )
-                freed = True
-            elif d.release:
-                self._free(conn, now, job.name, d.release, "shrink", f"parked, released at once: {d.reason}",
-                           epoch=row.epoch, workers=len(d.placements))
-                freed = True
-        return freed
 
-    def _reserve(self, conn, now, job, epoch, slots: list[Slot], kind: str, d: Decision) -> None:
-        conn.execute(
-            insert(s.allocations),
-            [{"host": h, "slot": sl, "job": job, "epoch": epoch, "granted": now} for h, sl in slots],
-        )
-        conn.execute(update(s.jobs).where(s.jobs.c.name == job).values(last_rescale=now))
-        self._event(
-            conn, now, kind, job=job, slots=slots, epoch=epoch, workers=len(d.placements), reason=d.reason
-        )
 
-    @staticmethod
-    def _target(job: str, workers: int, d: Decision) -> Target:
-        n = len(d.placements)
-        if d.target == 0 or n == 0:  # nothing usable to run on (e.g. its host drains, others full)
-            action = TargetAction.PREEMPT
-        elif n > workers or (n == workers and d.release):  # equal count + release: a move
-            action = TargetAction.GROW
-        elif n < workers:
-            action = TargetAction.SHRINK
-        else:
-            action = TargetAction.KEEP
-        return Target(job, n, action, d.reason, d.placements)
