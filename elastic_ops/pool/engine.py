@@ -69,9 +69,11 @@ def _postgres_engine(parsed: Any) -> Engine:
     lock, and under REPEATABLE READ its snapshot would predate the lock wait (it planned from
     stale rows: a raw IntegrityError on the allocation key). A client that stops inside a
     transaction (SIGSTOP, a frozen VM) holds that lock: the server ends its transaction after
-    ``PG_IDLE_IN_TX_S``, and the others wait at most ``PG_LOCK_TIMEOUT_S`` for it. A URL's own
-    ``connect_timeout`` or ``options=-c …`` for these settings wins; the connect timeout is set
-    for the psycopg drivers only (pg8000 names it otherwise)."""
+    ``PG_IDLE_IN_TX_S``, and the others wait at most ``PG_LOCK_TIMEOUT_S`` for it. Both are set
+    for each transaction, so they hold behind a transaction-mode pooler too (the isolation level
+    rides in each ``BEGIN``). A URL's own ``connect_timeout`` or ``options=-c …`` for these
+    settings wins; the connect timeout is set for the psycopg drivers only (pg8000 names it
+    otherwise)."""
     connect_args: dict[str, Any] = {}
     if parsed.get_driver_name() in ("psycopg2", "psycopg") and "connect_timeout" not in parsed.query:
         connect_args["connect_timeout"] = PG_CONNECT_TIMEOUT_S
@@ -81,15 +83,14 @@ def _postgres_engine(parsed: Any) -> Engine:
     engine = create_engine(parsed, pool_pre_ping=True, isolation_level="READ COMMITTED",
                            connect_args=connect_args)
 
-    @event.listens_for(engine, "connect")
-    def _connect(dbapi_conn, _rec):  # session settings (the URL's own options, e.g. a search_path, stay)
-        if not settings:
-            return
-        cur = dbapi_conn.cursor()
-        for name, ms in settings.items():
-            cur.execute(f"SET {name} = {ms}")
-        cur.close()
-        dbapi_conn.commit()
+    @event.listens_for(engine, "begin")
+    def _begin(conn):  # per transaction (SET LOCAL), not per session: a transaction-mode pooler
+        # (PgBouncer) runs each transaction on whichever server session is free, where a session
+        # SET made at connect time may never have happened
+        if settings:
+            conn.exec_driver_sql(
+                "SELECT " + ", ".join(f"set_config('{name}', '{ms}', true)" for name, ms in settings.items())
+            )
 
     return engine
 

@@ -172,7 +172,26 @@ def test_the_ledger_reads_committed_data_whatever_the_servers_default(pg_url):
 @pytest.mark.postgres
 def test_a_urls_own_session_settings_win(pg_url):
     url = pg_url.replace("options=", "options=-clock_timeout%3D5000%20")
-    with PoolClient(url).engine.connect() as conn:
+    with PoolClient(url).engine.begin() as conn:
         assert conn.execute(sa.text("SHOW lock_timeout")).scalar() == "5s"
         assert conn.execute(sa.text("SHOW idle_in_transaction_session_timeout")).scalar() == "15s"
         assert conn.execute(sa.text("SHOW search_path")).scalar().startswith("pool_")  # the URL's own
+
+
+@pytest.mark.postgres
+def test_session_settings_hold_in_every_transaction_behind_a_pooler(pg_url):
+    """A transaction-mode pooler (PgBouncer) runs each transaction on whichever server session is
+    free, where settings made when this client connected may be missing: here the session is
+    reset under the client's pooled connection. They were session SETs made at connect time."""
+    pool = PoolClient(pg_url)
+    with pool.engine.connect() as conn:
+        conn.exec_driver_sql("RESET ALL")
+        conn.exec_driver_sql("SET SESSION CHARACTERISTICS AS TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        conn.commit()
+    with pool.engine.begin() as conn:
+        assert conn.execute(sa.text("SHOW lock_timeout")).scalar() == "30s"
+        assert conn.execute(sa.text("SHOW idle_in_transaction_session_timeout")).scalar() == "15s"
+        assert conn.execute(sa.text("SHOW transaction_isolation")).scalar() == "read committed"
+        assert conn.execute(sa.text("SHOW search_path")).scalar().startswith("pool_")
+    pool.add_host("h0", 2)
+    assert pool.status()["slots"]["up"] == 2
