@@ -20,8 +20,10 @@ import math
 from typing import Annotated, Any, Literal
 
 from airflow.api_fastapi.core_api.security import GetUserDep
-from fastapi import FastAPI, HTTPException, Path, Query
-from fastapi.responses import HTMLResponse
+from fastapi import FastAPI, HTTPException, Path, Query, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from elastic_ops.errors import ElasticOpsError, UnknownHostError, UnknownJobError
@@ -151,6 +153,25 @@ class SettingsBody(_Body):
 
 app = FastAPI(title="elastic_ops pool", description="Resource pool status and runtime control",
               docs_url=None, redoc_url=None, openapi_url=None)
+
+
+def _json_safe(value: Any) -> Any:
+    """``value`` with every non-finite float as its text: JSON has none, and a body may hold one
+    (``NaN``, ``Infinity`` and ``1e400`` parse)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+@app.exception_handler(RequestValidationError)
+async def _refused_body(_request: Request, exc: RequestValidationError) -> JSONResponse:
+    """FastAPI's 422 (each error names the field), but a refused NaN or infinity is echoed as
+    text: echoing it as a number failed the response itself (a 500)."""
+    return JSONResponse(status_code=422, content={"detail": _json_safe(jsonable_encoder(exc.errors()))})
 
 
 # --- reading ----------------------------------------------------------------------------------

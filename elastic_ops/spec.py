@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from elastic_ops.errors import UNSET, SpecError, short_repr
+from elastic_ops.urls import shown_url
 
 # matched with fullmatch: a trailing newline is not part of a valid value
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}")
@@ -133,11 +134,12 @@ def check_number(
 
 def check_checkpoint_uri(field: str, value: Any) -> str:
     """``value`` as a checkpoint store URI, or :class:`SpecError` naming ``field``."""
+    shown = shown_url(value) if isinstance(value, str) else value  # s3://KEY:SECRET@… is refused, unechoed
     if not isinstance(value, str) or not _URI_RE.fullmatch(value):
         hint = "a file:// URI takes an absolute path: note the three slashes in file:///"
-        raise SpecError(field, value, URI_ALLOWED, hint=hint if str(value).startswith("file://") else None)
+        raise SpecError(field, shown, URI_ALLOWED, hint=hint if str(value).startswith("file://") else None)
     if value.startswith("s3://") and (why := bucket_problem(value[5:].partition("/")[0])):
-        raise SpecError(field, value, URI_ALLOWED, hint=why)
+        raise SpecError(field, shown, URI_ALLOWED, hint=why)
     return value
 
 

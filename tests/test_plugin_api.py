@@ -243,3 +243,20 @@ def test_re_registering_a_host_needs_edit_permission_not_only_create(tmp_path, m
     pool.drain_host("h1")
     assert client.put("/hosts/h1", json={"slots": 8}).status_code == 403
     assert host(pool, "h1")["state"] == "draining" and host(pool, "h1")["slots"] == 4
+
+
+@pytest.mark.parametrize(("method", "path", "raw", "field"), [
+    ("POST", "/jobs/j/priority", '{"priority": NaN}', "priority"),
+    ("PUT", "/hosts/h9", '{"slots": Infinity}', "slots"),
+    ("PATCH", "/settings", '{"failure_threshold": 1e400}', "failure_threshold"),
+])
+def test_a_non_finite_number_in_a_body_is_a_422_naming_it(tmp_path, monkeypatch, method, path, raw, field):
+    """Python's JSON parser takes NaN, Infinity and 1e400; echoing them back in FastAPI's 422
+    failed the response itself: a 500 (a probe)."""
+    client, pool = make_api(tmp_path, monkeypatch)
+    before = pool.status()
+    r = client.request(method, path, content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 422, r.text
+    (error,) = r.json()["detail"]
+    assert error["loc"][-1] == field and error["input"] in ("nan", "inf")
+    assert pool.status()["hosts"] == before["hosts"] and pool.status()["jobs"] == before["jobs"]

@@ -222,3 +222,12 @@ def test_bucket_names_s3_refuses_are_refused_where_they_enter(uri, why):
     with pytest.raises(SpecError, match=why):
         open_store(uri)
     assert JobSpec.from_dict({**base, "checkpoint": "s3://my.bucket-1/x"}).checkpoint == "s3://my.bucket-1/x"
+
+
+def test_a_refused_checkpoint_uri_never_echoes_its_secret():
+    """``s3://KEY:SECRET@bucket`` is refused; the refusal (CLI output, a task's log) quoted the
+    secret (a probe)."""
+    base = {"name": "j", "entrypoint": "a.b:C", "total_iterations": 2, "global_batch": 4}
+    with pytest.raises(SpecError, match=r"invalid checkpoint='s3://AKIAX:\*\*\*@bucket/x'") as err:
+        JobSpec.from_dict({**base, "checkpoint": "s3://AKIAX:SUPERSECRET@bucket/x"})
+    assert "SUPERSECRET" not in str(err.value)

@@ -11,7 +11,7 @@ from elastic_ops.urls import shown_url
     ("url", "shown"),
     [
         ("postgresql+psycopg2://pool:hunter2@db:5432/pool", "postgresql+psycopg2://pool:***@db:5432/pool"),
-        # SQLAlchemy and redis-py take these unencoded (a probe found them shown in full)
+        # SQLAlchemy takes these unencoded (a probe found them shown in full)
         ("postgresql+psycopg2://pool:se/cret@db:5432/pool", "postgresql+psycopg2://pool:***@db:5432/pool"),
         ("postgresql+psycopg2://pool:se?cret@db/pool", "postgresql+psycopg2://pool:***@db/pool"),
         ("postgresql+psycopg2://pool:se#cret@db/pool", "postgresql+psycopg2://pool:***@db/pool"),
@@ -21,6 +21,9 @@ from elastic_ops.urls import shown_url
         ("rediss://u:pw@redis:6379/0?password=qs_secret", "rediss://u:***@redis:6379/0?password=***"),
         ("postgresql://pool@db/pool?sslmode=require&password=qs", "postgresql://pool@db/pool?sslmode=require&password=***"),
         ("unix:///run/redis.sock?db=0&PASSWORD=qs#x", "unix:///run/redis.sock?db=0&PASSWORD=***#x"),
+        # libpq's key file password, and a password holding a newline (a probe found both shown)
+        ("postgresql://pool@db/pool?sslpassword=kf&sslmode=verify-full", "postgresql://pool@db/pool?sslpassword=***&sslmode=verify-full"),
+        ("postgresql://pool:pw\n2@db/pool", "postgresql://pool:***@db/pool"),
         # nothing to hide: shown as given
         ("postgresql://db.example:5432/pool", "postgresql://db.example:5432/pool"),
         ("sqlite:////var/lib/airflow/elastic_ops_pool.db", "sqlite:////var/lib/airflow/elastic_ops_pool.db"),

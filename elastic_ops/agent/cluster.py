@@ -49,6 +49,13 @@ class NodeConfig:
                 shown_url(self.url) if isinstance(self.url, str) else self.url,
                 f"a Redis URL ({', '.join(s + '://' for s in URL_SCHEMES)}), e.g. redis://redis-host:6379/0",
             )
+        try:
+            urlsplit(self.url).port  # noqa: B018 - what redis-py parses: a '/' in a password cuts the host
+        except ValueError:
+            raise SpecError(
+                URL_ENV, shown_url(self.url), "a Redis URL whose port is a number in 0..65535",
+                hint="percent-encode '/', '?' and '#' in the password (%2F, %3F, %23)",
+            ) from None
         if not isinstance(self.namespace, str) or not _NAMESPACE_RE.fullmatch(self.namespace):
             raise SpecError(NAMESPACE_ENV, self.namespace, "1-64 letters, digits, '_', '.', '-'")
         Signer(self.secret)  # validates it

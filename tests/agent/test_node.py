@@ -300,6 +300,10 @@ def test_settings_are_validated_where_they_enter():
         NodeConfig(url="redis://h:6379/0", secret="short")
     with pytest.raises(SpecError, match=r"ELASTIC_OPS_NODE_REDIS_URL='http://:\*\*\*@h'.*a Redis URL"):
         NodeConfig(url="http://:pw@h", secret=SECRET)
+    with pytest.raises(SpecError, match=r"REDIS_URL='redis://admin:\*\*\*@h:6379/0'.*encode '/'") as err:
+        NodeConfig(url="redis://admin:S3CRET/pw@h:6379/0", secret=SECRET)  # was a ValueError quoting 'S3CRET'
+    assert "S3CRET" not in str(err.value)
+    NodeConfig(url="redis://admin:S3CRET%2Fpw@h:6379/0", secret=SECRET)
     with pytest.raises(SpecError, match="ELASTIC_OPS_NODE_NAMESPACE"):
         NodeConfig(url="redis://h", secret=SECRET, namespace="a b")
     with pytest.raises(SpecError, match="--host"):
