@@ -147,17 +147,10 @@ def _client(args: argparse.Namespace):
         return ApiPoolClient(api_url)
     from elastic_ops.errors import SpecError
     from elastic_ops.pool.client import PoolClient
-    from elastic_ops.pool.engine import sqlite_file
 
     source = "--pool-url" if args.pool_url else f"${ENV_URL}"  # where the user gave the URL
-    path = sqlite_file(ledger)
-    if getattr(args, "reads_only", False) and path is not None and not os.path.exists(path):
-        raise SpecError(  # a typo must not create an empty ledger (and its folders) to show
-            source, ledger, f"an existing SQLite ledger: {path} does not exist",
-            hint="a ledger is created by its first chunk task, `pool add-host` or `pool configure`",
-        )
-    try:
-        return PoolClient(ledger)
+    try:  # a reading command on a typo'd URL must not create an empty ledger to show
+        return PoolClient(ledger, create=not getattr(args, "reads_only", False))
     except SpecError as exc:
         if exc.field != "url":
             raise

@@ -18,8 +18,8 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from sqlalchemy import Connection, delete, func, insert, or_, select, true, update
-from sqlalchemy.exc import DatabaseError, OperationalError
+from sqlalchemy import Connection, delete, func, insert, inspect, or_, select, true, update
+from sqlalchemy.exc import DatabaseError, OperationalError, ProgrammingError
 
 from elastic_ops.errors import (
     JobEndedError,
@@ -46,7 +46,7 @@ from elastic_ops.pool.checks import (
     check_name,
     check_placements,
 )
-from elastic_ops.pool.engine import first_line, lock_timeout, make_engine, retryable
+from elastic_ops.pool.engine import NO_LEDGER_HINT, first_line, lock_timeout, make_engine, retryable
 from elastic_ops.pool.ledger import Target
 from elastic_ops.pool.model import HostState, JobState, Slot
 from elastic_ops.pool.usage import ADD as USAGE_ADD
@@ -123,6 +123,9 @@ class PoolClient:
     ``clock``: seconds since the epoch. By default the database's own clock on PostgreSQL, so
     that clients on hosts whose clocks disagree cannot expire each other's leases early (or keep
     them alive too long); this host's ``time.time`` on SQLite (a local file: one host).
+
+    ``create=False`` (a client that only reads): a URL that holds no ledger yet is a
+    :class:`SpecError`, not a new empty ledger (and on PostgreSQL, its tables).
     """
 
     def __init__(
@@ -133,6 +136,7 @@ class PoolClient:
         sleep: Callable[[float], None] = time.sleep,
         retries: int = 20,
         metrics: Metrics = NO_METRICS,
+        create: bool = True,
         **settings: Any,
     ) -> None:
         url = url or os.environ.get(ENV_URL)
@@ -143,9 +147,21 @@ class PoolClient:
         self.sleep = sleep
         self.retries = retries
         self.metrics = metrics
-        self.engine = make_engine(url)
+        self.engine = make_engine(url, create=create)
+
+        def first_use(conn: Connection, now: float) -> int:
+            if not create and not inspect(conn).has_table(s.schema_version.name):
+                raise SpecError("url", shown_url(url), "an existing pool ledger: this database holds none",
+                                hint=NO_LEDGER_HINT)
+            return s.migrate(conn)
+
         try:
-            self._tx(lambda conn, now: s.migrate(conn), lock=False)
+            self._tx(first_use, lock=False)
+        except ProgrammingError as exc:  # e.g. the URL's search_path names no schema; no CREATE right
+            raise SpecError("url", shown_url(url), "a database where the ledger's tables can be created "
+                            f"and used: {first_line(exc.orig or exc)}",
+                            hint="check that the URL's schema (search_path) exists and that its user may "
+                            "create tables there") from None
         except DatabaseError as exc:
             if isinstance(exc, OperationalError) or "not a database" not in str(exc.orig):
                 raise

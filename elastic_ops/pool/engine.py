@@ -4,6 +4,7 @@ pool's transactions rely on, and which database errors mean busy, unreachable or
 from __future__ import annotations
 
 import os
+from importlib.util import find_spec
 from typing import Any
 
 from sqlalchemy import create_engine, event
@@ -23,7 +24,12 @@ def sqlite_file(url: str) -> str | None:
     return parsed.database if parsed.get_backend_name() == "sqlite" else None
 
 
-def make_engine(url: str) -> Engine:
+NO_LEDGER_HINT = "a ledger is created by its first chunk task, `pool add-host` or `pool configure`"
+
+
+def make_engine(url: str, *, create: bool = True) -> Engine:
+    """An engine for the ledger at ``url``. ``create=False``: an SQLite file must exist already
+    (a typo in a path must not make an empty ledger, and its folders, to read from)."""
     try:
         parsed = make_url(url)
     except ArgumentError:
@@ -36,6 +42,11 @@ def make_engine(url: str) -> Engine:
             # relative: each process (scheduler, triggerer, agent, CLI) would open its own ledger
             raise SpecError(
                 "url", shown_url(url), "an SQLite ledger needs an absolute file path (sqlite:////abs/path/pool.db)"
+            )
+        if not create and not os.path.exists(parsed.database):
+            raise SpecError(
+                "url", shown_url(url), f"an existing SQLite ledger: {parsed.database} does not exist",
+                hint=NO_LEDGER_HINT,
             )
         os.makedirs(os.path.dirname(os.path.abspath(parsed.database)), exist_ok=True)
         engine = create_engine(parsed, connect_args={"timeout": 30})
@@ -55,7 +66,16 @@ def make_engine(url: str) -> Engine:
 
         return engine
     if backend == "postgresql":
-        return _postgres_engine(parsed)
+        if parsed.drivername == "postgresql" and not find_spec("psycopg") and find_spec("psycopg2"):
+            # SQLAlchemy 2.1 reads a bare postgresql:// as psycopg 3; the postgres extra installs psycopg2
+            parsed = parsed.set(drivername="postgresql+psycopg2")
+        try:
+            return _postgres_engine(parsed)
+        except ImportError as exc:
+            raise SpecError(
+                "url", shown_url(url), f"a PostgreSQL driver that is installed: {exc.name or exc} is not",
+                hint="use postgresql+psycopg2://… (pip install 'elastic-ops[postgres]' installs psycopg2)",
+            ) from None
     raise SpecError("url", shown_url(url), "the pool ledger supports sqlite and postgresql URLs")
 
 

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 
+import pytest
+import sqlalchemy as sa
+
 from elastic_ops.pool import PoolClient
 
 from .cli_helper import run
@@ -129,3 +132,29 @@ def test_reading_commands_never_create_a_ledger(tmp_path, monkeypatch, capsys):
     assert run(["pool", "events"]) == 0
     out = capsys.readouterr().out
     assert "host     gpu-0" in out and "None" not in out  # a host event shows no job fields
+
+
+@pytest.mark.postgres
+def test_reading_commands_never_create_a_ledger_on_postgres(pg_url, capsys):
+    """`pool status` on a PostgreSQL URL without a ledger (a typo, Airflow's own database) made the
+    ledger's seven tables there (a probe)."""
+    assert run(["pool", "--pool-url", pg_url, "status"]) == 2
+    assert "an existing pool ledger: this database holds none" in capsys.readouterr().err
+    with sa.create_engine(pg_url).connect() as conn:
+        assert sa.inspect(conn).get_table_names() == []
+    assert run(["pool", "--pool-url", pg_url, "add-host", "gpu-0", "2"]) == 0
+    assert run(["pool", "--pool-url", pg_url, "status"]) == 0
+
+
+@pytest.mark.postgres
+def test_a_postgres_url_the_ledger_cannot_use_says_why(pg_url, capsys):
+    """A search_path naming no schema was a raw ProgrammingError traceback; a bare postgresql://
+    (psycopg 3 to SQLAlchemy 2.1, not installed) a ModuleNotFoundError (a probe)."""
+    missing = pg_url.rsplit("search_path%3D", 1)[0] + "search_path%3Dno_such_schema_zz"
+    assert run(["pool", "--pool-url", missing, "add-host", "gpu-0", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "invalid --pool-url=" in err and "no schema has been selected" in err and "Traceback" not in err
+    bare = pg_url.replace("postgresql+psycopg2://", "postgresql://", 1)
+    assert bare != pg_url and PoolClient(bare).engine.dialect.driver == "psycopg2"
+    assert run(["pool", "--pool-url", pg_url.replace("+psycopg2", "+pg8000", 1), "status"]) == 2
+    assert "a PostgreSQL driver that is installed: pg8000 is not" in capsys.readouterr().err
