@@ -75,7 +75,12 @@ class ApiPoolClient:
             if r.status_code >= 400:
                 raise ApiAuthError(f"the api-server at {self.url} refused the login of {user!r} "
                                    f"(HTTP {r.status_code})", hint="check the user name and password")
-            self._token = r.json()["access_token"]
+            body = _json(r)
+            token = body.get("access_token") if isinstance(body, dict) else None
+            if not isinstance(token, str):
+                raise ApiAuthError(f"the api-server at {self.url} answered the login without a token "
+                                   f"(HTTP {r.status_code})", hint="is the URL Airflow 3's api-server?")
+            self._token = token
         return self._token
 
     def _send(self, method: str, url: str, **kwargs: Any) -> httpx.Response:
@@ -88,16 +93,21 @@ class ApiPoolClient:
     def _call(self, method: str, path: str, *, json: Any = None, params: dict | None = None) -> Any:
         headers = {"Authorization": f"Bearer {self._bearer()}"}
         r = self._send(method, f"{self.url}{PREFIX}{path}", json=json, params=params, headers=headers)
+        no_route = PoolError(f"the api-server at {self.url} has no {PREFIX}{path} route",
+                             hint="install elastic-ops where the api-server runs (its plugin serves it)")
         if r.status_code < 400:
-            return r.json() if r.content else None
+            if not r.content:
+                return None
+            if (body := _json(r)) is _NOT_JSON:  # the UI's page for any unknown path: no plugin here
+                raise no_route
+            return body
         detail = _detail(r)
         if r.status_code in (401, 403):
             raise ApiAuthError(f"{method} {PREFIX}{path}: HTTP {r.status_code}: {detail}",
                                hint="log in again (the token may have expired)" if r.status_code == 401
                                else "ask for the permission on the Airflow pool 'elastic_ops'")
-        if r.status_code == 404 and detail == "Not Found":  # FastAPI's: no such route at all
-            raise PoolError(f"the api-server at {self.url} has no {PREFIX}{path} route",
-                            hint="install elastic-ops where the api-server runs (its plugin serves the pool)")
+        if (r.status_code, detail) in ((404, "Not Found"), (405, "Method Not Allowed")):  # no such route
+            raise no_route
         if r.status_code == 404 and path.startswith("/jobs/"):
             raise UnknownJobError(_unquoted(path, 2))
         if r.status_code == 404 and path.startswith("/hosts/"):
@@ -169,12 +179,26 @@ def _unquoted(path: str, part: int) -> str:
     return unquote(path.split("/")[part])
 
 
+_NOT_JSON = object()
+
+
+def _json(r: httpx.Response) -> Any:
+    """The response's JSON body, or ``_NOT_JSON`` (an HTML page: a server without the plugin)."""
+    if "json" not in r.headers.get("content-type", ""):
+        return _NOT_JSON
+    try:
+        return r.json()
+    except ValueError:
+        return _NOT_JSON
+
+
 def _detail(r: httpx.Response) -> str:
     """The api-server's reason: FastAPI's ``detail`` (a message, or validation errors)."""
-    try:
-        detail = r.json().get("detail", r.text)
-    except ValueError:
+    body = _json(r)
+    if not isinstance(body, dict):
         return r.text[:500]
+    detail = body.get("detail", r.text[:500])
     if isinstance(detail, list):  # 422: [{"loc": [...], "msg": ...}, ...]
-        return "; ".join(f"{'.'.join(str(x) for x in d.get('loc', [])[1:])}: {d.get('msg')}" for d in detail)
+        return "; ".join(f"{'.'.join(str(x) for x in d.get('loc', [])[1:])}: {d.get('msg')}"
+                         for d in detail if isinstance(d, dict))
     return str(detail)

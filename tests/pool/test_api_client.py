@@ -135,6 +135,30 @@ def test_an_api_server_without_the_plugin_is_named_as_such(server):
         assert not isinstance(err.value, UnknownJobError)
 
 
+def test_an_api_server_whose_ui_answers_every_path_is_named_as_without_the_plugin():
+    """Airflow's UI serves its page for any unknown GET (200, HTML) and refuses other methods
+    (405): the client failed on the page as JSON, and called a 405 a refusal (a probe)."""
+    from fastapi.responses import HTMLResponse
+
+    airflow = FastAPI()
+
+    @airflow.get("/{path:path}", response_class=HTMLResponse)
+    def page(path: str) -> str:
+        return "<!doctype html><title>Airflow</title>"
+
+    @airflow.post("/auth/token", response_class=HTMLResponse)
+    def login() -> str:
+        return "<!doctype html>"
+
+    http = TestClient(airflow, base_url=BASE)
+    client = ApiPoolClient(BASE, token="op-token", http=http)
+    for call in (client.status, client.events, lambda: client.set_priority("j", 2)):
+        with pytest.raises(PoolError, match="has no /elastic-ops/.* route"):
+            call()
+    with pytest.raises(ApiAuthError, match="answered the login without a token"):
+        ApiPoolClient(BASE, username="op", password="pw", http=http).status()
+
+
 def test_bad_settings_are_refused_before_any_request(server, monkeypatch, capsys):
     with pytest.raises(ApiAuthError, match="no credentials for the api-server"):
         ApiPoolClient(BASE).status()
