@@ -55,8 +55,10 @@ def coerce_rendered(fields: Mapping[str, Any]) -> dict[str, Any]:
     for key, value in fields.items():
         if isinstance(value, str):
             text = value.strip()
-            if key in _INT_FIELDS and re.fullmatch(r"[+-]?\d+", text):
-                value = int(text)
+            # "200.0": the form's JSON Schema "integer" admits 200.0, and it renders so; ASCII digits
+            # only (int() takes any script's, the CLI and the spec do not)
+            if key in _INT_FIELDS and (m := re.fullmatch(r"([+-]?[0-9]+)(\.0*)?", text)):
+                value = int(m.group(1))
             elif key == "preemptible" and text.lower() in ("true", "false"):
                 value = text.lower() == "true"
             elif key in _INT_FIELDS | {"checkpoint"} and text.lower() in _NONE_STRINGS:

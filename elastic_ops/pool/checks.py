@@ -89,6 +89,8 @@ def check_host_state(value: Any) -> HostState:
 
 
 CONFIG_FIELDS = tuple(k for k in s.DEFAULTS)
+# leases, and the time a waiting job stays planned without asking: under a second is a typo
+AT_LEAST_1_S = ("lease_ttl_s", "job_idle_s")
 
 
 def check_config(changes: dict[str, Any]) -> dict[str, Any]:
@@ -109,9 +111,12 @@ def check_config(changes: dict[str, Any]) -> dict[str, Any]:
         elif key == "aging_s":
             check_aging(key, value)
             check_number(key, value, minimum=0, maximum=MAX_SETTING)
-        else:
-            # a lease that outlives every heartbeat gap by days would keep a dead holder's slots
+        elif key in AT_LEAST_1_S:
+            # a lease that outlives every heartbeat gap by days would keep a dead holder's slots;
+            # one under a second would be lost to any pause of its holder (heartbeats: ttl / 3)
             most = MAX_LEASE_TTL_S if key == "lease_ttl_s" else MAX_SETTING
-            check_number(key, value, minimum=0, exclusive=key == "lease_ttl_s", maximum=most)
+            check_number(key, value, minimum=1, maximum=most, unit=" of seconds")
+        else:
+            check_number(key, value, minimum=0, maximum=MAX_SETTING)
         out[key] = value
     return out

@@ -446,6 +446,9 @@ def test_every_entry_point_refuses_malformed_values_before_they_reach_the_ledger
         (lambda: pool.usage(job=["a"]), "job", "printable"),
         (lambda: pool.configure(policy=[1]), "policy", "a policy name"),
         (lambda: pool.configure(lease_ttl_s=2**63), "lease_ttl_s", "<= 86400"),
+        # leases lost to any pause of their holder, waiting jobs left out at once (were accepted)
+        (lambda: pool.configure(lease_ttl_s=1e-320), "lease_ttl_s", "seconds >= 1"),
+        (lambda: pool.configure(job_idle_s=0.5), "job_idle_s", "seconds >= 1"),
     ]
     before = pool.status()
     for call, field, allowed in cases:
