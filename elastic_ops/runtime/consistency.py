@@ -179,6 +179,12 @@ class GradientEngine:
         if self.device.type == "cuda":
             torch.cuda.default_generators[self.device.index or 0].manual_seed(seed)
 
+    def seed_shared(self, iteration: int, stream: int) -> None:
+        """Seed torch's generator alike on every rank, whatever the worker count: for the code
+        all ranks run on the same data after the gradients (the optimizer's and scheduler's
+        steps, rank 0's evaluation), whose draws would otherwise follow each rank's last shard."""
+        self._seed(iteration_seed(self.data_seed, iteration, stream))
+
     def step(self, iteration: int, batch: torch.Tensor) -> float:
         if self.mode == "bitwise":
             return self._bitwise(iteration, batch)

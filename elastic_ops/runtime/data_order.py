@@ -36,6 +36,9 @@ def iteration_seed(data_seed: int, iteration: int, stream: int) -> int:
 
 
 _M64 = 2**64 - 1
+# streams of iteration_seed besides shards and ranks (>= 0): draws every rank must make alike
+OPTIMIZER_STREAM = -1  # optimizer.step() and scheduler.step() (an optimizer that adds noise)
+EVALUATE_STREAM = -2  # evaluate() (a random validation subset, MC dropout)
 
 
 @functools.lru_cache(maxsize=4)

@@ -150,7 +150,10 @@ def run_job(
         if completed and not warned and (missing := stop_metric_missing(spec.stop_when, ends)):
             log.warning("%s", missing)
             warned = True
-        if part.status is ChunkStatus.PREEMPTED or stop_reached(spec.stop_when, ends):
+        # only a chunk end's metrics decide: a piece done already reports the latest checkpoint,
+        # which may lie inside a later chunk (a preemption's, an interval's)
+        at_end = part.iteration == b
+        if part.status is ChunkStatus.PREEMPTED or (at_end and stop_reached(spec.stop_when, ends)):
             break
     return _joined(parts)
 

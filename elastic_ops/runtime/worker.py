@@ -20,7 +20,7 @@ import torch
 
 from elastic_ops.checkpoint.codec import check_state
 from elastic_ops.runtime.consistency import GradientEngine, lr_factor, target_factor, trainable_params
-from elastic_ops.runtime.data_order import batch_size, stream_slice
+from elastic_ops.runtime.data_order import EVALUATE_STREAM, OPTIMIZER_STREAM, batch_size, stream_slice
 from elastic_ops.runtime.model_checks import check_scheduler, metric_values, norm_layer_warning, warn
 from elastic_ops.runtime.segment import NonFiniteLoss, Segment, UserFailure, user_code
 from elastic_ops.runtime.state import build_state, restore_rng
@@ -149,6 +149,7 @@ class TrainableWorker:
             loss = self.engine.step(it, stream_slice(spec.data_seed, self.num_samples, self.cursor, b))
             if not math.isfinite(loss):
                 raise NonFiniteLoss(f"loss is {loss} at iteration {it}")
+            self.engine.seed_shared(it, OPTIMIZER_STREAM)  # replicas that draw alike stay alike
             self._optimizer_step()
             self.metrics["loss"].append([it, loss])
             self.cursor += b
@@ -161,6 +162,7 @@ class TrainableWorker:
         if self.iteration >= seg.end:
             was_training = self.model.training
             self.model.eval()  # evaluation without dropout, without autograd
+            self.engine.seed_shared(self.iteration, EVALUATE_STREAM)  # draws alike for every schedule
             with user_code(), torch.no_grad():
                 evaluation = metric_values(self.trainable.evaluate(self.model))
             self.model.train(was_training)

@@ -40,7 +40,8 @@ class TinyMLP(Trainable):
     ``double_head`` makes the last layer float64 (parameters of two dtypes); ``numpy_scheduler``
     keeps a numpy scalar in the scheduler's state (which the safe loader refuses);
     ``plateau`` builds a ReduceLROnPlateau; ``eval_extra`` adds its items to evaluate()'s;
-    ``aux_head`` adds a layer the loss never uses; ``weight_decay`` is SGD's.
+    ``aux_head`` adds a layer the loss never uses; ``weight_decay`` is SGD's; ``noisy_step`` adds
+    noise in the optimizer's step; ``eval_draw`` adds a random draw to the accuracy.
     """
 
     def __init__(self, **params: Any) -> None:
@@ -54,8 +55,9 @@ class TinyMLP(Trainable):
         return WithAux(body) if self.params.get("aux_head") else body
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
-        return torch.optim.SGD(model.parameters(), lr=float(self.params.get("lr", 0.1)), momentum=0.9,
-                               weight_decay=float(self.params.get("weight_decay", 0.0)))
+        sgd = NoisySGD if self.params.get("noisy_step") else torch.optim.SGD
+        return sgd(model.parameters(), lr=float(self.params.get("lr", 0.1)), momentum=0.9,
+                   weight_decay=float(self.params.get("weight_decay", 0.0)))
 
     def build_scheduler(self, optimizer: torch.optim.Optimizer) -> Any:
         if self.params.get("plateau"):
@@ -105,7 +107,20 @@ class TinyMLP(Trainable):
             acc = (model(x).argmax(dim=1) == y).float().mean().item()
         if self.params.get("nan_eval"):
             return {"accuracy": acc, "perplexity": float("inf"), "r2": float("nan")}
+        if self.params.get("eval_draw"):  # an evaluation that samples (a random subset, MC dropout)
+            acc += float(torch.rand(1))
         return {"accuracy": acc, **self.params.get("eval_extra", {})}
+
+
+class NoisySGD(torch.optim.SGD):
+    """SGD whose step adds noise to the gradients (the override pattern the docs give)."""
+
+    def step(self, closure: Any = None) -> Any:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.add_(torch.randn_like(p.grad), alpha=0.01)
+        return super().step(closure)
 
 
 class WithAux(nn.Module):

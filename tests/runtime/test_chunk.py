@@ -76,6 +76,17 @@ def test_bitwise_schedule_1_3_2_equals_one_worker_bit_for_bit(tmp_path, referenc
     assert all(torch.equal(ref[k], got[k]) for k in ref)
 
 
+def test_draws_in_the_optimizers_step_and_in_evaluate_do_not_depend_on_the_schedule(tmp_path):
+    """They drew from each rank's generator as its last shard left it: the replicas of a noisy
+    optimizer trained apart (rank 0's was kept), a sampling evaluate() varied by schedule (a probe)."""
+    params = {"noisy_step": True, "eval_draw": True}
+    one = run_job(make_spec(tmp_path / "one", params=params), schedule=Schedule.constant(1))
+    spec = make_spec(tmp_path / "three", params=params)
+    rescaled = run_job(spec, schedule=Schedule.parse("1,3,2", spec, 0, 30))
+    assert rescaled.param_sha256 == one.param_sha256
+    assert rescaled.metrics["accuracy"] == one.metrics["accuracy"]
+
+
 def test_fast_schedule_1_3_2_equals_one_worker_within_tolerance(tmp_path, reference):
     spec = make_spec(tmp_path, consistency="fast", **_mode_fields("fast"))
     result = run_job(spec, schedule=Schedule.parse("1@0,3@9,2@21", spec, 0, 30))

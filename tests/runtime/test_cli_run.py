@@ -150,3 +150,32 @@ def test_equal_parts_schedule_splits_the_run_range():
     assert [s(i) for i in (0, 29, 30, 59, 60, 89)] == [1, 1, 3, 3, 2, 2]
     s = Schedule.parse("1,3", spec, 40, 90)
     assert [s(i) for i in (40, 64, 65, 89)] == [1, 1, 3, 3]
+
+
+def test_stop_when_reads_only_chunk_ends_after_a_preemption_inside_a_later_chunk(tmp_path, monkeypatch):
+    """A piece already done reports the latest checkpoint: here a preemption's, inside the next
+    chunk, whose loss met stop_when. The job stopped there (a model Airflow never gives); it runs
+    on to the first chunk end that meets it (a probe)."""
+    from elastic_ops.runtime import job as job_module
+    from elastic_ops.runtime.outcome import ChunkResult, ChunkStatus
+
+    spec = make_spec(tmp_path, total_iterations=30, chunk_iterations=10,
+                     stop_when={"metric": "loss", "at_most": 0.2})
+    latest = {"iteration": 15, "loss": 0.1}  # committed by a preempted earlier run
+    ends = {20: 0.5, 30: 0.05}
+    calls = []
+
+    def fake_chunk(spec, a, b, **_):
+        calls.append((a, b))
+        done = latest["iteration"] >= b
+        it, loss = (latest["iteration"], latest["loss"]) if done else (b, ends[b])
+        return ChunkResult(ChunkStatus.ALREADY_DONE if done else ChunkStatus.COMPLETED, a, b, it, None,
+                           loss, {}, [], 0.0, 0.0, "x")
+
+    monkeypatch.setattr(job_module, "run_chunk", fake_chunk)
+    result = run_job(spec)
+    assert calls == [(0, 10), (10, 20), (20, 30)] and result.iteration == 30
+    latest["loss"] = 0.5  # and a chunk end that meets it still stops the job there
+    ends[20] = 0.15
+    calls.clear()
+    assert run_job(spec).iteration == 20 and calls == [(0, 10), (10, 20)]
