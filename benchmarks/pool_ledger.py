@@ -93,7 +93,8 @@ def main() -> None:
             with engine.begin() as conn:
                 conn.execute(sa.text(f'CREATE SCHEMA "{schema}"'))
             try:
-                url = f"{PG_BASE}?options=-csearch_path%3D{schema}"
+                sep = "&" if "?" in PG_BASE else "?"
+                url = f"{PG_BASE}{sep}options=-csearch_path%3D{schema}"
                 rows.append({"backend": "postgresql", **run_cell(url, n, args.seconds)})
                 print(rows[-1], flush=True)
             finally:

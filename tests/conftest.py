@@ -41,9 +41,14 @@ def require_service(name: str, host: str, port: int) -> None:
 
 
 def local_postgres() -> str:
-    """A URL to the local PostgreSQL ``test`` database (trust auth); skips (fails in CI) without."""
-    require_service("PostgreSQL", "127.0.0.1", 5432)
-    return os.environ.get("ELASTIC_OPS_TEST_POSTGRES", "postgresql+psycopg2://postgres@127.0.0.1:5432/test")
+    """A URL to the local PostgreSQL ``test`` database (trust auth), or ``$ELASTIC_OPS_TEST_POSTGRES``'s;
+    skips (fails in CI) when its server does not answer."""
+    from sqlalchemy.engine import make_url
+
+    url = os.environ.get("ELASTIC_OPS_TEST_POSTGRES", "postgresql+psycopg2://postgres@127.0.0.1:5432/test")
+    parsed = make_url(url)
+    require_service("PostgreSQL", parsed.host or "127.0.0.1", parsed.port or 5432)
+    return url
 
 
 @pytest.fixture

@@ -51,6 +51,7 @@ from elastic_ops.errors import (
 from elastic_ops.runtime.control import ControlChannel, count_of, moved
 from elastic_ops.runtime.launcher import Launcher, LaunchRequest, LocalLauncher, RemotePart, loopback_store
 from elastic_ops.runtime.outcome import ChunkResult, ChunkStatus, Progress
+from elastic_ops.runtime.segment import pg_timeout
 from elastic_ops.runtime.state import load_state, param_sha256, save_atomic
 from elastic_ops.spec import JobSpec
 
@@ -679,6 +680,7 @@ def run_chunk(
     """
     _check_range(spec, start, end)
     _check_entrypoint(spec)
+    pg_timeout()  # read by every worker: a bad value is refused here, once
     if store is None:
         from elastic_ops.checkpoint import open_store
 

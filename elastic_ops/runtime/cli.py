@@ -42,7 +42,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         try:
             spec = spec.replace(checkpoint=args.checkpoint)
         except SpecError as exc:
-            raise SpecError("--checkpoint", args.checkpoint, exc.allowed) from None
+            raise exc.naming("--checkpoint") from None  # with the spec's hint (file:/// needs three slashes)
     start, end = parse_range(args.iterations, spec)
     schedule = args.workers_schedule
     schedule = None if schedule is None else Schedule.parse(schedule, spec, start, end)

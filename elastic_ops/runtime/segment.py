@@ -34,11 +34,27 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from elastic_ops.errors import SpecError
 from elastic_ops.runtime.control import ControlChannel
 from elastic_ops.spec import JobSpec
 
 ENV_VAR = "ELASTIC_OPS_SEGMENT"
-PG_TIMEOUT = datetime.timedelta(seconds=int(os.environ.get("ELASTIC_OPS_PG_TIMEOUT_S", "600")))
+PG_TIMEOUT_ENV = "ELASTIC_OPS_PG_TIMEOUT_S"
+PG_TIMEOUT_DEFAULT_S = 600
+PG_TIMEOUT_MAX_S = 7 * 86400
+
+
+def pg_timeout() -> datetime.timedelta:
+    """The process group's collective timeout, from ``$ELASTIC_OPS_PG_TIMEOUT_S`` (whole seconds).
+    The chunk runner reads it before it starts workers, so a bad value is a :class:`SpecError`
+    there, not a traceback in every worker."""
+    raw = os.environ.get(PG_TIMEOUT_ENV)
+    if raw is None:
+        return datetime.timedelta(seconds=PG_TIMEOUT_DEFAULT_S)
+    text = raw.strip()
+    if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= PG_TIMEOUT_MAX_S:
+        raise SpecError(PG_TIMEOUT_ENV, raw, f"whole seconds, 1..{PG_TIMEOUT_MAX_S}")
+    return datetime.timedelta(seconds=int(text))
 
 
 class UserFailure(Exception):
@@ -135,7 +151,7 @@ class Segment:
             torch.cuda.set_device(0)
         if (self.workers > 1 or always_group) and not dist.is_initialized():
             backend = "nccl" if self.device().type == "cuda" else "gloo"
-            dist.init_process_group(backend, timeout=PG_TIMEOUT)
+            dist.init_process_group(backend, timeout=pg_timeout())
 
     def load_state(self) -> dict[str, Any] | None:
         if self.span:

@@ -136,6 +136,7 @@ def test_a_stop_when_metric_no_chunk_reports_is_warned_about_once(tmp_path, capl
         ("--iterations", "15:5", "START:END"),
         ("--iterations", "0:99", "START:END"),
         ("--checkpoint", "ftp://host/x", "file:///absolute/path"),
+        ("--checkpoint", "file://tmp/x", "note the three slashes in file:///"),  # the spec's hint too
     ],
 )
 def test_bad_flag_values_name_the_flag(tmp_path, capsys, flag, value, needle):
@@ -179,3 +180,13 @@ def test_stop_when_reads_only_chunk_ends_after_a_preemption_inside_a_later_chunk
     ends[20] = 0.15
     calls.clear()
     assert run_job(spec).iteration == 20 and calls == [(0, 10), (10, 20)]
+
+
+@pytest.mark.parametrize("value", ["1.5", "0", "-3", "\u0664", "ten"])
+def test_a_bad_process_group_timeout_is_refused_before_any_worker(tmp_path, capsys, monkeypatch, value):
+    """Read with a bare int() in every worker: 1.5 was a ValueError traceback per worker (a probe)."""
+    monkeypatch.setenv("ELASTIC_OPS_PG_TIMEOUT_S", value)
+    rc = main(["run", "--spec", str(write_spec(tmp_path)), "--workers-schedule", "2", "--quiet"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "invalid ELASTIC_OPS_PG_TIMEOUT_S=" in err and "whole seconds" in err
+    assert "Traceback" not in err
