@@ -28,7 +28,8 @@ with DAG(
         "iterations": Param(200, type="integer", minimum=4, maximum=100_000, title="Total iterations",
                             description="split into 4 chunk tasks"),
         "checkpoint": Param(None, type=["null", "string"], title="Checkpoint URI",
-                            pattern=r"^(|file:///[^?#\s]+|s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/[^?#\s]*)?)$",
+                            pattern=r"^(|file:///[^?#\s]+|s3://(?![^/]*\.\.)(?!\d{1,3}(\.\d{1,3}){3}(/|$))"
+                            r"[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/[^?#\s]*)?)$",
                             description="file:///path or s3://bucket/prefix; empty = the default"),
     },
 ):
