@@ -352,7 +352,8 @@ def test_the_expiry_a_heartbeat_finds_is_committed_before_it_raises(pool, clock)
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), 1e300])
 def test_pool_settings_must_be_finite_and_bounded(pool, setting, bad):
     """1e300 is finite, but a lease that long never expires: its dead holder's slots stay taken."""
-    with pytest.raises(SpecError, match=f"invalid {setting}=.*: must be a finite number [>]=? 0 and <= "):
+    least = "of seconds >= 1" if setting == "lease_ttl_s" else ">= 0"
+    with pytest.raises(SpecError, match=f"invalid {setting}=.*: must be a finite number {least} and <= "):
         pool.configure(**{setting: bad})
 
 
