@@ -19,7 +19,8 @@ A decision has three steps, all deterministic and free of I/O:
    release, so a job rescales once rather than in steps.
 
 **Aging** (no starvation): a job holding no slots has effective priority
-``priority + (now - waiting_since) / aging_s``; a running job's is its priority. Aging changes
+``priority + floor((now - waiting_since) / aging_s)`` (one unit per *whole* ``aging_s``
+seconds waited); a running job's is its priority. Aging changes
 the admission order and the ``strict`` class, never the ``priority`` weights.
 
 **Representation (why it is fast).** The snapshot is read column by column at C level (one

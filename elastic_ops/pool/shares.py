@@ -18,7 +18,8 @@ def weighted_fill(
 
     The common λ is found by sweeping the sorted breakpoints ``min/w`` and ``cap/w`` of the
     piecewise-linear total. Fractions are rounded down and the leftover units go to the largest
-    fractional parts (ties: lower index first), so the result is deterministic. Callers make sure
+    fractional parts, compared to 1e-9 so that float noise does
+    not break exact ties (ties: lower index first), so the result is deterministic. Callers make sure
     ``sum(mins) <= capacity`` (gang admission); if ``sum(caps) <= capacity`` every job gets its cap.
     """
     lo = np.asarray(mins, dtype=np.int64).reshape(-1)
@@ -43,7 +44,10 @@ def weighted_fill_array(lo: np.ndarray, hi: np.ndarray, w: np.ndarray, capacity:
     left = capacity - int(out.sum())
     if left > 0:
         room = np.flatnonzero(out < hi_f)
-        out[room[_smallest(-(exact[room] - out[room]), left)]] += 1
+        # Remainders compared to 1e-9 (rounded), so float noise never breaks an exact tie:
+        # equal remainders go to the lower index (rank).
+        frac = np.round(exact[room] - out[room], 9)
+        out[room[_smallest(-frac, left)]] += 1
     return out.astype(np.int64)
 
 
