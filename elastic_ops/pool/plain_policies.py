@@ -68,10 +68,31 @@ def _usable(snap: Snapshot) -> tuple[dict[str, int], int]:
     return up, sum(up.values())
 
 
-def _cap(job: Job, up: dict[str, int], capacity: int) -> int:
-    """The most workers a job can use: its max, limited by slots on up hosts it does not avoid."""
+def _cap(job: Job, up: dict[str, int], capacity: int, frozen_on: dict[str, int] | None = None) -> int:
+    """The most workers a job can use: its max, limited by slots on up hosts it does not avoid;
+    for a job restricted to some up hosts, less the slots that frozen jobs keep on them
+    (``frozen_on``: per host)."""
     avoided = sum(up.get(h, 0) for h in job.avoid_hosts)
+    if frozen_on:
+        avoided += sum(n for h, n in frozen_on.items() if h not in job.avoid_hosts)
     return min(job.max_workers, capacity - avoided)
+
+
+def restricted(job: Job, up: dict[str, int]) -> bool:
+    """Whether ``job`` may not take slots on some ``up`` host (a selector, failures)."""
+    return any(h in up for h in job.avoid_hosts)
+
+
+def _frozen_on(jobs: Iterable[Job], up: dict[str, int]) -> dict[str, int]:
+    """Slots that the given (frozen) jobs hold and keep, per up host: in range, on hosts they
+    need not leave."""
+    out: dict[str, int] = {}
+    for job in jobs:
+        for h, sl in job.held:
+            size = up.get(h)
+            if size is not None and 0 <= sl < size and h not in job.leave_hosts:
+                out[h] = out.get(h, 0) + 1
+    return out
 
 
 def _share_round(
@@ -147,8 +168,20 @@ def _scan(jobs: Iterable[Job], up: dict[str, int]) -> tuple[dict[str, list[int]]
 SETTLE_AFTER = 8  # exact freeze rounds before a chain of freezes is settled in one step
 
 
-def _targets(snap, share: ShareFn, ordered: list[Job], up: dict[str, int], capacity: int, held_up: list[int]):
-    caps = [_cap(j, up, capacity) for j in ordered]
+def _targets(
+    snap,
+    share: ShareFn,
+    ordered: list[Job],
+    up: dict[str, int],
+    capacity: int,
+    held_up: list[int],
+    limit: dict[int, int] | None = None,
+):
+    """Targets and reasons. ``limit``: caps lowered by placement (see :func:`_host_repair`)."""
+    base_caps = [_cap(j, up, capacity) for j in ordered]
+    limit = limit or {}
+    restricted_idx = [i for i, j in enumerate(ordered) if restricted(j, up)]
+    caps = list(base_caps)
     # what a frozen job keeps: what it holds, down to its max (a user lowered it: the job shrinks
     # to it, and no further than a job that may not shrink may go)
     keep = [min(h, j.max_workers) for h, j in zip(held_up, ordered, strict=True)]
@@ -167,6 +200,12 @@ def _targets(snap, share: ShareFn, ordered: list[Job], up: dict[str, int], capac
                     frozen[i] = why
         free_idx = [i for i in range(len(ordered)) if i not in frozen]
         cap_left = capacity - sum(keep[i] for i in frozen)
+        # a restricted job's cap: what its hosts can give after what frozen jobs keep on them
+        frozen_on = _frozen_on([ordered[i] for i in sorted(frozen)], up) if frozen else None
+        for i in restricted_idx:
+            caps[i] = _cap(ordered[i], up, capacity, frozen_on)
+        for i, c in limit.items():
+            caps[i] = min(caps[i], c)
         part, left_out = _share_round(
             [ordered[i] for i in free_idx], [caps[i] for i in free_idx], cap_left, snap, share
         )
@@ -193,13 +232,19 @@ def _targets(snap, share: ShareFn, ordered: list[Job], up: dict[str, int], capac
 
 
 class _FreeSlots:
-    """Free slots on up hosts, handed out first-fit in host-name order with a moving cursor.
+    """Free slots on up hosts, handed out first-fit in host-name order (spare hosts first, see
+    :func:`spare_hosts`) with a moving cursor.
     A host's free list is built only when something is taken from it."""
 
-    def __init__(self, up: dict[str, int], taken: dict[str, list[int]]) -> None:
+    def __init__(
+        self, up: dict[str, int], taken: dict[str, list[int]], spare: frozenset[str] = frozenset()
+    ) -> None:
         self.up = up
         self.taken = taken
-        self.hosts = sorted(h for h in up if len(taken.get(h, ())) < up[h])
+        # spare hosts (no restricted job may use them) first, then the others, by name
+        self.hosts = sorted(
+            (h for h in up if len(taken.get(h, ())) < up[h]), key=lambda h: (h not in spare, h)
+        )
         self.free: dict[str, list[int]] = {}
         self.cursor = 0
         self.total = sum(up.values()) - sum(len(taken.get(h, ())) for h in up)
@@ -276,18 +321,183 @@ def make_policy(share: ShareFn) -> Policy:
         ordered = sorted(snap.jobs, key=lambda j: order_key(j, snap))
         taken, held_up_by = _scan(ordered, up)
         held_up = [held_up_by[j.name] for j in ordered]
-        targets, reasons = _targets(snap, share, ordered, up, capacity, held_up)
-        kept = [_keep(j, t, up, n) for j, t, n in zip(ordered, targets, held_up, strict=True)]
-        pending = sum(1 for _, rel in kept for h, _ in rel if h in up)
-        free = _FreeSlots(up, taken)
-        decisions = []
-        for job, target, reason, (keep, release), n in zip(
-            ordered, targets, reasons, kept, held_up, strict=True
-        ):
-            decisions.append(_place(job, target, reason, keep, release, free, pending, _moving(job, up, n)))
-        return Plan.of(decisions, [len(keep) for keep, _ in kept])
+        spare = spare_hosts(ordered, up)
+        limit: dict[int, int] = {}
+        while True:  # caps only go down, so this ends
+            targets, reasons = _targets(snap, share, ordered, up, capacity, held_up, limit)
+            placed = _place_all(snap, ordered, targets, reasons, up, taken, held_up, spare)
+            if isinstance(placed, Plan):
+                return placed
+            limit.update(placed)
 
     return decide
+
+
+def spare_hosts(jobs: Iterable[Job], up: dict[str, int]) -> frozenset[str]:
+    """The up hosts that every restricted job avoids (none may use them): growth and new grants
+    take free slots there first. Empty when no job is restricted."""
+    out: set[str] | None = None
+    for job in jobs:
+        if restricted(job, up):
+            out = {h for h in job.avoid_hosts if h in up} if out is None else out & job.avoid_hosts
+            if not out:
+                return frozenset()
+    return frozenset(out or ())
+
+
+def _place_all(snap, ordered, targets, reasons, up, taken, held_up, spare) -> Plan | dict[int, int]:
+    """Keep/release, then new slots: restricted jobs first (rank order), then the others (rank
+    order). Returns the plan, or the caps to lower when a restricted job's target cannot be
+    placed even after the releases and moves the plan could order (see :func:`_host_repair`)."""
+    n = len(ordered)
+    keeps: list[list[Slot]] = []
+    releases: list[list[Slot]] = []
+    for j, t, h in zip(ordered, targets, held_up, strict=True):
+        k, r = _keep(j, t, up, h)
+        keeps.append(k)
+        releases.append(r)
+    released_on: dict[str, int] = {}  # slots released on each up host
+    for rel in releases:
+        for h, _ in rel:
+            if h in up:
+                released_on[h] = released_on.get(h, 0) + 1
+    pending = sum(released_on.values())
+    free = _FreeSlots(up, taken, spare)
+    new: list[list[Slot]] = [[] for _ in range(n)]  # moved-in slots first, then growth
+    suffix = [""] * n
+    movers: dict[int, list[str]] = {}
+    claimed: dict[str, int] = {}  # released slots a restricted job waits for, per host
+    first = [i for i, j in enumerate(ordered) if restricted(j, up)]
+    for i in first:
+        job = ordered[i]
+        need = targets[i] - len(keeps[i]) - len(new[i])
+        if need <= 0:
+            continue
+        avail = free.count_for(job.avoid_hosts)
+        if avail < need:
+            out = sum(n for h, n in released_on.items() if h in job.avoid_hosts)
+            if free.total - avail + out > 0:  # it is short on its hosts while others have room
+                state = (keeps, releases, new, released_on, claimed, movers)
+                lowered = _host_repair(snap, i, ordered, targets, state, free, up, need, avail)
+                if lowered is not None:
+                    return {i: lowered}
+                suffix[i] = f"; waiting for {need - avail} slots to be released on its hosts"
+                continue
+            got, suffix[i] = _grow_one(job, need, keeps[i] + new[i], free, pending, pending - out)
+        else:
+            got = free.take(need, dict.fromkeys(h for h, _ in keeps[i] + new[i]), job.avoid_hosts)
+        new[i] += got
+    done = set(first)
+    for i, job in enumerate(ordered):
+        need = targets[i] - len(keeps[i]) - len(new[i])
+        if need > 0 and i not in done:
+            got, suffix[i] = _grow_one(job, need, keeps[i] + new[i], free, pending)
+            new[i] += got
+    decisions = []
+    for i, job in enumerate(ordered):
+        why = reasons[i] + suffix[i]
+        if i in movers:
+            why += f"; moving {len(movers[i])} slots off hosts {', '.join(dict.fromkeys(movers[i]))} needs"
+        placements, action, why = outcome(
+            job, targets[i], keeps[i], new[i], releases[i], _moving(job, up, held_up[i]), why
+        )
+        decisions.append(Decision(job.name, targets[i], placements, tuple(releases[i]), action, why))
+    return Plan.of(decisions, [len(k) for k in keeps])
+
+
+def _grow_one(job: Job, need: int, have: list[Slot], free: _FreeSlots, pending: int, pending_in=None):
+    """New slots for ``need`` more workers of ``job`` (``have``: what it keeps): all of them if
+    free, else (nothing being released anywhere) what is free if that reaches its minimum, else
+    none. ``pending_in``: for a restricted job, the slots being released on its hosts (its
+    reason then names its hosts). Returns the slots and the reason suffix."""
+    prefer = dict.fromkeys(h for h, _ in have)
+    avail = free.count_for(job.avoid_hosts)
+    if avail >= need:
+        return free.take(need, prefer, job.avoid_hosts), ""
+    if pending == 0 and len(have) + avail >= max(job.min_workers, 1):
+        return free.take(avail, prefer, job.avoid_hosts), f"; only {avail} more free"
+    if pending_in is None:
+        return [], f"; waiting for {need - avail} slots to be released"
+    if pending_in > 0:
+        return [], f"; waiting for {need - avail} slots to be released on its hosts"
+    return [], f"; waiting for {need - avail} slots on its hosts"
+
+
+def _movable(job: Job, target: int, snap: Snapshot) -> bool:
+    """Whether a running job may be moved to other slots for a restricted job (a move is a
+    rescale for the rules: graceful preemption, a preemptible job, not rescaled too recently)."""
+    cfg = snap.config
+    if target <= 0 or cfg.preemption != Preemption.GRACEFUL or not job.preemptible:
+        return False
+    return job.last_rescale is None or snap.now - job.last_rescale >= cfg.min_rescale_interval_s
+
+
+def _host_repair(snap, i, ordered, targets, state, free: _FreeSlots, up, need: int, avail: int) -> int | None:
+    """Make room on its hosts for restricted job ``i``, short of ``need - avail`` slots there
+    while slots it may not use are free or being released. In order: slots other jobs release
+    on its hosts (not counted on by a higher-ranked restricted job); then moves: a running job
+    (lowest-ranked first) that keeps slots on its hosts and may be moved (:func:`_movable`)
+    releases them and keeps instead a slot it was releasing on a host job ``i`` may not use, or
+    is given a free one there (its own hosts first). If that covers the shortfall, the job's
+    free slots are held for it (taken, not placed) and it waits for the releases; returns None.
+    Otherwise returns the most it could reach: its cap is lowered to that and the targets are
+    recomputed."""
+    keeps, releases, new, released_on, claimed, movers = state
+    job = ordered[i]
+
+    def mine(h: str) -> bool:
+        return h in up and h not in job.avoid_hosts
+
+    short = need - avail
+    for h in sorted(released_on):
+        if short == 0:
+            break
+        if mine(h):
+            c = min(short, released_on[h] - claimed.get(h, 0))
+            if c > 0:
+                claimed[h] = claimed.get(h, 0) + c
+                short -= c
+    for j in range(len(ordered) - 1, -1, -1):
+        if short == 0:
+            break
+        if j == i or not _movable(ordered[j], targets[j], snap):
+            continue
+        for s in sorted(sl for sl in keeps[j] if mine(sl[0])):
+            if short == 0 or not _replace(ordered[j], j, state, free, up, mine):
+                break
+            keeps[j].remove(s)
+            releases[j].append(s)
+            released_on[s[0]] = released_on.get(s[0], 0) + 1
+            claimed[s[0]] = claimed.get(s[0], 0) + 1
+            movers.setdefault(j, []).append(job.name)
+            short -= 1
+    if short > 0:
+        return targets[i] - short
+    free.take(avail, {}, job.avoid_hosts)  # held for it: no one else takes them in this plan
+    return None
+
+
+def _replace(other: Job, j: int, state, free: _FreeSlots, up, mine) -> bool:
+    """Give job ``j`` one slot in place of one it moves: a slot it was releasing on a host the
+    restricted job may not use (it keeps it instead), else a free one there."""
+    keeps, releases, new, released_on, claimed, _ = state
+    for r in sorted(releases[j]):
+        h = r[0]
+        if (
+            h in up
+            and not mine(h)
+            and h not in other.leave_hosts
+            and 0 <= r[1] < up[h]
+            and released_on[h] - claimed.get(h, 0) > 0
+        ):
+            releases[j].remove(r)
+            keeps[j].append(r)
+            released_on[h] -= 1
+            return True
+    avoid = other.avoid_hosts | {h for h in up if mine(h)}
+    got = free.take(1, dict.fromkeys(h for h, _ in keeps[j] + new[j]), avoid)
+    new[j].extend(got)
+    return bool(got)
 
 
 def _moving(job: Job, up: dict[str, int], held_up: int) -> str:
@@ -305,24 +515,6 @@ MOVING = {
     (False, True): "; moving off hosts outside its host selector",
     (True, True): "; moving off unhealthy hosts and hosts outside its host selector",
 }
-
-
-def _place(job, target, reason, keep, release, free: _FreeSlots, pending, moved: str) -> Decision:
-    need = target - len(keep)
-    if need <= 0 and not release and job.held:  # the steady state: nothing changes
-        return Decision(job.name, target, job.held, (), TargetAction.KEEP, reason)
-    new: list[Slot] = []
-    if need > 0:
-        avail = free.count_for(job.avoid_hosts)
-        if avail >= need:
-            new = free.take(need, dict.fromkeys(h for h, _ in keep), job.avoid_hosts)
-        elif pending == 0 and len(keep) + avail >= max(job.min_workers, 1):
-            new = free.take(avail, dict.fromkeys(h for h, _ in keep), job.avoid_hosts)
-            reason += f"; only {avail} more free"
-        else:
-            reason += f"; waiting for {need - avail} slots to be released"
-    placements, action, reason = outcome(job, target, keep, new, release, moved, reason)
-    return Decision(job.name, target, placements, tuple(release), action, reason)
 
 
 def outcome(

@@ -202,6 +202,7 @@ class _Free:
         helds: list[tuple[Slot, ...]],
         n_held,
         leave: dict[int, frozenset[str]] | None = None,
+        spare: frozenset[str] = frozenset(),
     ) -> None:
         self.flat: list[Slot] = list(chain.from_iterable(helds))
         host = self._host_ids(hs)
@@ -222,17 +223,29 @@ class _Free:
                 if ids and b > a:
                     self.on_up[a:b] &= ~np.isin(host[a:b], ids)
         self.held_up = n_held - np.bincount(self.owner[~self.on_up], minlength=len(helds))
-        off = np.zeros(len(names) + 1, dtype=np.int64)
-        np.cumsum(up_size, out=off[1:])
         ok = (self.index >= 0) & (self.index < up_size[host])  # on an up host, within its slots
+        self.keepable = self.on_up & ok  # what a frozen job keeps (plain_policies._frozen_on)
+        # Free positions run over the hosts in take order: spare hosts first (plain
+        # spare_hosts), then by name; ``order[k]``: the host id at place k, ``place`` its inverse.
+        order = np.arange(len(names))
+        if spare:
+            sp = np.zeros(len(names), dtype=bool)
+            sp[[self.ids[h] for h in spare]] = True
+            order = np.concatenate([np.flatnonzero(sp), np.flatnonzero(~sp)])
+        place = np.empty_like(order)
+        place[order] = np.arange(len(order))
+        size_o = up_size[order]
+        off = np.zeros(len(names) + 1, dtype=np.int64)
+        np.cumsum(size_o, out=off[1:])
         taken = np.zeros(int(off[-1]), dtype=bool)
-        taken[off[host[ok]] + self.index[ok]] = True
+        taken[off[place[host[ok]]] + self.index[ok]] = True
         free = np.flatnonzero(~taken)
-        self.host_of = np.repeat(np.arange(len(names)), up_size)[free]
-        self.free_index = free - off[self.host_of]
+        at = np.repeat(np.arange(len(names)), size_o)[free]  # place of each free position
+        self.host_of = order[at]
+        self.free_index = free - off[at]
         self.names = names
         counts = np.bincount(self.host_of, minlength=len(names))
-        with_free = np.flatnonzero(counts)
+        with_free = order[counts[order] > 0]  # in take order
         self.rank_of = np.full(len(names), -1, dtype=np.int64)  # host id -> rank, -1: nothing free
         self.rank_of[with_free] = np.arange(len(with_free))
         ends = np.cumsum(counts[with_free])
@@ -456,12 +469,47 @@ class _Hosts:
 _slots, _state, _UP = attrgetter("slots"), attrgetter("state"), HostState.UP.__eq__
 
 
-def _caps(t: _Table, hs: _Hosts, capacity: int) -> np.ndarray:
-    """The most workers each job can use: its max, limited by slots on up hosts it does not avoid."""
-    usable = np.full(t.n, capacity, dtype=np.int64)
+def _caps(t: _Table, hs: _Hosts, capacity: int) -> tuple[np.ndarray, np.ndarray]:
+    """The most workers each job can use: its max, limited by slots on up hosts it does not
+    avoid. Also returns those avoided slots per job."""
+    avoided = np.zeros(t.n, dtype=np.int64)
     if t.avoid:
-        usable[list(t.avoid)] -= hs.up_slots(list(t.avoid.values()))
-    return np.minimum(t.maxs, usable)
+        avoided[list(t.avoid)] = hs.up_slots(list(t.avoid.values()))
+    return np.minimum(t.maxs, capacity - avoided), avoided
+
+
+def _restricted(t: _Table, hs: _Hosts) -> list[int]:
+    """The jobs (ranks, ascending) that avoid an up host (plain_policies.restricted)."""
+    ids, up = hs.ids, hs.is_up
+    return [i for i, hosts in sorted(t.avoid.items()) if any(h in ids and up[ids[h]] for h in hosts)]
+
+
+def _spare(t: _Table, hs: _Hosts, restricted: list[int]) -> frozenset[str]:
+    """plain_policies.spare_hosts: the up hosts every restricted job avoids."""
+    out: set[str] | None = None
+    ids, up = hs.ids, hs.is_up
+    for i in restricted:
+        hosts = t.avoid[i]
+        out = {h for h in hosts if h in ids and up[ids[h]]} if out is None else out & hosts
+        if not out:
+            return frozenset()
+    return frozenset(out or ())
+
+
+def _frozen_caps(t, hs, free, caps0, avoided, capacity, restricted, is_free) -> np.ndarray:
+    """A restricted job's cap less what frozen jobs keep on the up hosts it may use
+    (plain_policies._cap)."""
+    fz = ~is_free[free.owner] & free.keepable
+    if not restricted or not fz.any():
+        return caps0
+    per_host = np.bincount(free.host[fz], minlength=len(hs.names))
+    total = int(per_host.sum())
+    caps = caps0.copy()
+    ids = hs.ids
+    for i in restricted:
+        on_avoided = sum(int(per_host[ids[h]]) for h in t.avoid[i] if h in ids)
+        caps[i] = min(int(t.maxs[i]), capacity - int(avoided[i]) - (total - on_avoided))
+    return caps
 
 
 def _admit(mins: np.ndarray, caps: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray]:
@@ -520,9 +568,9 @@ def _freeze(t: _Table, held_up, targets, free, snap: Snapshot) -> dict[int, str]
     return out
 
 
-def _targets(t: _Table, share: ShareFn, held_up, hs: _Hosts, snap: Snapshot):
+def _targets(t: _Table, share: ShareFn, held_up, hs: _Hosts, snap: Snapshot, free: _Free, restricted):
     capacity = hs.capacity
-    caps = _caps(t, hs, capacity)
+    caps0, avoided = _caps(t, hs, capacity)
     n = t.n
     # what a frozen job keeps: down to its max (see plain_policies._targets)
     held_up = np.minimum(held_up, t.maxs)
@@ -537,6 +585,7 @@ def _targets(t: _Table, share: ShareFn, held_up, hs: _Hosts, snap: Snapshot):
             is_free[list(hard)] = False
         free_idx = np.flatnonzero(is_free)
         cap_left = capacity - int(held_up[~is_free].sum())
+        caps = _frozen_caps(t, hs, free, caps0, avoided, capacity, restricted, is_free)
         mins, fcaps = t.mins[free_idx], caps[free_idx]
         usable, admitted = _admit(mins, fcaps, cap_left)
         targets = held_up.copy()  # frozen jobs keep what they hold
@@ -586,25 +635,25 @@ def _keep(free: _Free, jobs: np.ndarray, targets: np.ndarray, n_held: np.ndarray
     most-used hosts first, then by host name and slot index) and which to release, by one
     lexsort over their slots. Returns ``perm`` (the held slots' positions in ``free.flat``, each
     job's kept ones first, in the order it keeps them, then its released ones; the identity for
-    every other job), ``n_keep`` per job and the number of released slots on up hosts."""
+    every other job), ``n_keep`` per job and the released slots on up hosts, per host id."""
     n = len(n_held)
     perm = np.arange(len(free.flat))
     n_keep = n_held.copy()
     if len(jobs) == 0:
-        return perm, n_keep, 0
+        return perm, n_keep, np.zeros(len(free.names), dtype=np.int64)
     pick = np.zeros(n, dtype=bool)
     pick[jobs] = True
     sel = np.flatnonzero(pick[free.owner])
     o, h, x, u = free.owner[sel], free.host[sel], free.index[sel], free.on_up[sel]
     order = _keep_order(o, h, x, u)
-    o, u, hu = o[order], u[order], free.host_up[sel][order]
+    o, u, hu, hh = o[order], u[order], free.host_up[sel][order], h[order]
     start = np.searchsorted(o, o, side="left")
     keep = u & (np.arange(len(o)) - start < targets[o])
     # ``sel`` is grouped by job in rank order and so is ``order`` (job is its first key): each
     # job's block of positions is permuted in place.
     perm[sel] = sel[order]
     n_keep[jobs] = np.bincount(o[keep], minlength=n)[jobs]
-    return perm, n_keep, int((hu & ~keep).sum())
+    return perm, n_keep, np.bincount(hh[hu & ~keep], minlength=len(free.names))
 
 
 def _ranges(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
@@ -715,9 +764,13 @@ def _small(snap: Snapshot) -> bool:
     return n <= SMALL_SNAPSHOT_JOBS or (n <= SMALL_CLUSTER[0] and len(snap.hosts) <= SMALL_CLUSTER[1])
 
 
-def make_policy(share: ShareFn, plain: Policy | None = None) -> Policy:
+def make_policy(share: ShareFn, plain: Policy | None = None, repair: Policy | None = None) -> Policy:
     """The policy for ``share``: the plain implementation ``plain`` for small snapshots (see
-    :data:`SMALL_SNAPSHOT_JOBS`), the vectorised one otherwise (or always, without ``plain``)."""
+    :data:`SMALL_SNAPSHOT_JOBS`), the vectorised one otherwise (or always, without ``plain``).
+    ``repair`` (default ``plain``): the plain implementation, which decides the snapshots where a
+    restricted job is short on its hosts while others have room (moves, lowered caps: see
+    plain_policies._host_repair); the vectorised path hands those over whole."""
+    repair = repair or plain
 
     def decide(snap: Snapshot) -> Plan:
         if plain is not None and _small(snap):
@@ -727,29 +780,53 @@ def make_policy(share: ShareFn, plain: Policy | None = None) -> Policy:
         # held slot) several times per decision at 10,000 jobs for no garbage: pause it for the
         # call (restored on return or error; left alone if the caller had disabled it).
         if not gc.isenabled():
-            return _decide(snap, share)
+            return _decide_or_repair(snap, share, repair)
         gc.disable()
         try:
-            return _decide(snap, share)
+            return _decide_or_repair(snap, share, repair)
         finally:
             gc.enable()
 
     return decide
 
 
+def _decide_or_repair(snap: Snapshot, share: ShareFn, repair: Policy | None) -> Plan:
+    try:
+        return _decide(snap, share)
+    except _HostsNeeded:
+        if repair is None:
+            raise
+        return repair(snap)
+
+
 def _decide(snap: Snapshot, share: ShareFn) -> Plan:
     t = _Table(snap)
     hs = _Hosts(snap)
-    free = _Free(hs, t.held, t.n_held, t.leave)
+    restricted = _restricted(t, hs) if t.avoid else []
+    free = _Free(hs, t.held, t.n_held, t.leave, _spare(t, hs, restricted))
     held_up = free.held_up
-    targets, reasons = _targets(t, share, held_up, hs, snap)
+    targets, reasons = _targets(t, share, held_up, hs, snap, free, restricted)
     # Jobs that keep all they hold (on up hosts) need no sorting; the others keep part.
     simple = (held_up == t.n_held) & (targets >= held_up)
-    perm, n_keep, pending = _keep(free, np.flatnonzero(~simple), targets, t.n_held)
+    perm, n_keep, released_on = _keep(free, np.flatnonzero(~simple), targets, t.n_held)
+    pending = int(released_on.sum())
     n_new = np.zeros(t.n, dtype=np.int64)
     growing = np.flatnonzero(targets > n_keep)
     if len(growing):
-        _take_all(t, free, growing, (targets - n_keep)[growing], perm, n_keep, n_new, reasons, pending)
+        need = targets - n_keep
+        first = np.zeros(t.n, dtype=bool)
+        first[restricted] = True
+        g1, g2 = growing[first[growing]], growing[~first[growing]]
+        # restricted jobs first (rank order), then the others (rank order): see plain_policies
+        if len(g1):
+            _take_restricted(t, free, g1, need[g1], perm, n_keep, n_new, reasons, pending, released_on)
+        if len(g2):
+            p1 = free.taken()
+            free._parts = []
+            _take_all(t, free, g2, need[g2], perm, n_keep, n_new, reasons, pending)
+            if len(p1):  # the positions handed out, put back in rank order
+                lab = np.concatenate([np.repeat(g1, n_new[g1]), np.repeat(g2, n_new[g2])])
+                free._parts = [np.concatenate([p1, free.taken()])[np.argsort(lab, kind="stable")]]
     # Actions and reason suffixes as plain_policies.outcome() names them, for every job at once.
     has_held = t.n_held > 0
     preempted = has_held & (targets == 0)
@@ -834,6 +911,35 @@ def _take_all(t: _Table, free: _Free, growing, need, perm, n_keep, n_new, reason
     n_new[growing] = got
 
 
+class _HostsNeeded(Exception):
+    """A restricted job is short on its hosts while slots it may not use are free or being
+    released: the plan needs the plain implementation's repair (moves, lowered caps)."""
+
+
+def _take_restricted(t: _Table, free: _Free, jobs, need, perm, n_keep, n_new, reasons, pending, released_on):
+    """Hand out free slots to the restricted growing ``jobs`` (rank order), as
+    plain_policies._place_all's first pass; raises :class:`_HostsNeeded` where that pass would
+    repair."""
+    first = free.first[jobs]
+    kept = n_keep[jobs]
+    own = free.rank_of[free.host[perm[_ranges(first, first + kept)]]].tolist()
+    a = np.concatenate([[0], np.cumsum(kept)]).tolist()
+    ids, rel = free.ids, released_on.tolist()
+    for j, (i, want) in enumerate(zip(jobs.tolist(), need.tolist(), strict=True)):
+        hosts = t.avoid[i]
+        avoid = free.avoid_ranks(hosts)
+        avail = free.count_for(avoid)
+        mine = own[a[j] : a[j + 1]]
+        if avail >= want:
+            free.take(want, mine, avoid)
+            n_new[i] = want
+            continue
+        out = sum(rel[ids[h]] for h in hosts if h in ids)
+        if free.total - avail + out > 0:
+            raise _HostsNeeded
+        n_new[i], reasons[i] = _grow(t, i, want, kept[j], mine, reasons[i], free, pending, pending - out)
+
+
 def _run_with_avoids(t: _Table, free: _Free, gl, cum, base: int, j: int, m: int, avoiding, q: int) -> int:
     """Hand out the next free slots to the run of fresh jobs ``j .. j + m - 1`` (growing
     positions; ``cum``: cumulative needs, ``base`` = ``cum[j - 1]``), up to the first of them
@@ -861,10 +967,21 @@ def _nothing_free(t: _Table, rest, need, n_keep, reasons: list[str], pending: in
         reasons[i] += text[w]
 
 
-def _grow(t: _Table, i: int, need: int, have: int, own: list[int], reason: str, free: _Free, pending: int):
+def _grow(
+    t: _Table,
+    i: int,
+    need: int,
+    have: int,
+    own: list[int],
+    reason: str,
+    free: _Free,
+    pending: int,
+    pending_in: int | None = None,
+):
     """Take the free slots for ``need`` more workers of job ``i``: all of them, or (when no
     slots are being released that could make up the rest) what is free if that reaches the
-    job's minimum. Returns how many were taken and the reason."""
+    job's minimum. Returns how many were taken and the reason (plain_policies._grow_one;
+    ``pending_in``: slots released on a restricted job's hosts)."""
     avoid = free.avoid_ranks(t.avoid.get(i, _NO_HOSTS))
     avail = free.count_for(avoid)
     if avail >= need:
@@ -873,13 +990,17 @@ def _grow(t: _Table, i: int, need: int, have: int, own: list[int], reason: str, 
     if pending == 0 and have + avail >= max(int(t.mins[i]), 1):
         free.take(avail, own, avoid)
         return avail, reason + f"; only {avail} more free"
-    return 0, reason + f"; waiting for {need - avail} slots to be released"
+    if pending_in is None:
+        return 0, reason + f"; waiting for {need - avail} slots to be released"
+    if pending_in > 0:
+        return 0, reason + f"; waiting for {need - avail} slots to be released on its hosts"
+    return 0, reason + f"; waiting for {need - avail} slots on its hosts"
 
 
 _SHARES: dict[str, ShareFn] = {"fairshare": _fair, "priority": _priority, "strict": _strict}
 POLICIES: dict[str, Policy] = {name: make_policy(fn, PLAIN[name]) for name, fn in _SHARES.items()}
 # The vectorised path at every size (tests and benchmarks compare it with PLAIN).
-VECTORISED: dict[str, Policy] = {name: make_policy(fn) for name, fn in _SHARES.items()}
+VECTORISED: dict[str, Policy] = {name: make_policy(fn, repair=PLAIN[name]) for name, fn in _SHARES.items()}
 
 
 def get_policy(name: str) -> Policy:

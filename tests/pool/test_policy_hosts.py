@@ -13,7 +13,7 @@ def _both(name, snap):
     """The plan of policy ``name`` from both implementations, checked equal."""
     ref, fast = PLAIN[name](snap), VECTORISED[name](snap)
     assert fast == ref
-    assert (fast.jobs, fast.target, fast.action, fast.reason) == (ref.jobs, ref.target, ref.action, ref.reason)
+    assert (fast.target, fast.action, fast.reason) == (ref.target, ref.action, ref.reason)
     return ref
 
 

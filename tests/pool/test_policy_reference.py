@@ -170,10 +170,11 @@ def test_fast_policies_match_the_reference_on_a_larger_busy_cluster(seed):
 
 
 @pytest.mark.parametrize("big", [False, True])
-def test_a_newcomer_that_avoids_the_next_free_host_skips_it_in_a_run(big):
-    # Newcomers take the next free slots in host-name order as one run; the fourth avoids the
-    # host its share would land on, so it skips that host and the jobs after it take those
-    # slots (the run is cut before it and it is placed on its own).
+def test_a_newcomer_that_avoids_a_host_is_placed_before_the_run(big):
+    # Newcomers take the next free slots in host-name order as one run; a job restricted to
+    # some hosts (it avoids one that is up) is placed before every job that may use any host
+    # (docs/pool.md, "restricted jobs first"), so it takes the first free slots; the run starts
+    # on the host it avoids (a spare host: no restricted job may use it), then goes on by name.
     n = 40 if big else 4  # jobs before it: a run of 16 or 160 slots
     hosts = tuple(Host(f"h{i:03d}", 4) for i in range(4 * n + 8))
     jobs = [Job(f"a{i:03d}", 4, 4, submitted=float(i)) for i in range(3 * n)]
@@ -182,9 +183,10 @@ def test_a_newcomer_that_avoids_the_next_free_host_skips_it_in_a_run(big):
     jobs += [Job(f"c{i:03d}", 3, 3, submitted=float(3 * n + 1 + i)) for i in range(3)]
     snap = Snapshot(hosts, tuple(jobs), now=1000.0)
     _assert_same_plan(snap)
-    new = VECTORISED["fairshare"](snap)["b"].placements
-    assert new and all(h not in avoid for h, _ in new)
-    assert VECTORISED["fairshare"](snap)["c000"].placements[0] == (hosts[3 * n].name, 0)
+    plan = VECTORISED["fairshare"](snap)
+    assert plan["b"].placements == (("h000", 0), ("h000", 1))
+    assert plan["a000"].placements == tuple((hosts[3 * n].name, i) for i in range(4))
+    assert plan["a001"].placements == (("h000", 2), ("h000", 3), ("h001", 0), ("h001", 1))
 
 
 @pytest.mark.parametrize("settle_after", [1, 2])
