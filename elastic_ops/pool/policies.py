@@ -14,7 +14,10 @@ A decision has three steps, all deterministic and free of I/O:
    (capped at their max, which a user may have lowered) and the rest is re-shared around them.
 3. **Place.** Each job keeps its held slots on ``up`` hosts (most-used hosts first) up to its
    target and releases the rest at its next boundary; growth takes free slots on ``up`` hosts
-   it does not avoid, its own hosts first, then hosts in name order (lowest slot index first).
+   it does not avoid, its own hosts first, then spare hosts (those every restricted job
+   avoids), then hosts in name order (lowest slot index first). Restricted jobs (that avoid an
+   ``up`` host) are placed first; one short on its hosts while others have room is handed to
+   the plain implementation (moves, lowered caps: ``plain_policies._host_repair``).
    A grow (or a new grant) waits for its full increment while other jobs still have slots to
    release, so a job rescales once rather than in steps.
 

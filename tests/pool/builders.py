@@ -108,3 +108,50 @@ def shuffled_snapshots(draw) -> Snapshot:
         aging_s=draw(st.sampled_from([0.0, 600.0])),
     )
     return Snapshot(tuple(hosts), tuple(draw(st.permutations(jobs))), now, config)
+
+
+@st.composite
+def selector_snapshots(draw) -> Snapshot:
+    """Jobs restricted by host selectors (several jobs share a selector, so some hosts are
+    spare: no restricted job may use them) and by hosts that failed them, next to jobs that may
+    use any host; held slots scattered, some hosts not up."""
+    n_hosts = draw(st.integers(2, 6))
+    hosts = [
+        Host(f"h{i}", draw(st.integers(1, 6)), draw(st.sampled_from([HostState.UP] * 6 + list(HostState))))
+        for i in range(n_hosts)
+    ]
+    kinds = {h.name: draw(st.sampled_from(["a", "b"])) for h in hosts}
+    free = draw(st.permutations([(h.name, s) for h in hosts for s in range(h.slots)]))
+    now = 1_000.0
+    jobs, cursor = [], 0
+    for i in range(draw(st.integers(1, 8))):
+        lo = draw(st.integers(1, 4))
+        hi = draw(st.integers(lo, lo + 6))
+        selector = draw(st.sampled_from([None, None, "a", "b"]))
+        outside = frozenset(h for h, k in kinds.items() if selector and k != selector)
+        failed = frozenset(draw(st.sets(st.sampled_from(sorted(kinds)), max_size=1)))
+        n_held = draw(st.integers(0, max(0, min(hi + 1, len(free) - cursor))))
+        held = tuple(free[cursor : cursor + n_held])
+        cursor += n_held
+        jobs.append(
+            Job(
+                name=f"job{i}",
+                min_workers=lo,
+                max_workers=hi,
+                priority=draw(st.integers(1, 3)),
+                preemptible=draw(st.booleans()),
+                avoid_hosts=outside | failed,
+                leave_hosts=outside,
+                submitted=float(draw(st.integers(0, 3))),
+                waiting_since=None if held else float(draw(st.integers(0, 2_000))),
+                last_rescale=draw(st.none() | st.sampled_from([now - 100, now - 10])),
+                held=held,
+            )
+        )
+    config = PolicyConfig(
+        preemption=draw(st.sampled_from(list(Preemption))),
+        min_rescale_interval_s=draw(st.sampled_from([0.0, 60.0])),
+        min_gain=draw(st.sampled_from([0.0, 0.25])),
+        aging_s=draw(st.sampled_from([0.0, 600.0])),
+    )
+    return Snapshot(tuple(hosts), tuple(jobs), now, config)
