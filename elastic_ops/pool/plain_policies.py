@@ -397,7 +397,8 @@ def _place_all(snap, ordered, targets, reasons, up, taken, held_up, spare) -> Pl
     for i, job in enumerate(ordered):
         why = reasons[i] + suffix[i]
         if i in movers:
-            why += f"; moving {len(movers[i])} slots off hosts {', '.join(dict.fromkeys(movers[i]))} needs"
+            needs = ", ".join(dict.fromkeys(movers[i]))
+            why += f"; moving {len(movers[i])} slots off hosts that job {needs} needs"
         placements, action, why = outcome(
             job, targets[i], keeps[i], new[i], releases[i], _moving(job, up, held_up[i]), why
         )

@@ -18,8 +18,8 @@ def weighted_fill(
 
     The common λ is found by sweeping the sorted breakpoints ``min/w`` and ``cap/w`` of the
     piecewise-linear total. Fractions are rounded down and the leftover units go to the largest
-    fractional parts, compared to 1e-9 so that float noise does
-    not break exact ties (ties: lower index first), so the result is deterministic. Callers make sure
+    fractional parts, compared to 1e-9 so that float noise does not break an exact tie (ties:
+    lower index first), so the result is deterministic. Callers make sure
     ``sum(mins) <= capacity`` (gang admission); if ``sum(caps) <= capacity`` every job gets its cap.
     """
     lo = np.asarray(mins, dtype=np.int64).reshape(-1)

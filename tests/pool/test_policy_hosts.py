@@ -62,7 +62,7 @@ def test_a_running_job_moves_off_the_only_host_a_higher_priority_job_may_use():
     assert (low.target, high.target) == (4, 4)
     assert low.placements == tuple(("h1", i) for i in range(4))
     assert low.release == tuple(("h0", i) for i in range(4))
-    assert "moving 4 slots off hosts high needs" in low.reason
+    assert "moving 4 slots off hosts that job high needs" in low.reason
     assert high.placements == () and "waiting for 4 slots to be released on its hosts" in high.reason
     after = _both("priority", _held(snap, plan))
     assert after["high"].placements == tuple(("h0", i) for i in range(4))

@@ -171,3 +171,25 @@ def test_a_running_jobs_narrowed_selector_moves_it_at_its_next_heartbeat(ledger_
     assert {h for h, _ in job["placements"]} == {"h100-0"}
     pool.submit("other", min_workers=4, max_workers=4)
     assert hosts_of(pool.request("other")) == {"a100-0"}  # the slots it left are free again
+
+
+def test_a_job_holding_the_only_hosts_a_higher_priority_job_may_use_moves_off_them(ledger_url):
+    """'high' may run only on gpu=h100 hosts, which 'low' filled before it came, with another host
+    idle: 'high' waited for good while 'low' kept its slots (a probe). Now 'low' is moved to the
+    idle host at its next boundary, and 'high' gets the slots it left."""
+    pool = PoolClient(ledger_url, aging_s=0.0)
+    pool.add_host("h0", 4, {"gpu": "h100"})
+    pool.add_host("h1", 4)
+    pool.submit("low", min_workers=1, max_workers=4, priority=1)
+    low = pool.request("low")
+    assert hosts_of(low) == {"h0"} and low.workers == 4
+    pool.submit("high", min_workers=4, max_workers=4, priority=5, selector={"gpu": "h100"})
+    waiting = pool.request("high")
+    assert not hasattr(waiting, "epoch") and "released on its hosts" in waiting.reason
+    target = pool.heartbeat("low", low.epoch, workers=4)
+    assert target.workers == 4 and {h for h, _ in target.placements} == {"h1"}
+    assert "moving 4 slots off hosts that job high needs" in target.reason
+    pool.heartbeat("low", low.epoch, workers=4, placements=target.placements)  # relaunched on h1
+    high = pool.request("high")
+    assert hosts_of(high) == {"h0"} and high.workers == 4
+    assert pool.status()["slots"]["used"] == 8
