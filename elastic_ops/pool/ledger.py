@@ -322,7 +322,12 @@ def replan(
         if held_by[name]:
             new = plan.slots.new(k) if k in changed else ()
             if new:
-                reserve(conn, now, name, row.epoch, list(new), "grow", plan.decision(k))
+                d = plan.decision(k)
+                # a move (new slots, no more workers) rescales when its old slots go (free_slots
+                # stamps it then): stamped now, it would count as rescaled while it still holds
+                # both, be frozen on the old ones by min_rescale_interval_s, and be moved back
+                grows = len(d.placements) > len(held_by[name])
+                reserve(conn, now, name, row.epoch, list(new), "grow", d, rescaled=grows)
             state = JobState.PREEMPTING if target == 0 else JobState.RUNNING
             if row.state == JobState.PARKED.value:  # unpark() left it slots to keep
                 state = JobState.PARKED
@@ -400,12 +405,15 @@ def unpark(conn: Connection, now: float, plan: Plan, rows: dict[str, Any], snap:
     return freed
 
 
-def reserve(conn, now, job, epoch, slots: list[Slot], kind: str, d: Decision) -> None:
+def reserve(
+    conn, now, job, epoch, slots: list[Slot], kind: str, d: Decision, *, rescaled: bool = True
+) -> None:
     conn.execute(
         insert(s.allocations),
         [{"host": h, "slot": sl, "job": job, "epoch": epoch, "granted": now} for h, sl in slots],
     )
-    conn.execute(update(s.jobs).where(s.jobs.c.name == job).values(last_rescale=now))
+    if rescaled:
+        conn.execute(update(s.jobs).where(s.jobs.c.name == job).values(last_rescale=now))
     log_event(
         conn, now, kind, job=job, slots=slots, epoch=epoch, workers=len(d.placements), reason=d.reason
     )

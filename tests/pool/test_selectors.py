@@ -193,3 +193,28 @@ def test_a_job_holding_the_only_hosts_a_higher_priority_job_may_use_moves_off_th
     high = pool.request("high")
     assert hosts_of(high) == {"h0"} and high.workers == 4
     assert pool.status()["slots"]["used"] == 8
+
+
+def test_a_move_for_a_restricted_job_is_not_undone_by_min_rescale_interval(sqlite_url, clock):
+    """The move's new slots were stamped as a rescale when booked: the mover, holding old and new,
+    counted as rescaled 0 s ago, was frozen on its old host and moved back, again and again, and
+    the restricted job never ran (a review). Now the move is stamped when its old slots go."""
+    pool = PoolClient(sqlite_url, clock=clock, aging_s=0.0, min_rescale_interval_s=60.0, lease_ttl_s=60)
+    pool.add_host("h0", 4, {"gpu": "h100"})
+    pool.add_host("h1", 4)
+    pool.submit("low", min_workers=1, max_workers=4, priority=1)
+    low = pool.request("low")
+    running = low.placements
+    for _ in range(5):  # running for 100 s: past min_rescale_interval_s
+        clock.advance(20)
+        pool.heartbeat("low", low.epoch, workers=4, placements=running)
+    pool.submit("high", min_workers=4, max_workers=4, priority=5, selector={"gpu": "h100"})
+    for _ in range(10):  # low acts on each target at its next boundary, 20 s later
+        clock.advance(20)
+        running = pool.heartbeat("low", low.epoch, workers=len(running), placements=running).placements
+        high = pool.request("high")
+        if hasattr(high, "epoch"):
+            break
+    assert hosts_of(high) == {"h0"} and {h for h, _ in running} == {"h1"}
+    low_slots = [(e["kind"], {h for h, _ in e["slots"]}) for e in pool.events("low") if e["slots"]]
+    assert low_slots == [("grant", {"h0"}), ("grow", {"h1"}), ("shrink", {"h0"})]  # one move, once
