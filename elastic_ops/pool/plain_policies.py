@@ -347,7 +347,7 @@ def spare_hosts(jobs: Iterable[Job], up: dict[str, int]) -> frozenset[str]:
 
 def _place_all(snap, ordered, targets, reasons, up, taken, held_up, spare) -> Plan | dict[int, int]:
     """Keep/release, then new slots: restricted jobs first (rank order), then the others (rank
-    order). Returns the plan, or the caps to lower when a restricted job's target cannot be
+    order). Returns the plan, or the caps to lower when restricted jobs' targets cannot be
     placed even after the releases and moves the plan could order (see :func:`_host_repair`)."""
     n = len(ordered)
     keeps: list[list[Slot]] = []
@@ -368,6 +368,15 @@ def _place_all(snap, ordered, targets, reasons, up, taken, held_up, spare) -> Pl
     movers: dict[int, list[str]] = {}
     claimed: dict[str, int] = {}  # released slots a restricted job waits for, per host
     first = [i for i, j in enumerate(ordered) if restricted(j, up)]
+    # the movable jobs keeping slots, per up host: the jobs a restricted job's repair may move
+    # (an index, so that a repair looks at the jobs on its hosts, not at every job)
+    keepers: dict[str, set[int]] = {}
+    if first:
+        for j, other in enumerate(ordered):
+            if keeps[j] and _movable(other, targets[j], snap):
+                for h, _ in keeps[j]:
+                    keepers.setdefault(h, set()).add(j)
+    lowered_caps: dict[int, int] = {}
     for i in first:
         job = ordered[i]
         need = targets[i] - len(keeps[i]) - len(new[i])
@@ -377,16 +386,29 @@ def _place_all(snap, ordered, targets, reasons, up, taken, held_up, spare) -> Pl
         if avail < need:
             out = sum(n for h, n in released_on.items() if h in job.avoid_hosts)
             if free.total - avail + out > 0:  # it is short on its hosts while others have room
-                state = (keeps, releases, new, released_on, claimed, movers)
-                lowered = _host_repair(snap, i, ordered, targets, state, free, up, need, avail)
-                if lowered is not None:
-                    return {i: lowered}
-                suffix[i] = f"; waiting for {need - avail} slots to be released on its hosts"
+                state = (keeps, releases, new, released_on, claimed, movers, keepers)
+                before = (sum(claimed.values()), sum(map(len, movers.values())))
+                lowered = _host_repair(i, ordered, targets, state, free, up, need, avail)
+                if lowered is None:
+                    suffix[i] = f"; waiting for {need - avail} slots to be released on its hosts"
+                    continue
+                # Every short job's cap is lowered in this pass, not one per pass (a pass per
+                # job made a decision cost jobs x restricted jobs). A job lowered to what it
+                # can reach holds its free slots, as it will once re-planned; one left below
+                # its minimum gets nothing then, so the claims and moves its repair made would
+                # mislead the jobs after it: plan again from here.
+                lowered_caps[i] = lowered
+                if lowered >= max(job.min_workers, 1):
+                    free.take(avail, {}, job.avoid_hosts)
+                elif (sum(claimed.values()), sum(map(len, movers.values()))) != before:
+                    break
                 continue
             got, suffix[i] = _grow_one(job, need, keeps[i] + new[i], free, pending, pending - out)
         else:
             got = free.take(need, dict.fromkeys(h for h, _ in keeps[i] + new[i]), job.avoid_hosts)
         new[i] += got
+    if lowered_caps:
+        return lowered_caps
     done = set(first)
     for i, job in enumerate(ordered):
         need = targets[i] - len(keeps[i]) - len(new[i])
@@ -433,7 +455,7 @@ def _movable(job: Job, target: int, snap: Snapshot) -> bool:
     return job.last_rescale is None or snap.now - job.last_rescale >= cfg.min_rescale_interval_s
 
 
-def _host_repair(snap, i, ordered, targets, state, free: _FreeSlots, up, need: int, avail: int) -> int | None:
+def _host_repair(i, ordered, targets, state, free: _FreeSlots, up, need: int, avail: int) -> int | None:
     """Make room on its hosts for restricted job ``i``, short of ``need - avail`` slots there
     while slots it may not use are free or being released. In order: slots other jobs release
     on its hosts (not counted on by a higher-ranked restricted job); then moves: a running job
@@ -443,7 +465,7 @@ def _host_repair(snap, i, ordered, targets, state, free: _FreeSlots, up, need: i
     free slots are held for it (taken, not placed) and it waits for the releases; returns None.
     Otherwise returns the most it could reach: its cap is lowered to that and the targets are
     recomputed."""
-    keeps, releases, new, released_on, claimed, movers = state
+    keeps, releases, new, released_on, claimed, movers, keepers = state
     job = ordered[i]
 
     def mine(h: str) -> bool:
@@ -458,11 +480,10 @@ def _host_repair(snap, i, ordered, targets, state, free: _FreeSlots, up, need: i
             if c > 0:
                 claimed[h] = claimed.get(h, 0) + c
                 short -= c
-    for j in range(len(ordered) - 1, -1, -1):
+    # lowest-ranked first
+    for j in sorted({j for h, js in keepers.items() if mine(h) for j in js} - {i}, reverse=True):
         if short == 0:
             break
-        if j == i or not _movable(ordered[j], targets[j], snap):
-            continue
         for s in sorted(sl for sl in keeps[j] if mine(sl[0])):
             if short == 0 or not _replace(ordered[j], j, state, free, up, mine):
                 break
@@ -481,7 +502,7 @@ def _host_repair(snap, i, ordered, targets, state, free: _FreeSlots, up, need: i
 def _replace(other: Job, j: int, state, free: _FreeSlots, up, mine) -> bool:
     """Give job ``j`` one slot in place of one it moves: a slot it was releasing on a host the
     restricted job may not use (it keeps it instead), else a free one there."""
-    keeps, releases, new, released_on, claimed, _ = state
+    keeps, releases, new, released_on, claimed, _, keepers = state
     for r in sorted(releases[j]):
         h = r[0]
         if (
@@ -493,6 +514,7 @@ def _replace(other: Job, j: int, state, free: _FreeSlots, up, mine) -> bool:
         ):
             releases[j].remove(r)
             keeps[j].append(r)
+            keepers.setdefault(h, set()).add(j)
             released_on[h] -= 1
             return True
     avoid = other.avoid_hosts | {h for h in up if mine(h)}
