@@ -50,10 +50,13 @@ class NodeConfig:
                 f"a Redis URL ({', '.join(s + '://' for s in URL_SCHEMES)}), e.g. redis://redis-host:6379/0",
             )
         try:
-            urlsplit(self.url).port  # noqa: B018 - what redis-py parses: a '/' in a password cuts the host
+            parts = urlsplit(self.url)  # as redis-py parses it: a '/' in a password cuts the host off
+            if parts.scheme != "unix" and not parts.hostname:
+                raise ValueError("no host")
+            parts.port  # noqa: B018 - a port that is not a number raises
         except ValueError:
             raise SpecError(
-                URL_ENV, shown_url(self.url), "a Redis URL whose port is a number in 0..65535",
+                URL_ENV, shown_url(self.url), "a Redis URL with a host and a port in 0..65535",
                 hint="percent-encode '/', '?' and '#' in the password (%2F, %3F, %23)",
             ) from None
         if not isinstance(self.namespace, str) or not _NAMESPACE_RE.fullmatch(self.namespace):

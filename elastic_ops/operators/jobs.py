@@ -57,7 +57,7 @@ def coerce_rendered(fields: Mapping[str, Any]) -> dict[str, Any]:
             text = value.strip()
             # "200.0": the form's JSON Schema "integer" admits 200.0, and it renders so; ASCII digits
             # only (int() takes any script's, the CLI and the spec do not)
-            if key in _INT_FIELDS and (m := re.fullmatch(r"([+-]?[0-9]+)(\.0*)?", text)):
+            if key in _INT_FIELDS and (m := re.fullmatch(r"([+-]?[0-9]+)(\.0+)?", text)):
                 value = int(m.group(1))
             elif key == "preemptible" and text.lower() in ("true", "false"):
                 value = text.lower() == "true"

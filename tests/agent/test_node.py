@@ -303,7 +303,10 @@ def test_settings_are_validated_where_they_enter():
     with pytest.raises(SpecError, match=r"REDIS_URL='redis://admin:\*\*\*@h:6379/0'.*encode '/'") as err:
         NodeConfig(url="redis://admin:S3CRET/pw@h:6379/0", secret=SECRET)  # was a ValueError quoting 'S3CRET'
     assert "S3CRET" not in str(err.value)
+    with pytest.raises(SpecError, match=r"REDIS_URL='redis://:\*\*\*@redis-host:6379/0'.*a host"):
+        NodeConfig(url="redis://:123/45@redis-host:6379/0", secret=SECRET)  # '123' read as the port
     NodeConfig(url="redis://admin:S3CRET%2Fpw@h:6379/0", secret=SECRET)
+    NodeConfig(url="unix:///run/redis.sock?db=0", secret=SECRET)
     with pytest.raises(SpecError, match="ELASTIC_OPS_NODE_NAMESPACE"):
         NodeConfig(url="redis://h", secret=SECRET, namespace="a b")
     with pytest.raises(SpecError, match="--host"):

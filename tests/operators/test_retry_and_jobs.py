@@ -79,8 +79,9 @@ def test_rendered_strings_become_typed_values():
                    "keep_every": None, "entrypoint": "a.b:C"}
     # the form's JSON Schema "integer" admits 200.0, which renders as "200.0" (failed at register);
     # a digit of another script stays text, refused by the spec as by the CLI (a probe)
-    out = coerce_rendered({"total_iterations": "200.0", "min_workers": "\u0664", "max_workers": "2.5"})
-    assert out == {"total_iterations": 200, "min_workers": "\u0664", "max_workers": "2.5"}
+    out = coerce_rendered({"total_iterations": "200.0", "min_workers": "\u0664", "max_workers": "2.5",
+                           "priority": "4."})
+    assert out == {"total_iterations": 200, "min_workers": "\u0664", "max_workers": "2.5", "priority": "4."}
 
 
 def test_each_run_trains_under_its_own_checkpoint_prefix():
