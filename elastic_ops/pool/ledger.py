@@ -323,11 +323,12 @@ def replan(
             new = plan.slots.new(k) if k in changed else ()
             if new:
                 d = plan.decision(k)
-                # a move (new slots, no more workers) rescales when its old slots go (free_slots
-                # stamps it then): stamped now, it would count as rescaled while it still holds
-                # both, be frozen on the old ones by min_rescale_interval_s, and be moved back
-                grows = len(d.placements) > len(held_by[name])
-                reserve(conn, now, name, row.epoch, list(new), "grow", d, rescaled=grows)
+                # a move (new slots for old ones, with or without more workers) rescales when its
+                # old slots go (free_slots stamps it then): stamped now, it would count as
+                # rescaled while it holds both, be frozen on all of them by
+                # min_rescale_interval_s (a job frozen keeps what it holds), and moved back
+                plain_grow = len(d.placements) > len(held_by[name]) and not d.release
+                reserve(conn, now, name, row.epoch, list(new), "grow", d, rescaled=plain_grow)
             state = JobState.PREEMPTING if target == 0 else JobState.RUNNING
             if row.state == JobState.PARKED.value:  # unpark() left it slots to keep
                 state = JobState.PARKED

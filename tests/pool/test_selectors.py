@@ -218,3 +218,32 @@ def test_a_move_for_a_restricted_job_is_not_undone_by_min_rescale_interval(sqlit
     assert hosts_of(high) == {"h0"} and {h for h, _ in running} == {"h1"}
     low_slots = [(e["kind"], {h for h, _ in e["slots"]}) for e in pool.events("low") if e["slots"]]
     assert low_slots == [("grant", {"h0"}), ("grow", {"h1"}), ("shrink", {"h0"})]  # one move, once
+
+
+def test_a_job_that_just_grew_moves_for_a_restricted_job_once_its_interval_passed(sqlite_url, clock):
+    """It grew onto a host that came up just before the restricted job arrived: frozen by
+    min_rescale_interval_s, it is moved (a grow-and-move, stamped when its old slots go) only
+    after that, once, and the restricted job gets the slots."""
+    pool = PoolClient(sqlite_url, clock=clock, aging_s=0.0, min_rescale_interval_s=60.0, lease_ttl_s=60)
+    pool.add_host("h0", 2, {"gpu": "h100"})
+    pool.add_host("h1", 4)
+    pool.set_host_state("h1", "down")
+    pool.submit("low", min_workers=1, max_workers=4, priority=1)
+    low = pool.request("low")
+    running = low.placements
+    assert hosts_of(low) == {"h0"} and low.workers == 2
+    for _ in range(4):  # running for 80 s: past min_rescale_interval_s
+        clock.advance(20)
+        pool.heartbeat("low", low.epoch, workers=2, placements=running)
+    pool.set_host_state("h1", "up")
+    pool.submit("high", min_workers=2, max_workers=2, priority=5, selector={"gpu": "h100"})
+    for _ in range(10):
+        clock.advance(20)
+        running = pool.heartbeat("low", low.epoch, workers=len(running), placements=running).placements
+        high = pool.request("high")
+        if hasattr(high, "epoch"):
+            break
+    assert hosts_of(high) == {"h0"} and {h for h, _ in running} == {"h1"} and len(running) == 4
+    kinds = [(e["kind"], {h for h, _ in e["slots"]}) for e in pool.events("low") if e["slots"]]
+    # a grow onto h1 when it came up, then (once its interval passed) one grow-and-move, not undone
+    assert kinds == [("grant", {"h0"}), ("grow", {"h1"}), ("grow", {"h1"}), ("shrink", {"h0"})]
