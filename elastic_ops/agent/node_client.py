@@ -199,6 +199,8 @@ class NodeClient:
                 )
 
             def lost(why: str) -> BaseException:
+                if channel.redis_trouble:  # Redis was away or lost a message: not the host's fault
+                    return self._unreachable(channel.redis_trouble)
                 return NodeLostError(
                     f"the node agent of host {host} went away mid-chunk (iterations {start}..{end}): {why}",
                     host=host,

@@ -5,13 +5,16 @@ Every message is a Redis list element: a sealed envelope ``{"mac": HEX, "body": 
 HMAC-SHA256 over the list's name and ``body`` with the cluster's shared secret
 (``ELASTIC_OPS_NODE_SECRET``). So whoever can write to Redis but lacks the secret cannot start a
 chunk, change a target or forge an outcome; an envelope moved to another list (another session,
-the other direction) fails its MAC; ``seq`` must grow by one, so a message replayed or lost
-inside a session is an error, not a silent skip. Never pickle: bodies are parsed with the
+the other direction) fails its MAC; ``seq`` must grow by one, so a message replayed inside a
+session is dropped and one lost (gone from Redis) ends it (:class:`MessageLostError`), never a
+silent skip. Envelopes a side could not push while Redis was away are pushed, in order, when it
+is back (within the peer timeout), so a blip of Redis ends nothing. Never pickle: bodies are parsed with the
 protocol's strict JSON decoder.
 
 Redis lists have no "connection closed", so each side sends a ``beat`` every ``beat_s`` and
 treats ``peer_timeout_s`` without any envelope as the peer gone (``EOFError``, as a closed
-socket); a side that ends normally sends ``close``. Both lists expire ``ttl_s`` after their
+socket; :attr:`RedisChannel.redis_trouble` says when Redis, not the peer, was the cause); a side
+that ends normally sends ``close``. Both lists expire ``ttl_s`` after their
 last write, so an abandoned session leaves nothing behind.
 """
 
@@ -42,6 +45,15 @@ SESSION_TTL_S = 3600
 
 class PeerSilentError(EOFError):
     """No envelope from the other side within the peer timeout."""
+
+
+class MessageLostError(EOFError):
+    """A genuine message of the session is gone from Redis (a restart without persistence, a
+    flush, someone with write access removing it): the session cannot go on. Redis's fault, not
+    the peer's: :attr:`RedisChannel.redis_trouble` says so."""
+
+
+MAX_UNSENT = 10_000  # envelopes kept for a Redis that is away (about peer_timeout_s of traffic)
 
 
 class Signer:
@@ -118,7 +130,11 @@ class RedisChannel:
         self.peer_timeout_s, self.beat_s, self.ttl_s, self.clock = peer_timeout_s, beat_s, ttl_s, clock
         self._lock = threading.Lock()
         self._seq_out = 0
+        self._unsent: list[bytes] = []  # sealed, in order, not yet known to be in Redis
+        self._failing_since: float | None = None  # when pushing to Redis began to fail
         self._seq_in = 0
+        self.redis_trouble = ""  # why the session ended through Redis, not the peer ('' if it did not)
+        self._read_failed = False  # a read from Redis failed since the last envelope came in
         self.dropped = 0  # envelopes that did not verify, or repeated one already taken
         self._last_in = clock()
         self._closed = threading.Event()
@@ -130,16 +146,29 @@ class RedisChannel:
         return f"RedisChannel(inbox={self.inbox!r}, outbox={self.outbox!r})"
 
     def _push(self, kind: str, msg: dict[str, Any] | None = None) -> None:
+        """Seal the next envelope and push it, after any still unsent, in order. While Redis is
+        away (for less than ``peer_timeout_s``, within :data:`MAX_UNSENT` envelopes) they wait
+        for the next push or beat: a blip of Redis neither ends the session nor leaves a gap in
+        the sequence (a sequence number spent on a beat that never arrived ended it for good).
+        An envelope pushed twice (a reply lost after the push) is a repeat the peer drops."""
         with self._lock:
             self._seq_out += 1
-            raw = self.signer.seal(self.outbox, {"seq": self._seq_out, "kind": kind, "msg": msg})
+            body = {"seq": self._seq_out, "kind": kind, "msg": msg}
+            self._unsent.append(self.signer.seal(self.outbox, body))
             try:
                 pipe = self.redis.pipeline()
-                pipe.rpush(self.outbox, raw)
+                pipe.rpush(self.outbox, *self._unsent)
                 pipe.expire(self.outbox, self.ttl_s)
                 pipe.execute()
             except redis_error_types() as exc:
-                raise OSError(f"Redis unreachable: {exc}") from None
+                now = self.clock()
+                self._failing_since = now if self._failing_since is None else self._failing_since
+                away = now - self._failing_since
+                if away > self.peer_timeout_s or len(self._unsent) > MAX_UNSENT:
+                    raise OSError(f"Redis unreachable for {away:.0f} s: {exc}") from None
+                return
+            self._unsent.clear()
+            self._failing_since = None
 
     def _beat(self) -> None:
         while not self._closed.wait(self.beat_s):
@@ -162,6 +191,9 @@ class RedisChannel:
                 raise EOFError("this side closed the session")
             silent = self.clock() - self._last_in
             if silent > self.peer_timeout_s:
+                if self._read_failed:  # Redis was away meanwhile: not the peer's silence
+                    self.redis_trouble = f"Redis unreachable while nothing came for {silent:.0f} s"
+                    raise PeerSilentError(self.redis_trouble)
                 raise PeerSilentError(
                     f"nothing from the peer for {silent:.0f} s (it sends every {self.beat_s:g} s)"
                 )
@@ -174,6 +206,7 @@ class RedisChannel:
                     raw = self.redis.lpop(self.inbox)
             except redis_error_types():
                 raw = None  # counts as silence: the peer timeout decides
+                self._read_failed = True
                 time.sleep(min(0.2, max(wait, 0.0)))
             if raw is None:
                 if deadline is not None and self.clock() >= deadline:
@@ -199,13 +232,17 @@ class RedisChannel:
             self.dropped += 1
             _DROPPED.warning("dropped a replayed message %d on %s (at %d)", seq, self.inbox, self._seq_in)
             return None
-        if type(seq) is not int or seq != self._seq_in + 1:
-            raise AgentProtocolError(
-                f"message {seq!r} on {self.inbox} out of order "
-                f"(expected {self._seq_in + 1}): a message was lost"
+        if type(seq) is not int:
+            raise AgentProtocolError(f"message {seq!r} on {self.inbox}: 'seq' must be an integer")
+        if seq != self._seq_in + 1:
+            self.redis_trouble = (
+                f"message {seq} on {self.inbox} out of order (expected {self._seq_in + 1}): a message "
+                "was lost in Redis (restarted without persistence, flushed, or an element removed)"
             )
+            raise MessageLostError(self.redis_trouble)
         self._seq_in = seq
         self._last_in = self.clock()
+        self._read_failed = False
         if kind == "beat":
             return None
         if kind == "close":

@@ -21,8 +21,8 @@ import pytest
 from elastic_ops.agent.cluster import NodeConfig, node_config_from_env
 from elastic_ops.agent.node import NodeAgent
 from elastic_ops.agent.node_client import NodeClient, without_credentials
-from elastic_ops.agent.protocol import AgentProtocolError, S3Config, StoreConfig
-from elastic_ops.agent.redis_channel import RedisChannel, Signer
+from elastic_ops.agent.protocol import S3Config, StoreConfig
+from elastic_ops.agent.redis_channel import MessageLostError, PeerSilentError, RedisChannel, Signer
 from elastic_ops.checkpoint import open_store
 from elastic_ops.errors import AgentLostError, NodeLostError, NodeUnavailableError, SpecError, WorkerLostError
 from elastic_ops.runtime import ChunkStatus, run_chunk
@@ -282,10 +282,88 @@ def test_forged_and_replayed_messages_inside_a_session_are_dropped_a_lost_one_is
         a.send({"type": "progress", "iteration": 3})
         assert b.read(timeout=5) == {"type": "progress", "iteration": 3}
         a.send({"type": "progress", "iteration": 4})
-        r.lpop(f"{config.namespace}:s:ab")  # a genuine message removed: the gap is an error
-        a.send({"type": "progress", "iteration": 5})
-        with pytest.raises(AgentProtocolError, match="out of order .*a message was lost"):
+        r.lpop(f"{config.namespace}:s:ab")  # a genuine message removed: the gap ends the session,
+        a.send({"type": "progress", "iteration": 5})  # as Redis's fault (retryable), not the peer's
+        with pytest.raises(MessageLostError, match="out of order .*a message was lost in Redis"):
             b.read(timeout=5)
+        assert "a message was lost" in b.redis_trouble
+        a.close()
+        b.close()
+    finally:
+        drop_namespace(config)
+
+
+class _Flaky:
+    """A Redis client that is unreachable while ``down`` (connection refused)."""
+
+    def __init__(self, r) -> None:
+        self.r, self.down = r, False
+
+    def _check(self) -> None:
+        import redis
+
+        if self.down:
+            raise redis.exceptions.ConnectionError("Error 111 connecting: Connection refused.")
+
+    def pipeline(self):
+        pipe, check = self.r.pipeline(), self._check
+
+        class Pipe:
+            def __getattr__(self, name):
+                return getattr(pipe, name)
+
+            def execute(self):
+                check()
+                return pipe.execute()
+
+        return Pipe()
+
+    def blpop(self, *a, **kw):
+        self._check()
+        return self.r.blpop(*a, **kw)
+
+    def lpop(self, *a, **kw):
+        self._check()
+        return self.r.lpop(*a, **kw)
+
+
+def test_a_redis_blip_shorter_than_the_peer_timeout_ends_nothing(redis_url):
+    """A beat that could not be pushed spent its sequence number: when Redis came back the peer
+    saw a gap, a non-retryable protocol error that ended the job; and the node took any failed
+    push for the task gone and killed its workers (a probe). Now what could not be pushed goes,
+    in order, once Redis is back; only an outage past the peer timeout ends the session, as
+    Redis's fault."""
+    config = make_config()
+    r = config.redis()
+    t = [0.0]
+    try:
+        flaky_a, flaky_b = _Flaky(r), _Flaky(r)
+        box = f"{config.namespace}:s:blip"
+        a = RedisChannel(flaky_a, config.signer(), inbox=f"{box}:in", outbox=box, beat_s=100,
+                         clock=lambda: t[0])
+        b = RedisChannel(flaky_b, config.signer(), inbox=box, outbox=f"{box}:out", beat_s=100,
+                         clock=lambda: t[0])
+        a.send({"type": "progress", "iteration": 1})
+        assert b.read(timeout=5) == {"type": "progress", "iteration": 1}
+        flaky_a.down = flaky_b.down = True
+        a._push("beat")  # the beat thread's push, while Redis is away: no error, nothing lost
+        t[0] += 3
+        a.send({"type": "progress", "iteration": 2})  # no error either: the node keeps its workers
+        assert b.read(timeout=0.3) is None
+        flaky_a.down = flaky_b.down = False
+        t[0] += 1
+        a.send({"type": "progress", "iteration": 3})  # the beat and 2 go first, in order
+        assert b.read(timeout=5) == {"type": "progress", "iteration": 2}
+        assert b.read(timeout=5) == {"type": "progress", "iteration": 3}
+        assert not b.redis_trouble and b.dropped == 0
+        flaky_a.down = flaky_b.down = True  # away for longer than the peer timeout
+        a.send({"type": "progress", "iteration": 4})
+        t[0] += 11
+        with pytest.raises(OSError, match="Redis unreachable for 11 s"):
+            a.send({"type": "progress", "iteration": 5})
+        with pytest.raises(PeerSilentError, match="Redis unreachable"):
+            b.read(timeout=5)
+        assert b.redis_trouble  # the task maps it to AgentLostError, not the host's fault
         a.close()
         b.close()
     finally:
