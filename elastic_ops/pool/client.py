@@ -442,6 +442,9 @@ class PoolClient:
             if row.state == JobState.PARKED.value:  # it runs workers: not parked any more
                 values["state"] = JobState.RUNNING.value
             conn.execute(update(s.jobs).where(s.jobs.c.name == job).values(**values))
+            if left := ledger.abandoned(conn, job, placements):
+                ledger.free_slots(conn, now, job, left, "shrink", "released at boundary: no longer used",
+                                  epoch=epoch, workers=workers)
             lo = row.min_workers
             d = ledger.within_minimum(ledger.replan(conn, now, synced=True)[job], lo)
             # the slots a shrink gives up go once the job runs no more workers than the slots it

@@ -182,6 +182,22 @@ def given_up(conn, job, d: Decision, placements) -> list[Slot]:
     return [sl for sl in d.release if sl in told]
 
 
+def abandoned(conn, job, placements) -> list[Slot]:
+    """Slots the job was told to give up in an earlier heartbeat and no longer lists among those
+    it runs on (``placements``): it left them at a boundary. They go whatever the plan says now:
+    a plan that changed its mind meanwhile (the job a move made room for left) would otherwise
+    keep them and send the job back, a second relaunch inside ``min_rescale_interval_s``."""
+    if placements is None:
+        return []
+    rows = conn.execute(
+        select(s.allocations.c.host, s.allocations.c.slot).where(
+            s.allocations.c.job == job, s.allocations.c.releasing.is_not(None)
+        )
+    )
+    still = {tuple(p) for p in placements}
+    return sorted((r.host, r.slot) for r in rows if (r.host, r.slot) not in still)
+
+
 def mark_releasing(conn, now, job, release: Sequence[Slot]) -> None:
     """Remember which slots this heartbeat told the job to give up (and forget the rest)."""
     rows = conn.execute(

@@ -247,3 +247,27 @@ def test_a_job_that_just_grew_moves_for_a_restricted_job_once_its_interval_passe
     kinds = [(e["kind"], {h for h, _ in e["slots"]}) for e in pool.events("low") if e["slots"]]
     # a grow onto h1 when it came up, then (once its interval passed) one grow-and-move, not undone
     assert kinds == [("grant", {"h0"}), ("grow", {"h1"}), ("grow", {"h1"}), ("shrink", {"h0"})]
+
+
+def test_a_moved_job_is_not_sent_back_when_the_job_it_made_room_for_leaves(sqlite_url, clock):
+    """'low' moved off h0 for 'R'; R left before low's next boundary; the plan, no longer needing
+    h0, kept it for low (most-used host, then name) and sent low back: two relaunches 15 s apart
+    (a review). The slot it left is released when it says it runs elsewhere."""
+    pool = PoolClient(sqlite_url, clock=clock, aging_s=0.0, min_rescale_interval_s=60, lease_ttl_s=60)
+    pool.add_host("h0", 1, {"gpu": "a100"})
+    pool.add_host("h1", 1, {"gpu": "h100"})
+    pool.submit("low", min_workers=1, max_workers=1, priority=1)
+    low = pool.request("low")
+    for _ in range(2):
+        clock.advance(40)
+        pool.heartbeat("low", low.epoch, workers=1, placements=low.placements)
+    pool.submit("R", min_workers=1, max_workers=1, priority=5, selector={"gpu": "a100"})
+    assert not hasattr(pool.request("R"), "epoch")
+    clock.advance(15)
+    moved = pool.heartbeat("low", low.epoch, workers=1, placements=low.placements)
+    assert {h for h, _ in moved.placements} == {"h1"}  # relaunched there
+    pool.finish("R")
+    clock.advance(15)
+    after = pool.heartbeat("low", low.epoch, workers=1, placements=moved.placements)
+    assert after.placements == moved.placements and after.action.value == "keep"
+    assert [(e["kind"], e["slots"]) for e in pool.events("low") if e["slots"]][-1] == ("shrink", [("h0", 0)])
