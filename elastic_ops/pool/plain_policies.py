@@ -68,14 +68,23 @@ def _usable(snap: Snapshot) -> tuple[dict[str, int], int]:
     return up, sum(up.values())
 
 
-def _cap(job: Job, up: dict[str, int], capacity: int, frozen_on: dict[str, int] | None = None) -> int:
+def _cap(
+    job: Job, up: dict[str, int], capacity: int, frozen_on: dict[str, int] | None = None,
+    cache: dict | None = None,
+) -> int:
     """The most workers a job can use: its max, limited by slots on up hosts it does not avoid;
     for a job restricted to some up hosts, less the slots that frozen jobs keep on them
-    (``frozen_on``: per host)."""
-    avoided = sum(up.get(h, 0) for h in job.avoid_hosts)
-    if frozen_on:
-        avoided += sum(n for h, n in frozen_on.items() if h not in job.avoid_hosts)
-    return min(job.max_workers, capacity - avoided)
+    (``frozen_on``: per host). ``cache``: the slots out of reach per set of avoided hosts, for
+    one ``frozen_on`` (jobs of one selector share that set: each is summed once)."""
+    key = job.avoid_hosts
+    out = None if cache is None else cache.get(key)
+    if out is None:
+        out = sum(up.get(h, 0) for h in key)
+        if frozen_on:
+            out += sum(frozen_on.values()) - sum(frozen_on.get(h, 0) for h in key)
+        if cache is not None:
+            cache[key] = out
+    return min(job.max_workers, capacity - out)
 
 
 def restricted(job: Job, up: dict[str, int]) -> bool:
@@ -178,7 +187,8 @@ def _targets(
     limit: dict[int, int] | None = None,
 ):
     """Targets and reasons. ``limit``: caps lowered by placement (see :func:`_host_repair`)."""
-    base_caps = [_cap(j, up, capacity) for j in ordered]
+    no_frozen: dict = {}
+    base_caps = [_cap(j, up, capacity, cache=no_frozen) for j in ordered]
     limit = limit or {}
     restricted_idx = [i for i, j in enumerate(ordered) if restricted(j, up)]
     caps = list(base_caps)
@@ -202,8 +212,9 @@ def _targets(
         cap_left = capacity - sum(keep[i] for i in frozen)
         # a restricted job's cap: what its hosts can give after what frozen jobs keep on them
         frozen_on = _frozen_on([ordered[i] for i in sorted(frozen)], up) if frozen else None
+        round_cache: dict = {}
         for i in restricted_idx:
-            caps[i] = _cap(ordered[i], up, capacity, frozen_on)
+            caps[i] = _cap(ordered[i], up, capacity, frozen_on, round_cache)
         for i, c in limit.items():
             caps[i] = min(caps[i], c)
         part, left_out = _share_round(
@@ -315,6 +326,13 @@ def _keep(job: Job, target: int, up: dict[str, int], held_up: int) -> tuple[list
     return keep, release
 
 
+# Passes that may lower the caps of restricted jobs short on their hosts. Lowering some re-shares
+# their capacity, which can leave others short in turn (a cascade, one pass each on a full pool
+# of many restricted jobs): after these, the jobs still short wait (with a reason that says for
+# slots on their hosts) and the next decision, on the pool as it has changed, looks again.
+REPAIR_PASSES = 3
+
+
 def make_policy(share: ShareFn) -> Policy:
     def decide(snap: Snapshot) -> Plan:
         up, capacity = _usable(snap)
@@ -323,12 +341,15 @@ def make_policy(share: ShareFn) -> Policy:
         held_up = [held_up_by[j.name] for j in ordered]
         spare = spare_hosts(ordered, up)
         limit: dict[int, int] = {}
-        while True:  # caps only go down, so this ends
+        for passes in range(1, REPAIR_PASSES + 2):
             targets, reasons = _targets(snap, share, ordered, up, capacity, held_up, limit)
-            placed = _place_all(snap, ordered, targets, reasons, up, taken, held_up, spare)
+            placed = _place_all(
+                snap, ordered, targets, reasons, up, taken, held_up, spare, repair=passes <= REPAIR_PASSES
+            )
             if isinstance(placed, Plan):
                 return placed
             limit.update(placed)
+        raise AssertionError("unreachable: the last pass repairs nothing")  # pragma: no cover
 
     return decide
 
@@ -345,10 +366,13 @@ def spare_hosts(jobs: Iterable[Job], up: dict[str, int]) -> frozenset[str]:
     return frozenset(out or ())
 
 
-def _place_all(snap, ordered, targets, reasons, up, taken, held_up, spare) -> Plan | dict[int, int]:
+def _place_all(
+    snap, ordered, targets, reasons, up, taken, held_up, spare, *, repair: bool = True
+) -> Plan | dict[int, int]:
     """Keep/release, then new slots: restricted jobs first (rank order), then the others (rank
     order). Returns the plan, or the caps to lower when restricted jobs' targets cannot be
-    placed even after the releases and moves the plan could order (see :func:`_host_repair`)."""
+    placed even after the releases and moves the plan could order (see :func:`_host_repair`);
+    ``repair=False`` (the last pass): such jobs wait, nothing is lowered or moved for them."""
     n = len(ordered)
     keeps: list[list[Slot]] = []
     releases: list[list[Slot]] = []
@@ -376,6 +400,7 @@ def _place_all(snap, ordered, targets, reasons, up, taken, held_up, spare) -> Pl
             if keeps[j] and _movable(other, targets[j], snap):
                 for h, _ in keeps[j]:
                     keepers.setdefault(h, set()).add(j)
+    seen: dict[frozenset[str], list[int]] = {}  # movers near the hosts of each avoid set
     lowered_caps: dict[int, int] = {}
     for i in first:
         job = ordered[i]
@@ -385,8 +410,8 @@ def _place_all(snap, ordered, targets, reasons, up, taken, held_up, spare) -> Pl
         avail = free.count_for(job.avoid_hosts)
         if avail < need:
             out = sum(n for h, n in released_on.items() if h in job.avoid_hosts)
-            if free.total - avail + out > 0:  # it is short on its hosts while others have room
-                state = (keeps, releases, new, released_on, claimed, movers, keepers)
+            if repair and free.total - avail + out > 0:  # short on its hosts while others have room
+                state = (keeps, releases, new, released_on, claimed, movers, keepers, seen)
                 before = (sum(claimed.values()), sum(map(len, movers.values())))
                 lowered = _host_repair(i, ordered, targets, state, free, up, need, avail)
                 if lowered is None:
@@ -465,28 +490,61 @@ def _host_repair(i, ordered, targets, state, free: _FreeSlots, up, need: int, av
     free slots are held for it (taken, not placed) and it waits for the releases; returns None.
     Otherwise returns the most it could reach: its cap is lowered to that and the targets are
     recomputed."""
-    keeps, releases, new, released_on, claimed, movers, keepers = state
+    keeps, releases, new, released_on, claimed, movers, keepers, seen = state
     job = ordered[i]
 
     def mine(h: str) -> bool:
         return h in up and h not in job.avoid_hosts
 
+    mine_hosts = frozenset(h for h in up if h not in job.avoid_hosts)  # once per repair, not per slot
+    elsewhere_ok: dict[frozenset[str], bool] = {}  # per avoid set: may it use a host off ours?
+
+    def can_go(j: int) -> bool:  # a job of the same selector has nowhere to move to
+        key = ordered[j].avoid_hosts
+        if key not in elsewhere_ok:
+            elsewhere_ok[key] = any(h not in mine_hosts and h not in key for h in up)
+        return elsewhere_ok[key]
+
+    # the movers near its hosts, per set of avoided hosts (the jobs of one selector share it),
+    # computed once a pass: a mover added since (a slot it kept elsewhere) is missed, no more
+    if (near := seen.get(job.avoid_hosts)) is None:
+        near = seen[job.avoid_hosts] = sorted(
+            (j for j in {j for h, js in keepers.items() if mine(h) for j in js} if can_go(j)), reverse=True
+        )
+    candidates = [j for j in near if j != i]
+
+    # Hopeless (even every release and every movable slot on its hosts would leave it below its
+    # minimum): its cap is lowered with nothing claimed or moved, so the pass goes on
+    have = len(keeps[i]) + len(new[i])
+    claimable = elsewhere = 0  # released slots on its hosts; on others (a mover may keep them)
+    for h, n in released_on.items():
+        left = max(0, n - claimed.get(h, 0))
+        if mine(h):
+            claimable += left
+        else:
+            elsewhere += left
+    movable = sum(1 for j in candidates for sl in keeps[j] if mine(sl[0]))
+    # each moved slot needs a slot off its hosts for the mover: free there, or released there
+    room = free.total - avail + elsewhere
+    reach = have + avail + claimable + min(movable, room)
+    if reach < max(job.min_workers, 1):
+        return reach
+
     short = need - avail
-    for h in sorted(released_on):
+    for h in sorted(h for h in released_on if mine(h)):
         if short == 0:
             break
-        if mine(h):
-            c = min(short, released_on[h] - claimed.get(h, 0))
-            if c > 0:
-                claimed[h] = claimed.get(h, 0) + c
-                short -= c
-    # lowest-ranked first
-    for j in sorted({j for h, js in keepers.items() if mine(h) for j in js} - {i}, reverse=True):
-        if short == 0:
+        c = min(short, released_on[h] - claimed.get(h, 0))
+        if c > 0:
+            claimed[h] = claimed.get(h, 0) + c
+            short -= c
+    for j in candidates:  # lowest-ranked first
+        if short == 0 or room == 0:
             break
         for s in sorted(sl for sl in keeps[j] if mine(sl[0])):
-            if short == 0 or not _replace(ordered[j], j, state, free, up, mine):
+            if short == 0 or room == 0 or not _replace(ordered[j], j, state, free, up, mine, mine_hosts):
                 break
+            room -= 1
             keeps[j].remove(s)
             releases[j].append(s)
             released_on[s[0]] = released_on.get(s[0], 0) + 1
@@ -499,10 +557,10 @@ def _host_repair(i, ordered, targets, state, free: _FreeSlots, up, need: int, av
     return None
 
 
-def _replace(other: Job, j: int, state, free: _FreeSlots, up, mine) -> bool:
+def _replace(other: Job, j: int, state, free: _FreeSlots, up, mine, mine_hosts: frozenset[str]) -> bool:
     """Give job ``j`` one slot in place of one it moves: a slot it was releasing on a host the
     restricted job may not use (it keeps it instead), else a free one there."""
-    keeps, releases, new, released_on, claimed, _, keepers = state
+    keeps, releases, new, released_on, claimed, _, keepers, _ = state
     for r in sorted(releases[j]):
         h = r[0]
         if (
@@ -517,7 +575,7 @@ def _replace(other: Job, j: int, state, free: _FreeSlots, up, mine) -> bool:
             keepers.setdefault(h, set()).add(j)
             released_on[h] -= 1
             return True
-    avoid = other.avoid_hosts | {h for h in up if mine(h)}
+    avoid = other.avoid_hosts | mine_hosts if other.avoid_hosts else mine_hosts
     got = free.take(1, dict.fromkeys(h for h, _ in keeps[j] + new[j]), avoid)
     new[j].extend(got)
     return bool(got)
