@@ -165,7 +165,6 @@ def test_status_page_shows_the_pool_and_escapes_what_the_ledger_holds(tmp_path, 
 
 
 def test_node_agents_are_listed_and_hosts_without_one_named(tmp_path, monkeypatch, redis_url):
-    import json
 
     from elastic_ops.agent.cluster import NodeConfig
     from elastic_ops.agent.node_client import NodeClient
@@ -177,7 +176,7 @@ def test_node_agents_are_listed_and_hosts_without_one_named(tmp_path, monkeypatc
     config = make_config()
     try:
         info = {"host": "h1", "pid": 42, "version": 1, "chunks": 1, "addr": "10.0.0.7"}
-        config.redis().set(config.alive_key("h1"), json.dumps(info), ex=60)
+        config.redis().set(config.alive_key("h1"), config.announcement("h1", info), ex=60)
         monkeypatch.setattr(plugin_api, "_nodes", lambda: NodeClient(config))
         assert client.get("/nodes").json() == {"cluster": True, "nodes": {"h1": info}}
         page = client.get("/ui").text

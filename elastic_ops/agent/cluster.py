@@ -76,6 +76,11 @@ class NodeConfig:
 
     # --- key names -------------------------------------------------------------------------------
 
+    def announcement(self, host: str, info: dict[str, Any]) -> bytes:
+        """``host``'s announcement as its node agent writes it: signed, so that whoever can write
+        to Redis without the secret cannot announce a node (or its address) that is not there."""
+        return self.signer().seal(self.alive_key(host), info)
+
     def alive_key(self, host: str) -> str:
         return f"{self.namespace}:node:{host}"
 

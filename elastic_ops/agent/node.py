@@ -22,7 +22,6 @@ given: the CLI passes Airflow's Stats set up from the host's ``[metrics]`` confi
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import os
@@ -114,7 +113,8 @@ class NodeAgent:
             "addr": self.address,  # set: this node can lead a segment spanning hosts
         }
         self._send_gauges()
-        self._redis.set(self.config.alive_key(self.host), json.dumps(info), ex=ALIVE_TTL_S)
+        self._redis.set(self.config.alive_key(self.host), self.config.announcement(self.host, info),
+                        ex=ALIVE_TTL_S)
 
     def _send_gauges(self) -> None:
         """What the node runs now: its own chunks, and parts of segments other nodes lead."""

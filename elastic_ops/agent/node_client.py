@@ -10,7 +10,6 @@ travel.
 from __future__ import annotations
 
 import dataclasses
-import json
 import secrets
 import threading
 import time
@@ -43,15 +42,15 @@ def without_credentials(store: StoreConfig | None) -> StoreConfig | None:
     return dataclasses.replace(store, s3=s3)
 
 
-def _announcement(raw: bytes | None) -> dict[str, Any] | None:
-    """An announcement's fields. Announcements are not signed (anyone who can write to the
-    Redis can write one), and they end up in tables and pages: only short printable strings and
-    plain numbers are kept."""
+def _announcement(config: NodeConfig, host: str, raw: bytes | None) -> dict[str, Any] | None:
+    """The fields of ``host``'s announcement, or ``None`` when there is none or it is not signed
+    with the cluster's secret (a forged one: its address would decide how chunks are run).
+    They end up in tables and pages: only short printable strings and plain numbers are kept."""
     if raw is None:
         return None
     try:
-        info = json.loads(raw)
-    except ValueError:
+        info = config.signer().open(config.alive_key(host), raw)
+    except AgentProtocolError:
         return None
     if not isinstance(info, dict):
         return None
@@ -66,8 +65,8 @@ def _plain_number(value: Any) -> bool:
     return value is None or isinstance(value, bool | int | float)
 
 
-def _announced(raw: bytes | None) -> bool:
-    info = _announcement(raw)
+def _announced(config: NodeConfig, host: str, raw: bytes | None) -> bool:
+    info = _announcement(config, host, raw)
     return info is not None and info.get("version") == PROTOCOL_VERSION
 
 
@@ -110,7 +109,7 @@ class NodeClient:
             raw = self._redis.get(self.config.alive_key(check_host_name("host", host)))
         except redis_error_types() as exc:
             raise self._unreachable(exc) from None
-        return _announcement(raw)
+        return _announcement(self.config, host, raw)
 
     def live_hosts(self, hosts: Sequence[str]) -> set[str]:
         """Those of ``hosts`` whose node agent is announced and speaks this protocol version."""
@@ -121,7 +120,7 @@ class NodeClient:
             raws = self._redis.mget([self.config.alive_key(h) for h in hosts])
         except redis_error_types() as exc:
             raise self._unreachable(exc) from None
-        return {h for h, raw in zip(hosts, raws, strict=True) if _announced(raw)}
+        return {h for h, raw in zip(hosts, raws, strict=True) if _announced(self.config, h, raw)}
 
     def announced(self) -> dict[str, dict[str, Any]]:
         """Every node agent announced in this namespace: host → its announcement (pid, protocol
@@ -135,11 +134,11 @@ class NodeClient:
             raise self._unreachable(exc) from None
         out = {}
         for key, raw in zip(keys, raws, strict=True):
-            info = _announcement(raw)
             try:  # a key a node agent could not have written (not UTF-8, not a host name): skipped
                 host = check_host_name("host", key.decode()[len(prefix):])
             except (UnicodeDecodeError, SpecError):
                 continue
+            info = _announcement(self.config, host, raw)
             if info is not None:
                 out[host] = info
         return out

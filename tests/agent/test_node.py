@@ -21,7 +21,7 @@ import pytest
 from elastic_ops.agent.cluster import NodeConfig, node_config_from_env
 from elastic_ops.agent.node import NodeAgent
 from elastic_ops.agent.node_client import NodeClient, without_credentials
-from elastic_ops.agent.protocol import S3Config, StoreConfig
+from elastic_ops.agent.protocol import PROTOCOL_VERSION, S3Config, StoreConfig
 from elastic_ops.agent.redis_channel import MessageLostError, PeerSilentError, RedisChannel, Signer
 from elastic_ops.checkpoint import open_store
 from elastic_ops.errors import AgentLostError, NodeLostError, NodeUnavailableError, SpecError, WorkerLostError
@@ -161,8 +161,10 @@ def test_the_announced_nodes_are_listed(cluster, monkeypatch, capsys):
 
 
 def test_forged_announcements_cannot_break_or_dress_up_the_node_list(cluster):
-    """Announcements are not signed: a key that is not UTF-8 made every listing (CLI, /nodes,
-    the status page) fail, and escape sequences in a field reached the terminal."""
+    """A key that is not UTF-8 made every listing (CLI, /nodes, the status page) fail, and escape
+    sequences in a field reached the terminal. Announcements were not signed: one written
+    without the secret, with an address, made a task run a chunk as a span and fail it for good
+    (a probe); now it is not seen at all."""
     import redis
 
     config, _, _ = cluster
@@ -170,10 +172,15 @@ def test_forged_announcements_cannot_break_or_dress_up_the_node_list(cluster):
     prefix = config.alive_key("").encode()
     r.set(prefix + b"\xff\xfe", b'{"pid": 1}', ex=60)
     r.set(prefix + b"evil host", b'{"pid": 1}', ex=60)
-    r.set(config.alive_key("host-x"), json.dumps({"pid": 7, "addr": "\x1b]0;pwned\x07", "version": 1}), ex=60)
-    nodes = NodeClient(config).announced()
+    info = {"pid": 7, "addr": "\x1b]0;pwned\x07", "version": PROTOCOL_VERSION}
+    r.set(config.alive_key("host-x"), config.announcement("host-x", info), ex=60)
+    forged = {"host": "host-y", "pid": 9, "version": PROTOCOL_VERSION, "addr": "10.9.9.9"}
+    r.set(config.alive_key("host-y"), json.dumps(forged), ex=60)  # without the secret
+    client = NodeClient(config)
+    nodes = client.announced()
     assert sorted(nodes) == ["host-a", "host-b", "host-x"]
-    assert nodes["host-x"] == {"pid": 7, "version": 1}  # the field with a control character is dropped
+    assert nodes["host-x"] == {"pid": 7, "version": PROTOCOL_VERSION}  # a control character: dropped
+    assert client.alive("host-y") is None and client.live_hosts(["host-y", "host-a"]) == {"host-a"}
 
 
 def test_a_host_without_a_node_agent_is_a_retryable_error_naming_it(cluster, tmp_path):
@@ -335,14 +342,16 @@ def test_a_redis_blip_shorter_than_the_peer_timeout_ends_nothing(redis_url):
     Redis's fault."""
     config = make_config()
     r = config.redis()
-    t = [0.0]
+    t = [0.0]  # the outage's length, added to the real clock (reads time out in real time)
+
+    def clock() -> float:
+        return time.monotonic() + t[0]
+
     try:
         flaky_a, flaky_b = _Flaky(r), _Flaky(r)
         box = f"{config.namespace}:s:blip"
-        a = RedisChannel(flaky_a, config.signer(), inbox=f"{box}:in", outbox=box, beat_s=100,
-                         clock=lambda: t[0])
-        b = RedisChannel(flaky_b, config.signer(), inbox=box, outbox=f"{box}:out", beat_s=100,
-                         clock=lambda: t[0])
+        a = RedisChannel(flaky_a, config.signer(), inbox=f"{box}:in", outbox=box, beat_s=100, clock=clock)
+        b = RedisChannel(flaky_b, config.signer(), inbox=box, outbox=f"{box}:out", beat_s=100, clock=clock)
         a.send({"type": "progress", "iteration": 1})
         assert b.read(timeout=5) == {"type": "progress", "iteration": 1}
         flaky_a.down = flaky_b.down = True
@@ -358,8 +367,9 @@ def test_a_redis_blip_shorter_than_the_peer_timeout_ends_nothing(redis_url):
         assert not b.redis_trouble and b.dropped == 0
         flaky_a.down = flaky_b.down = True  # away for longer than the peer timeout
         a.send({"type": "progress", "iteration": 4})
+        assert b.read(timeout=0.3) is None  # the task polls on meanwhile: its reads fail
         t[0] += 11
-        with pytest.raises(OSError, match="Redis unreachable for 11 s"):
+        with pytest.raises(OSError, match="Redis unreachable for 1[12] s"):
             a.send({"type": "progress", "iteration": 5})
         with pytest.raises(PeerSilentError, match="Redis unreachable"):
             b.read(timeout=5)

@@ -5,12 +5,12 @@ failed host, so the retry's grant avoids it and the chunk trains on another host
 
 from __future__ import annotations
 
-import json
 from types import SimpleNamespace
 
 import pytest
 
 from elastic_ops.agent import node_client
+from elastic_ops.agent.protocol import PROTOCOL_VERSION
 from elastic_ops.errors import NodeUnavailableError
 from elastic_ops.operators import ElasticChunkOperator
 from tests.agent.node_helpers import REDIS_URL, SECRET, drop_namespace, make_config, running_node
@@ -54,8 +54,8 @@ def test_a_granted_host_whose_node_does_not_take_the_chunk_is_reported_and_avoid
     pool = airflow_pool(monkeypatch, tmp_path, host="host-a", slots=2)
     pool.add_host("host-b", 2)
     # host-a's node died a moment ago: its announcement has not lapsed yet, nobody takes requests
-    info = {"host": "host-a", "pid": 1, "version": 1, "chunks": 0}
-    cluster.redis().set(cluster.alive_key("host-a"), json.dumps(info), ex=60)
+    info = {"host": "host-a", "pid": 1, "version": PROTOCOL_VERSION, "chunks": 0}
+    cluster.redis().set(cluster.alive_key("host-a"), cluster.announcement("host-a", info), ex=60)
     monkeypatch.setattr(node_client, "ACCEPT_TIMEOUT_S", 2.0)
     with running_node("host-b", cluster) as node_b:
         with pytest.raises(NodeUnavailableError, match="node agent of host host-a did not take the chunk"):
