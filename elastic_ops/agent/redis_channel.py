@@ -80,7 +80,13 @@ class Signer:
     def seal(self, where: str, body: dict[str, Any]) -> bytes:
         """The envelope for ``body`` on the list named ``where``."""
         data = json.dumps(body, separators=(",", ":"), allow_nan=False)
-        return json.dumps({"mac": self._mac(where, data.encode()), "body": data}).encode()
+        out = json.dumps({"mac": self._mac(where, data.encode()), "body": data}).encode()
+        if len(out) > 2 * MAX_MESSAGE_BYTES:  # refused here, not by the node (it looked unavailable)
+            raise AgentProtocolError(
+                f"a message for {where} would be {len(out)} bytes; a node agent reads at most "
+                f"{2 * MAX_MESSAGE_BYTES} (a spec's params that large: pass data as files or URIs)"
+            )
+        return out
 
     def open(self, where: str, raw: bytes) -> dict[str, Any]:
         """``body`` of an envelope read from ``where``; :class:`AgentProtocolError` if it is not

@@ -21,7 +21,7 @@ import pytest
 from elastic_ops.agent.cluster import NodeConfig, node_config_from_env
 from elastic_ops.agent.node import NodeAgent
 from elastic_ops.agent.node_client import NodeClient, without_credentials
-from elastic_ops.agent.protocol import PROTOCOL_VERSION, S3Config, StoreConfig
+from elastic_ops.agent.protocol import PROTOCOL_VERSION, AgentProtocolError, S3Config, StoreConfig
 from elastic_ops.agent.redis_channel import MessageLostError, PeerSilentError, RedisChannel, Signer
 from elastic_ops.checkpoint import open_store
 from elastic_ops.errors import AgentLostError, NodeLostError, NodeUnavailableError, SpecError, WorkerLostError
@@ -378,6 +378,15 @@ def test_a_redis_blip_shorter_than_the_peer_timeout_ends_nothing(redis_url):
         b.close()
     finally:
         drop_namespace(config)
+
+
+def test_a_message_too_large_for_a_node_is_refused_where_it_is_sealed():
+    """A spec whose params made the run request over 2 MiB was pushed, refused by the node, and
+    seen by the task as a node that did not take the chunk: retryable, held against the host,
+    one host cooled down after another (a probe)."""
+    with pytest.raises(AgentProtocolError, match="would be .* bytes; a node agent reads at most") as err:
+        Signer(SECRET).seal("ns:node:h:runs", {"msg": {"params": {"x": "y" * (2 << 20)}}})
+    assert not err.value.retryable
 
 
 def test_settings_are_validated_where_they_enter():
