@@ -26,6 +26,7 @@ import logging
 import math
 import os
 import re
+import secrets
 import signal
 import threading
 import time
@@ -59,6 +60,10 @@ log = logging.getLogger("elastic_ops.node")
 
 REQUEST_MAX_AGE_S = 120.0  # a request older than this (by the sender's clock) is refused
 _SESSION_RE = re.compile(r"[0-9a-f]{32}")
+
+
+# how long a node agent waits for another's announcement of its host to lapse before it refuses
+HOST_TAKEN_WAIT_S = ALIVE_TTL_S + ALIVE_EVERY_S
 
 
 class NodeAgent:
@@ -97,6 +102,7 @@ class NodeAgent:
         self._threads: list[threading.Thread] = []
         self._redis: Any = None
         self._announcer: threading.Thread | None = None
+        self.instance = secrets.token_hex(8)  # tells this agent's announcements from another's
         self.ready = threading.Event()
 
     def __repr__(self) -> str:
@@ -111,10 +117,29 @@ class NodeAgent:
             "version": PROTOCOL_VERSION,
             "chunks": len(self.sessions),
             "addr": self.address,  # set: this node can lead a segment spanning hosts
+            "instance": self.instance,
         }
         self._send_gauges()
         self._redis.set(self.config.alive_key(self.host), self.config.announcement(self.host, info),
                         ex=ALIVE_TTL_S)
+
+    def _wait_for_the_host_name(self, client: Any, poll_s: float = 1.0) -> None:
+        """Refuse to serve a host another live node agent announces (a cloned VM's hostname, an
+        agent left running): both would take its chunks, and either's stop would withdraw the
+        other's announcement. An announcement a dead agent left lapses within ``ALIVE_TTL_S``:
+        this waits that long (plus one renewal) before it refuses."""
+        deadline = time.monotonic() + HOST_TAKEN_WAIT_S
+        while (other := client.alive(self.host)) is not None:
+            if time.monotonic() >= deadline:
+                raise SpecError(
+                    "--host", self.host,
+                    f"a host name no other live node agent serves (pid {other.get('pid')} announces it, "
+                    f"renewing it every {ALIVE_EVERY_S:g} s)",
+                    hint="stop that agent, or give each its own --host",
+                )
+            log.info("host %s is announced by another node agent (pid %s); waiting up to %.0f s for it to "
+                     "lapse", self.host, other.get("pid"), deadline - time.monotonic())
+            time.sleep(poll_s)
 
     def _send_gauges(self) -> None:
         """What the node runs now: its own chunks, and parts of segments other nodes lead."""
@@ -155,6 +180,8 @@ class NodeAgent:
             ) from None
         from elastic_ops.agent.node_client import NodeClient
         from elastic_ops.agent.span import NodeSpanLauncher
+
+        self._wait_for_the_host_name(NodeClient(self.config, redis=self._redis))
 
         self._local_launcher = warm_launcher(self._launcher, self.warm)
         self._launcher = NodeSpanLauncher(self._local_launcher, NodeClient(self.config, redis=self._redis),

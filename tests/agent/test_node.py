@@ -183,6 +183,20 @@ def test_forged_announcements_cannot_break_or_dress_up_the_node_list(cluster):
     assert client.alive("host-y") is None and client.live_hosts(["host-y", "host-a"]) == {"host-a"}
 
 
+def test_a_second_node_agent_for_a_host_already_served_refuses_to_start(cluster, monkeypatch):
+    """Two agents for one host name (a cloned VM's hostname, one left running) both took its
+    chunks, with no warning, and stopping one withdrew the other's announcement (a probe)."""
+    from elastic_ops.agent import node as node_module
+
+    config, a, _ = cluster
+    monkeypatch.setattr(node_module, "HOST_TAKEN_WAIT_S", 3.0)  # for a dead agent's to lapse
+    second = NodeAgent("host-a", config)
+    with pytest.raises(SpecError, match=r"invalid --host='host-a': a host name no other live node agent "
+                                        rf"serves \(pid {os.getpid()} announces it"):
+        second.serve()
+    assert NodeClient(config).alive("host-a")["instance"] == a.instance  # the first one's, untouched
+
+
 def test_a_host_without_a_node_agent_is_a_retryable_error_naming_it(cluster, tmp_path):
     config, _, _ = cluster
     with pytest.raises(NodeUnavailableError) as info:
