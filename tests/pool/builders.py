@@ -101,13 +101,17 @@ def shuffled_snapshots(draw) -> Snapshot:
                 held=held,
             )
         )
-    config = PolicyConfig(
+    config = _draw_config(draw)
+    return Snapshot(tuple(hosts), tuple(draw(st.permutations(jobs))), now, config)
+
+
+def _draw_config(draw) -> PolicyConfig:
+    return PolicyConfig(
         preemption=draw(st.sampled_from(list(Preemption))),
         min_rescale_interval_s=draw(st.sampled_from([0.0, 60.0])),
         min_gain=draw(st.sampled_from([0.0, 0.25])),
         aging_s=draw(st.sampled_from([0.0, 600.0])),
     )
-    return Snapshot(tuple(hosts), tuple(draw(st.permutations(jobs))), now, config)
 
 
 @st.composite
@@ -148,10 +152,5 @@ def selector_snapshots(draw) -> Snapshot:
                 held=held,
             )
         )
-    config = PolicyConfig(
-        preemption=draw(st.sampled_from(list(Preemption))),
-        min_rescale_interval_s=draw(st.sampled_from([0.0, 60.0])),
-        min_gain=draw(st.sampled_from([0.0, 0.25])),
-        aging_s=draw(st.sampled_from([0.0, 600.0])),
-    )
+    config = _draw_config(draw)
     return Snapshot(tuple(hosts), tuple(jobs), now, config)
