@@ -14,6 +14,7 @@ BENCHMARKS = (
     ["benchmarks.pool_decision", "--repeats", "5"],
     ["benchmarks.pool_ledger", "--seconds", "3"],
     ["benchmarks.pool_simulator"],
+    ["benchmarks.pool_repair"],
     ["benchmarks.airflow_overhead", "--iterations", "400"],
     ["benchmarks.node_dispatch", "--repeats", "9"],
     ["benchmarks.span_overhead", "--repeats", "5"],

@@ -210,33 +210,6 @@ def test_short_restricted_jobs_have_their_caps_lowered_in_one_pass(monkeypatch):
     assert len(passes) <= 2 * 2  # the plain plan twice: once by itself, once for the vectorised path
 
 
-def _full_pool_of_selector_jobs(n_jobs: int, n_hosts: int, seed: int = 0):
-    """A full pool: a quarter of the 8-slot hosts labelled, half the jobs restricted to them,
-    most jobs movable (rescaled 10 s or 100 s ago, or never), min_rescale_interval_s 60."""
-    import random
-
-    from elastic_ops.pool.model import Host, Job, PolicyConfig, Snapshot
-
-    rng = random.Random(seed)
-    hosts = [Host(f"h{i:04d}", 8, HostState.UP) for i in range(n_hosts)]
-    other = frozenset(h.name for i, h in enumerate(hosts) if i % 4)
-    free = [(h.name, s) for h in hosts for s in range(8)]
-    rng.shuffle(free)
-    jobs, cur = [], 0
-    for i in range(n_jobs):
-        outside = other if rng.random() < 0.5 else frozenset()
-        lo = rng.randint(1, 2)
-        hi = lo + rng.randint(0, 3)
-        n = rng.randint(0, hi) if cur < len(free) else 0
-        held = tuple(free[cur:cur + n])
-        cur += n
-        jobs.append(Job(f"j{i:05d}", lo, hi, rng.randint(1, 5), preemptible=rng.random() < 0.8,
-                        avoid_hosts=outside, leave_hosts=outside, submitted=float(i),
-                        waiting_since=None if held else 0.0, last_rescale=rng.choice([None, 990.0, 900.0]),
-                        held=held))
-    return Snapshot(tuple(hosts), tuple(jobs), 1000.0, PolicyConfig(min_rescale_interval_s=60.0))
-
-
 def test_a_cascade_of_short_restricted_jobs_costs_a_bounded_number_of_passes(monkeypatch):
     """Lowering some jobs' caps re-shares their capacity and leaves others short: on a full pool
     of many restricted jobs that cascaded, one full pass each (18 at 4,000 jobs: 22 s inside the
@@ -246,7 +219,9 @@ def test_a_cascade_of_short_restricted_jobs_costs_a_bounded_number_of_passes(mon
     passes = []
     targets = plain_policies._targets
     monkeypatch.setattr(plain_policies, "_targets", lambda *a: passes.append(1) or targets(*a))
-    snap = _full_pool_of_selector_jobs(600, 80)
+    from benchmarks.pool_repair import full_pool
+
+    snap = full_pool(600, 80)
     plan = PLAIN["priority"](snap)
     assert 1 < len(passes) <= plain_policies.REPAIR_PASSES + 1
     assert any("moving" in r for r in plan.reason)  # moves were made for restricted jobs
