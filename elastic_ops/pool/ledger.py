@@ -267,8 +267,12 @@ def snapshot(conn: Connection, now: float, cfg: dict[str, Any]) -> Snapshot:
         for r in conn.execute(select(s.hosts))
     )
     held: dict[str, list[Slot]] = {}
-    for r in conn.execute(select(s.allocations.c.job, s.allocations.c.host, s.allocations.c.slot)):
+    releasing: dict[str, set[Slot]] = {}  # slots a job was told to give up and still holds
+    a = s.allocations.c
+    for r in conn.execute(select(a.job, a.host, a.slot, a.releasing)):
         held.setdefault(r.job, []).append((r.host, r.slot))
+        if r.releasing is not None:
+            releasing.setdefault(r.job, set()).add((r.host, r.slot))
     idle_before = now - cfg["job_idle_s"]
     up_slots = {h.name: h.slots for h in hosts if h.state is HostState.UP}
     jobs = []
@@ -297,6 +301,7 @@ def snapshot(conn: Connection, now: float, cfg: dict[str, Any]) -> Snapshot:
                 last_rescale=r.last_rescale,
                 held=tuple(sorted(mine)),
                 epoch=r.epoch,
+                releasing=frozenset(releasing.get(r.name, ())),
             )
         )
     config = PolicyConfig(

@@ -106,7 +106,9 @@ class Job:
     allocation last changed (anti-thrashing). ``avoid_hosts``: hosts it takes no new slot on;
     ``leave_hosts`` (among them): hosts it may hold no slot on at all (outside its host
     selector): slots it holds there are released, as on a host that is not up, and still taken
-    until then.
+    until then. ``releasing`` (among ``held``): slots it was told to give up at its next
+    boundary and still holds: a job in the middle of a shrink or a move keeps its other slots
+    first and is not moved again until it has acted (see plain_policies._movable).
     """
 
     name: str
@@ -121,6 +123,7 @@ class Job:
     last_rescale: float | None = None
     held: tuple[Slot, ...] = ()
     epoch: int = 0
+    releasing: frozenset[Slot] = frozenset()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -105,16 +105,17 @@ def _frozen_on(jobs: Iterable[Job], up: dict[str, int]) -> dict[str, int]:
 
 
 def _share_round(
-    jobs: list[Job], caps: list[int], capacity: int, snap: Snapshot, share: ShareFn
+    jobs: list[Job], caps: list[int], capacity: int, snap: Snapshot, share: ShareFn, base: list[int]
 ) -> tuple[list[int], dict[int, str]]:
-    """Admit in order (gang), then share among the admitted. ``jobs`` is already ordered.
-    Returns the targets and the reasons of the jobs left out (admitted ones get their share)."""
+    """Admit in order (gang), then share among the admitted. ``jobs`` is already ordered;
+    ``base``: their caps before what frozen jobs keep and repairs lower. Returns the targets and
+    the reasons of the jobs left out (admitted ones get their share)."""
     admitted: list[int] = []
     left_out: dict[int, str] = {}
     need = 0
     for i, job in enumerate(jobs):
         if caps[i] < job.min_workers:
-            left_out[i] = f"min {job.min_workers} exceeds the {max(caps[i], 0)} usable slots it may use"
+            left_out[i] = too_few(job.min_workers, caps[i], base[i])
         elif need + job.min_workers <= capacity:
             admitted.append(i)
             need += job.min_workers
@@ -127,6 +128,17 @@ def _share_round(
     for i, t in zip(admitted, part, strict=True):
         targets[i] = t
     return targets, left_out
+
+
+def too_few(min_workers: int, cap: int, base: int) -> str:
+    """Why a job whose ``cap`` is below its minimum waits: its hosts have too few slots, or
+    (``base``, its cap on an empty pool, reaches it) jobs on them keep theirs for now."""
+    if base < min_workers:
+        return f"min {min_workers} exceeds the {max(cap, 0)} usable slots it may use"
+    return (
+        f"min {min_workers} exceeds the {max(cap, 0)} slots it may use now: the others on its "
+        "hosts are held by jobs that may not move or shrink yet"
+    )
 
 
 def _freeze_reason(job: Job, held_up: int, target: int, snap: Snapshot, admits: bool = False) -> str | None:
@@ -218,7 +230,8 @@ def _targets(
         for i, c in limit.items():
             caps[i] = min(caps[i], c)
         part, left_out = _share_round(
-            [ordered[i] for i in free_idx], [caps[i] for i in free_idx], cap_left, snap, share
+            [ordered[i] for i in free_idx], [caps[i] for i in free_idx], cap_left, snap, share,
+            [base_caps[i] for i in free_idx],
         )
         targets = list(keep)  # frozen jobs keep what they hold
         for k, i in enumerate(free_idx):
@@ -308,22 +321,19 @@ class _FreeSlots:
 
 
 def _keep(job: Job, target: int, up: dict[str, int], held_up: int) -> tuple[list[Slot], list[Slot]]:
-    """Which held slots to keep (on up hosts it may use, most-used hosts first) and which to
-    release."""
+    """Which held slots to keep and which to release: on up hosts it may use, slots it is not
+    already releasing first (a shrink or a move under way goes on, rather than turn round), then
+    most-used hosts first, by host and index."""
     if held_up == len(job.held) and target >= held_up:
         return list(job.held), []  # the common case: keeps everything
-    per_host: dict[str, list[Slot]] = {}
-    for slot in sorted(job.held):  # canonical order, whatever order the snapshot used
-        per_host.setdefault(slot[0], []).append(slot)
-    keep: list[Slot] = []
-    release: list[Slot] = []
-    usable = {h for h in per_host if h in up and h not in job.leave_hosts}
-    for h in sorted(per_host, key=lambda h: (h not in usable, -len(per_host[h]), h)):
-        block = per_host[h]
-        k = min(len(block), target - len(keep)) if h in usable else 0
-        keep.extend(block[:k])
-        release.extend(block[k:])
-    return keep, release
+    count: dict[str, int] = {}
+    for h, _ in job.held:
+        count[h] = count.get(h, 0) + 1
+    usable = {h for h in count if h in up and h not in job.leave_hosts}
+    going = job.releasing
+    order = sorted(job.held, key=lambda sl: (sl[0] not in usable, sl in going, -count[sl[0]], sl))
+    k = min(target, held_up)  # held_up: its slots on the usable hosts, sorted first
+    return order[:k], order[k:]
 
 
 # Passes that may lower the caps of restricted jobs short on their hosts. Lowering some re-shares
@@ -473,11 +483,20 @@ def _grow_one(job: Job, need: int, have: list[Slot], free: _FreeSlots, pending: 
 
 def _movable(job: Job, target: int, snap: Snapshot) -> bool:
     """Whether a running job may be moved to other slots for a restricted job (a move is a
-    rescale for the rules: graceful preemption, a preemptible job, not rescaled too recently)."""
+    rescale for the rules: graceful preemption, a preemptible job, not rescaled too recently).
+    Which of its slots may move: see :func:`_may_leave`."""
     cfg = snap.config
     if target <= 0 or cfg.preemption != Preemption.GRACEFUL or not job.preemptible:
         return False
     return job.last_rescale is None or snap.now - job.last_rescale >= cfg.min_rescale_interval_s
+
+
+def _may_leave(job: Job, slot: Slot) -> bool:
+    """Whether a movable job may be moved off ``slot``. A job in the middle of a shrink or a
+    move (releasing slots it was told to give up) may only go on with it: its rescale is
+    stamped when its old slots go, so moving it off its new ones would relaunch it twice inside
+    ``min_rescale_interval_s``."""
+    return not job.releasing or slot in job.releasing
 
 
 def _host_repair(i, ordered, targets, state, free: _FreeSlots, up, need: int, avail: int) -> int | None:
@@ -523,7 +542,7 @@ def _host_repair(i, ordered, targets, state, free: _FreeSlots, up, need: int, av
             claimable += left
         else:
             elsewhere += left
-    movable = sum(1 for j in candidates for sl in keeps[j] if mine(sl[0]))
+    movable = sum(1 for j in candidates for sl in keeps[j] if mine(sl[0]) and _may_leave(ordered[j], sl))
     # each moved slot needs a slot off its hosts for the mover: free there, or released there
     room = free.total - avail + elsewhere
     reach = have + avail + claimable + min(movable, room)
@@ -541,7 +560,7 @@ def _host_repair(i, ordered, targets, state, free: _FreeSlots, up, need: int, av
     for j in candidates:  # lowest-ranked first
         if short == 0 or room == 0:
             break
-        for s in sorted(sl for sl in keeps[j] if mine(sl[0])):
+        for s in sorted(sl for sl in keeps[j] if mine(sl[0]) and _may_leave(ordered[j], sl)):
             if short == 0 or room == 0 or not _replace(ordered[j], j, state, free, up, mine, mine_hosts):
                 break
             room -= 1

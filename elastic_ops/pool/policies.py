@@ -67,7 +67,14 @@ from elastic_ops.pool.model import (
     Snapshot,
     TargetAction,
 )
-from elastic_ops.pool.plain_policies import MOVING, PLAIN, SETTLE_AFTER, effective_priority, order_key
+from elastic_ops.pool.plain_policies import (
+    MOVING,
+    PLAIN,
+    SETTLE_AFTER,
+    effective_priority,
+    order_key,
+    too_few,
+)
 from elastic_ops.pool.shares import strict_fill_array, weighted_fill_array
 
 __all__ = ["POLICIES", "VECTORISED", "decide", "effective_priority", "get_policy", "make_policy", "order_key"]
@@ -153,6 +160,11 @@ class _Table:
         # ...and the hosts each may hold no slot on (outside its selector), for the few with any.
         self.leave: dict[int, frozenset[str]] = {
             i: leave[ol[i]] for i in np.flatnonzero(np.fromiter(map(bool, leave), bool, n)[order]).tolist()
+        }
+        # ...and the slots each is releasing (mid-shrink or mid-move), for the few with any.
+        going = _column(jobs, get, "releasing")
+        self.releasing: dict[int, frozenset[Slot]] = {
+            i: going[ol[i]] for i in np.flatnonzero(np.fromiter(map(bool, going), bool, n)[order]).tolist()
         }
         self.n_held = hl[order]
         self.prio = prio[order]
@@ -600,11 +612,16 @@ def _targets(t: _Table, share: ShareFn, held_up, hs: _Hosts, snap: Snapshot, fre
             break
         frozen.update(new)
         is_free[list(new)] = False
-    return targets, _reasons(targets, cap_left, free_idx, mins, fcaps, usable, admitted, frozen, held_up)
+    reasons = _reasons(targets, cap_left, free_idx, mins, fcaps, usable, admitted, frozen, held_up)
+    if caps is not caps0:  # frozen jobs keep slots on restricted jobs' hosts
+        for i in free_idx[~usable & (caps0[free_idx] >= mins)].tolist():
+            reasons[i] = too_few(int(t.mins[i]), int(caps[i]), int(caps0[i]))
+    return targets, reasons
 
 
 def _reasons(targets, cap_left, free_idx, mins, fcaps, usable, admitted, frozen, held_up) -> list[str]:
-    """Why each job gets its target. Texts are built once per distinct value, not per job."""
+    """Why each job gets its target (see plain_policies.too_few for a job whose cap frozen jobs
+    lowered). Texts are built once per distinct value, not per job."""
     tl = targets.tolist()
     text = {v: f"share {v} of {cap_left}" for v in set(tl)}
     reasons = list(map(text.__getitem__, tl))
@@ -632,13 +649,14 @@ def _reasons(targets, cap_left, free_idx, mins, fcaps, usable, admitted, frozen,
 # --- step 3: placement ----------------------------------------------------------------------
 
 
-def _keep(free: _Free, jobs: np.ndarray, targets: np.ndarray, n_held: np.ndarray):
+def _keep(free: _Free, jobs: np.ndarray, targets: np.ndarray, n_held: np.ndarray, releasing=None):
     """For the jobs in ``jobs`` (those that shrink or hold slots they cannot keep: on hosts that
     are not up, or outside their selector): which held slots to keep (on up hosts they may use,
-    most-used hosts first, then by host name and slot index) and which to release, by one
-    lexsort over their slots. Returns ``perm`` (the held slots' positions in ``free.flat``, each
-    job's kept ones first, in the order it keeps them, then its released ones; the identity for
-    every other job), ``n_keep`` per job and the released slots on up hosts, per host id."""
+    slots not in ``releasing`` (per job) first, most-used hosts first, then by host name and
+    slot index: plain_policies._keep) and which to release, by one sort over their slots.
+    Returns ``perm`` (the held slots' positions in ``free.flat``, each job's kept ones first, in
+    the order it keeps them, then its released ones; the identity for every other job),
+    ``n_keep`` per job and the released slots on up hosts, per host id."""
     n = len(n_held)
     perm = np.arange(len(free.flat))
     n_keep = n_held.copy()
@@ -648,7 +666,12 @@ def _keep(free: _Free, jobs: np.ndarray, targets: np.ndarray, n_held: np.ndarray
     pick[jobs] = True
     sel = np.flatnonzero(pick[free.owner])
     o, h, x, u = free.owner[sel], free.host[sel], free.index[sel], free.on_up[sel]
-    order = _keep_order(o, h, x, u)
+    r = np.zeros(len(sel), dtype=bool)
+    for i, going in (releasing or {}).items():
+        if pick[i]:
+            a, b = int(free.first[i]), int(free.first[i + 1])
+            r[np.searchsorted(sel, a) : np.searchsorted(sel, b)] = [sl in going for sl in free.flat[a:b]]
+    order = _keep_order(o, h, x, u, r)
     o, u, hu, hh = o[order], u[order], free.host_up[sel][order], h[order]
     start = np.searchsorted(o, o, side="left")
     keep = u & (np.arange(len(o)) - start < targets[o])
@@ -669,10 +692,11 @@ def _ranges(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     return np.arange(total) + np.repeat(lo - starts, sizes)
 
 
-def _keep_order(o: np.ndarray, h: np.ndarray, x: np.ndarray, u: np.ndarray) -> np.ndarray:
-    """The stable order of slots by (job ``o``, up hosts ``u`` first, most of the job's slots
-    on the host first, host ``h``, index ``x``). The keys are packed into one int64 and sorted
-    once when they fit (they do unless hosts hold millions of slots); else a lexsort."""
+def _keep_order(o: np.ndarray, h: np.ndarray, x: np.ndarray, u: np.ndarray, r: np.ndarray) -> np.ndarray:
+    """The stable order of slots by (job ``o``, up hosts ``u`` first, slots not being released
+    ``r`` first, most of the job's slots on the host first, host ``h``, index ``x``). The keys
+    are packed into one int64 and sorted once when they fit (they do unless hosts hold millions
+    of slots); else a lexsort."""
     if len(o) == 0:
         return np.zeros(0, dtype=np.int64)
     hosts = int(h.max()) + 1
@@ -684,11 +708,11 @@ def _keep_order(o: np.ndarray, h: np.ndarray, x: np.ndarray, u: np.ndarray) -> n
     cnt = np.empty_like(o)
     cnt[by_pair] = np.repeat(sizes, sizes)  # slots the job holds on the slot's host
     xs = x - int(x.min())
-    widths = [int(v).bit_length() for v in (o.max(), 1, cnt.max(), hosts - 1, xs.max())]
+    widths = [int(v).bit_length() for v in (o.max(), 1, 1, cnt.max(), hosts - 1, xs.max())]
     if sum(widths) > 62:
-        return np.lexsort((x, h, -cnt, ~u, o))
+        return np.lexsort((x, h, -cnt, r, ~u, o))
     key = o.copy()
-    for field, width in zip((~u, int(cnt.max()) - cnt, h, xs), widths[1:], strict=True):
+    for field, width in zip((~u, r, int(cnt.max()) - cnt, h, xs), widths[1:], strict=True):
         key <<= width
         key |= field
     return np.argsort(key, kind="stable")
@@ -811,7 +835,7 @@ def _decide(snap: Snapshot, share: ShareFn) -> Plan:
     targets, reasons = _targets(t, share, held_up, hs, snap, free, restricted)
     # Jobs that keep all they hold (on up hosts) need no sorting; the others keep part.
     simple = (held_up == t.n_held) & (targets >= held_up)
-    perm, n_keep, released_on = _keep(free, np.flatnonzero(~simple), targets, t.n_held)
+    perm, n_keep, released_on = _keep(free, np.flatnonzero(~simple), targets, t.n_held, t.releasing)
     pending = int(released_on.sum())
     n_new = np.zeros(t.n, dtype=np.int64)
     growing = np.flatnonzero(targets > n_keep)

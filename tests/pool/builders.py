@@ -99,10 +99,16 @@ def shuffled_snapshots(draw) -> Snapshot:
                 waiting_since=None if held else float(draw(st.integers(0, 2_000))),
                 last_rescale=draw(st.none() | st.sampled_from([now - 100, now - 10])),
                 held=held,
+                releasing=_releasing(draw, held),
             )
         )
     config = _draw_config(draw)
     return Snapshot(tuple(hosts), tuple(draw(st.permutations(jobs))), now, config)
+
+
+def _releasing(draw, held) -> frozenset:
+    """Some of ``held`` being released (a shrink or a move told at an earlier heartbeat)."""
+    return frozenset(draw(st.sets(st.sampled_from(held)))) if held else frozenset()
 
 
 def _draw_config(draw) -> PolicyConfig:
@@ -150,6 +156,7 @@ def selector_snapshots(draw) -> Snapshot:
                 waiting_since=None if held else float(draw(st.integers(0, 2_000))),
                 last_rescale=draw(st.none() | st.sampled_from([now - 100, now - 10])),
                 held=held,
+                releasing=_releasing(draw, held),
             )
         )
     config = _draw_config(draw)

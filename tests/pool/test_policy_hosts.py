@@ -107,7 +107,8 @@ def test_a_restricted_job_no_slot_of_which_can_be_freed_waits_and_the_rest_goes_
     for name in ("fairshare", "priority", "strict"):
         plan = _both(name, snap)
         assert plan.targets() == {"B": 4, "A": 0, "C": 4}, name
-        assert plan["A"].action is None and "0 usable slots" in plan["A"].reason
+        assert plan["A"].action is None
+        assert plan["A"].reason.startswith("min 1 exceeds the 0 slots it may use now: the others on its")
         assert plan["C"].placements == tuple(("h1", i) for i in range(4))
 
 
@@ -227,3 +228,32 @@ def test_a_cascade_of_short_restricted_jobs_costs_a_bounded_number_of_passes(mon
     assert any("moving" in r for r in plan.reason)  # moves were made for restricted jobs
     placed = [sl for d in plan.decisions for sl in d.placements]
     assert len(placed) == len(set(placed))  # and no slot placed twice
+
+
+def test_a_job_mid_move_goes_on_with_it_and_is_not_moved_off_its_new_slots():
+    # 'low' was told to move h0 -> h1 (it still holds both, releasing h0) for R0, which needs h0;
+    # R1 now needs h1: low is moved off neither its new slots nor back onto h0 (it would
+    # relaunch twice); R0 waits for h0, R1 waits and says why.
+    h1_only = {"avoid_hosts": frozenset({"h0", "h2"}), "leave_hosts": frozenset({"h0", "h2"})}
+    old = [("h0", 0), ("h0", 1)]
+    snap = make_snapshot(
+        hosts=(("h0", 2), ("h1", 2), ("h2", 2)),
+        aging_s=0,
+        jobs=[
+            make_job("low", 1, 2, held=old + [("h1", 0), ("h1", 1)], releasing=frozenset(old),
+                     last_rescale=0.0, submitted=0.0),
+            make_job("R0", 2, 2, priority=5, submitted=1.0,
+                     avoid_hosts=frozenset({"h1", "h2"}), leave_hosts=frozenset({"h1", "h2"})),
+            make_job("R1", 2, 2, priority=5, submitted=2.0, **h1_only),
+        ],
+    )
+    for name in ("fairshare", "priority", "strict"):
+        plan = _both(name, snap)
+        low = plan["low"]
+        assert low.placements == (("h1", 0), ("h1", 1)) and low.release == tuple(old), name
+        assert plan["R0"].placements == () and "released on its hosts" in plan["R0"].reason
+        assert plan["R1"].target == 0 and "held by jobs that may not move or shrink yet" in plan["R1"].reason
+    # not mid-move (nothing released yet), the same low is moved for R1 in the same plan
+    free_to_move = dataclasses.replace(snap, jobs=(dataclasses.replace(snap.jobs[0], releasing=frozenset()),
+                                                   *snap.jobs[1:]))
+    assert "moving" in _both("priority", free_to_move)["low"].reason

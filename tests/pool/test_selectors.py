@@ -30,6 +30,13 @@ def hosts_of(grant) -> set[str]:
     return {h for h, _ in grant.placements}
 
 
+def run_for(pool: PoolClient, clock, grant, beats: int, every: float) -> None:
+    """``grant``'s job runs on its placements for ``beats`` heartbeats ``every`` seconds apart."""
+    for _ in range(beats):
+        clock.advance(every)
+        pool.heartbeat(grant.job, grant.epoch, workers=len(grant.placements), placements=grant.placements)
+
+
 def test_a_job_runs_only_on_hosts_with_its_labels(ledger_url):
     pool = make_pool(ledger_url)
     pool.submit("h100-job", min_workers=1, max_workers=10, selector={"gpu": "h100"})
@@ -258,9 +265,7 @@ def test_a_moved_job_is_not_sent_back_when_the_job_it_made_room_for_leaves(sqlit
     pool.add_host("h1", 1, {"gpu": "h100"})
     pool.submit("low", min_workers=1, max_workers=1, priority=1)
     low = pool.request("low")
-    for _ in range(2):
-        clock.advance(40)
-        pool.heartbeat("low", low.epoch, workers=1, placements=low.placements)
+    run_for(pool, clock, low, beats=2, every=40)
     pool.submit("R", min_workers=1, max_workers=1, priority=5, selector={"gpu": "a100"})
     assert not hasattr(pool.request("R"), "epoch")
     clock.advance(15)
@@ -271,3 +276,41 @@ def test_a_moved_job_is_not_sent_back_when_the_job_it_made_room_for_leaves(sqlit
     after = pool.heartbeat("low", low.epoch, workers=1, placements=moved.placements)
     assert after.placements == moved.placements and after.action.value == "keep"
     assert [(e["kind"], e["slots"]) for e in pool.events("low") if e["slots"]][-1] == ("shrink", [("h0", 0)])
+
+
+def test_a_job_mid_move_is_not_moved_again_inside_min_rescale_interval(sqlite_url, clock):
+    """'low' was told to move off hA for R1 and relaunches on hB; before it said so, R2 (which
+    needs hB) arrived and the plan moved low again (booked hC for it while it still released
+    hA), a second move before the first was stamped (its rescale is stamped when its old slots
+    go). A job still releasing slots it was told to give up is moved only off those: it
+    finishes the move it has, and R2 gets hB once low's interval since that move has passed."""
+    pool = PoolClient(sqlite_url, clock=clock, aging_s=0.0, min_rescale_interval_s=60.0, lease_ttl_s=60)
+    pool.add_host("hA", 2, {"gpu": "x"})
+    pool.add_host("hB", 2, {"gpu": "y"})
+    pool.add_host("hC", 2)
+    pool.submit("low", min_workers=1, max_workers=2, priority=1)
+    low = pool.request("low")
+    assert hosts_of(low) == {"hA"}
+    run_for(pool, clock, low, beats=5, every=20)  # 100 s: past min_rescale_interval_s
+    pool.submit("R1", min_workers=2, max_workers=2, priority=5, selector={"gpu": "x"})
+    assert not hasattr(pool.request("R1"), "epoch")
+    clock.advance(5)
+    moved = pool.heartbeat("low", low.epoch, workers=2, placements=low.placements)
+    assert {h for h, _ in moved.placements} == {"hB"}  # told to move; it relaunches there
+    pool.submit("R2", min_workers=2, max_workers=2, priority=5, selector={"gpu": "y"})
+    assert not hasattr(pool.request("R2"), "epoch")
+    clock.advance(5)
+    now = pool.heartbeat("low", low.epoch, workers=2, placements=moved.placements)  # runs on hB
+    assert now.placements == moved.placements and now.action.value == "keep"
+    assert hasattr(pool.request("R1"), "epoch")
+    running, stamped = moved.placements, clock()
+    for _ in range(8):  # R2 gets hB once low's interval since the move has passed, not before
+        clock.advance(10)
+        running = pool.heartbeat("low", low.epoch, workers=2, placements=running).placements
+        if hasattr(r2 := pool.request("R2"), "epoch"):
+            break
+        assert {h for h, _ in running} == {"hB"} or clock() - stamped >= 60
+    assert hosts_of(r2) == {"hB"} and {h for h, _ in running} == {"hC"}
+    low_slots = [(e["kind"], {h for h, _ in e["slots"]}) for e in pool.events("low") if e["slots"]]
+    assert low_slots == [("grant", {"hA"}), ("grow", {"hB"}), ("shrink", {"hA"}), ("grow", {"hC"}),
+                         ("shrink", {"hB"})]
