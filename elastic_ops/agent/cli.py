@@ -139,10 +139,12 @@ def cmd_node(args: argparse.Namespace) -> int:
         check_advertise_addr(args.advertise_addr)  # before anything is registered
     _log_to_stderr(args.log_level)
     if args.register_slots is not None:
-        from elastic_ops.agent.node import register_host
+        from elastic_ops.agent.node import reachable_redis, register_host
         from elastic_ops.pool.cli import parse_labels
 
-        register_host(args.host, args.register_slots, args.pool_url, parse_labels(args.label))
+        labels = parse_labels(args.label)
+        reachable_redis(config)  # a node that cannot serve must not leave its host in the pool
+        register_host(args.host, args.register_slots, args.pool_url, labels)
     from elastic_ops.hooks.metrics import metrics_from_airflow_config
 
     return main(args.host, config, advertise_addr=args.advertise_addr, metrics=metrics_from_airflow_config())

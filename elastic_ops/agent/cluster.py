@@ -7,6 +7,7 @@ The tasks (``ElasticChunkOperator``) and every ``elastic-ops node`` read the sam
                                    its last refresh, every 2 s)
     {ns}:node:{host}:runs          run requests for ``host`` (sealed envelopes; the node pops)
     {ns}:session:{id}:claimed      a request was taken (SET NX: a replayed request runs nothing)
+    {ns}:session:{id}:refused      why a node refused a genuine request it got no answer to (signed)
     {ns}:session:{id}:to_node      targets, task → node    (``RedisChannel`` lists)
     {ns}:session:{id}:to_task      progress, outcome, node → task
 
@@ -19,7 +20,7 @@ import dataclasses
 import os
 import re
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit
 
 from elastic_ops.agent.redis_channel import SECRET_ENV, Signer
 from elastic_ops.errors import SpecError
@@ -59,6 +60,7 @@ class NodeConfig:
                 URL_ENV, shown_url(self.url), "a Redis URL with a host and a port in 0..65535",
                 hint="percent-encode '/', '?' and '#' in the password (%2F, %3F, %23)",
             ) from None
+        _check_options(self.url)
         if not isinstance(self.namespace, str) or not _NAMESPACE_RE.fullmatch(self.namespace):
             raise SpecError(NAMESPACE_ENV, self.namespace, "1-64 letters, digits, '_', '.', '-'")
         Signer(self.secret)  # validates it
@@ -89,6 +91,26 @@ class NodeConfig:
 
     def session_key(self, session: str, part: str) -> str:
         return f"{self.namespace}:session:{session}:{part}"
+
+
+def _check_options(url: str) -> None:
+    """The URL's query parameters that redis-py reads as numbers (``?socket_timeout=5``) must be
+    numbers: redis-py's ValueError, raised when a client is made, names no setting."""
+    try:
+        from redis.connection import URL_QUERY_ARGUMENT_PARSERS
+    except ImportError:  # no redis-py: nothing can connect, and NodeConfig.redis() says so
+        return
+    for name, values in parse_qs(urlsplit(url).query).items():
+        parser = URL_QUERY_ARGUMENT_PARSERS.get(name)
+        if parser not in (int, float):
+            continue
+        try:
+            parser(unquote(values[0]))
+        except ValueError:
+            raise SpecError(
+                f"{URL_ENV} parameter {name}", values[0],
+                f"a {'whole number' if parser is int else 'number'} (redis-py reads it as one)",
+            ) from None
 
 
 def node_config_from_env(environ: Any = None) -> NodeConfig | None:

@@ -40,7 +40,9 @@ from elastic_ops.agent.redis_channel import (
     PEER_TIMEOUT_S,
     SESSION_TTL_S,
     RedisChannel,
+    key_type,
     redis_error_types,
+    wrong_type,
 )
 from elastic_ops.agent.server import (
     PROGRESS_EVERY_S,
@@ -87,6 +89,7 @@ class NodeAgent:
         self.host = check_host_name("--host", host)
         self.metrics, self._tags = metrics, {"host": self.host}
         self._refusals = ThrottledLog(log)  # every refusal is counted; the log gets a bounded share
+        self._blocked = ThrottledLog(log)  # the queue's key of the wrong type, tried every second
         # where the other hosts' ranks reach this host's (segments spanning hosts); None: no spanning
         self.address = None if advertise_addr is None else check_advertise_addr(advertise_addr)
         self.config = config
@@ -153,6 +156,18 @@ class NodeAgent:
         self.metrics.incr("node.redis_errors", tags=self._tags)
         log.warning("cannot reach Redis %s: %s", what, exc)
 
+    def _queue_error(self, runs: str, exc: Exception) -> None:
+        """Waiting for requests failed: Redis is away, or the queue's key holds another type."""
+        if not wrong_type(exc):
+            self._redis_error("for requests (retrying)", exc)
+            return
+        self.metrics.incr("node.redis_errors", tags=self._tags)
+        self._blocked.warning(
+            "the Redis key %s holds a %s, not a list of run requests: no task can send this node a "
+            "chunk until it is deleted (another program writing in namespace %r?); retrying",
+            runs, key_type(self._redis, runs), self.config.namespace,
+        )
+
     def _refuse(self, reason: str, message: str, *args: Any) -> None:
         """Log a refused request (its sender gets no answer) and count it by ``reason``."""
         self.metrics.incr("node.requests_refused", tags={**self._tags, "reason": reason})
@@ -168,16 +183,7 @@ class NodeAgent:
     # --- serving ---------------------------------------------------------------------------------
 
     def serve(self) -> None:
-        self._redis = self.config.redis()
-        try:
-            self._redis.ping()
-        except redis_error_types() as exc:
-            raise SpecError(
-                "ELASTIC_OPS_NODE_REDIS_URL",
-                shown_url(self.config.url),
-                "a Redis server this host can reach",
-                hint=str(exc),
-            ) from None
+        self._redis = reachable_redis(self.config)
         from elastic_ops.agent.node_client import NodeClient
         from elastic_ops.agent.span import NodeSpanLauncher
 
@@ -206,7 +212,7 @@ class NodeAgent:
                 try:
                     item = self._redis.blpop([runs], timeout=1)
                 except redis_error_types() as exc:
-                    self._redis_error("for requests (retrying)", exc)
+                    self._queue_error(runs, exc)
                     self._stop.wait(1.0)
                     continue
                 if item is None:
@@ -255,13 +261,10 @@ class NodeAgent:
         except OverflowError:
             age = -math.inf
         if abs(age) > self.request_max_age_s:
-            self._refuse(
-                "stale",
-                "refused run request %s: issued %.0f s ago (at most %.0f s; are the clocks in sync?)",
-                session,
-                age,
-                self.request_max_age_s,
-            )
+            why = (f"{_issued(age)} by this node's clock (at most {self.request_max_age_s:.0f} s either way; "
+                   "are the hosts' clocks in sync?)")
+            self._refuse("stale", "refused run request %s: %s", session, why)
+            self._leave_refusal(session, why)
             return None
         if not self._redis.set(
             self.config.session_key(session, "claimed"), self.host, nx=True, ex=SESSION_TTL_S
@@ -269,6 +272,12 @@ class NodeAgent:
             self._refuse("replay", "refused run request %s: already taken (a replay)", session)
             return None
         return session, msg
+
+    def _leave_refusal(self, session: str, why: str) -> None:
+        """Say why a genuine request was refused where its task looks when no node answers it
+        (it gets no reply: a stale request may be a replay, whose task is long gone)."""
+        key = self.config.session_key(session, "refused")
+        self._redis.set(key, self.signer.seal(key, {"why": why}), ex=SESSION_TTL_S)
 
     def _handle(self, raw: bytes) -> None:
         try:
@@ -355,6 +364,30 @@ class NodeAgent:
             with self._lock:
                 self.sessions.pop(session_id, None)
             self._send_gauges()
+
+
+def _issued(age: float) -> str:
+    """When a request was issued, by its age on this host's clock (negative: in the future)."""
+    if age >= 0:
+        return f"issued {age:.0f} s ago"
+    if math.isinf(age):
+        return "issued at a time no clock reaches"
+    return f"issued {-age:.0f} s in the future"
+
+
+def reachable_redis(config: NodeConfig) -> Any:
+    """A client of the cluster's Redis, which answered a ping; else :class:`SpecError`."""
+    client = config.redis()
+    try:
+        client.ping()
+    except redis_error_types() as exc:
+        raise SpecError(
+            "ELASTIC_OPS_NODE_REDIS_URL",
+            shown_url(config.url),
+            "a Redis server this host can reach",
+            hint=str(exc),
+        ) from None
+    return client
 
 
 def register_host(

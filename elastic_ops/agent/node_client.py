@@ -25,13 +25,21 @@ from elastic_ops.agent.protocol import (
     error_from_wire,
     latest_of,
 )
-from elastic_ops.agent.redis_channel import BEAT_S, PEER_TIMEOUT_S, RedisChannel, redis_error_types
+from elastic_ops.agent.redis_channel import (
+    BEAT_S,
+    PEER_TIMEOUT_S,
+    RedisChannel,
+    key_type,
+    redis_error_types,
+    wrong_type,
+)
 from elastic_ops.errors import AgentLostError, NodeLostError, NodeUnavailableError, SpecError
 from elastic_ops.runtime.outcome import ChunkResult, Progress
 from elastic_ops.spec import check_host_name
 from elastic_ops.urls import shown_url
 
 ACCEPT_TIMEOUT_S = 30.0  # a live node takes a request within a second; this covers a busy Redis
+DECIDE_S = 1.0  # how long a node that popped a request has to claim or refuse it, as the task sees it
 
 
 def without_credentials(store: StoreConfig | None) -> StoreConfig | None:
@@ -275,9 +283,9 @@ class NodeClient:
                 hint="run the same elastic_ops release on the node agents and the Airflow workers",
             )
 
-    def _open(self, host: str, msg: dict[str, Any]) -> tuple[RedisChannel, tuple[str, bytes]]:
+    def _open(self, host: str, msg: dict[str, Any]) -> tuple[RedisChannel, tuple[str, bytes, str]]:
         """Push the sealed request ``msg`` onto ``host``'s queue; the session's channel and
-        ``(queue, envelope)``, to withdraw it if no node takes it."""
+        ``(queue, envelope, session)``, to withdraw it if no node takes it."""
         session = secrets.token_hex(16)
         runs = self.config.runs_key(host)
         envelope = self.signer.seal(
@@ -297,11 +305,21 @@ class NodeClient:
             self._redis.rpush(runs, envelope)
         except redis_error_types() as exc:
             self._close(channel)
-            raise self._unreachable(exc) from None
-        return channel, (runs, envelope)
+            raise (self._blocked(host, runs) if wrong_type(exc) else self._unreachable(exc)) from None
+        return channel, (runs, envelope, session)
+
+    def _blocked(self, host: str, runs: str) -> NodeUnavailableError:
+        # Redis is up, but this host's queue is not a list: no node agent can take from it
+        return NodeUnavailableError(
+            f"the run queue of host {host}, Redis key {runs}, holds a {key_type(self._redis, runs)}, not a "
+            "list of run requests: no node agent can take a chunk from it",
+            host=host,
+            hint=f"delete the key (another program writing in namespace {self.config.namespace!r}?); "
+            "the retry's grant avoids this host meanwhile",
+        )
 
     def _first(
-        self, channel: RedisChannel, request: tuple[str, bytes], host: str, what: str
+        self, channel: RedisChannel, request: tuple[str, bytes, str], host: str, what: str
     ) -> dict[str, Any]:
         """The node's first reply (raised if an error); :class:`NodeUnavailableError` if none
         comes within the accept timeout (the request is withdrawn)."""
@@ -312,10 +330,9 @@ class NodeClient:
         except EOFError:
             first = None
         if first is None:
-            withdrawn = self._withdraw(*request)
             raise NodeUnavailableError(
                 f"the node agent of host {host} did not take {what} within {self.accept_timeout_s:g} s"
-                + ("" if withdrawn else " (it took it too late; ended)"),
+                + self._not_taken(*request),
                 host=host,
                 hint="the node agent may be hung or its clock far off; see its log",
             )
@@ -329,6 +346,40 @@ class NodeClient:
         with self._lock:
             if channel in self._channels:
                 self._channels.remove(channel)
+
+    def _not_taken(self, runs: str, envelope: bytes, session: str) -> str:
+        """What became of a request no node answered in time, for the error: withdrawn from the
+        queue (``''``), taken too late, or taken off it and refused (and why, if the node said)."""
+        if self._withdraw(runs, envelope):
+            return ""
+        deadline = time.monotonic() + DECIDE_S  # it may have popped it a moment ago
+        while True:
+            try:
+                refused, claimed = self._redis.mget(
+                    [self.config.session_key(session, "refused"), self.config.session_key(session, "claimed")]
+                )
+            except redis_error_types():
+                return " (it took the request off its queue; what it did with it is unknown)"
+            why = self._refusal(session, refused)
+            if why:
+                return f": it refused the request, {why}"
+            if claimed:
+                return " (it took it too late; ended)"
+            if time.monotonic() >= deadline:
+                return (": it took the request off its queue and refused it without a reason this task "
+                        "can read (not sealed with its ELASTIC_OPS_NODE_SECRET?)")
+            time.sleep(0.05)
+
+    def _refusal(self, session: str, raw: bytes | None) -> str | None:
+        """The reason a node left for refusing ``session``'s request, if genuine and printable."""
+        if raw is None:
+            return None
+        key = self.config.session_key(session, "refused")
+        try:
+            why = self.signer.open(key, raw).get("why")
+        except AgentProtocolError:
+            return None
+        return why if _printable(why) else None
 
     def _withdraw(self, runs: str, envelope: bytes) -> bool:
         """Take a request nobody took back off the queue; ``False`` if a node took it meanwhile."""

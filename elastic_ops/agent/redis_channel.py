@@ -113,6 +113,24 @@ def redis_error_types() -> tuple[type[BaseException], ...]:
     return (redis.exceptions.RedisError,)
 
 
+def wrong_type(exc: BaseException) -> bool:
+    """Whether Redis refused a command because its key holds another type of value (a string
+    where a list belongs: another program's key in this namespace), not because it is away."""
+    import redis
+
+    return isinstance(exc, redis.exceptions.ResponseError) and str(exc).startswith("WRONGTYPE")
+
+
+def key_type(client: Any, key: str) -> str:
+    """The type of the value at ``key`` (``string``, ``hash``, ...), for a message; ``unknown``
+    if Redis cannot say."""
+    try:
+        found = client.type(key)
+    except redis_error_types():
+        return "unknown"
+    return found.decode(errors="replace") if isinstance(found, bytes) else str(found)
+
+
 class RedisChannel:
     """One session's pair of lists: this side pops ``inbox`` and pushes ``outbox``.
 

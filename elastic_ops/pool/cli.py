@@ -162,7 +162,7 @@ def parse_labels(items: Sequence[str]) -> dict[str, str]:
     from elastic_ops.errors import SpecError
     from elastic_ops.spec import check_host_selector
 
-    labels = {}
+    labels: dict[str, str] = {}
     for item in items:
         if "=" not in item:
             raise SpecError("label", item, "must be KEY=VALUE")
@@ -171,6 +171,10 @@ def parse_labels(items: Sequence[str]) -> dict[str, str]:
             check_host_selector("labels", {k: v})
         except SpecError as exc:
             raise SpecError("label", item, exc.allowed) from None
+        if not v:  # `--label gpu=$GPU` with $GPU unset
+            raise SpecError("label", item, f"must be KEY=VALUE with a value after the '=' (label {k!r})")
+        if k in labels:
+            raise SpecError("label", item, f"each label once: {k!r} is given already as {k}={labels[k]}")
         labels[k] = v
     return labels
 
