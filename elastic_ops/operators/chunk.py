@@ -381,6 +381,11 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
             register(client, JobSpec.from_dict(state["spec"]))
             outcome = client.request(job, avoid_hosts=tuple(avoid), new_attempt=not again)
         outcome = self._wait_in_task(client, job, avoid, outcome)
+        if getattr(self, "_killed", False) and not hasattr(outcome, "epoch"):
+            # on_kill came while this try asked (nothing ran for it to release): end the job as it
+            # does for a running chunk, rather than defer a try that is being killed
+            self._quietly("end the job in the pool", client.finish, job)
+            raise LeaseExpiredError(f"job {job}: its task is being killed while it waited for workers")
         if hasattr(outcome, "epoch"):
             hook.metrics().timing("chunk.wait", time.time() - asked, tags=self._tags(context, job))
             return self._run_granted(context, state, GrantEvent.from_grant(outcome, state), hook)
@@ -407,7 +412,8 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
         within seconds of the deferral can meet apache/airflow#72716: the scheduler reads the
         deferring process's stale exit as the resumed try's and fails it (a retry burnt)."""
         deadline = _monotonic() + self.defer_after
-        while not hasattr(outcome, "epoch") and _monotonic() + self.poll_interval <= deadline:
+        while (not hasattr(outcome, "epoch") and not getattr(self, "_killed", False)
+               and _monotonic() + self.poll_interval <= deadline):
             _sleep(self.poll_interval)
             try:
                 outcome = client.request(job, avoid_hosts=tuple(avoid))
@@ -423,6 +429,15 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
         nodes = node_config_from_env()
         # it trains on (spanning hosts: is led by) the node of the host holding most of the grant
         host = busiest_host(grant.placements) if nodes else grant.placements[0][0]
+        if getattr(self, "_killed", False):
+            # on_kill came before this grant was trained on (while the try asked, or resumed): it
+            # found nothing running to release, so give the grant back here and end the job,
+            # rather than train on slots until the process is killed and hold them until the TTL
+            self.log.warning("job %s: the task is being killed; giving the grant of epoch %d back untrained",
+                             spec.name, grant.epoch)
+            self._quietly("release the lease", self._release, client, spec.name, grant.epoch, finished=True)
+            raise LeaseExpiredError(f"job {spec.name}: its task is being killed; the grant of epoch "
+                                    f"{grant.epoch} was given back untrained")
         gave_back = getattr(self, "_gave_back", set())  # this process's: nothing here outlives a deferral
         if nodes is not None and host not in gave_back and not self._node_is_live(nodes, host):
             # its node went away while this task waited (the avoid list was taken when it asked):

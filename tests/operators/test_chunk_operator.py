@@ -407,3 +407,57 @@ def test_a_full_preemption_releases_and_waits_again_without_failing(pool, monkey
         pool.check_epoch(job, epochs[0])
     assert not [e for e in pool.events() if e["kind"] == "failure"]
     assert pool.request("urgent").workers == 2  # the slots went to the job that preempted it
+
+
+@pytest.mark.parametrize("slots_come_free", [True, False])
+def test_a_chunk_killed_while_it_waits_in_the_task_neither_trains_nor_defers(
+    pool, monkeypatch, wait_clock, slots_come_free
+):
+    """on_kill (mark failed, clear) while the try polls the pool within defer_after: nothing was
+    running for it to release. The try trained anyway on a grant that came next (slots the pool
+    then held for it until the lease TTL, after the process was killed) or deferred, and the job
+    stayed in the plan (a probe)."""
+    pool.submit("other", min_workers=2, max_workers=2, priority=5, preemptible=False)
+    blocker = pool.request("other")
+    op = make_chunk(1)
+    sleep = wait_clock.sleep
+
+    def killed_during_the_wait(seconds):
+        sleep(seconds)
+        if len(wait_clock.sleeps) == 2:
+            op.on_kill()  # Airflow's SIGTERM handler, while the task polls the pool
+            if slots_come_free:
+                pool.release("other", blocker.epoch, finished=True)
+
+    monkeypatch.setattr("elastic_ops.operators.chunk._sleep", killed_during_the_wait)
+    trained = []
+    monkeypatch.setattr(ElasticChunkOperator, "_train", lambda *a: trained.append(a))
+    with pytest.raises(LeaseExpiredError, match="being killed") as err:
+        op.execute(ti_context(1, 3))  # neither a result nor TaskDeferred
+    assert err.value.retryable and not trained
+    job = job_id("d", "train", "run1")
+    assert job_row(pool, job)["state"] == "finished"
+    assert pool.status()["slots"]["used"] == (0 if slots_come_free else 2)
+    if slots_come_free:
+        pool.submit("next", min_workers=2, max_workers=2)
+        assert pool.request("next").workers == 2  # the killed try holds nothing back
+
+
+def test_a_chunk_killed_before_its_grant_is_trained_gives_the_grant_back(pool, monkeypatch):
+    """on_kill between the trigger's grant and the resumed try's start of training."""
+    job = job_id("d", "train", "run1")
+    op = make_chunk(1)
+    spec = op._spec(context())
+    pool.submit(job, min_workers=1, max_workers=2)
+    grant = pool.request(job)
+    trained = []
+    monkeypatch.setattr(ElasticChunkOperator, "_train", lambda *a: trained.append(a))
+    op.on_kill()
+    state = {"spec": spec.to_dict(), "chunk_index": 1, "start": 20, "end": 40, "warm_start": None,
+             "preemptions": 0, "timeline": [], "epochs": [], "hosts": [], "trained": 0, "waited_s": 0.0,
+             "started_at": time.time()}
+    event = GrantEvent(job, grant.epoch, grant.placements, grant.ttl_s, state, 0.1)
+    with pytest.raises(LeaseExpiredError, match="given back untrained"):
+        op.execute_granted(ti_context(1, 3), event.to_payload())
+    assert not trained and pool.status()["slots"]["used"] == 0
+    assert job_row(pool, job)["state"] == "finished"
