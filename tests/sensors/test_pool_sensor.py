@@ -7,7 +7,7 @@ import json
 import pytest
 from airflow.sdk.exceptions import TaskDeferred
 
-from elastic_ops.errors import PoolError, SpecError
+from elastic_ops.errors import LedgerBusyError, PoolError, SpecError, WaitFailedError
 from elastic_ops.pool import PoolClient
 from elastic_ops.sensors import ElasticPoolSensor
 from elastic_ops.triggers import PoolCapacityTrigger
@@ -83,3 +83,17 @@ def test_bad_minimum_is_rejected_when_the_dag_is_parsed(bad):
 def test_a_bad_poll_interval_is_refused_when_the_dag_is_parsed(bad):
     with pytest.raises(SpecError, match="invalid poll_interval=.*finite number of seconds > 0"):
         ElasticPoolSensor(task_id="gate", min_workers=1, poll_interval=bad)
+
+
+@pytest.mark.parametrize(("exc", "action"), [
+    (SpecError("min_workers", "0", "must be an integer >= 1"), "fail"),  # a rendered template
+    (WaitFailedError("watching the pool failed: SpecError: no ledger", retryable=False), "fail"),
+    (LedgerBusyError("busy"), "retry"),
+])
+def test_errors_retrying_cannot_fix_fail_at_once_whatever_the_retries(exc, action):
+    """The sensor classifies errors as the elastic operators do: a dag.test() probe saw a
+    SpecError from min_workers='{{ params.n }}' rendered '0' retried twice (retries=2)."""
+    sensor = ElasticPoolSensor(task_id="gate", min_workers="{{ params.n }}", retries=2)
+    assert sensor.retry_policy is not None
+    decision = sensor.retry_policy.evaluate(exc, try_number=1, max_tries=2)
+    assert decision.action.value == action
