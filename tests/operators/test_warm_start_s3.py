@@ -102,6 +102,24 @@ def test_an_asset_event_cannot_point_the_warm_start_outside_the_model_assets_uri
         op._warm_start(context)
 
 
+@pytest.mark.parametrize("named", [
+    "file:///srv/ckpt/d/train/../../other_team/model",  # a probe read another team's checkpoints so
+    "file:///srv/ckpt/d/train/%2e%2e/%2E%2E/other_team/model",  # (the store unquotes the path)
+    "file:///srv/ckpt/d/train/./../../etc",
+    "s3://models/digits/../other-team/model",
+])
+def test_an_asset_event_cannot_climb_out_of_the_model_assets_uri(named):
+    from elastic_ops.errors import SpecError
+
+    asset = Asset(name="d.train.model", uri=named.split("/train")[0] + "/train" if named.startswith("file")
+                  else "s3://models/digits")
+    op = ElasticChunkOperator(task_id="chunk_01_of_01", spec_fields=FIELDS, chunk_index=0, group_id="train",
+                              warm_start="previous", inlets=[asset])
+    context = {"inlet_events": {asset: [SimpleNamespace(extra={"checkpoint_root": named})]}}
+    with pytest.raises(SpecError, match=r"invalid warm_start=.*without '\.' or '\.\.' path segments"):
+        op._warm_start(context)
+
+
 def test_the_previous_model_is_the_newest_asset_event_fetched_alone():
     """Years of daily retraining leave thousands of events: only the newest is fetched."""
     asset = Asset(name="d.train.model", uri="s3://models/digits")
