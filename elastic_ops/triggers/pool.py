@@ -40,6 +40,13 @@ async def _pool_client(ledger_url: str):
     return await asyncio.to_thread(_open_ledger, ledger_url)
 
 
+def _close_quietly(client: Any) -> None:
+    try:
+        client.close()
+    except Exception:  # noqa: BLE001 - closing must not replace the event or the cancellation
+        pass
+
+
 class _LedgerTrigger(BaseTrigger):
     ledger_url: str
 
@@ -129,29 +136,33 @@ class GrantTrigger(_LedgerTrigger):
         if self.not_before is not None and (delay := self.not_before - _wall_clock()) > 0:
             await _sleep(delay)
         client = None
-        while True:
-            try:
-                if client is None:
-                    client = await _pool_client(self.ledger_url)
-                outcome = await asyncio.to_thread(self._request_once, client)
-            except ElasticOpsError as exc:
-                if not exc.retryable:
-                    # an unknown job (the ledger was reset): the task's next try registers it again
-                    again = isinstance(exc, UnknownJobError)
-                    yield TriggerEvent(TriggerFailure(str(exc), type(exc).__name__, again).to_payload())
+        try:
+            while True:
+                try:
+                    if client is None:
+                        client = await _pool_client(self.ledger_url)
+                    outcome = await asyncio.to_thread(self._request_once, client)
+                except ElasticOpsError as exc:
+                    if not exc.retryable:
+                        # an unknown job (the ledger was reset): the task's next try registers it again
+                        again = isinstance(exc, UnknownJobError)
+                        yield TriggerEvent(TriggerFailure(str(exc), type(exc).__name__, again).to_payload())
+                        return
+                    # a busy ledger: keep waiting rather than fail the task
+                    self.log.warning("pool ledger busy (%s); still waiting", exc)
+                    await asyncio.sleep(self.poll_interval)
+                    continue
+                if hasattr(outcome, "epoch"):
+                    waited = time.monotonic() - started
+                    self.log.info("job %s granted %d workers (epoch %s) after %.1fs",
+                                  self.job, len(outcome.placements), outcome.epoch, waited)
+                    yield TriggerEvent(GrantEvent.from_grant(outcome, self.state, waited).to_payload())
                     return
-                # a busy ledger: keep waiting rather than fail the task
-                self.log.warning("pool ledger busy (%s); still waiting", exc)
+                self.log.debug("job %s waits: %s", self.job, getattr(outcome, "reason", outcome))
                 await asyncio.sleep(self.poll_interval)
-                continue
-            if hasattr(outcome, "epoch"):
-                waited = time.monotonic() - started
-                self.log.info("job %s granted %d workers (epoch %s) after %.1fs",
-                              self.job, len(outcome.placements), outcome.epoch, waited)
-                yield TriggerEvent(GrantEvent.from_grant(outcome, self.state, waited).to_payload())
-                return
-            self.log.debug("job %s waits: %s", self.job, getattr(outcome, "reason", outcome))
-            await asyncio.sleep(self.poll_interval)
+        finally:  # the engine's pooled connections, at once (not at the next GC)
+            if client is not None:
+                _close_quietly(client)
 
 
 class PoolCapacityTrigger(_LedgerTrigger):
@@ -182,21 +193,25 @@ class PoolCapacityTrigger(_LedgerTrigger):
     async def run(self) -> AsyncIterator[TriggerEvent]:
         started = time.monotonic()
         client = None
-        while True:
-            try:
-                if client is None:
-                    client = await _pool_client(self.ledger_url)
-                free = free_slots(await asyncio.to_thread(client.status), self.host_selector)
-            except ElasticOpsError as exc:
-                if not exc.retryable:
-                    yield TriggerEvent(TriggerFailure(str(exc), type(exc).__name__, False).to_payload())
+        try:
+            while True:
+                try:
+                    if client is None:
+                        client = await _pool_client(self.ledger_url)
+                    free = free_slots(await asyncio.to_thread(client.status), self.host_selector)
+                except ElasticOpsError as exc:
+                    if not exc.retryable:
+                        yield TriggerEvent(TriggerFailure(str(exc), type(exc).__name__, False).to_payload())
+                        return
+                    # a busy or unreachable ledger: keep watching, as GrantTrigger keeps waiting
+                    self.log.warning("pool ledger unavailable (%s); still watching", exc)
+                    await asyncio.sleep(self.poll_interval)
+                    continue
+                if free >= self.min_workers:
+                    waited = time.monotonic() - started
+                    yield TriggerEvent(CapacityEvent(free, self.min_workers, waited).to_payload())
                     return
-                # a busy or unreachable ledger: keep watching, as GrantTrigger keeps waiting
-                self.log.warning("pool ledger unavailable (%s); still watching", exc)
                 await asyncio.sleep(self.poll_interval)
-                continue
-            if free >= self.min_workers:
-                waited = time.monotonic() - started
-                yield TriggerEvent(CapacityEvent(free, self.min_workers, waited).to_payload())
-                return
-            await asyncio.sleep(self.poll_interval)
+        finally:  # the engine's pooled connections, at once (not at the next GC)
+            if client is not None:
+                _close_quietly(client)

@@ -216,3 +216,46 @@ def test_a_user_stopping_the_waiting_task_ends_its_job_in_the_pool(tmp_path):
     assert not hasattr(pool.request("waiter", new_attempt=True), "epoch")  # a cleared task: it waits again
     assert next(j for j in pool.status()["jobs"] if j["name"] == "waiter")["state"] == "waiting"
     asyncio.run(GrantTrigger(job="nobody", ledger_url=pool.url, state={}).on_kill())  # unknown: no error
+
+
+@pytest.mark.parametrize("kind", ["grant", "capacity", "cancelled"])
+def test_a_trigger_closes_its_ledger_client_when_it_ends(tmp_path, monkeypatch, kind):
+    """Each deferral opens a ledger client in the long-lived triggerer: its engine's connections
+    were left to the garbage collector (a probe on PostgreSQL saw up to 8 idle connections
+    after 15 deferrals in one process, dropping to 1 only at gc.collect())."""
+    import elastic_ops.triggers.pool as trigger_pool
+
+    pool = make_pool(tmp_path, slots=2)
+    pool.submit("j", min_workers=1, max_workers=2)
+    if kind == "cancelled":
+        pool.submit("a", min_workers=2, max_workers=2, priority=9, preemptible=False)
+        pool.request("a")
+    closed: list = []
+    real = trigger_pool._open_ledger
+
+    def opened(url):
+        client = real(url)
+        monkeypatch.setattr(client, "close", lambda: closed.append(url))
+        return client
+
+    monkeypatch.setattr(trigger_pool, "_open_ledger", opened)
+    if kind == "capacity":
+        trig = PoolCapacityTrigger(ledger_url=pool.url, min_workers=1, poll_interval=0.05)
+    else:
+        trig = GrantTrigger(job="j", ledger_url=pool.url, state={}, poll_interval=0.05)
+
+    async def scenario():
+        gen = trig.run()
+        if kind == "cancelled":  # the triggerer cancels a waiting trigger
+            task = asyncio.ensure_future(gen.__anext__())
+            await asyncio.sleep(0.3)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await gen.aclose()
+            return
+        async for _ in gen:  # as the triggerer iterates it: to its end
+            pass
+
+    asyncio.run(scenario())
+    assert closed == [pool.url]
