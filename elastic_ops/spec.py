@@ -464,10 +464,31 @@ MAX_PARAMS_NODES = 100_000  # values in params, each repetition counted (a YAML 
 MAX_PARAMS_DEPTH = 64
 
 
+# Keys Airflow's serializers give a meaning to, in a mapping anywhere in the value: serde refuses
+# to serialise a dict with __classname__ or __id__, and reads a dict with both __type and __var
+# back as an encoded value (params travel in a deferred chunk's trigger kwargs and events).
+RESERVED_KEYS = ("__classname__", "__id__")
+ENCODED_PAIR = ("__type", "__var")
+
+
+def _check_keys(field: str, mapping: Mapping) -> None:
+    bad = next((k for k in RESERVED_KEYS if k in mapping), None)
+    if bad is None and all(k in mapping for k in ENCODED_PAIR):
+        bad = ENCODED_PAIR[0]
+    if bad is not None:
+        raise SpecError(
+            f"{field} key", bad,
+            "keys '__classname__' and '__id__' (and '__type' next to '__var') are reserved by Airflow's "
+            "serializers, which carry the spec while a chunk waits for workers",
+            hint="rename the key",
+        )
+
+
 def _check_size(field: str, value: Any) -> None:
     """Refuse a value that would expand past ``MAX_PARAMS_NODES`` values, nest deeper than
     ``MAX_PARAMS_DEPTH`` or contain itself, counting shared parts once per use without
-    expanding them (a few lines of YAML anchors can otherwise describe billions of values)."""
+    expanding them (a few lines of YAML anchors can otherwise describe billions of values), or
+    that holds a key Airflow's serializers reserve (:func:`_check_keys`)."""
     sizes: dict[int, int] = {}
     open_: set[int] = set()
 
@@ -482,6 +503,8 @@ def _check_size(field: str, value: Any) -> None:
         if depth > MAX_PARAMS_DEPTH:
             raise SpecError(field, _short(value), f"must nest at most {MAX_PARAMS_DEPTH} levels deep")
         open_.add(key)
+        if isinstance(v, Mapping):
+            _check_keys(field, v)
         parts = [x for kv in v.items() for x in kv] if isinstance(v, Mapping) else v
         total = 1
         for part in parts:

@@ -59,6 +59,11 @@ def make_spec(**overrides) -> JobSpec:
         ({"name": "bad name!"}, "name", "letters, digits"),
         ({"min_workers": True}, "min_workers", "integer"),
         ({"params": {"lr": object()}}, "params", "JSON-serialisable"),
+        # Airflow's serializers refuse (serde) or decode (old format) these, so a deferred chunk's
+        # trigger failed, or came back with other params (another spec hash)
+        ({"params": {"__classname__": "x"}}, "params key", "reserved by Airflow's serializers"),
+        ({"params": {"opt": [{"__id__": 1}]}}, "params key", "reserved"),
+        ({"params": {"a": {"__type": "dict", "__var": {"b": 1}}}}, "params key", "reserved"),
         ({"keep_last": 0}, "keep_last", ">= 1"),
         ({"host_selector": {"gpu": 1}}, "host_selector", "string value"),
         ({"stop_when": {"metric": "loss"}}, "stop_when", '{"metric": NAME, "at_least": X}'),

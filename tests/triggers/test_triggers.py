@@ -40,6 +40,24 @@ def test_grant_trigger_roundtrip_keeps_everything_the_task_needs():
     assert rebuilt.state == state and rebuilt.avoid_hosts == ["h2"] and rebuilt.not_before == 1_800_000_000.25
 
 
+def test_every_params_the_spec_accepts_survive_the_triggerers_storage():
+    """The triggerer stores kwargs with Trigger.encrypt_kwargs and reads them back: params with
+    keys Airflow's serializers give a meaning to came back changed ({"__type", "__var"}) or
+    failed the deferral (__classname__); the spec refuses those and every other key survives."""
+    from airflow.models.trigger import Trigger
+
+    from elastic_ops.spec import JobSpec
+
+    params = {"__type": "dict", "__data__": [1], "__version__": 2, "n": {"__var": {"__type": 1}},
+              "list": [{"__source": "x"}, 2**62, 1e-300], "": "empty key"}
+    spec = JobSpec(name="j", entrypoint="pkg.mod:Model", total_iterations=10, global_batch=8, params=params)
+    state = {"spec": spec.to_dict()}
+    _, kwargs = GrantTrigger(job="j", ledger_url="sqlite:////tmp/x.db", state=state).serialize()
+    back = Trigger._decrypt_kwargs(Trigger.encrypt_kwargs(kwargs))
+    assert back["state"] == state
+    assert JobSpec.from_dict(back["state"]["spec"]).spec_hash() == spec.spec_hash()
+
+
 def test_capacity_trigger_roundtrip():
     trig = PoolCapacityTrigger(ledger_url="postgresql+psycopg2://u@h/db", min_workers=3, poll_interval=0.2,
                                host_selector={"gpu": "h100"})
