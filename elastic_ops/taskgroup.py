@@ -91,6 +91,30 @@ def _check_warm_start(value: Any) -> None:
         raise SpecError("warm_start", value, allowed, hint=exc.allowed) from None
 
 
+# what the group sets on each chunk task itself (a chunk_kwargs key among them was a raw
+# "got multiple values" TypeError)
+GROUP_SET = ("task_id", "chunk_index", "warm_start", "spec_fields", "group_id", "num_chunks",
+             "elastic_ops_conn_id", "aws_conn_id")
+
+
+def _check_chunk_kwargs(chunk_kwargs: object) -> None:
+    if chunk_kwargs is None:
+        return
+    if not isinstance(chunk_kwargs, dict):
+        raise SpecError("chunk_kwargs", chunk_kwargs, "must be a dict of BaseOperator arguments "
+                        "(e.g. {'retries': 5, 'pool': 'gpu'})")
+    for key in GROUP_SET:
+        if key in chunk_kwargs:
+            raise SpecError(f"chunk_kwargs[{key!r}]", chunk_kwargs[key], "is set by elastic_training itself",
+                            hint=None if key in _INTERNAL else f"pass {key}= to elastic_training")
+    retries = chunk_kwargs.get("retries")
+    if isinstance(retries, int) and not isinstance(retries, bool) and retries < 0:
+        raise SpecError("chunk_kwargs['retries']", retries, "must be >= 0")
+
+
+_INTERNAL = ("task_id", "chunk_index", "spec_fields", "group_id")
+
+
 def elastic_training(
     task_id: str,
     trainable: str,
@@ -143,9 +167,7 @@ def elastic_training(
             "warm_start='previous' and a templated checkpoint",
             hint="e.g. model_asset=Asset(name='digits-model', uri='s3://models/digits')",
         )
-    if chunk_kwargs is not None and not isinstance(chunk_kwargs, dict):
-        raise SpecError("chunk_kwargs", chunk_kwargs, "must be a dict of BaseOperator arguments "
-                        "(e.g. {'retries': 5, 'pool': 'gpu'})")
+    _check_chunk_kwargs(chunk_kwargs)
     _, n_chunks = validate_fields(fields, num_chunks)
     fields = {k: v for k, v in fields.items() if k != "name"}
     with TaskGroup(group_id=task_id, tooltip=f"elastic training of {trainable}") as group:
@@ -163,8 +185,9 @@ def elastic_training(
         chunks = []
         for i in range(n_chunks):
             extra = dict(chunk_kwargs or {})
-            if i == 0 and warm_start == WARM_START_PREVIOUS:
-                extra["inlets"] = [model_asset]
+            if i == 0 and warm_start == WARM_START_PREVIOUS:  # the user's inlets stay
+                theirs = extra.get("inlets") or []
+                extra["inlets"] = [*(theirs if isinstance(theirs, list | tuple) else [theirs]), model_asset]
             chunks.append(ElasticChunkOperator(
                 task_id=f"chunk_{i + 1:02d}_of_{n_chunks:02d}", chunk_index=i,
                 warm_start=warm_start if i == 0 else None, **common, **extra,

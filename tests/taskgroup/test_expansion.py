@@ -104,6 +104,14 @@ def test_chunk_kwargs_reach_the_chunk_tasks():
     assert dag.get_task("train.chunk_01_of_04").retries == 7
 
 
+def test_warm_start_previous_adds_the_model_asset_to_the_users_inlets():
+    theirs = Asset(name="tokenizer", uri="s3://models/tokenizer")
+    dag, group = make_dag(warm_start="previous", checkpoint="s3://models/digits",
+                          chunk_kwargs={"inlets": [theirs]})
+    assert dag.get_task("train.chunk_01_of_04").inlets == [theirs, group.model_asset]  # was [model_asset]
+    assert dag.get_task("train.chunk_02_of_04").inlets == [theirs]
+
+
 @pytest.mark.parametrize(("kwargs", "field"), [
     ({"min_workers": 5, "max_workers": 2}, "min_workers"),
     ({"chunk_iterations": 500}, "chunk_iterations"),
@@ -129,6 +137,11 @@ def test_chunk_kwargs_reach_the_chunk_tasks():
     ({"model_asset": "s3://x/y"}, "model_asset"),
     ({"warm_start": "previous", "checkpoint": "{{ params.ck }}"}, "model_asset"),  # no Asset URI to hold it
     ({"chunk_kwargs": ["retries"]}, "chunk_kwargs"),
+    # keys the group sets on each chunk itself: a raw "got multiple values" TypeError before
+    ({"chunk_kwargs": {"task_id": "x"}}, "chunk_kwargs['task_id']"),
+    ({"chunk_kwargs": {"warm_start": "s3://m/x"}}, "chunk_kwargs['warm_start']"),
+    ({"chunk_kwargs": {"aws_conn_id": "aws_other"}}, "chunk_kwargs['aws_conn_id']"),
+    ({"chunk_kwargs": {"retries": -1}}, "chunk_kwargs['retries']"),
     ({"elastic_ops_conn_id": ""}, "elastic_ops_conn_id"),
     ({"elastic_ops_conn_id": 5}, "elastic_ops_conn_id"),
     ({"aws_conn_id": 5}, "aws_conn_id"),
