@@ -65,7 +65,7 @@ from elastic_ops.operators.lease import LeaseKeeper
 from elastic_ops.operators.links import PoolPageLink
 from elastic_ops.operators.progress import progress_logger
 from elastic_ops.operators.results import ChunkTaskResult
-from elastic_ops.operators.retry import ElasticRetryPolicy
+from elastic_ops.operators.retry import ElasticRetryPolicy, default_to
 from elastic_ops.runtime.outcome import ChunkStatus
 from elastic_ops.spec import JobSpec, check_checkpoint_uri, check_number, stop_metric_missing, stop_reached
 from elastic_ops.triggers.events import GrantEvent, TriggerFailure, parse_event
@@ -216,11 +216,8 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
         check_number("defer_after", defer_after, minimum=0, unit=" of seconds")
         if isinstance(chunk_index, bool) or not isinstance(chunk_index, int) or chunk_index < 0:
             raise SpecError("chunk_index", chunk_index, "must be an integer >= 0")
-        kwargs.setdefault("retries", 3)
-        kwargs.setdefault("retry_delay", timedelta(seconds=5))
-        kwargs.setdefault("retry_exponential_backoff", 2.0)
-        kwargs.setdefault("max_retry_delay", timedelta(minutes=10))
-        kwargs.setdefault("retry_policy", ElasticRetryPolicy())
+        default_to(kwargs, retries=3, retry_delay=timedelta(seconds=5), retry_exponential_backoff=2.0,
+                   max_retry_delay=timedelta(minutes=10), retry_policy=ElasticRetryPolicy())
         super().__init__(**kwargs)
         self.spec_fields = spec_fields
         self.chunk_index = chunk_index

@@ -16,7 +16,7 @@ from elastic_ops.hooks.elastic_ops import DEFAULT_CONN_ID
 from elastic_ops.operators.chunk import ElasticOperatorMixin
 from elastic_ops.operators.jobs import check_conn_ids, check_seconds, register
 from elastic_ops.operators.results import ChunkTaskResult
-from elastic_ops.operators.retry import ElasticRetryPolicy
+from elastic_ops.operators.retry import ElasticRetryPolicy, default_to
 from elastic_ops.spec import stop_reached
 
 MISSED_HEARTBEATS = 3  # a lease not renewed for this many heartbeat intervals has no live holder
@@ -41,7 +41,9 @@ class JobTaskOperator(ElasticOperatorMixin, BaseOperator):
         **kwargs: Any,
     ) -> None:
         check_conn_ids(elastic_ops_conn_id, aws_conn_id)
-        kwargs.setdefault("retry_policy", ElasticRetryPolicy())
+        # the pool's database may be briefly unreachable (a retryable error): without retries a
+        # blip at register failed the whole run
+        default_to(kwargs, retry_policy=ElasticRetryPolicy(), retries=3, retry_delay=timedelta(seconds=5))
         super().__init__(**kwargs)
         self.spec_fields = spec_fields
         self.group_id = group_id
@@ -164,8 +166,6 @@ class ElasticEndJobOperator(JobTaskOperator):
 
     def __init__(self, *, heartbeat_interval: float = 2.0, **kwargs: Any) -> None:
         check_seconds("heartbeat_interval", heartbeat_interval)
-        kwargs.setdefault("retries", 3)  # the pool's database may be briefly unreachable
-        kwargs.setdefault("retry_delay", timedelta(seconds=5))
         super().__init__(**kwargs)
         self.heartbeat_interval = heartbeat_interval  # the chunks' (their lease keepers renew at it)
 

@@ -31,3 +31,13 @@ class ElasticRetryPolicy(RetryPolicy):
     @classmethod
     def deserialize(cls, data: dict[str, Any]) -> ElasticRetryPolicy:
         return cls()
+
+
+def default_to(kwargs: dict[str, Any], **defaults: Any) -> None:
+    """Set each of ``defaults`` in an operator's ``kwargs`` unless the DAG author gave it, in the
+    call or in ``default_args`` (Airflow hands those to ``__init__`` as ``default_args`` and
+    applies them only to arguments the call lacks: a plain ``setdefault`` overrode them)."""
+    given = kwargs.get("default_args") or {}
+    for key, value in defaults.items():
+        if key not in kwargs and key not in given:
+            kwargs[key] = value

@@ -12,7 +12,7 @@ from airflow.sdk import BaseSensorOperator
 from elastic_ops.errors import SpecError, WaitFailedError
 from elastic_ops.hooks.elastic_ops import DEFAULT_CONN_ID, ElasticOpsHook
 from elastic_ops.operators.jobs import check_conn_ids, check_seconds, coerce_rendered, is_template
-from elastic_ops.operators.retry import ElasticRetryPolicy
+from elastic_ops.operators.retry import ElasticRetryPolicy, default_to
 from elastic_ops.spec import check_host_selector
 from elastic_ops.triggers.events import CapacityEvent, TriggerFailure, parse_event
 from elastic_ops.triggers.pool import PoolCapacityTrigger, free_slots
@@ -47,7 +47,7 @@ class ElasticPoolSensor(BaseSensorOperator):
         kwargs.setdefault("poke_interval", poll_interval)
         # as the elastic operators: a bad rendered min_workers or a trigger failure that retrying
         # cannot fix fails at once, without burning the retries default_args give
-        kwargs.setdefault("retry_policy", ElasticRetryPolicy())
+        default_to(kwargs, retry_policy=ElasticRetryPolicy())
         super().__init__(**kwargs)
         self.min_workers = min_workers
         self.elastic_ops_conn_id = elastic_ops_conn_id

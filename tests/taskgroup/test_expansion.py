@@ -57,6 +57,21 @@ def test_expands_into_register_chunks_finalize_in_a_line():
     assert isinstance(dag.get_task("train.register").retry_policy, ElasticRetryPolicy)
     assert isinstance(dag.get_task("train.finalize").retry_policy, ElasticRetryPolicy)
     assert dag.get_task("train.finalize").chunk_task_ids == [c.task_id for c in chunks]
+    # ...and a retryable one (the pool's database briefly away) is retried, as in a chunk
+    assert [dag.get_task(f"train.{t}").retries for t in ("register", "finalize", "end_job")] == [3, 3, 3]
+
+
+def test_default_args_win_over_the_operators_own_defaults():
+    """The operators' retry defaults set with setdefault overrode the DAG's default_args (Airflow
+    applies those only to arguments the call lacks): retries=1 there still gave chunks 3."""
+    with DAG(dag_id="d", schedule=None, start_date=pendulum.datetime(2024, 1, 1, tz="UTC"),
+             default_args={"retries": 1, "retry_delay": pendulum.duration(seconds=30)}) as dag:
+        elastic_training(task_id="train", trainable=DIGITS, total_iterations=60, chunk_iterations=30,
+                         chunk_kwargs={"retry_delay": pendulum.duration(seconds=9)})
+    assert {t.retries for t in dag.tasks} == {1}
+    delays = {t.task_id: t.retry_delay.total_seconds() for t in dag.tasks}
+    assert delays["train.register"] == 30 and delays["train.chunk_01_of_02"] == 9  # explicit wins over both
+    assert all(isinstance(t.retry_policy, ElasticRetryPolicy) for t in dag.tasks)
 
 
 def test_end_job_is_the_groups_teardown_and_stays_out_of_its_wiring():
