@@ -272,6 +272,9 @@ class _FreeSlots:
         self.free: dict[str, list[int]] = {}
         self.cursor = 0
         self.total = sum(up.values()) - sum(len(taken.get(h, ())) for h in up)
+        # count_for() per avoid set, kept up to date by every take (restricted jobs of one
+        # selector share one; a repair asks it for each of them, and the sum is over many hosts)
+        self.outside: dict[frozenset[str], int] = {}
 
     def _free(self, h: str) -> list[int]:
         lst = self.free.get(h)
@@ -288,7 +291,12 @@ class _FreeSlots:
         return max(0, self.up.get(h, 0) - len(self.taken.get(h, ()))) if h in self.up else 0
 
     def count_for(self, avoid: frozenset[str]) -> int:
-        return self.total - sum(self.free_on(h) for h in avoid)
+        n = self.outside.get(avoid)
+        if n is None:
+            n = self.total - sum(self.free_on(h) for h in avoid)
+            if len(self.outside) < COUNTED_AVOID_SETS:
+                self.outside[avoid] = n
+        return n
 
     def take(self, n: int, prefer: Iterable[str], avoid: frozenset[str]) -> list[Slot]:
         out: list[Slot] = []
@@ -317,7 +325,15 @@ class _FreeSlots:
         k = min(n, len(lst))
         got = [(h, lst.pop()) for _ in range(k)]
         self.total -= k
+        for avoid in self.outside:
+            if h not in avoid:
+                self.outside[avoid] -= k
         return got
+
+
+# Avoid sets whose free count _FreeSlots keeps (each take updates every one): the selectors'
+# few, not one per job that some host failed
+COUNTED_AVOID_SETS = 16
 
 
 def _keep(job: Job, target: int, up: dict[str, int], held_up: int) -> tuple[list[Slot], list[Slot]]:
@@ -542,12 +558,18 @@ def _host_repair(i, ordered, targets, state, free: _FreeSlots, up, need: int, av
             claimable += left
         else:
             elsewhere += left
-    movable = sum(1 for j in candidates for sl in keeps[j] if mine(sl[0]) and _may_leave(ordered[j], sl))
     # each moved slot needs a slot off its hosts for the mover: free there, or released there
     room = free.total - avail + elsewhere
-    reach = have + avail + claimable + min(movable, room)
-    if reach < max(job.min_workers, 1):
-        return reach
+    lack = max(job.min_workers, 1) - (have + avail + claimable)
+    if lack > 0:  # the movable slots on its hosts decide: counted up to what could cover it
+        upto = min(lack, room)
+        movable = 0
+        for j in candidates:
+            if movable >= upto:
+                break
+            movable += sum(1 for sl in keeps[j] if mine(sl[0]) and _may_leave(ordered[j], sl))
+        if min(movable, room) < lack:
+            return have + avail + claimable + min(movable, room)
 
     short = need - avail
     for h in sorted(h for h in released_on if mine(h)):

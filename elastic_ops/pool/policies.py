@@ -521,8 +521,12 @@ def _frozen_caps(t, hs, free, caps0, avoided, capacity, restricted, is_free) -> 
     total = int(per_host.sum())
     caps = caps0.copy()
     ids = hs.ids
+    kept_on: dict[frozenset[str], int] = {}  # per avoid set (jobs of one selector share it)
     for i in restricted:
-        on_avoided = sum(int(per_host[ids[h]]) for h in t.avoid[i] if h in ids)
+        avoid = t.avoid[i]
+        on_avoided = kept_on.get(avoid)
+        if on_avoided is None:
+            on_avoided = kept_on[avoid] = sum(int(per_host[ids[h]]) for h in avoid if h in ids)
         caps[i] = min(int(t.maxs[i]), capacity - int(avoided[i]) - (total - on_avoided))
     return caps
 
