@@ -163,9 +163,11 @@ class _Table:
         }
         # ...and the slots each is releasing (mid-shrink or mid-move), for the few with any.
         going = _column(jobs, get, "releasing")
-        self.releasing: dict[int, frozenset[Slot]] = {
-            i: going[ol[i]] for i in np.flatnonzero(np.fromiter(map(bool, going), bool, n)[order]).tolist()
-        }
+        self.releasing: dict[int, frozenset[Slot]] = {}
+        if has := list(compress(range(n), going)):  # C-level: most jobs release nothing
+            rank = np.empty(n, dtype=np.int64)
+            rank[order] = np.arange(n)
+            self.releasing = {int(rank[k]): going[k] for k in has}
         self.n_held = hl[order]
         self.prio = prio[order]
         self.eff = eff[order]
