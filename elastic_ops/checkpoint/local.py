@@ -113,7 +113,30 @@ class LocalBackend:
             raise ValueError(f"invalid key {key!r}")
         return self.root.joinpath(*parts)
 
+    def _check_dirs(self, path: Path) -> None:
+        """Refuse to write at ``path`` when a directory on its way from the root (``it-…``,
+        ``d-…``, ``_fence``) is a symbolic link (or no directory): a link planted there is no
+        directory of the store's (listings skip it), and writing through it put a commit outside
+        the store, invisible to ``latest()``, or, for a link to another iteration's directory,
+        replaced that checkpoint's manifest and data with this one's."""
+        where = self.root
+        for part in path.parent.relative_to(self.root).parts:
+            where = where / part
+            try:
+                mode = os.lstat(where).st_mode
+            except FileNotFoundError:
+                return  # the rest is created by _make_dirs
+            if not stat.S_ISDIR(mode):
+                kind = "a symbolic link" if stat.S_ISLNK(mode) else "not a directory"
+                raise StoragePermanentError(
+                    f"cannot write {self.uri}/{path.relative_to(self.root)}: "
+                    f"{self.uri}/{where.relative_to(self.root)} is {kind}",
+                    hint="the store follows no links: remove what was put there, or point the "
+                    "store at the real directory",
+                )
+
     def _write_tmp(self, path: Path, data: bytes) -> Path:
+        self._check_dirs(path)
         _make_dirs(path.parent)
         tmp = path.parent / f"{_TMP_PREFIX}{uuid.uuid4().hex}"
         with open(tmp, "wb") as f:
@@ -139,8 +162,10 @@ class LocalBackend:
             with open(tmp, "wb") as f:
                 return write(_EarlyWriteback(f))  # type: ignore[arg-type]  # write-only file
 
+        path = self._path(key)
+        self._check_dirs(path)
         with _os_errors(self.uri, key):
-            return _publish(self._path(key), fill)
+            return _publish(path, fill)
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
         path = self._path(key)
@@ -177,8 +202,10 @@ class LocalBackend:
         (``src`` must not be changed in place afterwards; renaming or deleting it is fine), else
         a copy; either way fsync'd, then renamed into place and the directory fsync'd.
         """
+        path = self._path(key)
+        self._check_dirs(path)
         with _os_errors(self.uri, key):
-            return _publish(self._path(key), lambda tmp: _link_or_copy(Path(src), tmp, hasher))
+            return _publish(path, lambda tmp: _link_or_copy(Path(src), tmp, hasher))
 
     def place(self, key: str, dest: str | os.PathLike[str], hasher: Hasher) -> int | None:
         """Put the file at ``key`` at the path ``dest``, feeding every byte ``dest`` holds to
@@ -230,6 +257,10 @@ class LocalBackend:
     def list(self, prefix: str = "") -> list[ObjectInfo]:
         out: list[ObjectInfo] = []
         below = prefix.rsplit("/", 1)[0] if "/" in prefix else ""  # walk only below it
+        parts = below.split("/") if below else []
+        # a walk from a linked directory (``_fence`` -> elsewhere) would follow the link
+        if any(os.path.islink(self.root.joinpath(*parts[: i + 1])) for i in range(len(parts))):
+            return out
         with _os_errors(self.uri, prefix):
             self._walk(
                 str(self.root.joinpath(*below.split("/"))) if below else str(self.root), below, prefix, out

@@ -781,3 +781,33 @@ def test_loading_what_latest_found_in_an_empty_store_says_so(tmp_path) -> None:
         store.load(store.latest())
     with pytest.raises(CheckpointNotFoundError, match=r"needs a CheckpointRef .*not 'it-3'"):
         store.load("it-3")
+
+
+@pytest.mark.parametrize("link", ["to a directory outside", "to an older checkpoint's directory"])
+def test_a_linked_iteration_directory_is_never_written_through(tmp_path, link) -> None:
+    """A symbolic link planted as a checkpoint's directory was followed by save(): the commit
+    landed outside the store (save() returned, latest() never saw it) or, linked to an older
+    checkpoint's directory, the manifest met there was taken for damage and that checkpoint was
+    replaced: both checkpoints were lost. The link is now refused before anything is written."""
+    import os
+
+    from elastic_ops.checkpoint import open_store
+    from elastic_ops.errors import StoragePermanentError
+
+    root = tmp_path / "store"
+    store = open_store(f"file://{root}")
+    store.save(10, small_state(1), epoch=1, spec_hash="h")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    os.symlink(outside if link.endswith("outside") else "it-00000010", root / "it-00000020")
+    before = sorted(p.relative_to(root) for p in (root / "it-00000010").rglob("*"))
+    with pytest.raises(StoragePermanentError, match=r"it-00000020 is a symbolic link"):
+        store.save(20, small_state(2), epoch=1, spec_hash="h")
+    with pytest.raises(StoragePermanentError, match=r"it-00000020 is a symbolic link"):
+        store.save_async(20, small_state(2), epoch=1, spec_hash="h").result()
+    store.wait()
+    assert list(outside.iterdir()) == []
+    assert sorted(p.relative_to(root) for p in (root / "it-00000010").rglob("*")) == before
+    ref = open_store(f"file://{root}").latest()
+    assert ref is not None and ref.iteration == 10
+
