@@ -95,6 +95,7 @@ class _HashingWriter(io.RawIOBase):
         self.out = out
         self.hasher = algorithm.hasher()
         self.size = 0
+        self.error: OSError | None = None  # the first write that failed (disk full, I/O error)
 
     def writable(self) -> bool:
         return True
@@ -105,7 +106,11 @@ class _HashingWriter(io.RawIOBase):
         for start in range(0, n, _PIECE):
             piece = view[start : start + _PIECE]
             self.hasher.update(piece)
-            self.out.write(piece)
+            try:
+                self.out.write(piece)
+            except OSError as exc:
+                self.error = self.error or exc
+                raise
         self.size += n
         return n
 
@@ -122,7 +127,15 @@ def encode_state_into(state: Any, out: BinaryIO, algorithm: Checksum) -> tuple[s
     is computed on the way, while the bytes are in the CPU cache: no second pass.
     """
     writer = _HashingWriter(out, algorithm)
-    torch.save(state, writer)
+    try:
+        torch.save(state, writer)
+    except Exception:
+        # torch's zip writer, closing after a failed write, raises its own RuntimeError
+        # ("unexpected pos ...") over the OSError: the write's error is the one that says what
+        # happened (a full disk), and the backend maps it to the store's errors
+        if writer.error is not None:
+            raise writer.error from None
+        raise
     return writer.hasher.hexdigest(), writer.size
 
 

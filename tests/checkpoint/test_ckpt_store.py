@@ -811,3 +811,31 @@ def test_a_linked_iteration_directory_is_never_written_through(tmp_path, link) -
     ref = open_store(f"file://{root}").latest()
     assert ref is not None and ref.iteration == 10
 
+
+def test_a_full_disk_mid_save_is_reported_as_such(tmp_path, monkeypatch) -> None:
+    """ENOSPC while torch.save wrote the state came out as torch's own RuntimeError
+    ("[enforce fail at inline_container.cc] unexpected pos ..."), which its zip writer raised
+    while closing over the OSError: no "disk full", not a StoragePermanentError."""
+    import errno
+
+    from elastic_ops.checkpoint import local as local_module
+    from elastic_ops.checkpoint import open_store
+    from elastic_ops.errors import StoragePermanentError
+
+    store = open_store(f"file://{tmp_path}")
+    store.save(10, small_state(1), epoch=1, spec_hash="h")
+    write = local_module._EarlyWriteback.write
+
+    def full(self, data):
+        if self._written + len(data) > 1000:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return write(self, data)
+
+    monkeypatch.setattr(local_module._EarlyWriteback, "write", full)
+    with pytest.raises(StoragePermanentError, match=r"disk full writing .*/it-00000020/d-\w+/state\.pt"):
+        store.save(20, {"w": torch.zeros(10_000)}, epoch=1, spec_hash="h")
+    monkeypatch.undo()
+    store.wait()
+    assert [r.iteration for r in open_store(f"file://{tmp_path}").list()] == [10]
+    assert open_store(f"file://{tmp_path}").latest().iteration == 10
+
