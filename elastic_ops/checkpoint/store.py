@@ -220,7 +220,11 @@ class CheckpointStore:
         if epoch < current:
             raise StaleEpochError(epoch, current)
         if epoch > current:
-            self.fence(epoch)
+            # fence() lists again: a higher fence raised since the listing above (a new owner
+            # fenced while this save uploaded) is seen there, and must refuse this save too
+            current = self.fence(epoch)
+            if epoch < current:
+                raise StaleEpochError(epoch, current)
 
     # --- save ------------------------------------------------------------------------------
 

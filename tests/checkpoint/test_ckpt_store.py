@@ -839,3 +839,26 @@ def test_a_full_disk_mid_save_is_reported_as_such(tmp_path, monkeypatch) -> None
     assert [r.iteration for r in open_store(f"file://{tmp_path}").list()] == [10]
     assert open_store(f"file://{tmp_path}").latest().iteration == 10
 
+
+def test_a_fence_raised_while_a_save_uploads_and_seen_before_its_commit_refuses_it(target) -> None:
+    """A writer whose epoch was above the fence it listed raises the fence itself; that call
+    lists again, and when it found a higher fence (a new owner fenced meanwhile) the save still
+    committed, over the fence it had just seen."""
+    old, new = target.open(), target.open()
+    old.fence(2)
+    markers = old._fence_markers
+    raised: list[int] = []
+
+    def then_the_new_owner_fences(objects=None):
+        out = markers(objects)
+        if not raised:
+            raised.append(new.fence(4))
+        return out
+
+    old._fence_markers = then_the_new_owner_fences  # type: ignore[method-assign]
+    with pytest.raises(StaleEpochError) as err:
+        old.save(7, small_state(1), epoch=3, spec_hash="h")
+    assert raised == [4] and (err.value.epoch, err.value.current) == (3, 4)
+    old.wait()
+    assert target.open().latest() is None
+    assert not any(k.startswith("it-") for k in target.keys()), "a zombie leaves nothing"
