@@ -146,6 +146,9 @@ def parse_manifest(data: bytes, *, where: str) -> Manifest:
     names = [e.name for e in entries]
     if len(set(names)) != len(names):  # load() needs exactly one state file
         raise bad(f"file {next(n for n in names if names.count(n) > 1)!r} is listed twice")
+    states = [n for n in names if n.rsplit("/", 1)[-1] == STATE_NAME]
+    if len(states) != 1:  # what load() decodes: a verified checkpoint without it cannot load
+        raise bad(f"lists {len(states)} {STATE_NAME} files, not one")
     return Manifest(
         iteration=doc["iteration"],
         epoch=doc["epoch"],
@@ -161,7 +164,7 @@ def _parse_entry(f: object, version: int, bad: Callable[[str], CheckpointCorrupt
     if not isinstance(f, dict) or set(f) != keys:
         raise bad(f"file entry {f!r} must have exactly {', '.join(sorted(keys))}")
     name, size = f["name"], f["size"]
-    if not isinstance(name, str) or not _FILE_NAME_RE.match(name) or ".." in name.split("/"):
+    if not isinstance(name, str) or not _FILE_NAME_RE.match(name) or {".", ".."} & set(name.split("/")):
         raise bad(f"file name {name!r} is not a relative path inside the checkpoint")
     if version == 1:
         algorithm, digest = Checksum.SHA256, f["sha256"]

@@ -62,6 +62,14 @@ V2 = {"algorithm": "xxh3-128", "digest": XXH}
         ({"format_version": True}, "format_version=True"),
         ({"files": [{"name": "../../etc/passwd", **V2, "size": 1}]}, "not a relative path"),
         ({"files": [{"name": "/abs/state.pt", **V2, "size": 1}]}, "not a relative path"),
+        # a '.' component: a local store refused the key with a bare ValueError when a writer
+        # checked such a damaged manifest, and the iteration could not be committed again
+        ({"files": [{"name": "d/./state.pt", **V2, "size": 1}]}, "not a relative path"),
+        # no state file: latest() returned the checkpoint, load() failed instead of falling back,
+        # and committing the iteration again was a CommitConflictError for good
+        ({"files": [{"name": "d/other.bin", **V2, "size": 1}]}, "lists 0 state.pt files"),
+        ({"files": [{"name": "d/state.pt", **V2, "size": 1}, {"name": "e/state.pt", **V2, "size": 1}]},
+         "lists 2 state.pt files"),
         (
             {"files": [{"name": "d/state.pt", "algorithm": "xxh3-128", "digest": "xyz", "size": 1}]},
             "not a hex",
@@ -86,6 +94,25 @@ V2 = {"algorithm": "xxh3-128", "digest": XXH}
 def test_invalid_manifest_is_refused_with_reason(changes: dict, why: str) -> None:
     with pytest.raises(CheckpointCorruptError, match=why):
         parse_manifest(json.dumps(make_manifest_doc(**changes)).encode(), where="it-20")
+
+
+@pytest.mark.parametrize("name", ["d-x/./state.pt", "d-x/other.bin"])
+def test_a_damaged_manifest_naming_a_dot_or_no_state_file_is_replaced(tmp_path, name: str) -> None:
+    """Such a manifest, its file present with the right size and digest, made a local store raise
+    ValueError when the iteration was committed again ('.'), or was taken for intact (no state
+    file): latest() returned it, load() raised, committing again was a CommitConflictError."""
+    store = open_store(f"file://{tmp_path}")
+    store.save(10, small_state(1), epoch=1, spec_hash="h")
+    store.save(20, small_state(2), epoch=1, spec_hash="h")
+    (tmp_path / "it-00000020/d-x").mkdir()
+    (tmp_path / "it-00000020/d-x/other.bin").write_bytes(b"bytes")
+    doc = json.loads((tmp_path / "it-00000020/manifest.json").read_text())
+    digest = Checksum.XXH3_128.hexdigest(b"bytes")
+    doc["files"] = [{"name": name, "algorithm": "xxh3-128", "digest": digest, "size": 5}]
+    (tmp_path / "it-00000020/manifest.json").write_text(json.dumps(doc))
+    assert store.latest().iteration == 10
+    ref = store.save(20, small_state(2), epoch=1, spec_hash="h")  # replaces the damaged one
+    assert store.latest() == ref and store.load(ref)["step"] == 2
 
 
 def test_checkpoint_with_invalid_manifest_does_not_exist(tmp_path) -> None:
