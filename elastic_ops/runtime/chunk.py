@@ -485,6 +485,15 @@ class _Runner:
                 if r["traceback"]:
                     msg += "\n" + r["traceback"]
                 return cls(msg)
+        if disk := [r for r in reports if r["kind"] == "storage"]:
+            r = min(disk, key=lambda r: r["time"])
+            host = r.get("host") or self.host
+            return WorkerLostError(
+                f"worker lost on {host}: rank {r['rank']} could not write to its local disk: {r['message']}",
+                host=host,
+                hint="free space where the host stages states (the chunk's work directory); the retry's "
+                "grant avoids this host and resumes from the last committed checkpoint",
+            )
         internal = [r for r in reports if r["kind"] == "internal"]
         signals = {rank: f.signal_name() for rank, f in failures.items() if f.exitcode < 0}
         signals = dict(sorted({**killed, **signals}.items()))

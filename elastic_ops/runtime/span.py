@@ -69,7 +69,7 @@ class RemoteExit:
         except (TypeError, ValueError):
             raise SpecError("exited", msg, "integer ranks") from None
         return cls(host=host, killed=killed, failed=failed,
-                   reports=tuple(_report(r) for r in reports if isinstance(r, dict)),
+                   reports=tuple({**_report(r), "host": host} for r in reports if isinstance(r, dict)),
                    stopping=msg.get("stopping") is True)
 
 

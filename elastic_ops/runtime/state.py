@@ -9,6 +9,7 @@ metrics{loss: [[it, loss]...], eval: [[it, {...}]...]}, lr_ramp{from, to, start}
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import shutil
@@ -88,10 +89,28 @@ def save_atomic(state: dict[str, Any], path: str | Path) -> None:
     tmp_dir.mkdir(exist_ok=True)
     try:
         tmp = tmp_dir / "archive.pt"
-        torch.save(state, tmp)
+        try:
+            torch.save(state, tmp)
+        except RuntimeError as exc:
+            raise _full(tmp_dir) or exc from exc
         os.replace(tmp, path)
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
+
+
+def _full(where: Path) -> OSError | None:
+    """A full file system as the OSError it is: torch's zip writer reports a failed write as its
+    own ``RuntimeError`` ("unexpected pos 704 vs 598"), which says nothing of the disk."""
+    try:
+        st = os.statvfs(where)
+    except OSError:
+        return None
+    if st.f_bavail * st.f_frsize >= DISK_FULL_BELOW:
+        return None
+    return OSError(errno.ENOSPC, f"No space left on device while staging a checkpoint in {where.parent}")
+
+
+DISK_FULL_BELOW = 1 << 20  # free bytes under which a failed torch.save is taken for a full disk
 
 
 def load_state(path: str | Path | IO[bytes], *, mmap: bool = False) -> dict[str, Any]:

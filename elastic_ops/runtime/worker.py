@@ -7,6 +7,7 @@ boundary whose target worker count differs, and leaves its state for the runner.
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import select
@@ -262,6 +263,21 @@ def _debug(what: str) -> None:
         print(f"[{time.time():.3f}] rank {os.environ.get('RANK')}: {what}", file=sys.stderr, flush=True)
 
 
+# the host's disk failing the worker (staging its state): the host's fault, not a bug
+HOST_DISK_ERRORS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO})
+
+
+def error_kind(exc: BaseException, workers: int) -> str:
+    """How the runner reads a worker's exception outside user code: ``storage`` (a full or
+    failing local disk), ``comm`` (a collective failing because a peer died; a lone worker has
+    no peer to lose, so its RuntimeError is a bug) or ``internal``."""
+    if isinstance(exc, OSError) and not isinstance(exc, ConnectionError) and exc.errno in HOST_DISK_ERRORS:
+        return "storage"
+    if workers > 1 and isinstance(exc, (RuntimeError, TimeoutError, ConnectionError)):
+        return "comm"
+    return "internal"
+
+
 def main() -> int:
     _debug("entry")
     seg = Segment.from_env()
@@ -282,11 +298,9 @@ def main() -> int:
     except NonFiniteLoss as exc:
         seg.write_error("nonfinite", str(exc), "", iteration)
         return 1
-    except Exception as exc:  # collectives failing because a peer died, or our own bug
-        # a lone worker has no peer to lose: its RuntimeError is a bug, not a lost connection
-        comm = seg.workers > 1 and isinstance(exc, (RuntimeError, TimeoutError, ConnectionError))
-        kind = "comm" if comm else "internal"
-        seg.write_error(kind, f"{type(exc).__name__}: {exc}", traceback.format_exc(), iteration)
+    except Exception as exc:  # collectives failing because a peer died, a full disk, or our own bug
+        seg.write_error(error_kind(exc, seg.workers), f"{type(exc).__name__}: {exc}", traceback.format_exc(),
+                        iteration)
         return 1
     finally:
         seg.close()

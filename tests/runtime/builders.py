@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import time
@@ -41,7 +42,8 @@ class TinyMLP(Trainable):
     keeps a numpy scalar in the scheduler's state (which the safe loader refuses);
     ``plateau`` builds a ReduceLROnPlateau; ``eval_extra`` adds its items to evaluate()'s;
     ``aux_head`` adds a layer the loss never uses; ``weight_decay`` is SGD's; ``noisy_step`` adds
-    noise in the optimizer's step; ``eval_draw`` adds a random draw to the accuracy.
+    noise in the optimizer's step; ``eval_draw`` adds a random draw to the accuracy;
+    ``full_disk_rank``: that rank's disk is full (its ``torch.save`` raises ENOSPC).
     """
 
     def __init__(self, **params: Any) -> None:
@@ -49,6 +51,11 @@ class TinyMLP(Trainable):
         self.n = int(params.get("samples", 96))
 
     def build_model(self) -> nn.Module:
+        if os.environ["RANK"] == str(self.params.get("full_disk_rank")):
+            def full(*args: Any, **kwargs: Any) -> None:
+                raise OSError(errno.ENOSPC, "No space left on device")
+
+            torch.save = full  # this worker process only
         drop = float(self.params.get("dropout", 0.1))
         head = nn.Linear(16, 3).double() if self.params.get("double_head") else nn.Linear(16, 3)
         body = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(drop), head)

@@ -136,6 +136,37 @@ def test_killed_worker_is_retryable_and_the_rerun_matches_an_uninterrupted_run(t
     assert result.param_sha256 == reference["bitwise"]
 
 
+def test_a_full_local_disk_is_a_lost_worker_on_that_host_saying_so(tmp_path):
+    """A worker that cannot stage its state (disk full) was read as a lost peer or an internal
+    bug ('unexpected pos 704 vs 598'): it is the host's fault, named, and the retry avoids it."""
+    spec = make_spec(tmp_path, params={"full_disk_rank": 0})
+    with pytest.raises(WorkerLostError) as err:
+        run_chunk(spec, 0, 30, target=lambda i: 2, host="host-a")
+    assert err.value.retryable and err.value.host == "host-a"
+    assert "could not write to its local disk" in str(err.value) and "No space left" in str(err.value)
+    assert open_store(spec.checkpoint).latest() is None  # nothing half-committed
+
+
+def test_a_failed_torch_save_on_a_full_file_system_is_the_os_error_it_is(tmp_path, monkeypatch):
+    import errno
+
+    from elastic_ops.runtime import state as state_mod
+
+    def torn(obj, path):  # torch's zip writer hides the ENOSPC behind its own error
+        open(path, "wb").write(b"PK")
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+
+    monkeypatch.setattr(state_mod.torch, "save", torn)
+    monkeypatch.setattr(state_mod.os, "statvfs", lambda p: SimpleNamespace(f_bavail=3, f_frsize=4096))
+    with pytest.raises(OSError) as err:
+        state_mod.save_atomic({"x": 1}, tmp_path / "s.pt")
+    assert err.value.errno == errno.ENOSPC and str(tmp_path) in str(err.value)
+    assert list(tmp_path.iterdir()) == []  # no staging directory left behind
+    monkeypatch.setattr(state_mod.os, "statvfs", lambda p: SimpleNamespace(f_bavail=10**6, f_frsize=4096))
+    with pytest.raises(RuntimeError, match="unexpected pos"):  # room left: not taken for a full disk
+        state_mod.save_atomic({"x": 1}, tmp_path / "s.pt")
+
+
 def test_the_killed_rank_is_named_even_when_a_peer_exit_was_seen_first():
     # start_processes reports only the first failure it polls; a SIGKILLed worker's peer often
     # exits with 1 first, and our own teardown SIGTERMs the rest.
