@@ -62,8 +62,14 @@ def job_rows(st: dict[str, Any]) -> list[list[str]]:
             j["name"], j["state"], f"{j['min_workers']}..{j['max_workers']}", str(j["priority"]),
             "yes" if j["preemptible"] else "no",
             ",".join(f"{k}={v}" for k, v in sorted(j.get("selector", {}).items())) or "any",
-            str(j["workers"]), str(j["target"]), str(j["epoch"]),
+            _workers(j), str(j["target"]), str(j["epoch"]),
             "-" if j["lease_expires_in"] is None else f"{j['lease_expires_in']:.0f}s", str(j["reason"]),
         ]
         for j in st["jobs"]
     ]
+
+
+def _workers(job: dict[str, Any]) -> str:
+    """Slots held, and how many of them it was told to give up (a shrink or a move under way)."""
+    going = len(job.get("releasing") or ())
+    return f"{job['workers']} ({going} leaving)" if going else str(job["workers"])

@@ -11,7 +11,7 @@ import pytest
 import sqlalchemy as sa
 
 from elastic_ops.errors import SpecError
-from elastic_ops.pool import PoolClient
+from elastic_ops.pool import PoolClient, report
 from elastic_ops.pool.model import Host, outside
 
 from .cli_helper import run
@@ -297,6 +297,9 @@ def test_a_job_mid_move_is_not_moved_again_inside_min_rescale_interval(sqlite_ur
     clock.advance(5)
     moved = pool.heartbeat("low", low.epoch, workers=2, placements=low.placements)
     assert {h for h, _ in moved.placements} == {"hB"}  # told to move; it relaunches there
+    row = next(j for j in pool.status()["jobs"] if j["name"] == "low")
+    assert row["releasing"] == [["hA", 0], ["hA", 1]]  # shown in `pool status` and the UI page
+    assert report.job_rows({"jobs": [row]})[0][report.JOB_COLUMNS.index("WORKERS")] == "4 (2 leaving)"
     pool.submit("R2", min_workers=2, max_workers=2, priority=5, selector={"gpu": "y"})
     assert not hasattr(pool.request("R2"), "epoch")
     clock.advance(5)
