@@ -51,7 +51,7 @@ class TinyMLP(Trainable):
         self.n = int(params.get("samples", 96))
 
     def build_model(self) -> nn.Module:
-        if os.environ["RANK"] == str(self.params.get("full_disk_rank")):
+        if os.environ.get("RANK") == str(self.params.get("full_disk_rank")):
             def full(*args: Any, **kwargs: Any) -> None:
                 raise OSError(errno.ENOSPC, "No space left on device")
 
