@@ -174,6 +174,10 @@ class PoolClient:
 
     def _tx(self, fn: Callable[[Connection, float], Any], *, lock: bool = True) -> Any:
         delay = 0.005
+        # the retries are for a lock lost in a moment (a deadlock, SQLite's busy handler giving
+        # up at once); each SQLite try may itself wait the whole busy timeout for the write
+        # lock: past that in all, a held lock is LedgerBusyError, not 21 such waits (~10 min)
+        deadline = time.monotonic() + db.SQLITE_BUSY_TIMEOUT_S
         for attempt in range(self.retries + 1):
             try:
                 sent: list[tuple[str, str, float]] = []  # metrics, sent once the transaction commits
@@ -202,10 +206,11 @@ class PoolClient:
                         f"pool ledger {shown_url(self.url)} unreachable: {first_line(exc.orig or exc)}",
                         hint="check that the database is up and reachable from this host",
                     ) from exc
-                if attempt == self.retries:
+                if attempt == self.retries or time.monotonic() >= deadline:
                     raise LedgerBusyError(
-                        f"pool ledger stayed busy after {self.retries} retries",
-                        hint="too many concurrent clients for SQLite; use PostgreSQL",
+                        f"pool ledger {shown_url(self.url)} stayed busy after {attempt} retries",
+                        hint="another client holds the ledger's lock in a long transaction (a hung or "
+                        "stopped process), or too many clients use one SQLite file; use PostgreSQL",
                     ) from exc
             self.sleep(delay * (1 + random.random()))
             delay = min(delay * 2, 0.5)

@@ -49,14 +49,15 @@ def make_engine(url: str, *, create: bool = True) -> Engine:
                 hint=NO_LEDGER_HINT,
             )
         os.makedirs(os.path.dirname(os.path.abspath(parsed.database)), exist_ok=True)
-        engine = create_engine(parsed, connect_args={"timeout": 30})
+        busy_s = SQLITE_BUSY_TIMEOUT_S
+        engine = create_engine(parsed, connect_args={"timeout": busy_s})
 
         @event.listens_for(engine, "connect")
         def _connect(dbapi_conn, _rec):  # pragma: no cover - exercised by every sqlite test
             dbapi_conn.isolation_level = None  # we issue BEGIN ourselves
             cur = dbapi_conn.cursor()
             cur.execute("PRAGMA journal_mode=WAL")
-            cur.execute("PRAGMA busy_timeout=30000")
+            cur.execute(f"PRAGMA busy_timeout={int(busy_s * 1000)}")
             cur.execute("PRAGMA synchronous=NORMAL")
             cur.close()
 
@@ -79,6 +80,7 @@ def make_engine(url: str, *, create: bool = True) -> Engine:
     raise SpecError("url", shown_url(url), "the pool ledger supports sqlite and postgresql URLs")
 
 
+SQLITE_BUSY_TIMEOUT_S = 30  # waiting longer for SQLite's write lock, retries included: LedgerBusyError
 PG_CONNECT_TIMEOUT_S = 10  # an unreachable server: LedgerUnavailableError, not a hang (unless the URL says)
 PG_LOCK_TIMEOUT_S = 30  # waiting for the pool's lock longer than this: LedgerBusyError
 PG_IDLE_IN_TX_S = 15  # the server ends a transaction left idle this long (its client hung or stopped)

@@ -195,3 +195,35 @@ def test_session_settings_hold_in_every_transaction_behind_a_pooler(pg_url):
         assert conn.execute(sa.text("SHOW search_path")).scalar().startswith("pool_")
     pool.add_host("h0", 2)
     assert pool.status()["slots"]["up"] == 2
+
+
+def test_a_long_held_sqlite_lock_is_ledger_busy_after_the_busy_timeout(sqlite_url, monkeypatch):
+    """A client stopped inside an SQLite write transaction: the others got LedgerBusyError only
+    after 21 tries that each waited the whole 30 s busy timeout (~10.5 minutes: every lease long
+    expired, the heartbeats blocked meanwhile), not after the busy timeout (a probe)."""
+    import sqlite3
+    import threading
+    import time
+
+    from elastic_ops.errors import LedgerBusyError
+    from elastic_ops.pool import engine as engine_module
+
+    path = sqlite_url.removeprefix("sqlite:///")
+    PoolClient(sqlite_url).add_host("h0", 2)
+    monkeypatch.setattr(engine_module, "SQLITE_BUSY_TIMEOUT_S", 0.5, raising=False)
+    waiting = PoolClient(sqlite_url)
+    holder = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    holder.execute("BEGIN IMMEDIATE")
+    hold_s = 10.0  # the lock comes back after this: a call still blocked then was not refused
+    threading.Timer(hold_s, lambda: holder.execute("COMMIT")).start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(LedgerBusyError, match="stayed busy") as err:
+            waiting.add_host("h1", 1)
+        assert err.value.retryable
+        assert time.monotonic() - started < hold_s / 2
+    finally:
+        time.sleep(max(0.0, hold_s - (time.monotonic() - started)) + 0.2)
+        holder.close()
+    waiting.add_host("h1", 1)  # the lock is free again
+    assert waiting.status()["slots"]["up"] == 3
