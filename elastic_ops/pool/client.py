@@ -740,9 +740,13 @@ class PoolClient:
 
         def op(conn, now):
             live = select(s.leases.c.job).where(s.leases.c.ended.is_(None))
+            # the newest event stays whatever its age: SQLite numbers a new row max(id) + 1, so
+            # with it gone the next events would take ids a reader polling since_id has seen
+            newest = conn.execute(select(func.max(s.events.c.id))).scalar() or 0
             gone = conn.execute(
                 delete(s.events).where(
                     s.events.c.ts < now - older_than_s,
+                    s.events.c.id < newest,
                     or_(s.events.c.job.is_(None), s.events.c.job.not_in(live)),
                 )
             )

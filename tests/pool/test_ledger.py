@@ -617,3 +617,23 @@ def test_a_late_release_does_not_bring_a_finished_job_back(pool):
     assert {j["name"]: j for j in pool.status()["jobs"]}["a"]["state"] == "finished"
     pool.request("a", new_attempt=True)  # only a new try (a cleared chunk) makes it wait again
     assert {j["name"]: j for j in pool.status()["jobs"]}["a"]["state"] != "finished"
+
+
+def test_event_ids_keep_growing_when_pruning_empties_the_log(ledger_url):
+    """Pruning every event let SQLite number the next ones from 1 again: a reader polling
+    ``events(since_id=…)`` with the last id it had seen missed them (a probe)."""
+    from .conftest import Clock
+
+    clock = Clock()
+    pool = PoolClient(ledger_url, clock=clock)
+    try:
+        pool.add_host("h0", 2)
+        pool.submit("a", min_workers=1, max_workers=1)
+        seen = pool.events()[-1]["id"]
+        clock.advance(3600)
+        pool.prune_events(60)
+        pool.submit("b", min_workers=1, max_workers=1)
+        new = pool.events(since_id=seen)
+        assert ("submit", "b") in [(e["kind"], e["job"]) for e in new]
+    finally:
+        pool.close()
