@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 
 from sqlalchemy import (
+    BigInteger,
     Boolean,
     Column,
     Connection,
@@ -113,7 +114,8 @@ allocations = Table(
 events = Table(
     "events",
     metadata,
-    Column("id", Integer, primary_key=True, autoincrement=True),
+    # 64-bit on PostgreSQL (v3; a serial ran out at 2**31 events); SQLite's rowid already is
+    Column("id", BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True),
     Column("ts", Float, nullable=False),
     Column("kind", String(32), nullable=False),
     Column("job", String(255), index=True),
@@ -149,7 +151,18 @@ def _v2(conn: Connection) -> None:
         conn.execute(text("ALTER TABLE jobs ADD COLUMN selector TEXT NOT NULL DEFAULT '{}'"))
 
 
-MIGRATIONS: list[tuple[int, Callable[[Connection], None]]] = [(1, _v1), (2, _v2)]
+def _v3(conn: Connection) -> None:
+    """64-bit event ids on PostgreSQL: a ``serial`` (and its sequence) stops at 2**31 - 1, and a
+    busy ledger's next event would fail every call that logs one. SQLite's ids are 64-bit."""
+    if conn.dialect.name != "postgresql":
+        return
+    conn.execute(text("ALTER TABLE events ALTER COLUMN id TYPE BIGINT"))
+    seq = conn.execute(text("SELECT pg_get_serial_sequence('events', 'id')")).scalar()
+    if seq:
+        conn.execute(text(f"ALTER SEQUENCE {seq} AS BIGINT MAXVALUE 9223372036854775807"))
+
+
+MIGRATIONS: list[tuple[int, Callable[[Connection], None]]] = [(1, _v1), (2, _v2), (3, _v3)]
 LATEST = MIGRATIONS[-1][0]
 
 

@@ -647,3 +647,25 @@ def test_a_heartbeat_running_workers_on_no_slots_is_refused_and_changes_nothing(
         pool.heartbeat("a", g.epoch, workers=1, placements=[])
     again = pool.request("a")
     assert again.epoch == g.epoch and again.placements == g.placements
+
+
+@pytest.mark.postgres
+def test_a_postgres_ledger_gets_64_bit_event_ids_past_2_to_the_31(pg_url, clock):
+    """A serial's sequence stopped at 2**31 - 1: the next event (every grant, release, target
+    change logs one) failed. v3 widens the column and the sequence of a ledger from before."""
+    a = PoolClient(pg_url, clock=clock)
+    a.add_host("h0", 2)
+    a.close()
+    engine = sa.create_engine(pg_url)
+    with engine.begin() as conn:  # back to schema 2: a 32-bit serial, as an earlier release made it
+        conn.execute(sa.text("ALTER TABLE events ALTER COLUMN id TYPE INTEGER"))
+        seq = conn.execute(sa.text("SELECT pg_get_serial_sequence('events', 'id')")).scalar()
+        conn.execute(sa.text(f"ALTER SEQUENCE {seq} AS INTEGER"))
+        conn.execute(sa.text("DELETE FROM schema_version WHERE version = 3"))
+    b = PoolClient(pg_url, clock=clock)
+    with engine.begin() as conn:
+        conn.execute(sa.text(f"SELECT setval('{seq}', {2**31 - 1})"))
+    b.add_host("h1", 2)  # logs an event past 2**31 - 1
+    assert b.events()[-1]["id"] == 2**31
+    b.close()
+    engine.dispose()
