@@ -476,8 +476,19 @@ class _Runner:
         remote_killed: dict[int, tuple[str, str]] = dict(getattr(pc, "remote_killed", lambda: {})())
         lost = getattr(pc, "lost_host", lambda: None)()
         stopped = getattr(pc, "stopped_host", lambda: None)()
+        signals = {rank: f.signal_name() for rank, f in failures.items() if f.exitcode < 0}
+        signals = dict(sorted({**killed, **signals}.items()))
+        # A rank that a signal ended (here or on another host), or a host that went away, is the
+        # cause; its peers' errors follow from it. A collective that fails because its peer died
+        # raises inside user code when user code runs it (a DDP script; gloo's "Connection reset
+        # by peer" is a plain RuntimeError), where the worker cannot tell it from the user's own
+        # error: such a report of a rank that survived is not the user's fault.
+        dead = set(signals) | set(remote_killed)
+        peer_lost = bool(dead or lost or stopped)
         for kind, cls in (("user", UserCodeError), ("nonfinite", NonFiniteLossError)):
             found = [r for r in reports if r["kind"] == kind]
+            if kind == "user" and peer_lost:
+                found = [r for r in found if r["rank"] in dead]
             if found:
                 r = min(found, key=lambda r: r["time"])
                 when = "before training" if r["iteration"] is None else f"at iteration {r['iteration']}"
@@ -495,8 +506,6 @@ class _Runner:
                 "grant avoids this host and resumes from the last committed checkpoint",
             )
         internal = [r for r in reports if r["kind"] == "internal"]
-        signals = {rank: f.signal_name() for rank, f in failures.items() if f.exitcode < 0}
-        signals = dict(sorted({**killed, **signals}.items()))
         if not signals and not remote_killed and stopped:
             return AgentLostError(  # an upgrade or restart, not the host failing: not held against it
                 f"the elastic-ops node agent of host {stopped} stopped mid-segment",

@@ -175,6 +175,33 @@ def test_the_killed_rank_is_named_even_when_a_peer_exit_was_seen_first():
     assert _killed_ranks(SimpleNamespace()) == {}
 
 
+def test_a_peers_collective_error_in_user_code_does_not_hide_a_killed_rank(tmp_path):
+    """A DDP script's rank 1 SIGKILLed: rank 0's allreduce fails inside the script with gloo's
+    "Connection reset by peer", a plain RuntimeError, reported as the user's. It became a
+    UserCodeError (not retried) whenever it was read next to the kill, in 2 of 3 real runs."""
+    import json
+
+    def report(rank, message):
+        (tmp_path / f"error-{rank}.json").write_text(json.dumps({
+            "kind": "user", "message": message, "traceback": "Traceback ...", "iteration": None,
+            "rank": rank, "time": 1.0 + rank,
+        }))
+
+    runner = SimpleNamespace(host="host-a")
+    exited = {0: SimpleNamespace(exitcode=1, signal_name=lambda: "")}
+    report(0, "RuntimeError: [gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer")
+    err = _Runner._failure(runner, tmp_path, exited, {1: "SIGKILL"})
+    assert isinstance(err, WorkerLostError) and err.retryable and err.host == "host-a"
+    assert "rank 1 killed by SIGKILL" in str(err)
+    # a report the killed rank wrote itself (before our teardown's SIGKILL) is still the user's
+    report(1, "ValueError: bad batch")
+    err = _Runner._failure(runner, tmp_path, exited, {1: "SIGKILL"})
+    assert isinstance(err, UserCodeError) and "bad batch" in str(err)
+    # and without any rank killed, a user error stays a user error
+    (tmp_path / "error-1.json").unlink()
+    assert isinstance(_Runner._failure(runner, tmp_path, exited, {}), UserCodeError)
+
+
 def test_user_exception_is_a_non_retryable_user_code_error_with_the_traceback(tmp_path):
     spec = make_spec(tmp_path, params={"fail_at": 3})
     with pytest.raises(UserCodeError) as err:

@@ -147,3 +147,43 @@ def test_sys_exit_with_a_message_is_that_message(tmp_path):
     script.write_text("import sys\nsys.exit('no data in /nowhere')\n")
     with pytest.raises(UserCodeError, match="exited with the message 'no data in /nowhere'"):
         run_chunk(script_spec(tmp_path, entrypoint=str(script)), 0, 4, target=lambda i: 1)
+
+
+KILLED_SCRIPT = """
+import os, signal
+from pathlib import Path
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+import elastic_ops.runtime.script as elastic
+
+ctx = elastic.init(num_samples=40)
+model = DDP(nn.Linear(4, 1))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+ctx.restore(model, optimizer)
+marker = Path(ctx.params["marker"])
+for it in ctx.iterations():
+    if it == 3 and ctx.rank == 1 and not marker.exists():
+        marker.write_text("killed")
+        os.kill(os.getpid(), signal.SIGKILL)
+    optimizer.zero_grad()
+    loss = model(torch.ones(len(ctx.my_samples(it)), 4)).pow(2).mean()
+    (loss * ctx.loss_weight()).backward()
+    optimizer.step()
+    ctx.commit(it, loss.item())
+"""
+
+
+def test_a_killed_script_worker_is_a_lost_worker_not_the_users_error(tmp_path):
+    """Rank 0's DDP allreduce fails inside the script when rank 1 is SIGKILLed (gloo: a plain
+    RuntimeError); that was a UserCodeError (not retried) in 2 of 3 runs."""
+    from elastic_ops.errors import WorkerLostError
+
+    script = tmp_path / "train.py"
+    script.write_text(KILLED_SCRIPT)
+    spec = script_spec(tmp_path, entrypoint=str(script), total_iterations=8, global_batch=4,
+                       params={"marker": str(tmp_path / "killed")})
+    with pytest.raises(WorkerLostError, match="rank 1 killed by SIGKILL") as err:
+        run_chunk(spec, 0, 8, target=lambda i: 2, host="host-a")
+    assert err.value.retryable and err.value.host == "host-a"
+    assert run_chunk(spec, 0, 8, target=lambda i: 2).status is ChunkStatus.COMPLETED
