@@ -26,6 +26,7 @@ import dataclasses
 import json
 import logging
 import math
+import operator
 import os
 import shutil
 import signal
@@ -236,7 +237,7 @@ class _Runner:
     def target(self, iteration: int) -> int:
         """The wanted worker count, clamped to the spec's bounds (0 = preempt); notes the
         granted slots that came with it."""
-        n = int(self.target_fn(iteration))
+        n = _worker_count(self.target_fn(iteration), iteration)
         if self.slots_fn is not None:
             spans = self.spans_fn() if self.spans_fn is not None else ()
             self._noted = (
@@ -607,6 +608,25 @@ class _Runner:
             param_sha256=metrics.get("param_sha256"),
             train_samples_per_sec=samples / train_s if train_s else 0.0,
         )
+
+
+def _worker_count(value: Any, iteration: int) -> int:
+    """``target(iteration)``'s answer as a worker count: an integer (numpy's too) >= 0. Anything
+    else used to be taken through ``int()``: a float truncated, a string parsed, a negative count
+    taken for a preemption, and ``None`` or NaN a bare ``TypeError``/``ValueError`` naming neither
+    the target nor the boundary."""
+    if not isinstance(value, bool):
+        try:
+            n = operator.index(value)
+        except TypeError:
+            n = None
+        if n is not None and n >= 0:
+            return n
+    raise SpecError(
+        "target", value,
+        f"target({iteration}) must return a worker count: an integer >= 0 (0 preempts the job; "
+        "counts outside [min_workers, max_workers] are clamped)",
+    )
 
 
 def _script(spec: JobSpec) -> str | None:

@@ -13,6 +13,7 @@ from elastic_ops.checkpoint import open_store
 from elastic_ops.errors import (
     CheckpointNotFoundError,
     NonFiniteLossError,
+    SpecError,
     StaleEpochError,
     UnsafeCheckpointError,
     UserCodeError,
@@ -262,6 +263,36 @@ def test_target_zero_preempts_with_a_committed_checkpoint_then_the_job_resumes(t
 class _NoLaunch:
     def start(self, req):  # pragma: no cover - failing is the point
         raise AssertionError("an already-done chunk must not start workers")
+
+
+@pytest.mark.parametrize("value", [None, 2.5, float("nan"), -1, "3", True])
+def test_a_target_that_is_not_a_worker_count_is_a_spec_error_naming_it(tmp_path, value):
+    """int() took whatever target() returned: 2.5 ran 2 workers, "3" ran 3, -1 preempted the
+    job, and None or NaN failed with a bare TypeError / ValueError naming neither."""
+    spec = make_spec(tmp_path, total_iterations=8)
+    with pytest.raises(SpecError, match=r"invalid target=.*target\(0\) must return a worker count"):
+        run_chunk(spec, 0, 8, target=lambda i: value)
+    assert open_store(spec.checkpoint).latest() is None
+
+
+def test_a_bad_target_mid_chunk_stops_the_workers_with_a_spec_error(tmp_path):
+    spec = make_spec(tmp_path, total_iterations=8)
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    with pytest.raises(SpecError, match=r"invalid target=None: target\(5\)"):
+        run_chunk(spec, 0, 8, target=lambda i: 1 if i < 5 else None)
+    workers = [p for p in psutil.Process().children(recursive=True)
+               if p.pid not in before and "forkserver" not in " ".join(p.cmdline())
+               and "resource_tracker" not in " ".join(p.cmdline())]
+    assert not workers
+    assert run_chunk(spec, 0, 8, target=lambda i: 1).status is ChunkStatus.COMPLETED
+
+
+def test_numpy_worker_counts_are_counts(tmp_path):
+    import numpy as np
+
+    spec = make_spec(tmp_path, total_iterations=4)
+    result = run_chunk(spec, 0, 4, target=lambda i: np.int64(2))
+    assert [n for _, n, _ in result.workers_timeline] == [2]
 
 
 def test_an_already_done_chunk_returns_at_once_without_workers(tmp_path, reference):
