@@ -28,6 +28,7 @@ import logging
 import math
 import operator
 import os
+import re
 import shutil
 import signal
 import socket
@@ -52,7 +53,7 @@ from elastic_ops.errors import (
 from elastic_ops.runtime.control import ControlChannel, count_of, moved
 from elastic_ops.runtime.launcher import Launcher, LaunchRequest, LocalLauncher, RemotePart, loopback_store
 from elastic_ops.runtime.outcome import ChunkResult, ChunkStatus, Progress
-from elastic_ops.runtime.segment import pg_timeout
+from elastic_ops.runtime.segment import PG_TIMEOUT_DEFAULT_S, PG_TIMEOUT_ENV, pg_timeout
 from elastic_ops.runtime.state import load_state, param_sha256, save_atomic
 from elastic_ops.spec import JobSpec
 
@@ -528,11 +529,18 @@ class _Runner:
         what = ", ".join(f"rank {r} killed by {s}" for r, s in signals.items()) or ", ".join(
             f"rank {r} exited with {f.exitcode}" for r, f in failures.items()
         )
-        return WorkerLostError(
-            f"worker lost on {self.host}: {what}",
-            host=self.host,
-            hint="retry resumes from the last committed checkpoint",
-        )
+        hint = "retry resumes from the last committed checkpoint"
+        comm = sorted((r for r in reports if r["kind"] == "comm"), key=lambda r: r["time"])
+        timed_out = bool(comm) and _TIMED_OUT.search(comm[0]["message"]) is not None
+        if comm and (not signals or timed_out):
+            # no rank died (a peer stopped answering: hung, stopped, or slower than the process
+            # group's timeout), or one that hung was then killed by the teardown (SIGKILL after
+            # ignoring SIGTERM, e.g. a stopped process): say what the collective reported
+            what += f" (rank {comm[0]['rank']}'s collective failed: {comm[0]['message']})"
+            hint = (f"a rank that stops answering for {PG_TIMEOUT_ENV} seconds (default "
+                    f"{PG_TIMEOUT_DEFAULT_S}) fails its peers' collectives, and one that does not "
+                    f"exit on SIGTERM is killed with SIGKILL 30 s later; {hint}")
+        return WorkerLostError(f"worker lost on {self.host}: {what}", host=self.host, hint=hint)
 
     # --- the whole chunk -----------------------------------------------------------------------
 
@@ -608,6 +616,9 @@ class _Runner:
             param_sha256=metrics.get("param_sha256"),
             train_samples_per_sec=samples / train_s if train_s else 0.0,
         )
+
+
+_TIMED_OUT = re.compile(r"timed out|timing out|timeout", re.IGNORECASE)  # gloo's and NCCL's words
 
 
 def _worker_count(value: Any, iteration: int) -> int:

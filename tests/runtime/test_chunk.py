@@ -203,6 +203,32 @@ def test_a_peers_collective_error_in_user_code_does_not_hide_a_killed_rank(tmp_p
     assert isinstance(_Runner._failure(runner, tmp_path, exited, {}), UserCodeError)
 
 
+def test_a_collective_timeout_says_so_instead_of_a_bare_exit_status(tmp_path):
+    """A rank slower than ELASTIC_OPS_PG_TIMEOUT_S: its peer's collective timed out and the chunk
+    said only 'worker lost on localhost: rank 0 exited with 1'."""
+    import json
+
+    (tmp_path / "error-0.json").write_text(json.dumps({
+        "kind": "comm", "message": "RuntimeError: [gloo] Timed out waiting 3000ms for send operation",
+        "traceback": "", "iteration": 3, "rank": 0, "time": 1.0,
+    }))
+    exited = {0: SimpleNamespace(exitcode=1, signal_name=lambda: "")}
+    err = _Runner._failure(SimpleNamespace(host="host-a"), tmp_path, exited, {})
+    assert isinstance(err, WorkerLostError) and err.retryable and err.host == "host-a"
+    assert "rank 0 exited with 1 (rank 0's collective failed: RuntimeError: [gloo] Timed out" in str(err)
+    assert "ELASTIC_OPS_PG_TIMEOUT_S" in str(err)
+    # a hung rank (SIGSTOP) is killed by the teardown's SIGKILL: the timeout is still said
+    err = _Runner._failure(SimpleNamespace(host="host-a"), tmp_path, exited, {1: "SIGKILL"})
+    assert "rank 1 killed by SIGKILL (rank 0's collective failed: RuntimeError: [gloo] Timed out" in str(err)
+    # a rank killed outright is named as before, without its peers' broken connections
+    (tmp_path / "error-0.json").write_text(json.dumps({
+        "kind": "comm", "message": "RuntimeError: [gloo] Connection reset by peer",
+        "traceback": "", "iteration": 3, "rank": 0, "time": 1.0,
+    }))
+    err = _Runner._failure(SimpleNamespace(host="host-a"), tmp_path, exited, {1: "SIGKILL"})
+    assert "rank 1 killed by SIGKILL" in str(err) and "collective" not in str(err)
+
+
 def test_user_exception_is_a_non_retryable_user_code_error_with_the_traceback(tmp_path):
     spec = make_spec(tmp_path, params={"fail_at": 3})
     with pytest.raises(UserCodeError) as err:
