@@ -83,12 +83,15 @@ def _stage(state: dict[str, Any], path: Path) -> None:
 
 @contextlib.contextmanager
 def user_code() -> Iterator[None]:
-    """Attribute any exception raised inside to the user's code."""
+    """Attribute any exception raised inside to the user's code, ``sys.exit()`` included: a
+    Trainable that exits (data missing, an argument parser refusing) is the user's error, as a
+    script's non-zero exit is, not a worker lost (it was retried and blamed on the host, its
+    message dropped)."""
     try:
         yield
     except UserFailure:
         raise
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:
         raise UserFailure(exc) from exc
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,8 @@ class TinyMLP(Trainable):
     """8 -> 16 -> 3 MLP with dropout on generated, learnable data (fast enough for many runs).
 
     Test hooks (params): ``record_dir`` writes every sample id a rank trains on;
-    ``fail_at`` raises a user error at that iteration's loss; ``nan_at`` returns NaN there;
+    ``fail_at`` raises a user error at that iteration's loss (``exit_at``: calls
+    ``sys.exit(exit_code)``); ``nan_at`` returns NaN there;
     ``kill_rank``/``kill_at`` SIGKILL that rank once (a marker file makes it one-shot);
     ``hold_at`` waits there until the file ``hold_file`` exists (a test's gate, at most 120 s);
     ``sleep_s`` slows every loss call (the runner then decides few boundaries ahead);
@@ -98,6 +100,8 @@ class TinyMLP(Trainable):
             time.sleep(float(p["sleep_s"]))
         if p.get("fail_at") is not None and self._at(p["fail_at"]):
             raise ValueError("tiny model refuses this batch")
+        if p.get("exit_at") is not None and self._at(p["exit_at"]):
+            sys.exit(p.get("exit_code", 1))
         out = F.cross_entropy(model(x), y)
         if p.get("nan_at") is not None and self._at(p["nan_at"]):
             return out * float("nan")

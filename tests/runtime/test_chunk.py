@@ -237,6 +237,17 @@ def test_user_exception_is_a_non_retryable_user_code_error_with_the_traceback(tm
     assert "tiny model refuses this batch" in str(err.value) and "builders.py" in str(err.value)
 
 
+@pytest.mark.parametrize(("workers", "code"), [(1, 1), (2, "no data at /nowhere"), (1, 0)])
+def test_sys_exit_in_model_code_is_a_user_error_not_a_lost_worker(tmp_path, workers, code):
+    """SystemExit went past the user-code guard: the worker exited with 1 and no report, a
+    WorkerLostError (retried, blamed on the host) without the message; sys.exit(0) on one worker
+    was 'exited without handing over their state' with a hint for scripts."""
+    spec = make_spec(tmp_path, total_iterations=8, params={"exit_at": 3, "exit_code": code})
+    with pytest.raises(UserCodeError, match=f"at iteration 3: SystemExit: {code}") as err:
+        run_chunk(spec, 0, 8, target=lambda i: workers)
+    assert not err.value.retryable and "builders.py" in str(err.value)
+
+
 @pytest.mark.parametrize("workers", [1, 2])
 def test_parameters_of_two_dtypes_are_a_user_error_naming_them_not_a_lost_worker(tmp_path, workers):
     """It failed inside the runtime's gradient buffer as a RuntimeError, reported as a lost worker
