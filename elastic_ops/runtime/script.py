@@ -45,6 +45,8 @@ from elastic_ops.runtime.data_order import even_split, stream_slice
 from elastic_ops.runtime.segment import NonFiniteLoss, Segment
 from elastic_ops.runtime.state import build_state, restore_rng, unwrap
 
+RUNNING: int | None = None  # the iteration the script is running (its error reports name it)
+
 
 class ScriptContext:
     def __init__(self, seg: Segment, num_samples: int) -> None:
@@ -122,6 +124,8 @@ class ScriptContext:
             if self.rank == 0 and seg.checkpoint_due(it):
                 seg.write_checkpoint(it, self._state())
             seg.publish(it, self._loss, self.cursor)
+            global RUNNING
+            RUNNING = it
             yield it
             if self.iteration != it + 1:
                 raise RuntimeError(f"call ctx.commit({it}, loss) at the end of every iteration")

@@ -235,15 +235,19 @@ def run_script(path: str) -> int:
     try:
         runpy.run_path(path, run_name="__main__")
     except SystemExit as exc:
+        from elastic_ops.runtime import script
+
         if exc.code is None or exc.code == 0:
             return 0
         how = f"with status {exc.code}" if isinstance(exc.code, int) else f"with the message {exc.code!r}"
         seg.write_error("user", f"the script exited {how} (sys.exit; argparse exits with 2 on arguments "
                         f"it does not take: sys.argv[1:] is the spec's script_args "
-                        f"{list(seg.spec.script_args)})", "", None)
+                        f"{list(seg.spec.script_args)})", "", script.RUNNING)
         return 1
     except Exception as exc:
         import torch.distributed as dist
+
+        from elastic_ops.runtime import script
 
         # A collective failing because a peer died is a lost worker, not a bug in the script.
         kind = (
@@ -253,7 +257,8 @@ def run_script(path: str) -> int:
             if isinstance(exc, dist.DistError)
             else "user"
         )
-        seg.write_error(kind, f"{type(exc).__name__}: {exc}", traceback.format_exc(), None)
+        # the iteration it failed in (None: before ctx.iterations() ran one), not "before training"
+        seg.write_error(kind, f"{type(exc).__name__}: {exc}", traceback.format_exc(), script.RUNNING)
         return 1
     return 0
 

@@ -187,3 +187,23 @@ def test_a_killed_script_worker_is_a_lost_worker_not_the_users_error(tmp_path):
         run_chunk(spec, 0, 8, target=lambda i: 2, host="host-a")
     assert err.value.retryable and err.value.host == "host-a"
     assert run_chunk(spec, 0, 8, target=lambda i: 2).status is ChunkStatus.COMPLETED
+
+
+@pytest.mark.parametrize(("line", "says"), [
+    ("raise ValueError('bad row')", "rank 0 at iteration 2: ValueError: bad row"),
+    ("sys.exit('no data')", "rank 0 at iteration 2: the script exited with the message 'no data'"),
+])
+def test_a_script_error_in_the_loop_names_its_iteration(tmp_path, line, says):
+    """Every script error said 'before training', wherever the loop was."""
+    from elastic_ops.errors import UserCodeError
+
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import sys, torch\nimport elastic_ops.runtime.script as elastic\n"
+        "ctx = elastic.init(num_samples=8)\nmodel = torch.nn.Linear(1, 1)\n"
+        "ctx.restore(model, torch.optim.SGD(model.parameters(), lr=0.1))\n"
+        f"for it in ctx.iterations():\n    if it == 2:\n        {line}\n    ctx.commit(it, 0.0)\n"
+    )
+    spec = script_spec(tmp_path, entrypoint=str(script), total_iterations=4, global_batch=4)
+    with pytest.raises(UserCodeError, match=says):
+        run_chunk(spec, 0, 4, target=lambda i: 1)
