@@ -254,13 +254,22 @@ def run_script(path: str) -> int:
             "nonfinite"
             if isinstance(exc, NonFiniteLoss)
             else "comm"
-            if isinstance(exc, dist.DistError)
+            if isinstance(exc, dist.DistError) or _gloo_transport_error(exc)
             else "user"
         )
         # the iteration it failed in (None: before ctx.iterations() ran one), not "before training"
         seg.write_error(kind, f"{type(exc).__name__}: {exc}", traceback.format_exc(), script.RUNNING)
         return 1
     return 0
+
+
+def _gloo_transport_error(exc: BaseException) -> bool:
+    """A gloo collective that failed because a peer died, hung or stopped answering. NCCL raises
+    ``DistError``s; gloo a plain ``RuntimeError`` naming its transport's source file
+    (``[.../gloo/transport/tcp/pair.cc:537] Read error ...: Connection reset by peer``,
+    ``[.../gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms for recv
+    operation``), which only gloo's own collectives raise."""
+    return isinstance(exc, RuntimeError) and "gloo/transport/" in str(exc)
 
 
 def _debug(what: str) -> None:
