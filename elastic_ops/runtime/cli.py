@@ -6,7 +6,9 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 from typing import Any
 
 from elastic_ops.errors import SpecError
@@ -57,7 +59,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         logger = logging.getLogger("elastic_ops.runtime")
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
-    result = run_job(spec, schedule=schedule, start=start, end=end)
+    previous = _stop_on_sigterm()
+    try:
+        result = run_job(spec, schedule=schedule, start=start, end=end)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     ends = {"loss": result.loss, **result.metrics}
     out = {
         "job": spec.name,
@@ -79,3 +86,18 @@ def cmd_run(args: argparse.Namespace) -> int:
     # strict JSON for whatever parses it: a NaN or inf metric (a diverged evaluation) is null
     print(json.dumps(jsonable(out), allow_nan=False), flush=True)
     return 0
+
+
+def _stop_on_sigterm() -> Any:
+    """SIGTERM (``docker stop``, systemd, ``kill``) ends the run as Ctrl-C does: the workers are
+    stopped, a commit under way completes, and the chunk's work directory (its staged states)
+    is removed. Python's default action ended the process at once, mid-commit, and left the
+    directory to the next chunk on this host to sweep. Exit status 143 (128 + SIGTERM). Returns
+    the handler it replaced (None where signals cannot be set: not the main thread)."""
+
+    def stop(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, stop)

@@ -190,3 +190,53 @@ def test_a_bad_process_group_timeout_is_refused_before_any_worker(tmp_path, caps
     err = capsys.readouterr().err
     assert rc == 2 and "invalid ELASTIC_OPS_PG_TIMEOUT_S=" in err and "whole seconds" in err
     assert "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_sigterm_stops_the_run_cleanly(tmp_path):
+    """SIGTERM killed the command at once: no cleanup, its work directory left behind (staged
+    states, for the next chunk on the host to sweep), a commit under way cut off."""
+    import signal
+    import tempfile
+    import time
+
+    spec = write_spec(tmp_path, total_iterations=200, params={"sleep_s": 0.02})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "elastic_ops.cli", "run", "--spec", str(spec), "--checkpoint",
+         f"file://{tmp_path}/ckpt"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        for line in proc.stderr:  # the first progress line: the workers train
+            if "/200 loss" in line:
+                break
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=60)
+    finally:
+        proc.kill()
+        proc.wait()
+    mine = []
+    for d in Path(tempfile.gettempdir()).glob("elastic-ops-*"):
+        owner = d / "owner.pid"
+        if owner.exists() and owner.read_text().split(" ")[0] == str(proc.pid):
+            mine.append(d)
+    assert mine == []
+    assert code == 128 + signal.SIGTERM
+    deadline = time.monotonic() + 10  # its workers exit with it (they watch the launcher)
+    while time.monotonic() < deadline and _workers_of(proc.pid):
+        time.sleep(0.1)
+    assert _workers_of(proc.pid) == []
+
+
+def _workers_of(pid: int) -> list[int]:
+    import psutil
+
+    found = []
+    for p in psutil.process_iter(["pid"]):
+        try:
+            if p.environ().get("ELASTIC_OPS_LAUNCHER_PID") == str(pid):
+                found.append(p.pid)
+        except (psutil.Error, OSError):
+            continue
+    return found
