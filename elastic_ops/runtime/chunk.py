@@ -234,6 +234,8 @@ class _Runner:
         self.timeline: list[tuple[int, int, float]] = []
         self._last_log = 0.0
         self._t0 = time.time()
+        # a lone worker has no collective to time out: it gets as long between two boundaries
+        self.stall_s = pg_timeout().total_seconds()
 
     def target(self, iteration: int) -> int:
         """The wanted worker count, clamped to the spec's bounds (0 = preempt); notes the
@@ -404,10 +406,16 @@ class _Runner:
     ) -> None:
         seen, ahead = 0, LOOKAHEAD
         row0 = None
+        last, moved_at = -1, time.monotonic()  # the last boundary rank 0 reached, and when
         try:
             while True:
                 finished = stop.is_set()  # read before the last sweep, so no row is missed
                 reached = chan.reached()
+                now = time.monotonic()
+                if reached != last:
+                    last, moved_at = reached, now
+                elif not finished and workers == 1 and reached >= 0 and now - moved_at > self.stall_s:
+                    self._stalled(chan, start, reached, workers)
                 for j in range(seen + 1, reached + 1):
                     if row0 is None:
                         row0 = chan.row(0)
@@ -427,6 +435,20 @@ class _Runner:
                 time.sleep(POLL_S)
         except BaseException as exc:  # surfaced by the main thread
             errors.append(exc)
+
+    def _stalled(self, chan: ControlChannel, start: int, j: int, workers: int) -> None:
+        """Raise for a lone worker that trains on past boundary ``j`` and has not reached the next
+        one within ``stall_s``: hung (user code, a stopped process). Not after the last boundary
+        or one where it leaves (it evaluates, stages its state and exits: the wait ends that)."""
+        if j >= chan.length - 1 or chan.value(j) != workers:  # a moved or other count: it leaves
+            return
+        raise WorkerLostError(
+            f"worker lost on {self.host}: rank 0 reached no iteration boundary for {self.stall_s:.0f} s "
+            f"after iteration {start + j} (hung in user code, or its process stopped); it was stopped",
+            host=self.host,
+            hint=f"a lone worker gets {PG_TIMEOUT_ENV} seconds per iteration, as a group's collectives "
+            "do: raise it for longer iterations; the retry resumes from the last committed checkpoint",
+        )
 
     def _boundary(
         self,

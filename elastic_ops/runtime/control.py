@@ -64,6 +64,10 @@ class ControlChannel:
         """True when boundary ``j`` needs no decision (the last boundary is the chunk's end)."""
         return j >= self.length - 1 or int(self.ctl[_HEADER + j]) != UNDECIDED
 
+    def value(self, j: int) -> int:
+        """The decision for boundary ``j`` (``UNDECIDED`` if none yet)."""
+        return int(self.ctl[_HEADER + j])
+
     def row(self, j: int) -> tuple[float, float, int]:
         loss, t, cursor = self.prog[j]
         return float(loss), float(t), int(cursor)

@@ -203,6 +203,19 @@ def test_a_peers_collective_error_in_user_code_does_not_hide_a_killed_rank(tmp_p
     assert isinstance(_Runner._failure(runner, tmp_path, exited, {}), UserCodeError)
 
 
+def test_a_lone_hung_worker_is_stopped_after_the_collective_timeout(tmp_path, monkeypatch):
+    """One worker has no process group, so no collective timed out: a hang in user code (or a
+    SIGSTOPped worker) hung run_chunk for ever (a probe: > 45 s). It gets the same time between
+    two boundaries as a group's collectives, then it is a lost worker saying so."""
+    monkeypatch.setenv("ELASTIC_OPS_PG_TIMEOUT_S", "2")
+    spec = make_spec(tmp_path, params={"hold_at": 13, "hold_file": str(tmp_path / "never")})
+    with pytest.raises(WorkerLostError) as err:
+        run_chunk(spec, 0, 30, target=lambda i: 1, host="host-a")
+    assert err.value.retryable and err.value.host == "host-a"
+    assert "rank 0 reached no iteration boundary for 2 s after iteration 13" in str(err.value)
+    assert open_store(spec.checkpoint).latest().iteration == 10  # the last commit before it hung
+
+
 def test_a_collective_timeout_says_so_instead_of_a_bare_exit_status(tmp_path):
     """A rank slower than ELASTIC_OPS_PG_TIMEOUT_S: its peer's collective timed out and the chunk
     said only 'worker lost on localhost: rank 0 exited with 1'."""
