@@ -429,11 +429,6 @@ class PoolClient:
         check_epoch(epoch)
         check_int("workers", workers, 0, MAX_WORKERS_LIMIT)
         placements = check_placements(placements)
-        if placements is not None and workers > 0 and not placements:
-            # it would give up every slot and keep a live lease holding none (request() then
-            # returned a grant of 0 workers): a job that stopped says workers=0
-            raise SpecError("placements", [], f"must list the slots the {workers} workers run on (a job that "
-                            "stopped reports workers=0)")
 
         def op(conn, now):
             ledger.sync(conn, now)

@@ -639,16 +639,6 @@ def test_event_ids_keep_growing_when_pruning_empties_the_log(ledger_url):
         pool.close()
 
 
-def test_a_heartbeat_running_workers_on_no_slots_is_refused_and_changes_nothing(pool):
-    """workers=1 with placements=[] gave up every slot and kept a live lease holding none: the
-    next request() returned a grant of 0 workers (a probe). A job that stopped says workers=0."""
-    g = grant(pool, "a", min_workers=2)
-    with pytest.raises(SpecError, match=r"invalid placements=\[\]: must list the slots the 1 workers run on"):
-        pool.heartbeat("a", g.epoch, workers=1, placements=[])
-    again = pool.request("a")
-    assert again.epoch == g.epoch and again.placements == g.placements
-
-
 @pytest.mark.postgres
 def test_a_postgres_ledger_gets_64_bit_event_ids_past_2_to_the_31(pg_url, clock):
     """A serial's sequence stopped at 2**31 - 1: the next event (every grant, release, target
