@@ -502,17 +502,12 @@ class _Runner:
         stopped = getattr(pc, "stopped_host", lambda: None)()
         signals = {rank: f.signal_name() for rank, f in failures.items() if f.exitcode < 0}
         signals = dict(sorted({**killed, **signals}.items()))
-        # A rank that a signal ended (here or on another host), or a host that went away, is the
-        # cause; its peers' errors follow from it. A collective that fails because its peer died
-        # raises inside user code when user code runs it (a DDP script; gloo's "Connection reset
-        # by peer" is a plain RuntimeError), where the worker cannot tell it from the user's own
-        # error: such a report of a rank that survived is not the user's fault.
-        dead = set(signals) | set(remote_killed)
-        peer_lost = bool(dead or lost or stopped)
+        # A user's error wins over a dead rank or a silent host: those often follow from it (our
+        # teardown SIGKILLs a rank that ignored its SIGTERM; a spanning host busy past the grace
+        # period counts as lost). A collective failing inside user code because a peer died is
+        # reported as "comm", not "user", by the worker (worker._gloo_transport_error).
         for kind, cls in (("user", UserCodeError), ("nonfinite", NonFiniteLossError)):
             found = [r for r in reports if r["kind"] == kind]
-            if kind == "user" and peer_lost:
-                found = [r for r in found if r["rank"] in dead]
             if found:
                 r = min(found, key=lambda r: r["time"])
                 when = "before training" if r["iteration"] is None else f"at iteration {r['iteration']}"
