@@ -467,6 +467,9 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
         # for on_kill only (same process, same try): nothing here outlives a deferral
         self._running = (keeper, client, spec.name, grant.epoch)
         try:
+            if getattr(self, "_killed", False):  # on_kill came while the grant was renewed above
+                raise LeaseExpiredError(f"job {spec.name}: its task is being killed; the grant of epoch "
+                                        f"{grant.epoch} was given back untrained")
             result = self._train(spec, state, grant.epoch, host, keeper, hook)
         except BaseException as exc:
             keeper.stop()

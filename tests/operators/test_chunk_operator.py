@@ -443,6 +443,14 @@ def test_a_chunk_killed_while_it_waits_in_the_task_neither_trains_nor_defers(
         assert pool.request("next").workers == 2  # the killed try holds nothing back
 
 
+def granted(job, grant, spec) -> GrantEvent:
+    """The trigger's event for ``grant`` to chunk 2 (iterations 20..40) of ``spec``."""
+    state = {"spec": spec.to_dict(), "chunk_index": 1, "start": 20, "end": 40, "warm_start": None,
+             "preemptions": 0, "timeline": [], "epochs": [], "hosts": [], "trained": 0, "waited_s": 0.0,
+             "started_at": time.time()}
+    return GrantEvent(job, grant.epoch, grant.placements, grant.ttl_s, state, 0.1)
+
+
 def test_a_chunk_killed_before_its_grant_is_trained_gives_the_grant_back(pool, monkeypatch):
     """on_kill between the trigger's grant and the resumed try's start of training."""
     job = job_id("d", "train", "run1")
@@ -453,11 +461,34 @@ def test_a_chunk_killed_before_its_grant_is_trained_gives_the_grant_back(pool, m
     trained = []
     monkeypatch.setattr(ElasticChunkOperator, "_train", lambda *a: trained.append(a))
     op.on_kill()
-    state = {"spec": spec.to_dict(), "chunk_index": 1, "start": 20, "end": 40, "warm_start": None,
-             "preemptions": 0, "timeline": [], "epochs": [], "hosts": [], "trained": 0, "waited_s": 0.0,
-             "started_at": time.time()}
-    event = GrantEvent(job, grant.epoch, grant.placements, grant.ttl_s, state, 0.1)
+    event = granted(job, grant, spec)
     with pytest.raises(LeaseExpiredError, match="given back untrained"):
         op.execute_granted(ti_context(1, 3), event.to_payload())
     assert not trained and pool.status()["slots"]["used"] == 0
     assert job_row(pool, job)["state"] == "finished"
+
+
+def test_a_chunk_killed_while_its_grant_is_renewed_gives_it_back_untrained(pool, monkeypatch):
+    """on_kill landing during the first heartbeat of the resumed try (a ledger round trip, up to
+    the busy timeout) found nothing running and returned; the try then trained (a review)."""
+    from elastic_ops.operators.lease import LeaseKeeper
+
+    job = job_id("d", "train", "run1")
+    op = make_chunk(1)
+    spec = op._spec(context())
+    pool.submit(job, min_workers=1, max_workers=2)
+    grant = pool.request(job)
+    real_beat, calls, trained = LeaseKeeper.beat, [], []
+
+    def beat(self):
+        if not calls:
+            op.on_kill()  # Airflow's SIGTERM handler, during the ledger round trip
+        calls.append(1)
+        return real_beat(self)
+
+    monkeypatch.setattr(LeaseKeeper, "beat", beat)
+    monkeypatch.setattr(ElasticChunkOperator, "_train", lambda *a: trained.append(a))
+    event = granted(job, grant, spec)
+    with pytest.raises(LeaseExpiredError, match="given back untrained"):
+        op.execute_granted(ti_context(1, 3), event.to_payload())
+    assert not trained and pool.status()["slots"]["used"] == 0
