@@ -53,7 +53,13 @@ from elastic_ops.errors import (
 from elastic_ops.runtime.control import ControlChannel, count_of, moved
 from elastic_ops.runtime.launcher import Launcher, LaunchRequest, LocalLauncher, RemotePart, loopback_store
 from elastic_ops.runtime.outcome import ChunkResult, ChunkStatus, Progress
-from elastic_ops.runtime.segment import PG_TIMEOUT_DEFAULT_S, PG_TIMEOUT_ENV, pg_timeout
+from elastic_ops.runtime.segment import (
+    PG_TIMEOUT_DEFAULT_S,
+    PG_TIMEOUT_ENV,
+    STALL_ENV,
+    pg_timeout,
+    stall_timeout,
+)
 from elastic_ops.runtime.state import load_state, param_sha256, save_atomic
 from elastic_ops.spec import JobSpec
 
@@ -234,8 +240,8 @@ class _Runner:
         self.timeline: list[tuple[int, int, float]] = []
         self._last_log = 0.0
         self._t0 = time.time()
-        # a lone worker has no collective to time out: it gets as long between two boundaries
-        self.stall_s = pg_timeout().total_seconds()
+        # a lone worker has no collective to time out: the longest it may take between two boundaries
+        self.stall_s = stall_timeout()
 
     def target(self, iteration: int) -> int:
         """The wanted worker count, clamped to the spec's bounds (0 = preempt); notes the
@@ -446,8 +452,8 @@ class _Runner:
             f"worker lost on {self.host}: rank 0 reached no iteration boundary for {self.stall_s:.0f} s "
             f"after iteration {start + j} (hung in user code, or its process stopped); it was stopped",
             host=self.host,
-            hint=f"a lone worker gets {PG_TIMEOUT_ENV} seconds per iteration, as a group's collectives "
-            "do: raise it for longer iterations; the retry resumes from the last committed checkpoint",
+            hint=f"{STALL_ENV} sets how long a lone worker may take between two boundaries (a group's "
+            f"collectives wait {PG_TIMEOUT_ENV}); the retry resumes from the last committed checkpoint",
         )
 
     def _boundary(
@@ -747,6 +753,7 @@ def run_chunk(
     _check_range(spec, start, end)
     _check_entrypoint(spec)
     pg_timeout()  # read by every worker: a bad value is refused here, once
+    stall_timeout()
     if store is None:
         from elastic_ops.checkpoint import open_store
 

@@ -48,13 +48,28 @@ def pg_timeout() -> datetime.timedelta:
     """The process group's collective timeout, from ``$ELASTIC_OPS_PG_TIMEOUT_S`` (whole seconds).
     The chunk runner reads it before it starts workers, so a bad value is a :class:`SpecError`
     there, not a traceback in every worker."""
-    raw = os.environ.get(PG_TIMEOUT_ENV)
+    return datetime.timedelta(seconds=_seconds(PG_TIMEOUT_ENV, PG_TIMEOUT_DEFAULT_S))
+
+
+STALL_ENV = "ELASTIC_OPS_STALL_S"
+STALL_DEFAULT_S = 3600
+
+
+def stall_timeout() -> float:
+    """How long the chunk runner waits for a lone worker (no collective to time out) to reach its
+    next iteration boundary before it stops it, from ``$ELASTIC_OPS_STALL_S`` (whole seconds;
+    longer than the collectives' default: in-loop work a group shares, one worker does alone)."""
+    return float(_seconds(STALL_ENV, STALL_DEFAULT_S))
+
+
+def _seconds(name: str, default: int) -> int:
+    raw = os.environ.get(name)
     if raw is None:
-        return datetime.timedelta(seconds=PG_TIMEOUT_DEFAULT_S)
+        return default
     text = raw.strip()
     if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= PG_TIMEOUT_MAX_S:
-        raise SpecError(PG_TIMEOUT_ENV, raw, f"whole seconds, 1..{PG_TIMEOUT_MAX_S}")
-    return datetime.timedelta(seconds=int(text))
+        raise SpecError(name, raw, f"whole seconds, 1..{PG_TIMEOUT_MAX_S}")
+    return int(text)
 
 
 class UserFailure(Exception):

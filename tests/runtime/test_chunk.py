@@ -208,6 +208,45 @@ def test_gloo_transport_errors_raised_in_a_script_are_a_lost_peer():
     assert not _gloo_transport_error(RuntimeError("shape mismatch in my layer"))
 
 
+def test_a_lone_hung_worker_is_stopped_after_the_stall_timeout(tmp_path, monkeypatch):
+    """One worker has no process group, so no collective timed out: a hang in user code (or a
+    SIGSTOPped worker) hung run_chunk for ever (a probe: > 45 s). After ELASTIC_OPS_STALL_S
+    between two boundaries it is a lost worker saying so."""
+    monkeypatch.setenv("ELASTIC_OPS_STALL_S", "2")
+    spec = make_spec(tmp_path, params={"hold_at": 13, "hold_file": str(tmp_path / "never")})
+    with pytest.raises(WorkerLostError) as err:
+        run_chunk(spec, 0, 30, target=lambda i: 1, host="host-a")
+    assert err.value.retryable and err.value.host == "host-a"
+    assert "rank 0 reached no iteration boundary for 2 s after iteration 13" in str(err.value)
+    assert open_store(spec.checkpoint).latest().iteration == 10  # the last commit before it hung
+
+
+def test_a_collective_timeout_says_so_instead_of_a_bare_exit_status(tmp_path):
+    """A rank slower than ELASTIC_OPS_PG_TIMEOUT_S: its peer's collective timed out and the chunk
+    said only 'worker lost on localhost: rank 0 exited with 1'."""
+    import json
+
+    (tmp_path / "error-0.json").write_text(json.dumps({
+        "kind": "comm", "message": "RuntimeError: [gloo] Timed out waiting 3000ms for send operation",
+        "traceback": "", "iteration": 3, "rank": 0, "time": 1.0,
+    }))
+    exited = {0: SimpleNamespace(exitcode=1, signal_name=lambda: "")}
+    err = _Runner._failure(SimpleNamespace(host="host-a"), tmp_path, exited, {})
+    assert isinstance(err, WorkerLostError) and err.retryable and err.host == "host-a"
+    assert "rank 0 exited with 1 (rank 0's collective failed: RuntimeError: [gloo] Timed out" in str(err)
+    assert "ELASTIC_OPS_PG_TIMEOUT_S" in str(err)
+    # a hung rank (SIGSTOP) is killed by the teardown's SIGKILL: the timeout is still said
+    err = _Runner._failure(SimpleNamespace(host="host-a"), tmp_path, exited, {1: "SIGKILL"})
+    assert "rank 1 killed by SIGKILL (rank 0's collective failed: RuntimeError: [gloo] Timed out" in str(err)
+    # a rank killed outright is named as before, without its peers' broken connections
+    (tmp_path / "error-0.json").write_text(json.dumps({
+        "kind": "comm", "message": "RuntimeError: [gloo] Connection reset by peer",
+        "traceback": "", "iteration": 3, "rank": 0, "time": 1.0,
+    }))
+    err = _Runner._failure(SimpleNamespace(host="host-a"), tmp_path, exited, {1: "SIGKILL"})
+    assert "rank 1 killed by SIGKILL" in str(err) and "collective" not in str(err)
+
+
 def test_user_exception_is_a_non_retryable_user_code_error_with_the_traceback(tmp_path):
     spec = make_spec(tmp_path, params={"fail_at": 3})
     with pytest.raises(UserCodeError) as err:

@@ -182,13 +182,14 @@ def test_stop_when_reads_only_chunk_ends_after_a_preemption_inside_a_later_chunk
     assert run_job(spec).iteration == 20 and calls == [(0, 10), (10, 20)]
 
 
+@pytest.mark.parametrize("var", ["ELASTIC_OPS_PG_TIMEOUT_S", "ELASTIC_OPS_STALL_S"])
 @pytest.mark.parametrize("value", ["1.5", "0", "-3", "\u0664", "ten"])
-def test_a_bad_process_group_timeout_is_refused_before_any_worker(tmp_path, capsys, monkeypatch, value):
+def test_a_bad_timeout_is_refused_before_any_worker(tmp_path, capsys, monkeypatch, value, var):
     """Read with a bare int() in every worker: 1.5 was a ValueError traceback per worker (a probe)."""
-    monkeypatch.setenv("ELASTIC_OPS_PG_TIMEOUT_S", value)
+    monkeypatch.setenv(var, value)
     rc = main(["run", "--spec", str(write_spec(tmp_path)), "--workers-schedule", "2", "--quiet"])
     err = capsys.readouterr().err
-    assert rc == 2 and "invalid ELASTIC_OPS_PG_TIMEOUT_S=" in err and "whole seconds" in err
+    assert rc == 2 and f"invalid {var}=" in err and "whole seconds" in err
     assert "Traceback" not in err
 
 
