@@ -153,7 +153,10 @@ class PoolClient:
             if not create and not inspect(conn).has_table(s.schema_version.name):
                 raise SpecError("url", shown_url(url), "an existing pool ledger: this database holds none",
                                 hint=NO_LEDGER_HINT)
-            return s.migrate(conn)
+            try:
+                return s.migrate(conn)
+            except SpecError as exc:  # a migration the database refuses: say which ledger
+                raise SpecError("url", shown_url(url), exc.allowed, hint=exc.hint) from None
 
         try:
             self._tx(first_use, lock=False)

@@ -108,7 +108,7 @@ class Job:
     selector): slots it holds there are released, as on a host that is not up, and still taken
     until then. ``releasing`` (among ``held``): slots it was told to give up at its next
     boundary and still holds: a job in the middle of a shrink or a move keeps its other slots
-    first and is not moved again until it has acted (see plain_policies._movable).
+    first and may be moved only off those until it has acted (see plain_policies._may_leave).
     """
 
     name: str

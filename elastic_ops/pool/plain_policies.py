@@ -137,7 +137,7 @@ def too_few(min_workers: int, cap: int, base: int) -> str:
         return f"min {min_workers} exceeds the {max(cap, 0)} usable slots it may use"
     return (
         f"min {min_workers} exceeds the {max(cap, 0)} slots it may use now: the others on its "
-        "hosts are held by jobs that may not move or shrink yet"
+        "hosts are held by jobs that cannot move or shrink yet"
     )
 
 

@@ -642,6 +642,10 @@ def _reasons(targets, cap_left, free_idx, mins, fcaps, usable, admitted, frozen,
             if len(k) == 0:
                 continue
             lo, c = mins[k], (left[k] if fits else np.maximum(fcaps[k], 0))
+            if int(c.min()) < 0:  # frozen jobs keep more than the capacity (slots past a host's size)
+                for i, m, v in zip(free_idx[k].tolist(), lo.tolist(), c.tolist(), strict=True):
+                    reasons[i] = template.format(m, v)
+                continue
             width = int(c.max()) + 1
             uniq, inv = np.unique(lo * width + c, return_inverse=True)
             texts = [template.format(u // width, u % width) for u in uniq.tolist()]

@@ -30,6 +30,9 @@ from sqlalchemy import (
     select,
     text,
 )
+from sqlalchemy.exc import DBAPIError
+
+from elastic_ops.errors import SpecError
 
 metadata = MetaData()
 
@@ -156,7 +159,15 @@ def _v3(conn: Connection) -> None:
     busy ledger's next event would fail every call that logs one. SQLite's ids are 64-bit."""
     if conn.dialect.name != "postgresql":
         return
-    conn.execute(text("ALTER TABLE events ALTER COLUMN id TYPE BIGINT"))
+    try:
+        with conn.begin_nested():
+            conn.execute(text("ALTER TABLE events ALTER COLUMN id TYPE BIGINT"))
+    except DBAPIError as exc:  # a view or rule on events.id (a dashboard's) blocks the type change
+        raise SpecError(
+            "url", "the pool ledger",
+            f"a ledger whose events.id can be widened to BIGINT (schema 3): {str(exc.orig).splitlines()[0]}",
+            hint="drop or redefine the views that use the ledger's events table, then start again",
+        ) from None
     seq = conn.execute(text("SELECT pg_get_serial_sequence('events', 'id')")).scalar()
     if seq:
         conn.execute(text(f"ALTER SEQUENCE {seq} AS BIGINT MAXVALUE 9223372036854775807"))

@@ -659,3 +659,22 @@ def test_a_postgres_ledger_gets_64_bit_event_ids_past_2_to_the_31(pg_url, clock)
     assert b.events()[-1]["id"] == 2**31
     b.close()
     engine.dispose()
+
+
+@pytest.mark.postgres
+def test_a_view_on_the_event_log_that_blocks_schema_3_is_named(pg_url, clock):
+    """ALTER ... TYPE BIGINT is refused while a view uses the column: every client start failed
+    with a raw NotSupportedError (a review); it is a SpecError naming the ledger and the fix."""
+    PoolClient(pg_url, clock=clock).close()
+    engine = sa.create_engine(pg_url)
+    with engine.begin() as conn:
+        conn.execute(sa.text("ALTER TABLE events ALTER COLUMN id TYPE INTEGER"))
+        conn.execute(sa.text("DELETE FROM schema_version WHERE version = 3"))
+        conn.execute(sa.text("CREATE VIEW recent_events AS SELECT id, kind FROM events"))
+    with pytest.raises(SpecError, match="events.id can be widened to BIGINT") as err:
+        PoolClient(pg_url, clock=clock)
+    assert "drop or redefine the views" in str(err.value)
+    with engine.begin() as conn:
+        conn.execute(sa.text("DROP VIEW recent_events"))
+    PoolClient(pg_url, clock=clock).close()  # and then it migrates
+    engine.dispose()
