@@ -426,7 +426,8 @@ class PoolClient:
         Slots the plan takes away are released when the job reports ``workers <= target``
         (and, if it passes ``placements``, no longer lists them): it has shrunk at a boundary.
         ``workers=0`` (the job stopped at a boundary after ``preempt``) ends the lease and returns
-        all its slots, even if the plan has changed since; the job requests again later.
+        all its slots, even if the plan has changed since; the job requests again later. So does a
+        preempted job left holding no slot (its ``placements`` lists none of them).
         """
         check_name("job", job)
         check_epoch(epoch)
@@ -472,6 +473,10 @@ class PoolClient:
                         workers=d.target,
                     )
                     d = ledger.within_minimum(ledger.replan(conn, now, synced=True)[job], lo)
+            if d.target == 0 and not ledger.held_slots(conn, job):
+                # preempted and holding nothing now: it has stopped, whatever it says it runs (a
+                # live lease holding no slot was granted back as 0 workers)
+                return ledger.stopped(conn, now, job, epoch)
             ledger.mark_releasing(conn, now, job, d.release)
             return ledger.target_of(job, workers, d)
 

@@ -678,3 +678,20 @@ def test_a_view_on_the_event_log_that_blocks_schema_3_is_named(pg_url, clock):
         conn.execute(sa.text("DROP VIEW recent_events"))
     PoolClient(pg_url, clock=clock).close()  # and then it migrates
     engine.dispose()
+
+
+def test_a_preempted_job_that_gives_up_every_slot_has_stopped(pool):
+    """Told to preempt, a job reported workers=1 with none of its slots (contradictory, but what
+    a keeper on another host may send): every slot went and a live lease holding none stayed,
+    and request() returned a grant of 0 workers (a probe). Holding nothing, it has stopped."""
+    low = grant(pool, "low", min_workers=4, max_workers=4, priority=1)
+    pool.submit("high", min_workers=4, max_workers=4, priority=5)
+    assert isinstance(pool.request("high"), Wait)
+    assert pool.heartbeat("low", low.epoch, workers=4).action.value == "preempt"
+    out = pool.heartbeat("low", low.epoch, workers=1, placements=[])
+    assert out.action.value == "preempt" and out.workers == 0
+    low_row = next(j for j in pool.status()["jobs"] if j["name"] == "low")
+    assert low_row["state"] == "waiting" and low_row["lease_expires_in"] is None
+    assert isinstance(pool.request("high"), Grant)
+    again = pool.request("low")
+    assert isinstance(again, Wait)  # not a grant of 0 workers under the old lease
