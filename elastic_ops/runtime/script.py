@@ -129,6 +129,7 @@ class ScriptContext:
             yield it
             if self.iteration != it + 1:
                 raise RuntimeError(f"call ctx.commit({it}, loss) at the end of every iteration")
+        RUNNING = self.iteration  # an error after the loop (a final evaluation) is at its end
         seg.publish(self.iteration, self._loss, self.cursor)
         if self.rank == 0:
             seg.write_result(

@@ -209,3 +209,19 @@ def test_a_script_error_in_the_loop_names_its_iteration(tmp_path, line, says):
     spec = script_spec(tmp_path, entrypoint=str(script), total_iterations=4, global_batch=4)
     with pytest.raises(UserCodeError, match=says):
         run_chunk(spec, 0, 4, target=lambda i: 1)
+
+
+def test_a_script_error_after_the_loop_is_at_its_end(tmp_path):
+    """A final evaluation failing after ctx.iterations() said 'at iteration 3' (the last one run)."""
+    from elastic_ops.errors import UserCodeError
+
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import torch\nimport elastic_ops.runtime.script as elastic\n"
+        "ctx = elastic.init(num_samples=8)\nmodel = torch.nn.Linear(1, 1)\n"
+        "ctx.restore(model, torch.optim.SGD(model.parameters(), lr=0.1))\n"
+        "for it in ctx.iterations():\n    ctx.commit(it, 0.0)\nraise ValueError('evaluation set missing')\n"
+    )
+    spec = script_spec(tmp_path, entrypoint=str(script), total_iterations=4, global_batch=4)
+    with pytest.raises(UserCodeError, match="rank 0 at iteration 4: ValueError: evaluation set missing"):
+        run_chunk(spec, 0, 4, target=lambda i: 1)
