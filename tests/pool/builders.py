@@ -84,26 +84,31 @@ def shuffled_snapshots(draw) -> Snapshot:
         n_held = draw(st.integers(0, max(0, min(hi + 2, len(free) - cursor))))
         held = tuple(free[cursor : cursor + n_held])  # unsorted on purpose
         cursor += n_held
-        jobs.append(
-            Job(
-                name=f"job{draw(st.integers(0, 99)):02d}-{i}",
-                min_workers=lo,
-                max_workers=hi,
-                priority=draw(st.integers(1, 3)),  # the ledger allows 1..1000
-                preemptible=draw(st.booleans()),
-                avoid_hosts=(avoid := frozenset(draw(st.sets(st.sampled_from(list(names) + ["gone"]),
-                                                             max_size=2)))),
-                leave_hosts=frozenset(draw(st.sets(st.sampled_from(sorted(avoid)), max_size=2)) if avoid
-                                      else ()),
-                submitted=float(draw(st.integers(0, 3))),
-                waiting_since=None if held else float(draw(st.integers(0, 2_000))),
-                last_rescale=draw(st.none() | st.sampled_from([now - 100, now - 10])),
-                held=held,
-                releasing=_releasing(draw, held),
-            )
-        )
+        avoid = frozenset(draw(st.sets(st.sampled_from(list(names) + ["gone"]), max_size=2)))
+        leave = frozenset(draw(st.sets(st.sampled_from(sorted(avoid)), max_size=2)) if avoid else ())
+        # the ledger allows priorities 1..1000: 1..3 makes ties
+        jobs.append(_job(draw, f"job{draw(st.integers(0, 99)):02d}-{i}", lo, hi, held, now, avoid, leave))
     config = _draw_config(draw)
     return Snapshot(tuple(hosts), tuple(draw(st.permutations(jobs))), now, config)
+
+
+def _job(draw, name, lo, hi, held, now, avoid=frozenset(), leave=frozenset()) -> Job:
+    """A job with the rest of its fields drawn: priority 1..3, preemptible or not, coarse
+    submission and waiting times, maybe rescaled recently, some held slots being released."""
+    return Job(
+        name=name,
+        min_workers=lo,
+        max_workers=hi,
+        priority=draw(st.integers(1, 3)),
+        preemptible=draw(st.booleans()),
+        avoid_hosts=avoid,
+        leave_hosts=leave,
+        submitted=float(draw(st.integers(0, 3))),
+        waiting_since=None if held else float(draw(st.integers(0, 2_000))),
+        last_rescale=draw(st.none() | st.sampled_from([now - 100, now - 10])),
+        held=held,
+        releasing=_releasing(draw, held),
+    )
 
 
 def _releasing(draw, held) -> frozenset:
@@ -143,21 +148,6 @@ def selector_snapshots(draw) -> Snapshot:
         n_held = draw(st.integers(0, max(0, min(hi + 1, len(free) - cursor))))
         held = tuple(free[cursor : cursor + n_held])
         cursor += n_held
-        jobs.append(
-            Job(
-                name=f"job{i}",
-                min_workers=lo,
-                max_workers=hi,
-                priority=draw(st.integers(1, 3)),
-                preemptible=draw(st.booleans()),
-                avoid_hosts=outside | failed,
-                leave_hosts=outside,
-                submitted=float(draw(st.integers(0, 3))),
-                waiting_since=None if held else float(draw(st.integers(0, 2_000))),
-                last_rescale=draw(st.none() | st.sampled_from([now - 100, now - 10])),
-                held=held,
-                releasing=_releasing(draw, held),
-            )
-        )
+        jobs.append(_job(draw, f"job{i}", lo, hi, held, now, outside | failed, outside))
     config = _draw_config(draw)
     return Snapshot(tuple(hosts), tuple(jobs), now, config)
