@@ -195,10 +195,10 @@ class PoolClient:
                 self._send(sent)
                 return out
             except OperationalError as exc:
-                if lock_timeout(exc):  # another client held the pool's lock for PG_LOCK_TIMEOUT_S
+                if lock_timeout(exc):  # another client held a lock this call needs for PG_LOCK_TIMEOUT_S
                     raise LedgerBusyError(
-                        f"pool ledger {shown_url(self.url)}: the pool's lock was not granted within "
-                        f"{db.PG_LOCK_TIMEOUT_S}s",
+                        f"pool ledger {shown_url(self.url)}: the pool's lock (or a table's) was not granted "
+                        f"within {db.PG_LOCK_TIMEOUT_S}s",
                         hint=f"a client holds it in a long transaction; the server ends one left idle for "
                         f"{db.PG_IDLE_IN_TX_S}s (a hung or stopped client)",
                     ) from exc
