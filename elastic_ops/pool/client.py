@@ -631,14 +631,11 @@ class PoolClient:
 
         def op(conn, now):
             ledger.sync(conn, now)
-            held: dict[str, list[Slot]] = {}
-            going: dict[str, list[Slot]] = {}  # told to give up at its next boundary, still held
+            held, going = ledger.holdings(conn)
             per_host: dict[str, int] = {}
-            for r in conn.execute(select(s.allocations).order_by(s.allocations.c.host, s.allocations.c.slot)):
-                held.setdefault(r.job, []).append((r.host, r.slot))
-                if r.releasing is not None:
-                    going.setdefault(r.job, []).append((r.host, r.slot))
-                per_host[r.host] = per_host.get(r.host, 0) + 1
+            for slots in held.values():
+                for h, _ in slots:
+                    per_host[h] = per_host.get(h, 0) + 1
             live = {r.job: r for r in conn.execute(select(s.leases).where(s.leases.c.ended.is_(None)))}
             hosts = [
                 {
@@ -669,8 +666,8 @@ class PoolClient:
                         "lease_expires_in": None if lease is None else round(lease.expires - now, 3),
                         "avoid_hosts": json.loads(r.avoid_hosts),
                         "selector": json.loads(r.selector),
-                        "placements": [list(p) for p in held.get(r.name, ())],
-                        "releasing": [list(p) for p in going.get(r.name, ())],
+                        "placements": [list(p) for p in sorted(held.get(r.name, ()))],
+                        "releasing": [list(p) for p in sorted(going.get(r.name, ()))],
                     }
                 )
             total = sum(h["slots"] for h in hosts if h["state"] == HostState.UP.value)

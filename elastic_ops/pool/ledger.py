@@ -261,18 +261,25 @@ def sync(conn: Connection, now: float) -> None:
         log_event(conn, now, "host", host=h.name, reason="cooling over -> up")
 
 
+def holdings(conn: Connection) -> tuple[dict[str, list[Slot]], dict[str, list[Slot]]]:
+    """Every job's held slots and, among them, those it was told to give up at its next
+    boundary and still holds (in table order: one pass, no sort)."""
+    held: dict[str, list[Slot]] = {}
+    releasing: dict[str, list[Slot]] = {}
+    a = s.allocations.c
+    for r in conn.execute(select(a.job, a.host, a.slot, a.releasing)):
+        held.setdefault(r.job, []).append((r.host, r.slot))
+        if r.releasing is not None:
+            releasing.setdefault(r.job, []).append((r.host, r.slot))
+    return held, releasing
+
+
 def snapshot(conn: Connection, now: float, cfg: dict[str, Any]) -> Snapshot:
     hosts = tuple(
         Host(r.name, r.slots, HostState(r.state), tuple(sorted(json.loads(r.labels).items())))
         for r in conn.execute(select(s.hosts))
     )
-    held: dict[str, list[Slot]] = {}
-    releasing: dict[str, set[Slot]] = {}  # slots a job was told to give up and still holds
-    a = s.allocations.c
-    for r in conn.execute(select(a.job, a.host, a.slot, a.releasing)):
-        held.setdefault(r.job, []).append((r.host, r.slot))
-        if r.releasing is not None:
-            releasing.setdefault(r.job, set()).add((r.host, r.slot))
+    held, releasing = holdings(conn)
     idle_before = now - cfg["job_idle_s"]
     up_slots = {h.name: h.slots for h in hosts if h.state is HostState.UP}
     jobs = []
