@@ -31,7 +31,7 @@ EOF
 } | tee "$OUT/environment.txt"
 
 missing=$("$PY" - <<'EOF'
-import importlib
+import importlib.util
 need = ["torch", "numpy", "sklearn", "xxhash", "yaml", "psutil", "pytest"]
 print(" ".join(n for n in need if importlib.util.find_spec(n) is None))
 EOF
@@ -47,8 +47,10 @@ if [ "$DEVICE" = cuda ] && [ "$gpus" -lt 1 ]; then
 fi
 
 status=0
+# the single-GPU tests (tests/runtime/test_cuda.py) run their steps on the CPU in a dry run
+[ "$DEVICE" = cpu ] && export ELASTIC_OPS_TEST_DEVICE=cpu
 log "CUDA tests ($gpus GPU(s))"
-"$PY" -m pytest -m cuda -q -p no:cacheprovider -rs tests/runtime 2>&1 | tee "$OUT/cuda_tests.log"
+"$PY" -m pytest -m cuda -q -p no:cacheprovider -rs --durations=0 tests/runtime 2>&1 | tee "$OUT/cuda_tests.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 workers=1

@@ -112,8 +112,8 @@ class TinyMLP(Trainable):
         return _current_iteration() == int(iteration)
 
     def evaluate(self, model: nn.Module) -> dict[str, float]:
-        data = _data(self.n)
-        x, y, _ = data.tensors
+        device = next(model.parameters()).device  # the worker's GPU on CUDA: the data goes there
+        x, y, _ = (t.to(device) for t in _data(self.n).tensors)
         with torch.no_grad():
             acc = (model(x).argmax(dim=1) == y).float().mean().item()
         if self.params.get("nan_eval"):
