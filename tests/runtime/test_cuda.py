@@ -101,6 +101,39 @@ def test_a_killed_gpu_worker_is_retryable_and_the_rerun_matches_an_uninterrupted
     assert result.param_sha256 == gpu_runs["bitwise"][0]
 
 
+
+def test_a_chunk_run_by_the_hosts_agent_trains_on_its_granted_gpu(tmp_path, gpu_runs):
+    """Under Airflow a task hands its chunk to the host's warm agent (``elastic-ops agent``): its
+    workers train on the GPU slot the pool granted and end on the in-process run's bits."""
+    from elastic_ops.agent.client import AgentClient
+    from elastic_ops.agent.protocol import StoreConfig
+    from tests.runtime.agent_helpers import running_agent
+
+    spec = make_spec(tmp_path, device=DEVICE)
+    store = StoreConfig(spec.checkpoint_uri(), keep_last=spec.keep_last, keep_every=spec.keep_every)
+    applied = []
+    (tmp_path / "agent").mkdir()
+    with running_agent(tmp_path / "agent") as agent:
+        result = AgentClient(agent.path).run_chunk(
+            spec.to_dict(), 0, 30, epoch=1, host="gpu-host", store=store, wanted=lambda: 1,
+            slots=lambda: (0,), on_applied=lambda i, n, slots: applied.append((i, n, slots)),
+        )
+    assert result.status is ChunkStatus.COMPLETED and result.param_sha256 == gpu_runs["bitwise"][0]
+    assert applied == [(0, 1, (0,))]
+
+
+def test_a_preempted_gpu_job_commits_gives_its_gpu_memory_back_and_resumes(tmp_path, gpu_runs):
+    """Target 0 (a higher-priority job wants the GPU): the state at the boundary is committed and
+    the workers have exited, their GPU memory freed, before the chunk returns."""
+    free_before = torch.cuda.mem_get_info()[0] if DEVICE == "cuda" else 0
+    spec = make_spec(tmp_path, device=DEVICE)
+    result = run_chunk(spec, 0, 30, target=lambda i: 0 if i >= 15 else 1)
+    assert result.status is ChunkStatus.PREEMPTED and result.iteration == 15
+    assert open_store(spec.checkpoint).latest().iteration == 15
+    if DEVICE == "cuda":  # a worker still alive would hold its context (hundreds of MiB) and more
+        assert torch.cuda.mem_get_info()[0] > free_before - 256 * 2**20
+    assert run_chunk(spec, 0, 30, target=one).param_sha256 == gpu_runs["bitwise"][0]
+
 DDP_SCRIPT = """
 import json, os
 import torch
