@@ -278,7 +278,7 @@ class JobSpec:
         set_("scaling", _enum(Scaling, "scaling", self.scaling))
         set_("device", _enum(Device, "device", self.device))
         self._check_batching()
-        _int("warmup_iterations", self.warmup_iterations, 0)
+        _int("warmup_iterations", self.warmup_iterations, 0, MAX_ITERATIONS)
         if self.warmup_iterations and self.scaling == Scaling.FIXED:
             raise SpecError("warmup_iterations", self.warmup_iterations,
                             "must be 0 with scaling 'fixed' (it ramps the LR of linear_lr / sqrt_lr)",
@@ -286,11 +286,11 @@ class JobSpec:
         if self.checkpoint is not None:
             check_checkpoint_uri("checkpoint", self.checkpoint)
         interval = chunk if self.checkpoint_interval is None else self.checkpoint_interval
-        _int("checkpoint_interval", interval, 1)
+        _int("checkpoint_interval", interval, 1, MAX_ITERATIONS)
         set_("checkpoint_interval", interval)
-        _int("keep_last", self.keep_last, 1)
+        _int("keep_last", self.keep_last, 1, MAX_ITERATIONS)
         if self.keep_every is not None:
-            _int("keep_every", self.keep_every, 1)
+            _int("keep_every", self.keep_every, 1, MAX_ITERATIONS)
         _int("data_seed", self.data_seed, 0, 2**63 - 1)
         _int("threads_per_worker", self.threads_per_worker, 1, 256)
         if not isinstance(self.params, Mapping):
@@ -339,7 +339,7 @@ class JobSpec:
 
     def _check_batching(self) -> None:
         if self.micro_batch is not None:
-            _int("micro_batch", self.micro_batch, 1)
+            _int("micro_batch", self.micro_batch, 1, MAX_GLOBAL_BATCH)
         if self.consistency is Consistency.BITWISE:
             shards = self.max_workers if self.virtual_shards is None else self.virtual_shards
             _int("virtual_shards", shards, 1, MAX_WORKERS_LIMIT)
