@@ -277,6 +277,7 @@ class JobSpec:
         set_("consistency", _enum(Consistency, "consistency", self.consistency))
         set_("scaling", _enum(Scaling, "scaling", self.scaling))
         set_("device", _enum(Device, "device", self.device))
+        self._check_script_mode()
         self._check_batching()
         _int("warmup_iterations", self.warmup_iterations, 0, MAX_ITERATIONS)
         if self.warmup_iterations and self.scaling == Scaling.FIXED:
@@ -336,6 +337,21 @@ class JobSpec:
             raise SpecError("script_args", args, "only with a script entrypoint",
                             hint="a Trainable takes its hyperparameters from params")
         return tuple(args)
+
+    def _check_script_mode(self) -> None:
+        """A script reduces its own gradients (e.g. with DDP) and runs its own forward and backward:
+        checked here, not first when a chunk starts training after its wait for workers."""
+        if not self.is_script():
+            return
+        if self.consistency is not Consistency.FAST:
+            raise SpecError("consistency", self.consistency.value, "must be 'fast' with a script entrypoint",
+                            hint="the script reduces its own gradients (e.g. with DDP)")
+        if self.scaling is not Scaling.FIXED:
+            raise SpecError("scaling", self.scaling.value, "must be 'fixed' with a script entrypoint",
+                            hint="the script sets its own batch and learning rate")
+        if self.micro_batch is not None:
+            raise SpecError("micro_batch", self.micro_batch, "not with a script entrypoint",
+                            hint="the script runs its own forward and backward: accumulate there")
 
     def _check_batching(self) -> None:
         if self.micro_batch is not None:

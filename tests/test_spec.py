@@ -79,6 +79,10 @@ def make_spec(**overrides) -> JobSpec:
         ({"stop_when": {"metric": "loss", "at_most": float("nan")}}, "stop_when.at_most", "finite"),
         ({"stop_when": {"metric": "acc", "at_least": "0.9"}}, "stop_when.at_least", "finite"),
         ({"stop_when": "loss<0.1"}, "stop_when", "a mapping"),
+        # a script entrypoint's limits: they failed first when a chunk began training, after its wait
+        ({"entrypoint": "train.py", "consistency": "bitwise"}, "consistency", "'fast' with a script"),
+        ({"entrypoint": "train.py", "scaling": "sqrt_lr"}, "scaling", "'fixed' with a script"),
+        ({"entrypoint": "train.py", "micro_batch": 4}, "micro_batch", "not with a script entrypoint"),
     ],
 )
 def test_bad_values_name_field_value_and_allowed(overrides, field, allowed):
