@@ -488,6 +488,12 @@ ENCODED_PAIR = ("__type", "__var")
 
 
 def _check_keys(field: str, mapping: Mapping) -> None:
+    odd = [k for k in mapping if not isinstance(k, str)]
+    if odd:  # JSON (the spec hash, a node agent's wire, Airflow's serializers) turns 1 into "1"
+        raise SpecError(
+            f"{field} key", odd[0], "must be a string: JSON object keys are strings",
+            hint="YAML reads an unquoted key like 1, yes or ~ as a number, a bool or null: quote it",
+        )
     bad = next((k for k in RESERVED_KEYS if k in mapping), None)
     if bad is None and all(k in mapping for k in ENCODED_PAIR):
         bad = ENCODED_PAIR[0]
@@ -504,7 +510,7 @@ def _check_size(field: str, value: Any) -> None:
     """Refuse a value that would expand past ``MAX_PARAMS_NODES`` values, nest deeper than
     ``MAX_PARAMS_DEPTH`` or contain itself, counting shared parts once per use without
     expanding them (a few lines of YAML anchors can otherwise describe billions of values), or
-    that holds a key Airflow's serializers reserve (:func:`_check_keys`)."""
+    that holds a key other than a string or one Airflow's serializers reserve (:func:`_check_keys`)."""
     sizes: dict[int, int] = {}
     open_: set[int] = set()
 

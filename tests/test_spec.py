@@ -64,6 +64,11 @@ def make_spec(**overrides) -> JobSpec:
         ({"params": {"__classname__": "x"}}, "params key", "reserved by Airflow's serializers"),
         ({"params": {"opt": [{"__id__": 1}]}}, "params key", "reserved"),
         ({"params": {"a": {"__type": "dict", "__var": {"b": 1}}}}, "params key", "reserved"),
+        # JSON turned the key 1 into "1" (a node agent's Trainable saw other params than a local one,
+        # under the same spec hash), and a mix of keys was refused as "'<' not supported …"
+        ({"params": {1: "a"}}, "params key", "must be a string"),
+        ({"params": {"opt": {"b": 1, None: 2}}}, "params key", "must be a string"),
+        ({"params": {True: "a", "b": 2}}, "params key", "must be a string"),
         ({"keep_last": 0}, "keep_last", "between 1 and"),
         # unbounded, these passed here and failed on a node agent (its wire holds at most 2**63-1)
         ({"keep_last": 2**64}, "keep_last", "between 1 and 1000000000"),
@@ -203,6 +208,9 @@ def test_yaml_reads_exponent_floats_as_numbers(tmp_path):
     path.write_text("name: j\nentrypoint: a.b:C\ntotal_iterations: 10\nglobal_batch: 8\n"
                     "params: {sha: 8e12345}\n")
     with pytest.raises(SpecError, match=r"numbers finite .*\(hint: YAML reads .* quote a value meant"):
+        JobSpec.from_yaml(path)
+    path.write_text("name: j\nentrypoint: a.b:C\ntotal_iterations: 10\nglobal_batch: 8\nparams: {yes: 1}\n")
+    with pytest.raises(SpecError, match=r"invalid params key=True: must be a string.*quote it"):
         JobSpec.from_yaml(path)
     path.write_text("name: j\nentrypoint: a.b:C\ntotal_iterations: 10\nglobal_batch: 4.8e1\n")
     with pytest.raises(SpecError, match=r"invalid global_batch=48\.0: must be an integer"):
