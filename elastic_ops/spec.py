@@ -464,6 +464,12 @@ class JobSpec:
             data = yaml.load(text, Loader=_unique_key_loader())  # noqa: S506 - a SafeLoader subclass
         except yaml.YAMLError as exc:
             raise SpecError("spec", str(path), f"is not valid YAML ({exc})") from None
+        except SpecError:
+            raise  # a key given twice
+        except ValueError as exc:  # an integer of over 4,300 digits, a date like 2024-13-01
+            why = str(exc).split(";")[0]  # not Python's advice to raise its digit limit
+            raise SpecError("spec", str(path), f"holds a value YAML cannot read ({why})",
+                            hint="quote a value meant as text") from None
         except RecursionError:
             raise SpecError("spec", str(path), "nests too deeply to be a job spec") from None
         return cls.from_dict(data or {})
@@ -550,6 +556,8 @@ def _unique_key_loader():
         def construct_mapping(self, node, deep=False):
             seen = set()
             for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue  # '<<: *defaults': the mapping merged in is checked on its own
                 key = self.construct_object(key_node, deep=deep)
                 try:
                     hash(key)

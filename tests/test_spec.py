@@ -254,3 +254,21 @@ def test_a_refused_checkpoint_uri_never_echoes_its_secret():
     with pytest.raises(SpecError, match=r"invalid checkpoint='s3://AKIAX:\*\*\*@bucket/x'") as err:
         JobSpec.from_dict({**base, "checkpoint": "s3://AKIAX:SUPERSECRET@bucket/x"})
     assert "SUPERSECRET" not in str(err.value)
+
+
+def test_yaml_merge_keys_merge_and_unreadable_values_are_spec_errors(tmp_path):
+    """The duplicate-key check read '<<' as a key (could not determine a constructor for the tag
+    'tag:yaml.org,2002:merge'); an integer of over 4,300 digits or a date like 2024-13-01 was a
+    ValueError traceback from the YAML loader."""
+    base = "name: j\nentrypoint: a.b:C\ntotal_iterations: 10\nglobal_batch: 8\n"
+    path = tmp_path / "job.yaml"
+    path.write_text(base + "params:\n  common: &common {lr: 0.1, wd: 0.01}\n  head: {<<: *common, lr: 0.5}\n")
+    assert JobSpec.from_yaml(path).params["head"] == {"lr": 0.5, "wd": 0.01}
+    path.write_text(base + "params: {<<: {a: 1}, b: 2, b: 3}\n")
+    with pytest.raises(SpecError, match="invalid spec='b': is given twice"):
+        JobSpec.from_yaml(path)
+    for value in ("9" * 5000, "2024-13-01"):
+        path.write_text(base + f"params: {{x: {value}}}\n")
+        with pytest.raises(SpecError, match=r"holds a value YAML cannot read \(.*\(hint: quote") as err:
+            JobSpec.from_yaml(path)
+        assert err.value.field == "spec" and "set_int_max_str_digits" not in str(err.value)
