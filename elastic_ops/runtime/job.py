@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from elastic_ops.errors import SpecError
+from elastic_ops.errors import SpecError, short_repr
 from elastic_ops.runtime.chunk import ChunkResult, Progress, run_chunk
 from elastic_ops.runtime.outcome import ChunkStatus
 from elastic_ops.spec import JobSpec, stop_metric_missing, stop_reached
@@ -86,12 +86,14 @@ class Schedule:
         return cls(tuple(starts), tuple(counts))
 
 
-_INT = re.compile(r"\s*-?[0-9]+\s*")  # ASCII digits: int() also takes "1_0", "+1" and "１"
+_INT = re.compile(r"\s*-?[0-9]{1,18}\s*")  # ASCII digits: int() also takes "1_0", "+1" and "１"
+_DIGITS = re.compile(r"\s*-?[0-9]+\s*")  # (and raises ValueError past 4,300 digits)
 
 
 def _int(text: str, value: str) -> int:
     if not _INT.fullmatch(value):
-        raise SpecError(FLAG, text, f"{value!r} is not an integer")
+        why = "has too many digits" if _DIGITS.fullmatch(value) else "is not an integer"
+        raise SpecError(FLAG, text, f"{short_repr(value, 40)} {why}")
     return int(value)  # a negative count or boundary gets the range check's message
 
 

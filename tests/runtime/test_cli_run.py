@@ -135,6 +135,10 @@ def test_a_stop_when_metric_no_chunk_reports_is_warned_about_once(tmp_path, capl
         ("--workers-schedule", ",".join(["1"] * 21), "at most one part per iteration"),  # 20 iterations
         ("--iterations", "15:5", "START:END"),
         ("--iterations", "0:99", "START:END"),
+        # int() raised ValueError past 4,300 digits: a traceback, not an error line
+        ("--iterations", "9" * 5000 + ":", "START:END"),
+        ("--workers-schedule", "9" * 5000, "has too many digits"),
+        ("--workers-schedule", "1@0,1@" + "9" * 5000, "has too many digits"),
         ("--checkpoint", "ftp://host/x", "file:///absolute/path"),
         ("--checkpoint", "file://tmp/x", "note the three slashes in file:///"),  # the spec's hint too
     ],
