@@ -2,20 +2,22 @@
 and an ``end_job`` teardown.
 
 Every argument is validated when the DAG is parsed (a bad value raises ``SpecError`` naming the
-field, the value and what is allowed). Worker bounds, priority, checkpoint and total iterations
-may be Jinja templates (e.g. ``"{{ params.max_workers }}"`` from the trigger form); those are
-validated again when the task renders them. The number of chunk tasks is fixed at parse time: it
-is ``ceil(total_iterations / chunk_iterations)``, or ``num_chunks`` when ``total_iterations`` is a
-template.
+field, the value and what is allowed). Worker bounds, priority, checkpoint, total iterations and
+any spec field not in ``_STATIC`` may be Jinja templates (e.g. ``"{{ params.max_workers }}"`` from
+the trigger form); those are validated again when the task renders them. The number of chunk
+tasks is fixed at parse time: it is ``ceil(total_iterations / chunk_iterations)``, or
+``num_chunks`` when ``total_iterations`` is a template.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
 from airflow.sdk import Asset, TaskGroup
 from airflow.sdk.definitions._internal.contextmanager import DagContext
+from airflow.sdk.definitions._internal.node import validate_group_key
 
 from elastic_ops.errors import SpecError
 from elastic_ops.hooks.elastic_ops import CHECKPOINT_DIR, DEFAULT_CONN_ID, airflow_home
@@ -39,7 +41,14 @@ def _placeholder(field: str, fields: dict[str, Any], num_chunks: int | None) -> 
         return max(1, concrete("min_workers", 1))
     if field == "total_iterations":
         return max(num_chunks or 1, 1) * max(1, concrete("chunk_iterations", 1))
-    return {"min_workers": 1, "priority": 1, "checkpoint": None, "preemptible": True}.get(field)
+    # the field's default (keep_last 3, params {}, device 'cpu', …): None was no valid stand-in for
+    # most, and the parse failed as "invalid keep_last=None", quoting no value the user gave
+    spec_field = next((f for f in dataclasses.fields(JobSpec) if f.name == field), None)
+    if spec_field is None:
+        return None  # not a spec field: the spec names it as unknown
+    if spec_field.default_factory is not dataclasses.MISSING:
+        return spec_field.default_factory()
+    return None if spec_field.default is dataclasses.MISSING else spec_field.default
 
 
 def validate_fields(fields: dict[str, Any], num_chunks: int | None) -> tuple[JobSpec, int]:
@@ -148,6 +157,11 @@ def elastic_training(
     :param chunk_kwargs: extra ``BaseOperator`` arguments for the chunk tasks (retries, pool, …).
     :param spec: any other ``JobSpec`` field (consistency, params, preemptible, data_seed, …).
     """
+    try:  # the group's id (Airflow's TypeError or ValueError otherwise, from safe_name or TaskGroup)
+        validate_group_key(task_id)
+    except (TypeError, ValueError):
+        raise SpecError("task_id", task_id, "must be 1-200 letters, digits, '_' or '-' (the task group's "
+                        "id)") from None
     dag = DagContext.get_current()
     dag_id = dag.dag_id if dag is not None else "no_dag"
     fields: dict[str, Any] = {

@@ -16,6 +16,7 @@ from elastic_ops.operators import (
     ElasticRegisterOperator,
     ElasticRetryPolicy,
 )
+from elastic_ops.operators.jobs import runtime_spec
 from elastic_ops.taskgroup import elastic_training
 
 DIGITS = "elastic_ops.examples.digits:DigitsMLP"
@@ -160,6 +161,10 @@ def test_warm_start_previous_adds_the_model_asset_to_the_users_inlets():
     ({"elastic_ops_conn_id": ""}, "elastic_ops_conn_id"),
     ({"elastic_ops_conn_id": 5}, "elastic_ops_conn_id"),
     ({"aws_conn_id": 5}, "aws_conn_id"),
+    # Airflow's raw ValueError (the group id) or TypeError (safe_name) before
+    ({"task_id": "bad id!"}, "task_id"),
+    ({"task_id": ""}, "task_id"),
+    ({"task_id": 5}, "task_id"),
 ])
 def test_bad_arguments_fail_at_parse_time_naming_the_field(kwargs, field):
     with pytest.raises(SpecError) as err:
@@ -175,6 +180,28 @@ def test_templates_are_accepted_at_parse_time_and_kept_for_rendering():
     assert len(chunks) == 3
     assert chunks[0].spec_fields["max_workers"] == "{{ params.max_workers }}"
     assert "spec_fields" in ElasticChunkOperator.template_fields
+
+
+def test_other_templated_fields_parse_and_are_checked_once_rendered():
+    """The parse-time stand-in for a templated keep_last, device, … was None: the DAG failed to
+    import with "invalid keep_last=None", a value the user never gave."""
+    templated = {"keep_last": "{{ params.keep }}", "device": "{{ params.device }}",
+                 "threads_per_worker": "{{ params.threads }}", "params": "{{ params.hp }}"}
+    dag, _ = make_dag(**templated)
+    chunk = next(t for t in dag.tasks if isinstance(t, ElasticChunkOperator))
+    assert all(chunk.spec_fields[k] == v for k, v in templated.items())
+
+    def rendered(**values):
+        fields = chunk.spec_fields | {"keep_last": "5", "device": "cpu", "threads_per_worker": "2",
+                                      "params": {"lr": 0.1}} | values
+        return runtime_spec(fields, name="j", checkpoint_root="file:///tmp/ck", run_id="r")
+
+    assert (rendered().keep_last, rendered().threads_per_worker) == (5, 2)
+    for field, value in (("keep_last", "0"), ("device", "gpu"), ("threads_per_worker", "many"),
+                         ("params", "lr=0.1")):
+        with pytest.raises(SpecError) as err:
+            rendered(**{field: value})
+        assert err.value.field == field
 
 
 def test_num_chunks_with_a_fixed_total_sets_the_chunk_count():
