@@ -32,6 +32,7 @@ import contextlib
 import importlib.machinery
 import multiprocessing
 import os
+import re
 import signal
 import socket
 import sys
@@ -153,10 +154,13 @@ def slot_gpus(slots: Sequence[int], workers: int, gpus: Sequence[str]) -> list[s
     is the i-th of this host's visible ``gpus``. Slots past ``workers`` are not used.
 
     Raises :class:`SpecError` (field ``slots``) when the grant names fewer slots on this host
-    than there are workers, names one twice, or names a slot this host has no GPU for (the
-    pool's host has more slots than this process sees GPUs).
+    than there are workers or names one twice, and :class:`WorkerLostError` (retryable, held
+    against the host by the chunk task) when it names a slot this host has no GPU for: the
+    pool lists more slots for the host than CUDA can use there (a GPU failed or fell off the
+    bus, the host was registered with too many slots, or it has no GPU at all). The job's spec
+    is not at fault, and another host may have the GPUs; the message says what to fix.
     """
-    from elastic_ops.errors import SpecError
+    from elastic_ops.errors import SpecError, WorkerLostError
 
     used = list(slots[:workers])
     if len(used) < workers:
@@ -169,28 +173,64 @@ def slot_gpus(slots: Sequence[int], workers: int, gpus: Sequence[str]) -> list[s
     for slot in used:
         if isinstance(slot, bool) or not isinstance(slot, int) or slot < 0:
             raise SpecError("slots", slot, "a GPU slot index: an integer >= 0")
-        if slot >= len(gpus):
-            raise SpecError(
-                "slots",
-                slot,
-                f"a slot this host has a GPU for: its visible GPUs are {list(gpus)}"
-                + (f" (slots 0..{len(gpus) - 1})" if gpus else ""),
-                hint="the pool lists more slots for this host than CUDA_VISIBLE_DEVICES "
-                "or the device count shows",
-            )
+    missing = [slot for slot in used if slot >= len(gpus)]
+    if missing:
+        have = (f"{len(gpus)} GPU(s) CUDA can use, {list(gpus)} (slots 0..{len(gpus) - 1})" if gpus
+                else "no GPU CUDA can use (torch.cuda.device_count() is 0: no GPU or driver, a CPU build "
+                "of torch, or CUDA_VISIBLE_DEVICES hides them)")
+        raise WorkerLostError(
+            f"no GPU for granted slot(s) {missing} on this host: it has {have}",
+            hint="the pool lists more slots for this host than it has GPUs: check them (nvidia-smi), then "
+            "resize the host (`elastic-ops pool add-host HOST N`) or drain it; a CUDA job on a host "
+            "without GPUs needs a host_selector for GPU hosts. The retry's grant avoids this host",
+        )
     if len(set(used)) < len(used):
         raise SpecError("slots", used, "distinct slots, one GPU per worker")
     return [gpus[slot] for slot in used]
 
 
+def parse_visible_devices(text: str) -> list[str]:
+    """``$CUDA_VISIBLE_DEVICES`` as CUDA reads it (and ``torch.cuda``'s own parser): a list of
+    ordinals, or of ``GPU-``/``MIG-`` UUIDs, cut at the first entry that is not one (``-1``, an
+    empty string: no GPU at all), and empty altogether when an entry repeats. Ordinals read like
+    ``strtoul`` (``" 1"`` and ``"1gpu"`` are ``1``) and come back as plain numbers."""
+    entries = [e.strip() for e in text.split(",")]
+    out: list[str] = []
+    prefix = next((p for p in ("GPU-", "MIG-") if text.strip().startswith(p)), None)
+    for entry in entries:
+        if prefix is not None:
+            if not entry.startswith(prefix):
+                break
+            value = entry
+        else:
+            digits = re.match(r"\+?[0-9]+", entry)
+            if digits is None:  # "-1", "", a word: CUDA stops reading here
+                break
+            value = str(int(digits.group()))
+        if value in out:  # CUDA makes no device visible when one is listed twice
+            return []
+        out.append(value)
+    return out
+
+
 def visible_gpus() -> list[str]:
-    """GPU ids this process may hand out, one per worker slot."""
-    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if listed:
-        return [g.strip() for g in listed.split(",") if g.strip()]
+    """The GPUs this process may hand out, one per worker slot, as the ``CUDA_VISIBLE_DEVICES``
+    value each worker gets: those CUDA makes visible here. Without ``$CUDA_VISIBLE_DEVICES``,
+    ordinals ``0 .. torch.cuda.device_count() - 1``; with it, its entries as CUDA reads them
+    (:func:`parse_visible_devices`: ``""`` and ``"-1"`` hide every GPU, they are not "no
+    restriction"), cut to the devices that exist (``torch.cuda.device_count()`` counts the valid
+    prefix). MIG instances are not cut: CUDA enumerates one MIG device per process, so the count
+    here would say 1 for any list, while each worker gets one of them."""
     import torch
 
-    return [str(i) for i in range(torch.cuda.device_count())]
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    count = torch.cuda.device_count()
+    if listed is None:
+        return [str(i) for i in range(count)]
+    gpus = parse_visible_devices(listed)
+    if gpus and gpus[0].startswith("MIG-"):
+        return gpus if count > 0 else []
+    return gpus[:count]
 
 
 # torch._dynamo: every torch.optim.Optimizer imports it on construction (~4 s of CPU per process).
@@ -236,7 +276,12 @@ class LocalLauncher:
         elif req.device == "cuda" and len(gpus) < req.workers:
             from elastic_ops.errors import SpecError
 
-            raise SpecError("workers", req.workers, f"needs one GPU per worker; {len(gpus)} visible")
+            raise SpecError(
+                "workers", req.workers, f"needs one GPU per worker; {len(gpus)} visible",
+                hint=None if gpus else "CUDA sees no GPU here (torch.cuda.device_count() is 0: no GPU or "
+                "driver, a CPU build of torch, or CUDA_VISIBLE_DEVICES hides them); device 'auto' "
+                "trains on the CPU then",
+            )
         envs = {r: worker_env(req, r, gpus) for r in range(req.workers)}
         args = {r: (req.script,) for r in range(req.workers)}
         logs = DefaultLogsSpecs(log_dir=str(req.log_dir), redirects=Std.NONE, tee=Std.NONE)

@@ -11,12 +11,19 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from elastic_ops.errors import EntrypointError, SpecError
+from elastic_ops.errors import EntrypointError, SpecError, WorkerLostError
 from elastic_ops.runtime import load_trainable_class, param_sha256
 from elastic_ops.runtime.chunk import _SlotsByBoundary
 from elastic_ops.runtime.consistency import lr_factor, target_factor
 from elastic_ops.runtime.control import ControlChannel
-from elastic_ops.runtime.launcher import LaunchRequest, loopback_store, slot_gpus, worker_env
+from elastic_ops.runtime.launcher import (
+    LaunchRequest,
+    loopback_store,
+    parse_visible_devices,
+    slot_gpus,
+    visible_gpus,
+    worker_env,
+)
 from elastic_ops.runtime.state import load_state, save_atomic
 from tests.runtime.builders import TinyMLP
 
@@ -135,17 +142,65 @@ def test_cuda_workers_run_on_the_granted_slots_not_on_the_first_gpus(tmp_path):
     assert "CUDA_VISIBLE_DEVICES" not in worker_env(_request(tmp_path, 2, (4, 5), "cpu"), 1, GPUS)
 
 
-def test_a_slot_beyond_the_visible_gpus_is_a_clear_error(tmp_path):
-    with pytest.raises(SpecError) as err:
+def test_a_slot_beyond_the_visible_gpus_is_a_retryable_host_fault_saying_what_to_fix(tmp_path):
+    # The pool lists more slots for the host than CUDA can use there (a GPU fell off the bus, the
+    # host was registered with too many, it has none): not the job's spec, and another host may
+    # have the GPUs. It was a SpecError: the job ended for good and the host was never reported.
+    with pytest.raises(WorkerLostError) as err:
         worker_env(_request(tmp_path, 2, (3, 4)), 0, ["0", "1", "2", "3"])
-    assert err.value.field == "slots" and err.value.value == 4
-    assert "visible GPUs are ['0', '1', '2', '3'] (slots 0..3)" in str(err.value)
+    assert err.value.retryable
+    assert ("no GPU for granted slot(s) [4] on this host: it has 4 GPU(s) CUDA can use, "
+            "['0', '1', '2', '3'] (slots 0..3)") in str(err.value)
+    assert "elastic-ops pool add-host HOST N" in err.value.hint and "avoids this host" in err.value.hint
+    with pytest.raises(WorkerLostError, match=r"slot\(s\) \[0\] on this host: it has no GPU CUDA can use"):
+        slot_gpus((0,), 1, [])  # a host without GPUs (or a CPU build of torch)
     with pytest.raises(SpecError, match=r"one granted GPU slot on this host per worker \(3 workers\)"):
         slot_gpus((4, 5), 3, GPUS)
     with pytest.raises(SpecError, match="distinct slots"):
         slot_gpus((4, 4), 2, GPUS)
     with pytest.raises(SpecError, match="an integer >= 0"):
         slot_gpus((-1,), 1, GPUS)
+
+
+@pytest.mark.parametrize(
+    ("listed", "count", "want"),
+    [
+        (None, 3, ["0", "1", "2"]),  # unset: every GPU CUDA sees
+        ("", 8, []),  # set but empty: CUDA sees no GPU (it was read as "no restriction")
+        ("-1", 8, []),  # the usual way to hide every GPU (it was one GPU named "-1")
+        ("2,3", 2, ["2", "3"]),
+        (" 1 , 3 ", 2, ["1", "3"]),
+        ("4,5,6,7", 4, ["4", "5", "6", "7"]),  # this process sees a subset: ids stay the host's
+        ("0,-1,1", 1, ["0"]),  # CUDA stops reading at the first entry that is not a device
+        ("0,1,x,2", 2, ["0", "1"]),
+        ("0,0", 0, []),  # a device listed twice: CUDA makes none visible
+        ("0,1,2,3", 2, ["0", "1"]),  # ordinals past the host's GPUs: CUDA sees the first two
+        ("GPU-a1b2,GPU-c3d4", 2, ["GPU-a1b2", "GPU-c3d4"]),
+        ("GPU-a1b2,0", 1, ["GPU-a1b2"]),
+        ("MIG-a,MIG-b,MIG-c", 1, ["MIG-a", "MIG-b", "MIG-c"]),  # CUDA enumerates one MIG device per process
+        ("MIG-a", 0, []),  # ...but none at all: no GPU here
+        ("0", 0, []),  # a CPU build of torch (or no driver): nothing to hand out
+    ],
+)
+def test_visible_gpus_reads_cuda_visible_devices_as_cuda_does(monkeypatch, listed, count, want):
+    if listed is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", listed)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    assert visible_gpus() == want
+
+
+@pytest.mark.parametrize(
+    "listed", ["", "-1", "0,1", " 1 , 3 ", "0,-1,1", "0,1,x,2", "0,0", "1gpu2,3", "+2", "GPU-a,GPU-b",
+               "GPU-a,0", "GPU-a,GPU-a", "MIG-a,MIG-b", "MIG-a,GPU-b", "x"],
+)
+def test_the_parser_agrees_with_torch_cuda_own(monkeypatch, listed):
+    parse = getattr(torch.cuda, "_parse_visible_devices", None)
+    if parse is None:
+        pytest.skip("this torch has no torch.cuda._parse_visible_devices")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", listed)
+    assert parse_visible_devices(listed) == [str(d) for d in parse()]
 
 
 def test_each_boundary_keeps_the_slots_that_came_with_its_target():
