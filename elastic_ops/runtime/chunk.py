@@ -364,7 +364,14 @@ class _Runner:
             name="elastic-ops-control",
             daemon=True,
         )
-        pc = self.launcher.start(req)
+        try:
+            pc = self.launcher.start(req)
+        except WorkerLostError as exc:
+            if exc.host is not None:
+                raise
+            # the launcher's host fault (no GPU for a granted slot) is this host's: name it, so
+            # the chunk task reports it and the retry's grant avoids it
+            raise WorkerLostError(f"{self.host}: {exc.message}", host=self.host, hint=exc.hint) from exc
         ctl.start()
         try:
             result = None
@@ -530,6 +537,16 @@ class _Runner:
                 hint="free space where the host stages states (the chunk's work directory); the retry's "
                 "grant avoids this host and resumes from the last committed checkpoint",
             )
+        if gpu := [r for r in reports if r["kind"] == "device"]:
+            r = min(gpu, key=lambda r: r["time"])
+            host = r.get("host") or self.host
+            return WorkerLostError(
+                f"worker lost on {host}: rank {r['rank']} cannot use its GPU: {r['message']}",
+                host=host,
+                hint="check the host's GPUs (nvidia-smi: a failed GPU, one busy in exclusive-process mode "
+                "or held by a stray process, a driver older than torch's CUDA); the retry's grant avoids "
+                "this host and resumes from the last committed checkpoint",
+            )
         internal = [r for r in reports if r["kind"] == "internal"]
         if not signals and not remote_killed and stopped:
             return AgentLostError(  # an upgrade or restart, not the host failing: not held against it
@@ -588,12 +605,13 @@ class _Runner:
                 else:
                     self.on_segment(it, workers, slots, tuple((p.host, p.slots) for p in parts))
             log.info(
-                "segment %d: iterations %d..%d with %d worker(s)%s%s",
+                "segment %d: iterations %d..%d with %d worker(s) on %s%s%s",
                 index,
                 it,
                 self.end,
                 workers,
-                "" if slots is None else f" on slots {list(slots)}",
+                self.device if self.spec.device.value != "auto" else f"{self.device} (device auto)",
+                "" if slots is None else f", slots {list(slots)}",
                 "".join(f", {p.count} on {p.host} slots {list(p.slots)}" for p in parts),
             )
             last = self.run_segment(index, it, workers, state_path, placement, (here, parts))
@@ -668,6 +686,12 @@ def _script(spec: JobSpec) -> str | None:
 
 
 def _device(spec: JobSpec) -> str:
+    """The device the chunk's workers train on: ``auto`` is resolved here, once per chunk, by the
+    process running the chunk (the task, the host's agent, or the leading node agent), and every
+    rank of every segment gets the result, those a spanning segment runs on other hosts too
+    (``ranks`` requests carry ``cpu`` or ``cuda``). A retry or the next chunk may resolve it
+    differently on another host; the checkpoint resumes either way (CPU tensors), the spec hash
+    leaves the device out, and the segment's log line says which it was."""
     if spec.device.value == "auto":
         import torch
 

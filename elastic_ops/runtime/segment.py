@@ -84,6 +84,13 @@ class NonFiniteLoss(Exception):
     pass
 
 
+class DeviceUnusable(Exception):
+    """This worker's GPU cannot be used: CUDA finds no device behind its ``CUDA_VISIBLE_DEVICES``,
+    the device is busy (exclusive-process mode, another process on it), failed (ECC, fallen off
+    the bus) or the driver does not match torch's CUDA. The host's fault, not the job's: the
+    runner reports it as a retryable :class:`~elastic_ops.errors.WorkerLostError` on the host."""
+
+
 def _stage(state: dict[str, Any], path: Path) -> None:
     """Write a state for the runner to commit. A value the safe loader would refuse (a numpy
     scalar in a scheduler's state) is the user's to fix: refused here, at the first state,
@@ -166,10 +173,21 @@ class Segment:
         if self.spec.consistency.value == "bitwise":
             torch.use_deterministic_algorithms(True)
         if self.device().type == "cuda":
-            torch.cuda.set_device(0)
+            self._claim_gpu()
         if (self.workers > 1 or always_group) and not dist.is_initialized():
             backend = "nccl" if self.device().type == "cuda" else "gloo"
             dist.init_process_group(backend, timeout=pg_timeout())
+
+    def _claim_gpu(self) -> None:
+        """Make this worker's one visible GPU current and create its context (a tiny allocation):
+        a missing, busy or broken GPU fails here, as :class:`DeviceUnusable`, before any user code."""
+        try:
+            torch.cuda.init()  # "No CUDA GPUs are available", "Torch not compiled with CUDA enabled"
+            torch.cuda.set_device(0)
+            torch.zeros(1, device="cuda")
+        except Exception as exc:
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            raise DeviceUnusable(f"{type(exc).__name__}: {exc} (CUDA_VISIBLE_DEVICES={visible!r})") from exc
 
     def load_state(self) -> dict[str, Any] | None:
         if self.span:

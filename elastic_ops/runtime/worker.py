@@ -23,7 +23,7 @@ from elastic_ops.checkpoint.codec import check_state
 from elastic_ops.runtime.consistency import GradientEngine, lr_factor, target_factor, trainable_params
 from elastic_ops.runtime.data_order import EVALUATE_STREAM, OPTIMIZER_STREAM, batch_size, stream_slice
 from elastic_ops.runtime.model_checks import check_scheduler, metric_values, norm_layer_warning, warn
-from elastic_ops.runtime.segment import NonFiniteLoss, Segment, UserFailure, user_code
+from elastic_ops.runtime.segment import DeviceUnusable, NonFiniteLoss, Segment, UserFailure, user_code
 from elastic_ops.runtime.state import build_state, restore_rng
 from elastic_ops.runtime.trainable import load_trainable, to_device
 
@@ -253,6 +253,8 @@ def run_script(path: str) -> int:
         kind = (
             "nonfinite"
             if isinstance(exc, NonFiniteLoss)
+            else "device"  # ctx = elastic.init(): this worker's GPU is unusable, not the script
+            if isinstance(exc, DeviceUnusable)
             else "comm"
             if isinstance(exc, dist.DistError) or _gloo_transport_error(exc)
             else "user"
@@ -283,10 +285,13 @@ HOST_DISK_ERRORS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO
 
 def error_kind(exc: BaseException, workers: int) -> str:
     """How the runner reads a worker's exception outside user code: ``storage`` (a full or
-    failing local disk), ``comm`` (a collective failing because a peer died; a lone worker has
-    no peer to lose, so its RuntimeError is a bug) or ``internal``."""
+    failing local disk), ``device`` (its GPU is unusable: :class:`DeviceUnusable`), ``comm`` (a
+    collective failing because a peer died; a lone worker has no peer to lose, so its
+    RuntimeError is a bug) or ``internal``."""
     if isinstance(exc, OSError) and not isinstance(exc, ConnectionError) and exc.errno in HOST_DISK_ERRORS:
         return "storage"
+    if isinstance(exc, DeviceUnusable):
+        return "device"
     if workers > 1 and isinstance(exc, (RuntimeError, TimeoutError, ConnectionError)):
         return "comm"
     return "internal"

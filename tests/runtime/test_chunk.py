@@ -587,3 +587,62 @@ def test_a_planted_checkpoint_the_safe_loader_refuses_stops_the_chunk_before_any
         run_chunk(spec, 10, 20, target=lambda i: 1, launcher=launcher)
     assert err.value.retryable is False and launcher.requests == []
     assert not (tmp_path / "pwned").exists()
+
+
+# --- a CUDA job on a host whose GPUs it cannot use (CPU-runnable: the coordinator's view of the GPUs
+# is patched; the workers are real and find no such GPU, on a CPU build as on a GPU machine) ------
+
+
+def test_a_granted_slot_the_host_has_no_gpu_for_fails_retryably_naming_the_host(tmp_path, monkeypatch):
+    from elastic_ops.runtime import launcher
+
+    monkeypatch.setattr(launcher, "visible_gpus", lambda: ["0", "1"])  # the pool thinks it has 4
+    spec = make_spec(tmp_path, device="cuda")
+    with pytest.raises(WorkerLostError) as err:
+        run_chunk(spec, 0, 10, target=one_worker, slots=lambda: (3,), host="gpu-7")
+    assert err.value.retryable and err.value.host == "gpu-7"  # reported: the retry avoids gpu-7
+    assert str(err.value).startswith("gpu-7: no GPU for granted slot(s) [3] on this host: it has 2 GPU(s)")
+    assert open_store(spec.checkpoint).latest() is None  # refused before any worker started
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_worker_whose_gpu_cuda_cannot_use_is_a_worker_lost_on_the_host(tmp_path, monkeypatch, workers):
+    """A GPU gone, busy or broken is the host's fault: the chunk is retried elsewhere. It was a
+    non-retryable TrainingError ('runtime error on rank 0') with one worker, the job ended for
+    good, the host never reported."""
+    from elastic_ops.runtime import launcher
+
+    monkeypatch.setattr(launcher, "visible_gpus", lambda: ["98", "99"])  # no such GPUs
+    spec = make_spec(tmp_path, device="cuda", max_workers=2)
+    with pytest.raises(WorkerLostError) as err:
+        run_chunk(spec, 0, 10, target=lambda i: workers, slots=lambda: (0, 1), host="gpu-7")
+    assert err.value.retryable and err.value.host == "gpu-7"
+    text = str(err.value)
+    assert "worker lost on gpu-7: rank " in text and " cannot use its GPU: DeviceUnusable: " in text
+    assert "CUDA_VISIBLE_DEVICES='9" in str(err.value) and "nvidia-smi" in err.value.hint
+
+
+def test_a_script_whose_gpu_cuda_cannot_use_is_a_worker_lost_not_a_user_error(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from elastic_ops.runtime import launcher
+
+    monkeypatch.setattr(launcher, "visible_gpus", lambda: ["99"])
+    script = str(Path(__file__).with_name("ddp_script.py"))
+    spec = make_spec(tmp_path, entrypoint=script, consistency="fast", virtual_shards=None, device="cuda")
+    with pytest.raises(WorkerLostError, match=r"rank 0 cannot use its GPU: .*CUDA_VISIBLE_DEVICES='99'"):
+        run_chunk(spec, 0, 4, target=one_worker, host="gpu-7")
+
+
+def test_device_auto_is_resolved_by_the_chunks_process_and_logged(tmp_path, monkeypatch, caplog):
+    """``auto`` resolves where the chunk runs (every rank gets the result); which device it was
+    shows in the segment's log line: nothing else (result, checkpoint, spec hash) names it."""
+    from elastic_ops.runtime import launcher
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU host, as the coordinator sees it
+    monkeypatch.setattr(launcher, "visible_gpus", lambda: ["0"])
+    spec = make_spec(tmp_path, device="auto")
+    with caplog.at_level("INFO", logger="elastic_ops.runtime"), pytest.raises(WorkerLostError):
+        run_chunk(spec, 0, 10, target=one_worker, slots=lambda: (2,), host="gpu-7")  # no GPU for slot 2
+    assert "segment 0: iterations 0..10 with 1 worker(s) on cuda (device auto), slots [2]" in caplog.text
+    assert spec.spec_hash() == make_spec(tmp_path, device="cpu").spec_hash()  # the device is not in it

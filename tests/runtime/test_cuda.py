@@ -223,9 +223,73 @@ def test_a_granted_slot_runs_on_its_gpu_and_slots_without_one_are_refused(tmp_pa
     assert [r.slots for r in launcher.requests] == [(gpus - 1,)]
 
     refused = make_spec(tmp_path / "refused", device="cuda", max_workers=gpus + 1, virtual_shards=gpus + 1)
-    with pytest.raises(SpecError, match=r"invalid slots=.*visible GPUs are") as err:
-        run_chunk(refused, 0, 10, target=one, slots=lambda: (gpus,))  # one past the last GPU
-    assert err.value.field == "slots" and not err.value.retryable
+    with pytest.raises(WorkerLostError, match=rf"no GPU for granted slot\(s\) \[{gpus}\] on this") as err:
+        run_chunk(refused, 0, 10, target=one, slots=lambda: (gpus,), host="gpu-host")  # one past the last
+    assert err.value.retryable and err.value.host == "gpu-host"  # the host's fault: retried elsewhere
     with pytest.raises(SpecError, match=f"needs one GPU per worker; {gpus} visible"):
         run_chunk(refused, 0, 10, target=lambda i: gpus + 1)  # more workers than GPUs
     assert open_store(refused.checkpoint).latest() is None  # refused before any worker trained
+
+
+@needs_gpu_slots
+def test_a_worker_given_a_gpu_cuda_does_not_have_is_a_retryable_worker_lost(tmp_path, monkeypatch):
+    """A worker whose GPU cannot be used (gone, busy in exclusive-process mode, broken) fails
+    before any user code, as the host's fault: a retryable ``WorkerLostError`` naming the host."""
+    from elastic_ops.runtime import launcher
+
+    monkeypatch.setattr(launcher, "visible_gpus", lambda: [str(torch.cuda.device_count() + 7)])
+    spec = make_spec(tmp_path, device="cuda")
+    with pytest.raises(WorkerLostError, match="rank 0 cannot use its GPU: DeviceUnusable: ") as err:
+        run_chunk(spec, 0, 10, target=one, host="gpu-host")
+    assert err.value.retryable and err.value.host == "gpu-host"
+
+
+# CUDA_VISIBLE_DEVICES forms, and how many GPUs visible_gpus() hands out for each on a host with
+# ``n`` GPUs (its own reading, cut to the devices that exist); the driver must count the same
+CVD_FORMS = [
+    (None, lambda n: n),
+    ("", lambda n: 0),
+    ("-1", lambda n: 0),
+    ("0", lambda n: 1),
+    (" 0", lambda n: 1),
+    ("0,0", lambda n: 0),
+    ("0,-1,1", lambda n: 1),
+    ("0,{n}", lambda n: 1),  # an ordinal past the last GPU ends the list
+    ("{uuid}", lambda n: 1),
+    ("{uuid},{uuid}", lambda n: 0),
+]
+DRIVER_COUNT = """
+import ctypes
+cuda = ctypes.CDLL("libcuda.so.1")
+rc = cuda.cuInit(0)
+n = ctypes.c_int(-1)
+print(0 if rc == 100 else n.value if rc == 0 and cuda.cuDeviceGetCount(ctypes.byref(n)) == 0 else f"rc {rc}")
+"""
+
+
+def test_visible_gpus_counts_what_the_cuda_driver_sees_for_each_cuda_visible_devices_form(tmp_path):
+    """``""`` and ``"-1"`` hide every GPU (not "no restriction"), a duplicate hides them all, and
+    the list ends at the first entry that is not a device: the driver (``cuInit`` in a fresh
+    process, about 50 ms each) must agree with :func:`parse_visible_devices` on every form."""
+    import subprocess
+    import sys
+
+    from elastic_ops.runtime.launcher import parse_visible_devices
+
+    n = torch.cuda.device_count() if DEVICE == "cuda" else 1
+    uuid = f"GPU-{torch.cuda.get_device_properties(0).uuid}" if DEVICE == "cuda" else "GPU-0000"
+    for form, want in CVD_FORMS:
+        listed = None if form is None else form.format(n=n, uuid=uuid)
+        if listed is not None:
+            parsed = parse_visible_devices(listed)
+            real = [g for g in parsed if g == uuid or (g.isdigit() and int(g) < n)]
+            ours = real[: next((i for i, g in enumerate(parsed) if g not in real), len(parsed))]
+            assert len(ours) == want(n), (listed, parsed)
+        if DEVICE != "cuda":
+            continue
+        env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+        if listed is not None:
+            env["CUDA_VISIBLE_DEVICES"] = listed
+        out = subprocess.run([sys.executable, "-c", DRIVER_COUNT], env=env, capture_output=True, text=True,
+                             timeout=60)
+        assert out.stdout.strip() == str(want(n)), (listed, out.stdout, out.stderr)
