@@ -43,11 +43,11 @@ def add_commands(subparsers: Any) -> None:
     )
     n.add_argument(
         "--register-slots",
-        type=int,
         default=None,
-        metavar="N",
-        help="if the pool has no host of this name yet, add it with N slots (the ledger from "
-        "--pool-url or $ELASTIC_OPS_POOL_URL); a known host's slots and state are left as they are",
+        metavar="N|gpus",
+        help="if the pool has no host of this name yet, add it with N slots, or with one slot per GPU "
+        "CUDA sees here ('gpus': slot i is the host's i-th GPU) (the ledger from --pool-url or "
+        "$ELASTIC_OPS_POOL_URL); a known host's slots and state are left as they are",
     )
     n.add_argument(
         "--label", action="append", default=[], metavar="KEY=VALUE",
@@ -143,11 +143,43 @@ def cmd_node(args: argparse.Namespace) -> int:
         from elastic_ops.pool.cli import parse_labels
 
         labels = parse_labels(args.label)
+        slots = slots_to_register(args.register_slots)
         reachable_redis(config)  # a node that cannot serve must not leave its host in the pool
-        register_host(args.host, args.register_slots, args.pool_url, labels)
+        register_host(args.host, slots, args.pool_url, labels)
     from elastic_ops.hooks.metrics import metrics_from_airflow_config
 
     return main(args.host, config, advertise_addr=args.advertise_addr, metrics=metrics_from_airflow_config())
+
+
+def slots_to_register(value: str) -> int:
+    """``--register-slots``: a whole number of slots, or ``gpus``, the GPUs CUDA sees on this host
+    (slot i is the i-th of them, docs/runtime.md "GPUs"). A number above that count, on a host
+    with GPUs, is logged as a warning: a CUDA job granted a slot past the last GPU fails there
+    (a retryable ``WorkerLostError`` held against the host)."""
+    from elastic_ops.errors import SpecError
+    from elastic_ops.runtime.launcher import visible_gpus
+
+    allowed = "a whole number of slots >= 1, or 'gpus' (one slot per GPU CUDA sees on this host)"
+    text = str(value).strip()
+    if text.lower() != "gpus" and not (text.isascii() and text.isdigit() and int(text) >= 1):
+        raise SpecError("--register-slots", value, allowed)
+    gpus = visible_gpus()
+    if text.lower() == "gpus":
+        if not gpus:
+            raise SpecError(
+                "--register-slots", value, allowed,
+                hint="CUDA sees no GPU here (torch.cuda.device_count() is 0: no GPU or driver, a CPU build "
+                "of torch, or CUDA_VISIBLE_DEVICES hides them): give the number of CPU worker slots",
+            )
+        return len(gpus)
+    slots = int(text)
+    if 0 < len(gpus) < slots:
+        logging.getLogger("elastic_ops.node").warning(
+            "registering %d slots on a host where CUDA sees %d GPUs %s: a CUDA job granted slot %d or "
+            "above fails here (--register-slots gpus registers one slot per GPU)", slots, len(gpus), gpus,
+            len(gpus),
+        )
+    return slots
 
 
 def _log_to_stderr(level: str) -> None:

@@ -143,3 +143,30 @@ def test_a_redis_url_parameter_that_is_not_a_number_is_a_spec_error_naming_it():
     with pytest.raises(SpecError, match=r"invalid ELASTIC_OPS_NODE_REDIS_URL parameter db='one': a whole"):
         node_config_from_env(env)
     NodeConfig(url="redis://h:6379/0?socket_timeout=2.5&db=1&health_check_interval=10", secret=SECRET)
+
+
+def test_register_slots_gpus_registers_one_slot_per_gpu_cuda_sees(monkeypatch, caplog, node_cli, capsys):
+    """``--register-slots gpus``: slot i is the host's i-th GPU, so the pool's count must be the
+    GPUs'; a number above it on a GPU host is warned about (a CUDA job granted the extra slots
+    fails there), and on a host without GPUs 'gpus' is refused, saying why."""
+    from elastic_ops.runtime import launcher
+
+    monkeypatch.setattr(launcher, "visible_gpus", lambda: ["0", "1", "2", "3"])
+    assert agent_cli.slots_to_register("gpus") == 4 and agent_cli.slots_to_register(" GPUS ") == 4
+    with caplog.at_level("WARNING", logger="elastic_ops.node"):
+        assert agent_cli.slots_to_register("4") == 4
+        assert "registering" not in caplog.text
+        assert agent_cli.slots_to_register("8") == 8
+    assert "registering 8 slots on a host where CUDA sees 4 GPUs ['0', '1', '2', '3']: a CUDA job granted " \
+        "slot 4 or above fails here" in caplog.text
+    for bad in ("0", "-2", "2.5", "eight", ""):
+        with pytest.raises(SpecError, match=r"invalid --register-slots=.*a whole number of slots >= 1, or"):
+            agent_cli.slots_to_register(bad)
+    monkeypatch.setattr(launcher, "visible_gpus", lambda: [])
+    with pytest.raises(SpecError, match="CUDA sees no GPU here") as err:
+        agent_cli.slots_to_register("gpus")
+    assert err.value.field == "--register-slots"
+    assert agent_cli.slots_to_register("16") == 16  # a CPU host: worker slots, no warning
+    # through the CLI (node_cli's environment): refused before Redis is tried
+    assert cli_main(["node", "--host", "host-z", "--register-slots", "gpus"]) == 2
+    assert "invalid --register-slots='gpus'" in capsys.readouterr().err
