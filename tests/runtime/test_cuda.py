@@ -263,7 +263,8 @@ import ctypes
 cuda = ctypes.CDLL("libcuda.so.1")
 rc = cuda.cuInit(0)
 n = ctypes.c_int(-1)
-print(0 if rc == 100 else n.value if rc == 0 and cuda.cuDeviceGetCount(ctypes.byref(n)) == 0 else f"rc {rc}")
+ok = rc == 0 and cuda.cuDeviceGetCount(ctypes.byref(n)) == 0
+print(0 if rc in (100, 101) else n.value if ok else f"rc {rc}")  # 100: no device, 101: invalid (a duplicate)
 """
 
 
