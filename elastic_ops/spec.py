@@ -8,6 +8,7 @@ field, the value and what is allowed.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import enum
 import hashlib
 import json
@@ -442,7 +443,11 @@ class JobSpec:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise SpecError("spec", unknown[0], f"unknown field; known fields: {', '.join(sorted(known))}")
+            close = difflib.get_close_matches(str(unknown[0]), sorted(known), n=1)
+            guess = f" (did you mean {close[0]!r}?)" if close else ""
+            raise SpecError(
+                "spec", unknown[0], f"unknown field{guess}; known fields: {', '.join(sorted(known))}"
+            )
         for required in ("name", "entrypoint", "total_iterations", "global_batch"):
             if required not in data:
                 raise SpecError(required, UNSET, "a job spec must set it")

@@ -150,6 +150,13 @@ def test_from_dict_rejects_unknown_and_missing_fields():
         JobSpec.from_dict(
             {"name": "j", "entrypoint": "a:B", "total_iterations": 1, "global_batch": 1, "lr": 1}
         )
+    # a typo names the field it probably meant, before the list of all of them
+    with pytest.raises(SpecError, match=r"invalid spec='total_iteration': unknown field \(did you mean "
+                                        r"'total_iterations'\?\); known fields: checkpoint, "):
+        JobSpec.from_dict({"name": "j", "entrypoint": "a:B", "total_iteration": 1, "global_batch": 1})
+    with pytest.raises(SpecError, match=r"invalid spec='lr': unknown field; known fields"):  # no guess
+        JobSpec.from_dict({"name": "j", "entrypoint": "a:B", "total_iterations": 1, "global_batch": 1,
+                           "lr": 1})
     with pytest.raises(SpecError) as info:
         JobSpec.from_dict({"name": "j", "entrypoint": "a:B", "total_iterations": 1})
     assert info.value.field == "global_batch"
