@@ -171,6 +171,10 @@ def elastic_training(
     }
     if "name" in spec:
         raise SpecError("name", spec["name"], "is set by elastic_training: <dag_id>.<task_id>.<run_id>")
+    if "entrypoint" in spec:  # it would replace trainable= in the fields above, silently
+        raise SpecError(
+            "entrypoint", spec["entrypoint"], f"is given as trainable= here (trainable={trainable!r})",
+        )
     _check_warm_start(warm_start)
     if model_asset is not None and not isinstance(model_asset, Asset):
         raise SpecError("model_asset", model_asset, "must be an airflow.sdk.Asset (or None: one named after "

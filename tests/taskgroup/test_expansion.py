@@ -141,6 +141,8 @@ def test_warm_start_previous_adds_the_model_asset_to_the_users_inlets():
     ({"num_chunks": 101, "chunk_iterations": None}, "num_chunks"),
     ({"num_chunks": 2}, "chunk_iterations"),  # both given: one would be silently ignored
     ({"name": "other"}, "name"),
+    # the spec reference's name for trainable=: it replaced trainable silently, training another model
+    ({"entrypoint": "other.models:Model"}, "entrypoint"),
     ({"warm_start": "{{ params.x }}"}, "warm_start"),
     ({"warm_start": "previos"}, "warm_start"),
     ({"warm_start": "s3://"}, "warm_start"),
