@@ -185,7 +185,13 @@ class Simulation:
         )
         self.jobs: list[_SimJob] = []
         for w in workload:
-            app = load_application(str(traces), w.application)
+            try:
+                app = load_application(str(traces), w.application)
+            except SpecError as exc:
+                if exc.field != "application":
+                    raise
+                allowed = f"job {w.name!r}: {exc.allowed}"
+                raise SpecError(exc.field, exc.value, allowed, hint=exc.hint) from None
             app.check_batch(w.name, w.batch_size)
             job = _SimJob(
                 w, app.iterations(w.batch_size), tuned_max_workers(app, w.batch_size, config.slots), app,
@@ -356,8 +362,13 @@ def main_simulate(args) -> int:
         results = _run_policies(args, names, cfg)
     except SpecError as exc:
         # the CLI shows an error about the traces as --traces; without it they came from elsewhere
-        if exc.field == "traces" and not args.traces and os.environ.get(TRACES_ENV):
-            raise exc.naming(f"${TRACES_ENV}") from None
+        if exc.field == "traces" and not args.traces:
+            if os.environ.get(TRACES_ENV):
+                raise exc.naming(f"${TRACES_ENV}") from None
+            raise SpecError(  # the default folder: the user typed no path, so say where it came from
+                "traces", exc.value, exc.allowed,
+                hint=f"the default, beside the checkout; pass --traces DIR or set ${TRACES_ENV}",
+            ) from None
         raise
     if args.json:
         print(json.dumps(results if args.policy == "all" else results[args.policy], sort_keys=True))

@@ -155,6 +155,32 @@ def _read(path: Path, columns: tuple[str, ...]) -> list[dict[str, float | str]]:
     return rows
 
 
+def _missing_application(folder: Path) -> SpecError:
+    """Why the traces folder ``folder.parent`` has no application ``folder.name``: the folder is
+    not there, it is not a traces folder (no application in it: often the folder above or below
+    the right one), or the workload names an application it lacks."""
+    traces = folder.parent
+    allowed = "a folder of Pollux application traces, one folder per application (cifar10, bert, …)"
+    try:
+        apps = sorted(p.name for p in traces.iterdir() if (p / "placements.csv").is_file())
+    except OSError as exc:
+        why = f"cannot be read ({exc.strerror or exc})"
+        if isinstance(exc, FileNotFoundError):
+            why = "does not exist"
+        return SpecError(
+            "traces", str(traces), f"{allowed}: {why}",
+            hint="e.g. ../shared/traces/pollux/traces",
+        )
+    if not apps:
+        return SpecError(
+            "traces", str(traces), f"{allowed}: holds none (no folder in it has a placements.csv)",
+            hint="e.g. ../shared/traces/pollux/traces",
+        )
+    return SpecError(
+        "application", folder.name, f"not in the traces folder {traces}, which has {', '.join(apps)}"
+    )
+
+
 def _trace_error(folder: Path, what: str) -> SpecError:
     """An error about the traces folder: ``folder``, one application's folder in it, ``what``."""
     return SpecError(
@@ -196,7 +222,7 @@ class Application:
 
     def __init__(self, folder: Path) -> None:
         if not folder.is_dir():
-            raise SpecError("application", folder.name, f"no traces folder {folder}")
+            raise _missing_application(folder)
         self.name = folder.name
         curves: dict[str, list[tuple[float, float]]] = {}
         for row in _read(folder / "placements.csv", ("placement", "local_bsz", "step_time")):

@@ -200,3 +200,41 @@ def test_a_batch_beyond_what_the_traces_measured_is_refused_naming_the_job(tmp_p
         toy_run(tmp_path, "a,0,toy,1,99999999999")
     result, _ = toy_run(tmp_path / "ok", "a,0,toy,1,32")
     assert result["avg_jct"] > 0
+
+
+def test_a_traces_folder_without_applications_says_so_not_blaming_the_workload(tmp_path, capsys, monkeypatch):
+    """The folder above the right one (``…/pollux`` for ``…/pollux/traces``), a missing one, or the
+    default beside a checkout that has none: it was ``invalid application='toy': no traces folder
+    …/toy``, blaming the workload's application and naming neither --traces nor where the folder
+    came from."""
+    toy_traces(tmp_path / "pollux" / "traces")
+    workload = str(write_workload_csv(tmp_path, "a,0,toy,1,32"))
+    above = tmp_path / "pollux"
+    assert run(["simulate", "--workload", workload, "--traces", str(above), "--policy", "static"]) == 2
+    assert (f"invalid --traces='{above}': a folder of Pollux application traces, one folder per application "
+            "(cifar10, bert, …): holds none (no folder in it has a placements.csv)") in (
+        capsys.readouterr().err
+    )
+    missing = tmp_path / "nope"
+    assert run(["simulate", "--workload", workload, "--traces", str(missing), "--policy", "static"]) == 2
+    err = capsys.readouterr().err
+    assert f"invalid --traces='{missing}': a folder of Pollux application traces" in err
+    assert ": does not exist (hint: e.g. ../shared/traces/pollux/traces)" in err
+    monkeypatch.setenv("ELASTIC_OPS_TRACES", str(missing))
+    assert run(["simulate", "--workload", workload, "--policy", "static"]) == 2
+    assert f"invalid $ELASTIC_OPS_TRACES='{missing}'" in capsys.readouterr().err
+    monkeypatch.delenv("ELASTIC_OPS_TRACES")
+    monkeypatch.setattr("elastic_ops.pool.simulator.default_traces_dir", lambda: missing)
+    assert run(["simulate", "--workload", workload, "--policy", "static"]) == 2
+    assert "(hint: the default, beside the checkout; pass --traces DIR or set $ELASTIC_OPS_TRACES)" in (
+        capsys.readouterr().err
+    )
+
+
+def test_an_application_the_traces_lack_names_the_job_and_the_ones_they_have(tmp_path):
+    traces = toy_traces(tmp_path / "traces")
+    toy_traces(traces, app="bert")
+    with pytest.raises(SpecError, match=rf"invalid application='cifar': job 'a': not in the traces folder "
+                                        rf"{traces}, which has bert, toy"):
+        simulate(read_workload(write_workload_csv(tmp_path, "a,0,cifar,1,32")), "fairshare",
+                 SimConfig(slots=4), traces)
