@@ -66,6 +66,13 @@ class ApiPoolClient:
     def _bearer(self) -> str:
         if self._token is None:
             user, password = self._login
+            if bool(user) != bool(password):  # half a login: say which half (never the password)
+                lacking, env = ("a password", ENV_API_PASSWORD) if user else ("a user name", ENV_API_USER)
+                whose = f" of {user!r}" if user else ""
+                raise ApiAuthError(
+                    f"the login{whose} for the api-server at {self.url} lacks {lacking}",
+                    hint=f"set ${env} as well, or ${ENV_API_TOKEN} instead",
+                )
             if not user or not password:
                 raise ApiAuthError(
                     f"no credentials for the api-server at {self.url}",

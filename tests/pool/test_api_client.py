@@ -162,6 +162,18 @@ def test_an_api_server_whose_ui_answers_every_path_is_named_as_without_the_plugi
 def test_bad_settings_are_refused_before_any_request(server, monkeypatch, capsys):
     with pytest.raises(ApiAuthError, match="no credentials for the api-server"):
         ApiPoolClient(BASE).status()
+    # half a login says which half is missing (it said "no credentials" with the user name set)
+    monkeypatch.setenv("ELASTIC_OPS_API_USER", "ops")
+    with pytest.raises(ApiAuthError, match=r"the login of 'ops' for the api-server at .* lacks a password "
+                                           r"\(hint: set \$ELASTIC_OPS_API_PASSWORD as well, or "
+                                           r"\$ELASTIC_OPS_API_TOKEN instead\)"):
+        ApiPoolClient(BASE).status()
+    monkeypatch.delenv("ELASTIC_OPS_API_USER")
+    monkeypatch.setenv("ELASTIC_OPS_API_PASSWORD", "s3cret")
+    with pytest.raises(ApiAuthError, match=r"lacks a user name \(hint: set \$ELASTIC_OPS_API_USER") as err:
+        ApiPoolClient(BASE).status()
+    assert "s3cret" not in str(err.value)
+    monkeypatch.delenv("ELASTIC_OPS_API_PASSWORD")
     with pytest.raises(SpecError, match="api_url"):
         ApiPoolClient("ftp://airflow")
     with pytest.raises(SpecError, match="must not hold credentials") as err:
