@@ -77,7 +77,11 @@ def make_engine(url: str, *, create: bool = True) -> Engine:
                 "url", shown_url(url), f"a PostgreSQL driver that is installed: {exc.name or exc} is not",
                 hint="use postgresql+psycopg2://… (pip install 'elastic-ops[postgres]' installs psycopg2)",
             ) from None
-    raise SpecError("url", shown_url(url), "the pool ledger supports sqlite and postgresql URLs")
+    raise SpecError(
+        "url", shown_url(url), "the pool ledger supports sqlite and postgresql URLs",
+        # postgres:// is what Heroku-style DATABASE_URLs and many tools write; SQLAlchemy 1.4+ refuses it
+        hint="write postgresql://…: SQLAlchemy has no postgres:// alias" if backend == "postgres" else None,
+    )
 
 
 SQLITE_BUSY_TIMEOUT_S = 30  # waiting longer for SQLite's write lock, retries included: LedgerBusyError

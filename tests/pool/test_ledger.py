@@ -463,8 +463,13 @@ def test_every_entry_point_refuses_malformed_values_before_they_reach_the_ledger
 
 
 def test_bad_urls_are_rejected(tmp_path):
-    with pytest.raises(SpecError, match="sqlite and postgresql"):
+    with pytest.raises(SpecError, match="sqlite and postgresql") as err:
         PoolClient("mysql://x/y")
+    assert "hint" not in str(err.value)
+    # the spelling many DATABASE_URLs use: SQLAlchemy has no such dialect, so say which one it is
+    with pytest.raises(SpecError, match=r"sqlite and postgresql URLs \(hint: write postgresql://…: "
+                                        r"SQLAlchemy has no postgres:// alias\)"):
+        PoolClient("postgres://pool@db.example/pool")
     with pytest.raises(SpecError, match="needs an absolute file path"):
         PoolClient("sqlite://")
     with pytest.raises(SpecError, match="needs an absolute file path"):  # each process its own ledger
