@@ -132,18 +132,20 @@ def cmd_node(args: argparse.Namespace) -> int:
             "--label", args.label, "only with --register-slots (labels of a host the node adds to the pool)",
             hint="`elastic-ops pool add-host HOST SLOTS --label …` relabels a known host",
         )
-    config = _cluster_config()
     if args.advertise_addr is not None:
         from elastic_ops.agent.span import check_advertise_addr
 
         check_advertise_addr(args.advertise_addr)  # before anything is registered
-    _log_to_stderr(args.log_level)
-    if args.register_slots is not None:
-        from elastic_ops.agent.node import reachable_redis, register_host
+    if args.register_slots is not None:  # the options first: a typo is named before the settings
         from elastic_ops.pool.cli import parse_labels
 
         labels = parse_labels(args.label)
         slots = slots_to_register(args.register_slots)
+    config = _cluster_config()
+    _log_to_stderr(args.log_level)
+    if args.register_slots is not None:
+        from elastic_ops.agent.node import reachable_redis, register_host
+
         reachable_redis(config)  # a node that cannot serve must not leave its host in the pool
         register_host(args.host, slots, args.pool_url, labels)
     from elastic_ops.hooks.metrics import metrics_from_airflow_config

@@ -170,3 +170,18 @@ def test_register_slots_gpus_registers_one_slot_per_gpu_cuda_sees(monkeypatch, c
     # through the CLI (node_cli's environment): refused before Redis is tried
     assert cli_main(["node", "--host", "host-z", "--register-slots", "gpus"]) == 2
     assert "invalid --register-slots='gpus'" in capsys.readouterr().err
+
+
+def test_the_nodes_own_options_are_checked_before_its_cluster_settings(monkeypatch, capsys):
+    """A typo in --register-slots / --label / --advertise-addr was reported only once the Redis
+    settings were right (an operator fixed the environment first, then learned of the typo)."""
+    monkeypatch.delenv("ELASTIC_OPS_NODE_REDIS_URL", raising=False)
+    monkeypatch.delenv("ELASTIC_OPS_NODE_SECRET", raising=False)
+    for argv, says in (
+        (["--register-slots", "0"], "invalid --register-slots='0'"),
+        (["--register-slots", "2", "--label", "gpu"], "invalid --label="),
+        (["--advertise-addr", "not an address"], "--advertise-addr"),
+    ):
+        assert cli_main(["node", "--host", "host-z", *argv]) == 2
+        err = capsys.readouterr().err
+        assert says in err and "ELASTIC_OPS_NODE_REDIS_URL" not in err, err
