@@ -204,3 +204,17 @@ def test_a_segment_spanning_hosts_over_nccl_is_bitwise_equal_to_one_worker(tmp_p
                        spans=lambda: (("host-b", (1,)),), launcher=LoopbackSpanLauncher())
     assert [n for _, n, _ in result.workers_timeline] == [1, 2]
     assert result.param_sha256 == cuda_ref
+
+
+def test_a_follower_host_without_a_gpu_for_its_granted_slot_is_the_one_named(tmp_path, monkeypatch):
+    """The follower's launcher finds no GPU for its slot: that host is the one the task reports
+    (and the retry avoids), not the leader's, which would otherwise be blamed for it."""
+    from elastic_ops.runtime import launcher
+
+    monkeypatch.setattr(launcher, "visible_gpus", lambda: ["0", "1"])  # slot 5 has no GPU
+    spec = make_spec(tmp_path, device="cuda", max_workers=2, virtual_shards=2)
+    with pytest.raises(WorkerLostError) as err:
+        run_chunk(spec, 0, 10, target=lambda i: 2, slots=lambda: (0,), spans=lambda: (("host-b", (5,)),),
+                  launcher=LoopbackSpanLauncher(), host="host-a")
+    assert err.value.retryable and err.value.host == "host-b"
+    assert str(err.value).startswith("host-b: no GPU for granted slot(s) [5] on this host")
