@@ -153,6 +153,9 @@ def cmd_node(args: argparse.Namespace) -> int:
     return main(args.host, config, advertise_addr=args.advertise_addr, metrics=metrics_from_airflow_config())
 
 
+MAX_HOST_SLOTS = 1_000_000  # what the pool's add_host takes
+
+
 def slots_to_register(value: str) -> int:
     """``--register-slots``: a whole number of slots, or ``gpus``, the GPUs CUDA sees on this host
     (slot i is the i-th of them, docs/runtime.md "GPUs"). A number above that count, on a host
@@ -161,9 +164,12 @@ def slots_to_register(value: str) -> int:
     from elastic_ops.errors import SpecError
     from elastic_ops.runtime.launcher import visible_gpus
 
-    allowed = "a whole number of slots >= 1, or 'gpus' (one slot per GPU CUDA sees on this host)"
+    allowed = (f"a whole number of slots from 1 to {MAX_HOST_SLOTS}, or 'gpus' (one slot per GPU CUDA sees "
+               "on this host)")
     text = str(value).strip()
-    if text.lower() != "gpus" and not (text.isascii() and text.isdigit() and int(text) >= 1):
+    # the length first: int() raises ValueError past 4,300 digits
+    if text.lower() != "gpus" and not (text.isascii() and text.isdigit() and len(text) <= 7
+                                       and 1 <= int(text) <= MAX_HOST_SLOTS):
         raise SpecError("--register-slots", value, allowed)
     gpus = visible_gpus()
     if text.lower() == "gpus":

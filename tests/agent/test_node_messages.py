@@ -159,9 +159,12 @@ def test_register_slots_gpus_registers_one_slot_per_gpu_cuda_sees(monkeypatch, c
         assert agent_cli.slots_to_register("8") == 8
     assert "registering 8 slots on a host where CUDA sees 4 GPUs ['0', '1', '2', '3']: a CUDA job granted " \
         "slot 4 or above fails here" in caplog.text
-    for bad in ("0", "-2", "2.5", "eight", ""):
-        with pytest.raises(SpecError, match=r"invalid --register-slots=.*a whole number of slots >= 1, or"):
+    # past the pool's bound, and past the 4,300 digits int() reads (it raised a bare ValueError)
+    for bad in ("0", "-2", "2.5", "eight", "", "1000001", "9" * 30, "9" * 5000):
+        with pytest.raises(SpecError, match=r"invalid --register-slots=.*a whole number of slots from 1 to "
+                                            r"1000000, or"):
             agent_cli.slots_to_register(bad)
+    assert agent_cli.slots_to_register("1000000") == 1_000_000
     monkeypatch.setattr(launcher, "visible_gpus", lambda: [])
     with pytest.raises(SpecError, match="CUDA sees no GPU here") as err:
         agent_cli.slots_to_register("gpus")
