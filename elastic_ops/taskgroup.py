@@ -12,6 +12,7 @@ tasks is fixed at parse time: it is ``ceil(total_iterations / chunk_iterations)`
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from typing import Any
 
@@ -28,10 +29,13 @@ from elastic_ops.operators.lifecycle import (
     ElasticFinalizeOperator,
     ElasticRegisterOperator,
 )
-from elastic_ops.spec import MAX_CHUNKS, JobSpec, check_checkpoint_uri
+from elastic_ops.spec import MAX_CHUNKS, Device, JobSpec, Scaling, check_checkpoint_uri
 
 # Fields that cannot be templates: they decide the task structure or the training trajectory.
 _STATIC = ("entrypoint", "chunk_iterations", "global_batch", "consistency", "data_seed")
+# Fields a template can give only where the DAG renders native objects (Jinja renders a string)
+_STRUCTURED = {"params": "mapping", "host_selector": "mapping", "stop_when": "mapping",
+               "script_args": "list"}
 
 
 def _placeholder(field: str, fields: dict[str, Any], num_chunks: int | None) -> Any:
@@ -49,6 +53,38 @@ def _placeholder(field: str, fields: dict[str, Any], num_chunks: int | None) -> 
     if spec_field.default_factory is not dataclasses.MISSING:
         return spec_field.default_factory()
     return None if spec_field.default is dataclasses.MISSING else spec_field.default
+
+
+# a templated field of few values: every value it may render to is a stand-in (its default first)
+_CHOICES: dict[str, tuple[Any, ...]] = {
+    "scaling": tuple(m.value for m in Scaling), "device": tuple(m.value for m in Device),
+    "preemptible": (True, False),
+}
+
+
+def _check_with_stand_ins(concrete: dict[str, Any], templated: list[str]) -> JobSpec:
+    """The spec of ``concrete``, where each templated field holds its stand-in; a field of few
+    values (scaling, device, preemptible) is tried with each, so that a rule between it and a
+    value given outright (``warmup_iterations`` needs a scaling other than ``fixed``) refuses
+    the DAG only if no value the template can render to passes. The error of the defaults says
+    which stand-ins it was checked with."""
+    varied = [f for f in templated if f in _CHOICES]
+    first: SpecError | None = None
+    for values in itertools.product(*(_CHOICES[f] for f in varied)):
+        try:
+            return JobSpec.from_dict(concrete | dict(zip(varied, values, strict=True)))
+        except SpecError as exc:
+            first = first or exc
+    assert first is not None  # (the product has at least one element: the defaults)
+    stand_ins = [f for f in templated if f not in ("max_workers", "total_iterations")]
+    if not stand_ins:
+        raise first
+    shown = ", ".join(f"{f}={getattr(concrete[f], 'value', concrete[f])!r}" for f in stand_ins)  # an enum's
+    raise type(first)(
+        first.field, first.value, first.allowed,
+        hint="; ".join(h for h in (first.hint, f"checked at parse time with {shown} in place of the "
+                                   + ("template" if len(stand_ins) == 1 else "templates")) if h),
+    ) from None
 
 
 def validate_fields(fields: dict[str, Any], num_chunks: int | None) -> tuple[JobSpec, int]:
@@ -78,7 +114,7 @@ def validate_fields(fields: dict[str, Any], num_chunks: int | None) -> tuple[Job
         concrete[field] = _placeholder(field, fields, num_chunks)
     if num_chunks is not None:
         concrete.pop("chunk_iterations", None)
-    spec = JobSpec.from_dict(concrete)
+    spec = _check_with_stand_ins(concrete, templated)
     if num_chunks is None:
         return spec, spec.num_chunks
     if "total_iterations" not in templated and num_chunks > spec.total_iterations:
@@ -171,6 +207,14 @@ def elastic_training(
     }
     if "name" in spec:
         raise SpecError("name", spec["name"], "is set by elastic_training: <dag_id>.<task_id>.<run_id>")
+    native = dag is None or bool(getattr(dag, "render_template_as_native_obj", False))
+    for field in _STRUCTURED:
+        if is_template(spec.get(field)) and not native:  # it passed here and failed the register task
+            raise SpecError(
+                field, spec[field], f"a template renders to a string here, not the {_STRUCTURED[field]} "
+                f"{field} must be (the DAG does not render native objects)",
+                hint="DAG(..., render_template_as_native_obj=True) renders a template to the value itself",
+            )
     if "entrypoint" in spec:  # it would replace trainable= in the fields above, silently
         raise SpecError(
             "entrypoint", spec["entrypoint"], f"is given as trainable= here (trainable={trainable!r})",

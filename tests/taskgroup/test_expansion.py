@@ -189,7 +189,10 @@ def test_other_templated_fields_parse_and_are_checked_once_rendered():
     import with "invalid keep_last=None", a value the user never gave."""
     templated = {"keep_last": "{{ params.keep }}", "device": "{{ params.device }}",
                  "threads_per_worker": "{{ params.threads }}", "params": "{{ params.hp }}"}
-    dag, _ = make_dag(**templated)
+    with DAG(dag_id="d", schedule=None, start_date=pendulum.datetime(2024, 1, 1, tz="UTC"),
+             render_template_as_native_obj=True) as dag:  # params renders to a dict only so
+        elastic_training(task_id="train", trainable=DIGITS, total_iterations=100, chunk_iterations=30,
+                         **templated)
     chunk = next(t for t in dag.tasks if isinstance(t, ElasticChunkOperator))
     assert all(chunk.spec_fields[k] == v for k, v in templated.items())
 
@@ -204,6 +207,30 @@ def test_other_templated_fields_parse_and_are_checked_once_rendered():
         with pytest.raises(SpecError) as err:
             rendered(**{field: value})
         assert err.value.field == field
+
+
+@pytest.mark.parametrize("field", ["params", "host_selector", "stop_when", "script_args"])
+def test_a_templated_mapping_or_list_needs_a_dag_that_renders_native_objects(field):
+    """Jinja renders "{{ params.hp }}" to the string "{'lr': 0.1}": it parsed here, and the
+    register task failed with "invalid params=\"{'lr': 0.1}\": must be a mapping"."""
+    with pytest.raises(SpecError, match="renders to a string here.*render_template_as_native_obj") as err:
+        make_dag(**{field: "{{ params.x }}"})
+    assert err.value.field == field
+
+
+def test_a_rule_between_a_templated_choice_and_a_given_value_waits_for_the_rendered_value():
+    """A templated scaling stood in as its default, 'fixed', and refused the DAG: "invalid
+    warmup_iterations=10: must be 0 with scaling 'fixed'", a scaling the user never gave."""
+    make_dag(scaling="{{ params.scaling }}", warmup_iterations=10, max_workers=4)
+    make_dag(preemptible="{{ params.p }}", device="{{ params.d }}", scaling="{{ params.s }}",
+             warmup_iterations=10, min_workers="{{ params.n }}")
+    # no value it may render to passes: refused, saying what stood in for the template
+    with pytest.raises(SpecError, match=r"warmup_iterations=10: must be 0 with scaling 'fixed'") as err:
+        make_dag(device="{{ params.d }}", warmup_iterations=10)
+    assert "checked at parse time with device='cpu' in place of the template" in err.value.hint
+    with pytest.raises(SpecError, match="keep_last") as err:
+        make_dag(scaling="{{ params.s }}", keep_last=0)
+    assert "scaling='fixed' in place of the template" in err.value.hint
 
 
 def test_num_chunks_with_a_fixed_total_sets_the_chunk_count():
