@@ -153,7 +153,7 @@ class FollowerRanks:
         reports = []
         for path in sorted(self.dir.glob("error-*.json")):
             with contextlib.suppress(OSError, ValueError):
-                reports.append(_report(json.loads(path.read_text())))
+                reports.append({**_report(json.loads(path.read_text())), "host": self.host})  # as from_wire
         return RemoteExit(host=self.host, killed=killed, failed=tuple(sorted(failed)), reports=tuple(reports))
 
     def close(self) -> None:

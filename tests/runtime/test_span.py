@@ -218,3 +218,27 @@ def test_a_follower_host_without_a_gpu_for_its_granted_slot_is_the_one_named(tmp
                   launcher=LoopbackSpanLauncher(), host="host-a")
     assert err.value.retryable and err.value.host == "host-b"
     assert str(err.value).startswith("host-b: no GPU for granted slot(s) [5] on this host")
+
+
+def test_a_follower_here_names_its_host_on_its_ranks_reports(tmp_path):
+    """As a node agent's reports do (RemoteExit.from_wire): a follower rank's GPU or disk fault is
+    held against its own host, not the leader's (the runner's fallback when a report names none)."""
+    import json
+
+    from elastic_ops.runtime.span import FollowerRanks
+
+    class _Pc:
+        _pc = None
+
+        def wait(self, timeout=-1):
+            return type("R", (), {"failures": {0: object()}})()
+
+    launcher = type("L", (), {"start": lambda self, req: _Pc()})()
+    req = LaunchRequest(workers=1, script=None, master_addr="127.0.0.1", master_port=1, segment=0,
+                        log_dir=tmp_path, env={"ELASTIC_OPS_SEGMENT": str(tmp_path / "b" / "segment.json")},
+                        rank_offset=1, world_size=2)
+    ranks = FollowerRanks(launcher, req, {"dir": str(tmp_path)}, "host-b")
+    (tmp_path / "b" / "error-1.json").write_text(json.dumps(
+        {"kind": "device", "rank": 1, "message": "DeviceUnusable: no GPU", "time": 1.0}))
+    (report,) = ranks.poll().reports
+    assert report["host"] == "host-b" and report["kind"] == "device"
