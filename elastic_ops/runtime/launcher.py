@@ -174,6 +174,17 @@ def slot_gpus(slots: Sequence[int], workers: int, gpus: Sequence[str]) -> list[s
         if isinstance(slot, bool) or not isinstance(slot, int) or slot < 0:
             raise SpecError("slots", slot, "a GPU slot index: an integer >= 0")
     missing = [slot for slot in used if slot >= len(gpus)]
+    if missing and not gpus and not nvidia_driver_loaded():
+        # Not a GPU host at all: no retry on it can succeed, and a failure held against it would
+        # cool a healthy CPU host for other jobs. The job's placement is what to fix.
+        raise SpecError(
+            "device",
+            "cuda",
+            f"a host with GPUs: this one has no NVIDIA driver, so no GPU for granted slot(s) {missing}",
+            hint="give the job a host_selector that only GPU hosts carry (e.g. {gpu: h100}; hosts get "
+            "labels with `elastic-ops pool add-host HOST N --label gpu=h100`), or device 'auto' to train "
+            "on the CPU where a host has no GPU",
+        )
     if missing:
         have = (f"{len(gpus)} GPU(s) CUDA can use, {list(gpus)} (slots 0..{len(gpus) - 1})" if gpus
                 else "no GPU CUDA can use (torch.cuda.device_count() is 0: no GPU or driver, a CPU build "
@@ -187,6 +198,13 @@ def slot_gpus(slots: Sequence[int], workers: int, gpus: Sequence[str]) -> list[s
     if len(set(used)) < len(used):
         raise SpecError("slots", used, "distinct slots, one GPU per worker")
     return [gpus[slot] for slot in used]
+
+
+def nvidia_driver_loaded() -> bool:
+    """Whether this host runs the NVIDIA kernel driver (``/proc/driver/nvidia`` or a
+    ``/dev/nvidiaN`` device): one without it is no GPU host; one with it and no GPU CUDA can use
+    has lost its GPUs (a host fault)."""
+    return os.path.exists("/proc/driver/nvidia") or any(Path("/dev").glob("nvidia[0-9]*"))
 
 
 def parse_visible_devices(text: str) -> list[str]:

@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from elastic_ops.errors import EntrypointError, SpecError, WorkerLostError
-from elastic_ops.runtime import load_trainable_class, param_sha256
+from elastic_ops.runtime import launcher, load_trainable_class, param_sha256
 from elastic_ops.runtime.chunk import _SlotsByBoundary
 from elastic_ops.runtime.consistency import lr_factor, target_factor
 from elastic_ops.runtime.control import ControlChannel
@@ -142,7 +142,7 @@ def test_cuda_workers_run_on_the_granted_slots_not_on_the_first_gpus(tmp_path):
     assert "CUDA_VISIBLE_DEVICES" not in worker_env(_request(tmp_path, 2, (4, 5), "cpu"), 1, GPUS)
 
 
-def test_a_slot_beyond_the_visible_gpus_is_a_retryable_host_fault_saying_what_to_fix(tmp_path):
+def test_a_slot_beyond_the_visible_gpus_is_a_retryable_host_fault_saying_what_to_fix(tmp_path, monkeypatch):
     # The pool lists more slots for the host than CUDA can use there (a GPU fell off the bus, the
     # host was registered with too many, it has none): not the job's spec, and another host may
     # have the GPUs. It was a SpecError: the job ended for good and the host was never reported.
@@ -152,8 +152,9 @@ def test_a_slot_beyond_the_visible_gpus_is_a_retryable_host_fault_saying_what_to
     assert ("no GPU for granted slot(s) [4] on this host: it has 4 GPU(s) CUDA can use, "
             "['0', '1', '2', '3'] (slots 0..3)") in str(err.value)
     assert "elastic-ops pool add-host HOST N" in err.value.hint and "avoids this host" in err.value.hint
+    monkeypatch.setattr(launcher, "nvidia_driver_loaded", lambda: True)
     with pytest.raises(WorkerLostError, match=r"slot\(s\) \[0\] on this host: it has no GPU CUDA can use"):
-        slot_gpus((0,), 1, [])  # a host without GPUs (or a CPU build of torch)
+        slot_gpus((0,), 1, [])  # a GPU host that lost them all (the driver runs, CUDA sees none)
     with pytest.raises(SpecError, match=r"one granted GPU slot on this host per worker \(3 workers\)"):
         slot_gpus((4, 5), 3, GPUS)
     with pytest.raises(SpecError, match="distinct slots"):
@@ -333,3 +334,17 @@ def test_work_directories_of_processes_gone_are_swept_and_no_others(tmp_path):
     assert [d.name for d in removed] == [f"{WORKDIR_PREFIX}dead"]
     left = sorted(p.name for p in tmp_path.iterdir())
     assert left == sorted([f"{WORKDIR_PREFIX}{n}" for n in owners if n != "dead"] + ["unrelated"])
+
+
+def test_a_cuda_job_granted_a_host_without_an_nvidia_driver_is_the_jobs_placement_to_fix(monkeypatch):
+    """No retry on a CPU host can succeed, and a failure held against it would cool a healthy
+    host for other jobs (a review): the job is told to select GPU hosts, not retried."""
+    monkeypatch.setattr(launcher, "nvidia_driver_loaded", lambda: False)
+    with pytest.raises(SpecError) as err:
+        slot_gpus((0, 1), 2, [])
+    assert err.value.field == "device" and not err.value.retryable
+    assert "this one has no NVIDIA driver, so no GPU for granted slot(s) [0, 1]" in str(err.value)
+    assert "host_selector" in err.value.hint and "device 'auto'" in err.value.hint
+    monkeypatch.setattr(launcher, "nvidia_driver_loaded", lambda: True)
+    with pytest.raises(WorkerLostError):  # the driver runs, the GPUs are gone: the host's fault
+        slot_gpus((0, 1), 2, [])
