@@ -73,7 +73,7 @@ def check_stop_when(field: str, value: Any) -> dict[str, Any] | None:
     if not isinstance(value, Mapping):
         raise SpecError(field, value, f"must be {allowed}")
     bounds = [k for k in STOP_BOUNDS if k in value]
-    unknown = sorted(set(value) - {"metric", *STOP_BOUNDS})
+    unknown = sorted(set(value) - {"metric", *STOP_BOUNDS}, key=str)
     if unknown or len(bounds) != 1:
         extra = f"; unknown key {unknown[0]!r}" if unknown else ""
         raise SpecError(field, dict(value), f"must be {allowed}{extra}")
@@ -441,7 +441,7 @@ class JobSpec:
         if not isinstance(data, Mapping):
             raise SpecError("spec", data, "must be a mapping of field names to values")
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
+        unknown = sorted(set(data) - known, key=str)  # YAML keys may be numbers, bools, null
         if unknown:
             close = difflib.get_close_matches(str(unknown[0]), sorted(known), n=1)
             guess = f" (did you mean {close[0]!r}?)" if close else ""

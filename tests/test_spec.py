@@ -157,6 +157,11 @@ def test_from_dict_rejects_unknown_and_missing_fields():
     with pytest.raises(SpecError, match=r"invalid spec='lr': unknown field; known fields"):  # no guess
         JobSpec.from_dict({"name": "j", "entrypoint": "a:B", "total_iterations": 1, "global_batch": 1,
                            "lr": 1})
+    # YAML reads an unquoted key as a number, a bool or null: beside a string one, sorted() raised
+    with pytest.raises(SpecError, match=r"invalid spec=1: unknown field"):
+        JobSpec.from_dict({"name": "j", 1: 2, "x": 3})
+    with pytest.raises(SpecError, match="unknown key 1"):
+        make_spec(stop_when={1: 2, "z": 1, "metric": "m", "at_least": 1})
     with pytest.raises(SpecError) as info:
         JobSpec.from_dict({"name": "j", "entrypoint": "a:B", "total_iterations": 1})
     assert info.value.field == "global_batch"
