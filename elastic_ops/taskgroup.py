@@ -69,13 +69,13 @@ def _check_with_stand_ins(concrete: dict[str, Any], templated: list[str]) -> Job
     the DAG only if no value the template can render to passes. The error of the defaults says
     which stand-ins it was checked with."""
     varied = [f for f in templated if f in _CHOICES]
-    first: SpecError | None = None
-    for values in itertools.product(*(_CHOICES[f] for f in varied)):
+    errors: list[SpecError] = []
+    for values in itertools.product(*(_CHOICES[f] for f in varied)):  # the defaults' first
         try:
             return JobSpec.from_dict(concrete | dict(zip(varied, values, strict=True)))
         except SpecError as exc:
-            first = first or exc
-    assert first is not None  # (the product has at least one element: the defaults)
+            errors.append(exc)
+    first = errors[0]
     stand_ins = [f for f in templated if f not in ("max_workers", "total_iterations")]
     if not stand_ins:
         raise first
