@@ -51,7 +51,14 @@ from elastic_ops.errors import (
     WorkerLostError,
 )
 from elastic_ops.runtime.control import ControlChannel, count_of, moved
-from elastic_ops.runtime.launcher import Launcher, LaunchRequest, LocalLauncher, RemotePart, loopback_store
+from elastic_ops.runtime.launcher import (
+    Launcher,
+    LaunchRequest,
+    LocalLauncher,
+    RemotePart,
+    loopback_store,
+    start_on,
+)
 from elastic_ops.runtime.outcome import ChunkResult, ChunkStatus, Progress
 from elastic_ops.runtime.segment import (
     PG_TIMEOUT_DEFAULT_S,
@@ -364,14 +371,7 @@ class _Runner:
             name="elastic-ops-control",
             daemon=True,
         )
-        try:
-            pc = self.launcher.start(req)
-        except WorkerLostError as exc:
-            if exc.host is not None:
-                raise
-            # the launcher's host fault (no GPU for a granted slot) is this host's: name it, so
-            # the chunk task reports it and the retry's grant avoids it
-            raise WorkerLostError(f"{self.host}: {exc.message}", host=self.host, hint=exc.hint) from exc
+        pc = start_on(self.launcher, req, self.host)
         ctl.start()
         try:
             result = None

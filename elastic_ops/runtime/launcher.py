@@ -251,6 +251,21 @@ def visible_gpus() -> list[str]:
     return gpus[:count]
 
 
+def start_on(launcher: Launcher, req: LaunchRequest, host: str) -> PContext:
+    """``launcher.start(req)`` for ranks on ``host``: a host fault the launcher raises without
+    naming a host (no GPU for a granted slot) is ``host``'s, so the chunk task reports that host
+    and the retry's grant avoids it (the leader's runner, for a follower's ranks, would otherwise
+    have only its own host to blame)."""
+    from elastic_ops.errors import WorkerLostError
+
+    try:
+        return launcher.start(req)
+    except WorkerLostError as exc:
+        if exc.host is not None:
+            raise
+        raise WorkerLostError(f"{host}: {exc.message}", host=host, hint=exc.hint) from exc
+
+
 # torch._dynamo: every torch.optim.Optimizer imports it on construction (~4 s of CPU per process).
 PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "elastic_ops.runtime.worker"]
 

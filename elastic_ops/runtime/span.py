@@ -28,8 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from elastic_ops.errors import WorkerLostError
-from elastic_ops.runtime.launcher import LaunchRequest, RemotePart
+from elastic_ops.runtime.launcher import LaunchRequest, RemotePart, start_on
 
 GRACE_S = 5.0  # after a failure, how long the leader waits for every host's account of its ranks
 
@@ -130,14 +129,7 @@ class FollowerRanks:
         directory.mkdir(parents=True, exist_ok=True)
         (directory / "segment.json").write_text(json.dumps(follower_config(leader_cfg, directory)))
         self.host, self.dir, self.offset = host, directory, req.rank_offset
-        try:
-            self.pc = launcher.start(req)
-        except WorkerLostError as exc:
-            if exc.host is not None:
-                raise
-            # the launcher's host fault (no GPU for a granted slot) is this follower's: named here,
-            # or the leader's runner, which has no other host to put on it, would blame its own
-            raise WorkerLostError(f"{host}: {exc.message}", host=host, hint=exc.hint) from exc
+        self.pc = start_on(launcher, req, host)  # a host fault of its launcher is this follower's
 
     def pids(self) -> dict[int, int]:
         return self.pc.pids()
