@@ -153,15 +153,13 @@ def cmd_node(args: argparse.Namespace) -> int:
     return main(args.host, config, advertise_addr=args.advertise_addr, metrics=metrics_from_airflow_config())
 
 
-MAX_HOST_SLOTS = 1_000_000  # what the pool's add_host takes
-
-
 def slots_to_register(value: str) -> int:
     """``--register-slots``: a whole number of slots, or ``gpus``, the GPUs CUDA sees on this host
     (slot i is the i-th of them, docs/runtime.md "GPUs"). A number above that count, on a host
     with GPUs, is logged as a warning: a CUDA job granted a slot past the last GPU fails there
     (a retryable ``WorkerLostError`` held against the host)."""
     from elastic_ops.errors import SpecError
+    from elastic_ops.pool.checks import MAX_HOST_SLOTS
     from elastic_ops.runtime.launcher import visible_gpus
 
     allowed = (f"a whole number of slots from 1 to {MAX_HOST_SLOTS}, or 'gpus' (one slot per GPU CUDA sees "

@@ -13,6 +13,8 @@ from elastic_ops.pool.model import HostState, Preemption, Slot, check_aging
 from elastic_ops.pool.policies import POLICIES
 from elastic_ops.spec import MAX_WORKERS_LIMIT, check_host_name, check_number
 
+MAX_HOST_SLOTS = 1_000_000  # the most slots one host may have
+
 MAX_LEASE_TTL_S = 86_400.0  # a day
 MAX_SETTING = 1e9  # any other setting (seconds or a fraction): past it, arithmetic leaves the finite
 MAX_LOOKBACK_H = 1e6  # ~114 years: more reads the whole log anyway; a huge value would overflow to inf

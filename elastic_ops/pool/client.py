@@ -34,6 +34,7 @@ from elastic_ops.pool import ledger
 from elastic_ops.pool import schema as s
 from elastic_ops.pool.checks import (
     MAX_EPOCH,
+    MAX_HOST_SLOTS,
     MAX_LOOKBACK_H,
     check_bounds,
     check_config,
@@ -256,7 +257,7 @@ class PoolClient:
     def add_host(self, name: str, slots: int, labels: dict[str, str] | None = None) -> None:
         """Register (or update) a host with ``slots`` slots; it becomes ``up``."""
         check_host("host", name)
-        check_int("slots", slots, 1, 1_000_000)
+        check_int("slots", slots, 1, MAX_HOST_SLOTS)
         # the rules host selectors follow: a label no selector could name is a typo
         labels_json = json.dumps(check_host_selector("labels", labels), sort_keys=True)
 
