@@ -707,17 +707,7 @@ def _check_range(spec: JobSpec, start: int, end: int) -> None:
 
 
 def _check_entrypoint(spec: JobSpec) -> None:
-    if spec.is_script():
-        if spec.consistency.value != "fast" or spec.scaling.value != "fixed":
-            raise SpecError(
-                "consistency",
-                spec.consistency.value,
-                "script entrypoints support consistency 'fast' with scaling 'fixed' only",
-                hint="the script reduces its own gradients (e.g. with DDP)",
-            )
-        if spec.micro_batch is not None:
-            raise SpecError("micro_batch", spec.micro_batch, "not with a script entrypoint",
-                            hint="the script runs its own forward and backward: accumulate there")
+    if spec.is_script():  # its consistency, scaling and micro_batch: JobSpec checks them
         if not Path(spec.entrypoint).is_file():
             from elastic_ops.errors import EntrypointError
 
