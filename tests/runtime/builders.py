@@ -45,7 +45,8 @@ class TinyMLP(Trainable):
     ``plateau`` builds a ReduceLROnPlateau; ``eval_extra`` adds its items to evaluate()'s;
     ``aux_head`` adds a layer the loss never uses; ``weight_decay`` is SGD's; ``noisy_step`` adds
     noise in the optimizer's step; ``eval_draw`` adds a random draw to the accuracy;
-    ``full_disk_rank``: that rank's disk is full (its ``torch.save`` raises ENOSPC).
+    ``full_disk_rank``: that rank's disk is full (its ``torch.save`` raises ENOSPC); ``autocast``
+    (a dtype name, e.g. ``bfloat16``) runs the forward under ``torch.autocast``.
     """
 
     def __init__(self, **params: Any) -> None:
@@ -102,7 +103,11 @@ class TinyMLP(Trainable):
             raise ValueError("tiny model refuses this batch")
         if p.get("exit_at") is not None and self._at(p["exit_at"]):
             sys.exit(p.get("exit_code", 1))
-        out = F.cross_entropy(model(x), y)
+        if p.get("autocast"):  # mixed precision as a user writes it: the forward under autocast
+            with torch.autocast(x.device.type, dtype=getattr(torch, p["autocast"])):
+                out = F.cross_entropy(model(x), y)
+        else:
+            out = F.cross_entropy(model(x), y)
         if p.get("nan_at") is not None and self._at(p["nan_at"]):
             return out * float("nan")
         return out

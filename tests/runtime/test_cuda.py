@@ -134,6 +134,21 @@ def test_a_preempted_gpu_job_commits_gives_its_gpu_memory_back_and_resumes(tmp_p
         assert torch.cuda.mem_get_info()[0] > free_before - 256 * 2**20
     assert run_chunk(spec, 0, 30, target=one).param_sha256 == gpu_runs["bitwise"][0]
 
+
+def test_bf16_autocast_trains_bitwise_on_the_gpu_across_a_resume(tmp_path, gpu_runs):
+    """Mixed precision as a user writes it (``torch.autocast`` in ``loss``; bf16 needs no
+    GradScaler): parameters and gradients stay float32 in the flat buffer, autocast takes effect
+    (other bits than the float32 run), and a run split by a checkpoint ends on the same bits."""
+    whole = make_spec(tmp_path / "whole", device=DEVICE, params={"autocast": "bfloat16"})
+    ref = run_chunk(whole, 0, 30, target=one)
+    split = make_spec(tmp_path / "split", device=DEVICE, params={"autocast": "bfloat16"})
+    run_chunk(split, 0, 12, target=one)
+    assert run_chunk(split, 12, 30, target=one).param_sha256 == ref.param_sha256
+    assert ref.param_sha256 != gpu_runs["bitwise"][0]
+    state = final_state(whole)
+    assert {t.dtype for t in state["model"].values()} == {torch.float32}
+    assert all(torch.isfinite(torch.tensor(loss)) for _, loss in state["metrics"]["loss"])
+
 DDP_SCRIPT = """
 import json, os
 import torch
