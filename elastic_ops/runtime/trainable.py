@@ -20,7 +20,8 @@ class Trainable:
     to ``__init__`` as keyword arguments. ``loss`` must return the *mean* loss over the batch it
     is given (the runtime scales it by the batch's share of the global batch).
 
-    The scheduler, if any, is stepped once per iteration, after the optimizer.
+    The scheduler, if any, is stepped once per iteration, after the optimizer; ``before_step``
+    (optional) sees the iteration's global gradient first, e.g. to clip it.
     """
 
     def __init__(self, **params: Any) -> None:
@@ -40,6 +41,13 @@ class Trainable:
 
     def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
         raise NotImplementedError(f"{type(self).__name__} must implement loss(model, batch)")
+
+    def before_step(self, model: nn.Module) -> None:
+        """Called once per iteration, before ``optimizer.step()``, with the gradient of the global
+        batch's mean loss in each parameter's ``.grad`` (``None`` where no worker's loss used
+        it): the same on every worker, and in bitwise mode the same bits for any worker count.
+        Clip it here (``torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)``); changing
+        ``.grad`` in place is what the optimizer then sees."""
 
     def evaluate(self, model: nn.Module) -> dict[str, float]:
         return {}

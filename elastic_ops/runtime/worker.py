@@ -122,6 +122,7 @@ class TrainableWorker:
             for g in groups:
                 g["lr"] = g["lr"] * factor
         with user_code():
+            self.trainable.before_step(self.model)  # the reduced gradient: clip it, say
             self.optimizer.step()
         if factor != 1.0:
             for g, lr in zip(groups, base, strict=True):

@@ -46,7 +46,8 @@ class TinyMLP(Trainable):
     ``aux_head`` adds a layer the loss never uses; ``weight_decay`` is SGD's; ``noisy_step`` adds
     noise in the optimizer's step; ``eval_draw`` adds a random draw to the accuracy;
     ``full_disk_rank``: that rank's disk is full (its ``torch.save`` raises ENOSPC); ``autocast``
-    (a dtype name, e.g. ``bfloat16``) runs the forward under ``torch.autocast``.
+    (a dtype name, e.g. ``bfloat16``) runs the forward under ``torch.autocast``; ``clip`` clips the
+    global gradient's norm to it in ``before_step``.
     """
 
     def __init__(self, **params: Any) -> None:
@@ -111,6 +112,10 @@ class TinyMLP(Trainable):
         if p.get("nan_at") is not None and self._at(p["nan_at"]):
             return out * float("nan")
         return out
+
+    def before_step(self, model: nn.Module) -> None:
+        if self.params.get("clip") is not None:  # clipping the global gradient, as users do
+            torch.nn.utils.clip_grad_norm_(model.parameters(), float(self.params["clip"]))
 
     def _at(self, iteration: int) -> bool:
         """Whether this call belongs to ``iteration`` (counts optimizer steps via the model)."""

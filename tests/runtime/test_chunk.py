@@ -124,6 +124,18 @@ def test_samples_are_used_exactly_once_across_rescales_and_a_mid_epoch_resume(tm
     assert sorted(set(counts.values())) == [3, 4] and list(counts.values()).count(4) == 72
 
 
+def test_before_step_clips_the_global_gradient_alike_for_any_worker_schedule(tmp_path, reference):
+    """Gradient clipping in ``Trainable.before_step`` sees the reduced gradient (the same bits
+    for any worker count in bitwise mode), so a 1→3→2 run ends on the 1-worker run's bits."""
+    one = make_spec(tmp_path / "one", params={"clip": 0.05})
+    alone = run_job(one, schedule=Schedule.constant(1))
+    spec = make_spec(tmp_path / "rescaled", params={"clip": 0.05})
+    rescaled = run_job(spec, schedule=Schedule.parse("1,3,2", spec, 0, 30))
+    assert [n for _, n, _ in rescaled.workers_timeline] == [1, 3, 2]
+    assert rescaled.param_sha256 == alone.param_sha256
+    assert alone.param_sha256 != reference["bitwise"]  # the clip took effect
+
+
 def test_killed_worker_is_retryable_and_the_rerun_matches_an_uninterrupted_run(tmp_path, reference):
     params = {"kill_at": 17, "kill_rank": 1, "marker": str(tmp_path / "killed-once")}
     spec = make_spec(tmp_path, params=params)
