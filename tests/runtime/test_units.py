@@ -348,3 +348,20 @@ def test_a_cuda_job_granted_a_host_without_an_nvidia_driver_is_the_jobs_placemen
     monkeypatch.setattr(launcher, "nvidia_driver_loaded", lambda: True)
     with pytest.raises(WorkerLostError):  # the driver runs, the GPUs are gone: the host's fault
         slot_gpus((0, 1), 2, [])
+
+
+def test_the_runner_decides_ahead_at_rank_0s_recent_rate_not_its_mean_since_the_start(tmp_path):
+    """A slow first iteration (CUDA's warm-up) must not keep the lookahead short afterwards:
+    rank 0 would wait for decisions at every few boundaries."""
+    from elastic_ops.runtime.chunk import HORIZON_S, LOOKAHEAD, lookahead
+
+    chan = ControlChannel(tmp_path, 40, create=True)
+    times = [0.0, 1.0] + [1.0 + 0.003 * k for k in range(1, 38)]  # 1 s, then 3 ms per iteration
+    for j, t in enumerate(times):
+        chan.prog[j] = (0.5, t, 12 * j)
+    ahead, since = lookahead(chan, 5, (0, times[0]))
+    assert ahead == LOOKAHEAD and since == (5, times[5])  # the warm-up is all it has seen yet
+    ahead, since = lookahead(chan, 10, since)
+    assert ahead == math.ceil(HORIZON_S / 0.003) and since == (10, times[10])  # 17, not 2
+    assert lookahead(chan, 10, (10, times[10]))[0] >= LOOKAHEAD  # no division by zero
+
