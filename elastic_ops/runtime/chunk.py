@@ -527,25 +527,17 @@ class _Runner:
                 if r["traceback"]:
                     msg += "\n" + r["traceback"]
                 return cls(msg)
-        if disk := [r for r in reports if r["kind"] == "storage"]:
-            r = min(disk, key=lambda r: r["time"])
-            host = r.get("host") or self.host
-            return WorkerLostError(
-                f"worker lost on {host}: rank {r['rank']} could not write to its local disk: {r['message']}",
-                host=host,
-                hint="free space where the host stages states (the chunk's work directory); the retry's "
-                "grant avoids this host and resumes from the last committed checkpoint",
-            )
-        if gpu := [r for r in reports if r["kind"] == "device"]:
-            r = min(gpu, key=lambda r: r["time"])
-            host = r.get("host") or self.host
-            return WorkerLostError(
-                f"worker lost on {host}: rank {r['rank']} cannot use its GPU: {r['message']}",
-                host=host,
-                hint="check the host's GPUs (nvidia-smi: a failed GPU, one busy in exclusive-process mode "
-                "or held by a stray process, a driver older than torch's CUDA); the retry's grant avoids "
-                "this host and resumes from the last committed checkpoint",
-            )
+        for kind, what, fix in _HOST_FAULTS:  # the host's, reported by the rank that met it
+            found = [r for r in reports if r["kind"] == kind]
+            if found:
+                r = min(found, key=lambda r: r["time"])
+                host = r.get("host") or self.host
+                return WorkerLostError(
+                    f"worker lost on {host}: rank {r['rank']} {what}: {r['message']}",
+                    host=host,
+                    hint=f"{fix}; the retry's grant avoids this host and resumes from the last committed "
+                    "checkpoint",
+                )
         internal = [r for r in reports if r["kind"] == "internal"]
         if not signals and not remote_killed and stopped:
             return AgentLostError(  # an upgrade or restart, not the host failing: not held against it
@@ -696,6 +688,16 @@ def _device(spec: JobSpec) -> str:
 
         return "cuda" if torch.cuda.is_available() else "cpu"
     return spec.device.value
+
+
+# A worker's report kinds that are its host's fault: (kind, what the rank could not do, the fix)
+_HOST_FAULTS = (
+    ("storage", "could not write to its local disk",
+     "free space where the host stages states (the chunk's work directory)"),
+    ("device", "cannot use its GPU",
+     "check the host's GPUs (nvidia-smi: a failed GPU, one busy in exclusive-process mode or held by a "
+     "stray process, a driver older than torch's CUDA)"),
+)
 
 
 def lookahead(chan: ControlChannel, reached: int, since: tuple[int, float]) -> tuple[int, tuple[int, float]]:
