@@ -168,6 +168,14 @@ def _current_iteration() -> int:
     return worker.CURRENT_ITERATION
 
 
+def final_state(spec: JobSpec) -> dict[str, Any]:
+    """The state of ``spec``'s latest committed checkpoint (of its own trajectory)."""
+    from elastic_ops.checkpoint import open_store
+
+    store = open_store(spec.checkpoint)
+    return store.load(store.latest(spec_hash=spec.spec_hash()))
+
+
 def make_spec(tmp_path: Path, **overrides: Any) -> JobSpec:
     fields: dict[str, Any] = dict(
         name="tiny",

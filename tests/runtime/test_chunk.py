@@ -23,18 +23,13 @@ from elastic_ops.runtime import ChunkStatus, Schedule, run_chunk, run_job
 from elastic_ops.runtime.chunk import _killed_ranks, _Runner
 from elastic_ops.runtime.control import count_of, moved
 from elastic_ops.runtime.data_order import stream_slice
-from tests.runtime.builders import RecordingLauncher, make_spec
+from tests.runtime.builders import RecordingLauncher, final_state, make_spec
 
 pytestmark = pytest.mark.timeout(300)
 
 
 def one_worker(_: int) -> int:
     return 1
-
-
-def final_state(spec):
-    store = open_store(spec.checkpoint)
-    return store.load(store.latest(spec_hash=spec.spec_hash()))
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ import torch
 from elastic_ops.checkpoint import open_store
 from elastic_ops.errors import SpecError, WorkerLostError
 from elastic_ops.runtime import ChunkStatus, run_chunk
-from tests.runtime.builders import RecordingLauncher, make_spec
+from tests.runtime.builders import RecordingLauncher, final_state, make_spec
 
 DEVICE = os.environ.get("ELASTIC_OPS_TEST_DEVICE", "cuda")
 pytestmark = [
@@ -31,11 +31,6 @@ NO_DROPOUT = {"dropout": 0.0}  # CPU and GPU draw dropout masks from different g
 
 def one(_: int) -> int:
     return 1
-
-
-def final_state(spec) -> dict:
-    store = open_store(spec.checkpoint)
-    return store.load(store.latest(spec_hash=spec.spec_hash()))
 
 
 def assert_models_close(got: dict, want: dict, **tol) -> None:
