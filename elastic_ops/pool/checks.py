@@ -4,12 +4,13 @@ takes is checked here before its transaction starts, and a bad one is a
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from elastic_ops.errors import SpecError
 from elastic_ops.pool import schema as s
-from elastic_ops.pool.model import HostState, Preemption, Slot, check_aging
+from elastic_ops.pool.model import HostState, Preemption, Progress, Slot, check_aging
 from elastic_ops.pool.policies import POLICIES
 from elastic_ops.spec import MAX_WORKERS_LIMIT, check_host_name, check_number
 
@@ -64,6 +65,33 @@ def check_hosts(field: str, value: Any) -> list[str]:
     return sorted({check_host_name(field, h) for h in value})
 
 
+MAX_PROGRESS_ITERATIONS = 10**12
+MAX_PROGRESS_SECONDS = 1e9
+
+
+def check_progress(value: Any) -> Progress | None:
+    """A heartbeat's ``progress``: a :class:`Progress` (or its dict), each field in range."""
+    if value is None:
+        return None
+    if isinstance(value, Mapping):
+        known = {f.name for f in dataclasses.fields(Progress)}
+        if unknown := sorted(set(map(str, value)) - known):
+            raise SpecError("progress", unknown[0], f"an unknown field; known: {', '.join(sorted(known))}")
+        try:
+            value = Progress(**value)
+        except TypeError:
+            raise SpecError("progress", dict(value), "needs iterations, seconds and workers") from None
+    if not isinstance(value, Progress):
+        raise SpecError("progress", value, "must be a Progress (iterations, seconds, workers, hosts, batch)")
+    check_int("progress.iterations", value.iterations, 0, MAX_PROGRESS_ITERATIONS)
+    check_number("progress.seconds", value.seconds, minimum=0, maximum=MAX_PROGRESS_SECONDS,
+                 unit=" of seconds")
+    check_int("progress.workers", value.workers, 1, MAX_WORKERS_LIMIT)
+    check_int("progress.hosts", value.hosts, 1, value.workers)
+    check_int("progress.batch", value.batch, 0, 2**31 - 1)
+    return value
+
+
 def check_placements(value: Any) -> list[Slot] | None:
     """``[(host, slot), ...]``: the slots a job says it still uses. A malformed entry would match
     none of its slots, so that every slot the plan takes looked given up while still in use."""
@@ -113,6 +141,9 @@ def check_config(changes: dict[str, Any]) -> dict[str, Any]:
         elif key == "aging_s":
             check_aging(key, value)
             check_number(key, value, minimum=0, maximum=MAX_SETTING)
+        elif key in ("plan_interval_s", "plan_refresh_s"):
+            # the planner's pace: a refresh under the interval would plan on every heartbeat
+            check_number(key, value, minimum=0, maximum=3600.0, unit=" of seconds")
         elif key in AT_LEAST_1_S:
             # a lease that outlives every heartbeat gap by days would keep a dead holder's slots;
             # one under a second would be lost to any pause of its holder (heartbeats: ttl / 3)

@@ -1,28 +1,38 @@
-"""The pool client: the ledger's API, one database transaction per call.
+"""The pool client: the ledger's API. It checks every argument, then runs the ledger's named
+operations (:class:`elastic_ops.pool.ledger.Tx`) in transactions.
 
-Every call runs **sync → decide → apply** (:mod:`elastic_ops.pool.ledger`) in one transaction,
-so the plan every client acts on is the one the last change made.
-
-Transactions are serialised: SQLite takes the write lock at ``BEGIN IMMEDIATE`` (with a busy
-timeout and retries), PostgreSQL locks the single ``pool`` row with ``SELECT … FOR UPDATE``.
-The ``allocations`` primary key ``(host, slot)`` makes a double grant impossible even so.
+- A **change** (submit, request, release, priority, bounds, selector, hosts, settings) runs
+  under the pool lock, marks the plan dirty and returns once a committed plan has seen it
+  (group commit: one caller plans for every change made before its plan began).
+- A **heartbeat** takes no pool lock and does not plan: it renews one lease, reports progress
+  and reads the target the planner last wrote. When it finds a plan due (dirty, a lease
+  overdue, the last plan older than ``plan_refresh_s``) it runs one if no other client is.
+- One plan at a time: the pool lock (SQLite: the file's write lock; PostgreSQL: the ``pool``
+  row, ``FOR UPDATE``; a try that finds it held skips). The ``allocations`` primary key
+  ``(host, slot)`` makes a double grant impossible even so.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import os
-import random
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
-from sqlalchemy import Connection, delete, func, insert, inspect, or_, select, true, update
+from sqlalchemy import Connection, func, inspect, select, true
 from sqlalchemy.exc import DatabaseError, OperationalError, ProgrammingError
+from tenacity import (
+    Retrying,
+    retry_if_exception,
+    stop_after_attempt,
+    stop_after_delay,
+    wait_random_exponential,
+)
 
 from elastic_ops.errors import (
-    JobEndedError,
     LeaseExpiredError,
     LedgerBusyError,
     LedgerUnavailableError,
@@ -30,7 +40,6 @@ from elastic_ops.errors import (
 )
 from elastic_ops.metrics import NO_METRICS, Metrics
 from elastic_ops.pool import engine as db
-from elastic_ops.pool import ledger
 from elastic_ops.pool import schema as s
 from elastic_ops.pool.checks import (
     MAX_EPOCH,
@@ -46,15 +55,28 @@ from elastic_ops.pool.checks import (
     check_int,
     check_name,
     check_placements,
+    check_progress,
 )
 from elastic_ops.pool.engine import NO_LEDGER_HINT, first_line, lock_timeout, make_engine, retryable
-from elastic_ops.pool.ledger import Target
-from elastic_ops.pool.model import HostState, JobState, Slot
+from elastic_ops.pool.ledger import PlannerState, Target, Tx
+from elastic_ops.pool.model import HostState, Progress, Slot
 from elastic_ops.pool.usage import ADD as USAGE_ADD
 from elastic_ops.pool.usage import REMOVE as USAGE_REMOVE
 from elastic_ops.pool.usage import usage as usage_of
 from elastic_ops.spec import MAX_WORKERS_LIMIT, check_host_selector, check_number
 from elastic_ops.urls import shown_url
+
+T = TypeVar("T")
+
+
+class Lock(enum.StrEnum):
+    """How a transaction takes the pool lock: ``pool`` waits for it, ``try`` skips when another
+    client holds it (``Tx.locked`` says which), ``none`` takes none (heartbeats, reads)."""
+
+    POOL = "pool"
+    TRY = "try"
+    NONE = "none"
+
 
 ENV_URL = "ELASTIC_OPS_POOL_URL"
 
@@ -101,25 +123,14 @@ def _raise_if_error(result: Any) -> Any:
     return result
 
 
-def _changed_demand(row: Any, values: dict[str, Any]) -> str:
-    """What a submit changes of a job's demand, as ``"max 8 -> 2, priority 1 -> 7"`` ('' if nothing)."""
-    parts = []
-    for key in ("min_workers", "max_workers", "priority", "preemptible", "selector"):
-        old, new = getattr(row, key), values[key]
-        if key == "preemptible":
-            old = bool(old)
-        if old != new:
-            parts.append(f"{key.removesuffix('_workers')} {old} -> {new}")
-    return ", ".join(parts)
-
-
 class PoolClient:
     """Client of the pool ledger. Safe to use from many processes at once (one client each).
 
     ``url``: an SQLAlchemy URL (``sqlite:////abs/path/pool.db``, ``postgresql+psycopg2://…``);
     the schema is created or migrated on first use. ``settings`` (``policy``, ``preemption``,
     ``lease_ttl_s``, ``min_rescale_interval_s``, ``min_gain``, ``aging_s``, ``job_idle_s``,
-    ``cooling_s``, ``failure_threshold``) are stored in the ledger, shared by all clients.
+    ``cooling_s``, ``failure_threshold``, ``plan_interval_s``, ``plan_refresh_s``) are stored in
+    the ledger, shared by all clients.
 
     ``clock``: seconds since the epoch. By default the database's own clock on PostgreSQL, so
     that clients on hosts whose clocks disagree cannot expire each other's leases early (or keep
@@ -127,6 +138,11 @@ class PoolClient:
 
     ``create=False`` (a client that only reads): a URL that holds no ledger yet is a
     :class:`SpecError`, not a new empty ledger (and on PostgreSQL, its tables).
+
+    ``wait_for_plan=False`` (bulk tools: registering thousands of jobs): a change returns once
+    it is committed, without waiting for a plan that saw it; it plans then only if no other
+    client is planning (one that is plans again, the plan being dirty), so a request may answer
+    ``Wait`` and be granted by that plan.
     """
 
     def __init__(
@@ -138,6 +154,7 @@ class PoolClient:
         retries: int = 20,
         metrics: Metrics = NO_METRICS,
         create: bool = True,
+        wait_for_plan: bool = True,
         **settings: Any,
     ) -> None:
         url = url or os.environ.get(ENV_URL)
@@ -148,9 +165,11 @@ class PoolClient:
         self.sleep = sleep
         self.retries = retries
         self.metrics = metrics
+        self.wait_for_plan = check_flag("wait_for_plan", wait_for_plan)
         self.engine = make_engine(url, create=create)
 
-        def first_use(conn: Connection, now: float) -> int:
+        def first_use(tx: Tx) -> int:
+            conn = tx.conn
             if not create and not inspect(conn).has_table(s.schema_version.name):
                 raise SpecError("url", shown_url(url), "an existing pool ledger: this database holds none",
                                 hint=NO_LEDGER_HINT)
@@ -160,7 +179,7 @@ class PoolClient:
                 raise SpecError("url", shown_url(url), exc.allowed, hint=exc.hint) from None
 
         try:
-            self._tx(first_use, lock=False)
+            self._tx(first_use, lock=Lock.NONE)
         except ProgrammingError as exc:  # e.g. the URL's search_path names no schema; no CREATE right
             raise SpecError("url", shown_url(url), "a database where the ledger's tables can be created "
                             f"and used: {first_line(exc.orig or exc)}",
@@ -176,49 +195,69 @@ class PoolClient:
 
     # --- transactions -------------------------------------------------------------------
 
-    def _tx(self, fn: Callable[[Connection, float], Any], *, lock: bool = True) -> Any:
-        delay = 0.005
-        # the retries are for a lock lost in a moment (a deadlock, SQLite's busy handler giving
-        # up at once); each SQLite try may itself wait the whole busy timeout for the write
-        # lock: past that in all, a held lock is LedgerBusyError, not 21 such waits (~10 min)
-        deadline = time.monotonic() + db.SQLITE_BUSY_TIMEOUT_S
-        for attempt in range(self.retries + 1):
-            try:
-                sent: list[tuple[str, str, float]] = []  # metrics, sent once the transaction commits
-                with self.engine.begin() as conn:
-                    conn.info.pop("pool_settings", None)
-                    conn.info["pool_metrics"] = sent
-                    conn.info["pool_gauges"] = self.metrics is not NO_METRICS
-                    if lock and conn.dialect.name == "postgresql":
-                        conn.execute(select(s.pool.c.id).where(s.pool.c.id == 1).with_for_update())
-                    out = fn(conn, self._now(conn))
-                    conn.info.pop("pool_metrics", None)
-                self._send(sent)
-                return out
-            except OperationalError as exc:
-                if lock_timeout(exc):  # another client held a lock this call needs for PG_LOCK_TIMEOUT_S
-                    raise LedgerBusyError(
-                        f"pool ledger {shown_url(self.url)}: the pool's lock (or a table's) was not granted "
-                        f"within {db.PG_LOCK_TIMEOUT_S}s",
-                        hint=f"a client holds it in a long transaction; the server ends one left idle for "
-                        f"{db.PG_IDLE_IN_TX_S}s (a hung or stopped client)",
-                    ) from exc
-                if not retryable(exc):
-                    # connection refused or lost: retryable by the caller (a heartbeat, a trigger,
-                    # an Airflow try), never a raw driver error
-                    raise LedgerUnavailableError(
-                        f"pool ledger {shown_url(self.url)} unreachable: {first_line(exc.orig or exc)}",
-                        hint="check that the database is up and reachable from this host",
-                    ) from exc
-                if attempt == self.retries or time.monotonic() >= deadline:
-                    raise LedgerBusyError(
-                        f"pool ledger {shown_url(self.url)} stayed busy after {attempt} retries",
-                        hint="another client holds the ledger's lock in a long transaction (a hung or "
-                        "stopped process), or too many clients use one SQLite file; use PostgreSQL",
-                    ) from exc
-            self.sleep(delay * (1 + random.random()))
-            delay = min(delay * 2, 0.5)
-        raise AssertionError("unreachable")  # pragma: no cover
+    def _run(self, fn: Callable[[Tx], T], lock: Lock) -> tuple[T, Tx]:
+        """One try of a transaction: begin, lock as ``lock`` says, run ``fn``, commit."""
+        with self.engine.begin() as conn:
+            locked = True
+            if lock is not Lock.NONE and conn.dialect.name == "postgresql":
+                q = select(s.pool.c.id).where(s.pool.c.id == 1)
+                q = q.with_for_update(skip_locked=True) if lock is Lock.TRY else q.with_for_update()
+                locked = conn.execute(q).first() is not None
+            tx = Tx(conn, self._now(conn), gauges=self.metrics is not NO_METRICS)
+            tx.locked = locked
+            out = fn(tx)
+        self._send(tx.sent)
+        return out, tx
+
+    def _tx(self, fn: Callable[[Tx], T], *, lock: Lock = Lock.POOL) -> tuple[T, Tx]:
+        """``fn`` in a transaction, retried (tenacity) when a lock was lost in a moment (a
+        deadlock, SQLite's busy handler giving up at once). Each SQLite try may itself wait the
+        whole busy timeout for the write lock: past that in all, a held lock is
+        :class:`LedgerBusyError`, not many such waits."""
+        retrying = Retrying(
+            stop=stop_after_attempt(self.retries + 1) | stop_after_delay(db.SQLITE_BUSY_TIMEOUT_S),
+            wait=wait_random_exponential(multiplier=0.005, max=0.5),
+            retry=retry_if_exception(_lost_lock),
+            sleep=self.sleep,
+            reraise=True,
+        )
+        try:
+            return retrying(self._run, fn, lock)
+        except OperationalError as exc:
+            if lock_timeout(exc):  # another client held a lock this call needs for PG_LOCK_TIMEOUT_S
+                raise LedgerBusyError(
+                    f"pool ledger {shown_url(self.url)}: the pool's lock (or a table's) was not granted "
+                    f"within {db.PG_LOCK_TIMEOUT_S}s",
+                    hint=f"a client holds it in a long transaction; the server ends one left idle for "
+                    f"{db.PG_IDLE_IN_TX_S}s (a hung or stopped client)",
+                ) from exc
+            if retryable(exc):
+                tries = retrying.statistics.get("attempt_number", 1)
+                raise LedgerBusyError(
+                    f"pool ledger {shown_url(self.url)} stayed busy after {tries - 1} retries",
+                    hint="another client holds the ledger's lock in a long transaction (a hung or "
+                    "stopped process), or too many clients use one SQLite file; use PostgreSQL",
+                ) from exc
+            # connection refused or lost: retryable by the caller (a heartbeat, a trigger, an
+            # Airflow try), never a raw driver error
+            raise LedgerUnavailableError(
+                f"pool ledger {shown_url(self.url)} unreachable: {first_line(exc.orig or exc)}",
+                hint="check that the database is up and reachable from this host",
+            ) from exc
+
+    def _read(self, fn: Callable[[Tx], T]) -> T:
+        return self._tx(fn, lock=Lock.NONE)[0]
+
+    def _change(self, fn: Callable[[Tx], T], *, lock: Lock = Lock.POOL) -> T:
+        """A change of the pool's inputs: ``fn`` (under the pool lock unless it only changes a
+        demand or a setting, which no plan in flight writes), then (group commit) wait for a
+        committed plan that saw it, so the caller reads its effect at once."""
+        out, tx = self._tx(fn, lock=lock)
+        if self.wait_for_plan:
+            self._settle(tx.seq)
+        elif tx.seq is not None:
+            self._nudge()  # plans now if nobody else is; else the one planning plans again
+        return out
 
     def _send(self, sent: list[tuple[str, str, float]]) -> None:
         for kind, name, value in sent:
@@ -227,7 +266,6 @@ class PoolClient:
             else:
                 self.metrics.gauge(name, value)
 
-
     def _now(self, conn: Connection) -> float:
         if self.clock is not None:
             return float(self.clock())
@@ -235,24 +273,86 @@ class PoolClient:
             return float(conn.execute(select(func.extract("epoch", func.clock_timestamp()))).scalar_one())
         return time.time()
 
+    # --- the planner ---------------------------------------------------------------------
+
+    def _settle(self, seq: int | None) -> None:
+        """Return once a committed plan has seen change ``seq``: one caller plans for every
+        change made before its plan began (the others find their change planned); in a burst
+        (more changes waiting than this one) the plan waits out ``plan_interval_s`` since the
+        last plan ended, so that more join it."""
+        if seq is None:
+            return
+        rest, _ = self._tx(lambda tx: self._plan_for(tx, seq, waited=False))
+        if rest is not None:  # a burst: wait for more changes to join, then plan whatever came
+            self.sleep(rest)
+            self._tx(lambda tx: self._plan_for(tx, seq, waited=True))
+
+    @staticmethod
+    def _plan_for(tx: Tx, seq: int, waited: bool) -> float | None:
+        st = tx.planner_state()
+        if st.planned_seq >= seq:
+            return None
+        rest = st.planned_at + tx.settings["plan_interval_s"] - tx.wall
+        if not waited and st.dirty_seq - st.planned_seq > 1 and rest > 0:
+            return min(rest, tx.settings["plan_interval_s"])
+        tx.plan(seen=st.dirty_seq)
+        return None
+
+    def _nudge(self) -> bool:
+        """Plan if a plan is due (the plan is dirty and ``plan_interval_s`` has passed since the
+        last one, a lease is overdue, or the last plan is older than ``plan_refresh_s``) and no
+        other client is planning now; never waits for one. Returns whether it planned."""
+
+        def op(tx: Tx) -> bool:
+            if not tx.locked:
+                return False  # another client plans now; it plans again if the plan is dirty
+            st, cfg = tx.planner_state(), tx.settings
+            due = (
+                (st.dirty and tx.wall >= st.planned_at + cfg["plan_interval_s"])
+                or tx.wall >= st.planned_at + cfg["plan_refresh_s"]
+                or tx.overdue()
+            )
+            if due:
+                tx.plan(seen=st.dirty_seq)
+            return due
+
+        return self._tx(op, lock=Lock.TRY)[0]
+
+    def plan(self) -> dict[str, Any]:
+        """Run one plan now (whatever is due) and return the planner's state after it."""
+
+        def op(tx: Tx) -> PlannerState:
+            tx.plan(seen=tx.planner_state().dirty_seq)
+            return tx.planner_state()
+
+        return dataclasses.asdict(self._tx(op)[0])
+
+    def planner_state(self) -> dict[str, Any]:
+        """Changes made and planned, plans run, when the last ended and how long it took."""
+        return dataclasses.asdict(self._read(lambda tx: tx.planner_state()))
+
+    def serve_planner(self, stop: Callable[[], bool], *, poll_s: float | None = None) -> int:
+        """Plan whenever a plan is due until ``stop()`` is true (``elastic-ops pool planner``: a
+        dedicated planner, so expiry and time-driven rules act with no client calling). Clients
+        keep planning too; one plans at a time. Returns the plans it ran."""
+        plans = 0
+        while not stop():
+            plans += self._nudge()
+            pace = self._read(lambda tx: tx.settings["plan_interval_s"]) if poll_s is None else poll_s
+            self.sleep(max(pace, 0.01))
+        return plans
+
     def close(self) -> None:
         self.engine.dispose()
 
     # --- settings and hosts --------------------------------------------------------------
 
     def configure(self, **settings: Any) -> dict[str, Any]:
-        """Change pool-wide settings (policy, preemption, TTL, anti-thrashing, aging) and re-plan."""
+        """Change pool-wide settings (policy, preemption, TTL, anti-thrashing, aging, the
+        planner's pace) and re-plan."""
         changes = check_config(settings)
-
-        def op(conn, now):
-            if changes:
-                conn.execute(update(s.pool).where(s.pool.c.id == 1).values(**changes))
-                conn.info.pop("pool_settings", None)
-                ledger.log_event(conn, now, "config", reason=json.dumps(changes, sort_keys=True))
-            ledger.replan(conn, now)
-            return ledger.pool_settings(conn)
-
-        return self._tx(op)
+        self._change(lambda tx: tx.configure(changes), lock=Lock.NONE)
+        return self._read(lambda tx: dict(tx.settings))
 
     def add_host(self, name: str, slots: int, labels: dict[str, str] | None = None) -> None:
         """Register (or update) a host with ``slots`` slots; it becomes ``up``."""
@@ -260,28 +360,7 @@ class PoolClient:
         check_int("slots", slots, 1, MAX_HOST_SLOTS)
         # the rules host selectors follow: a label no selector could name is a typo
         labels_json = json.dumps(check_host_selector("labels", labels), sort_keys=True)
-
-        def op(conn, now):
-            row = conn.execute(select(s.hosts).where(s.hosts.c.name == name)).first()
-            a = s.allocations.c
-            busy = conn.execute(select(a.slot).where(a.host == name, a.slot >= slots)).first()
-            if busy is not None:  # slots that would vanish under the jobs running on them
-                raise SpecError(
-                    "slots", slots,
-                    f"must keep the slots jobs hold on host {name!r} (slot {busy.slot} is in use)",
-                    hint=f"drain the host first (elastic-ops pool drain {name}), then shrink it",
-                )
-            values = dict(
-                slots=slots, labels=labels_json, state=HostState.UP.value, state_since=now, failures=0
-            )
-            if row is None:
-                conn.execute(insert(s.hosts).values(name=name, **values))
-            else:
-                conn.execute(update(s.hosts).where(s.hosts.c.name == name).values(**values))
-            ledger.log_event(conn, now, "host", host=name, workers=slots, reason=f"added: {slots} slots, up")
-            ledger.replan(conn, now)
-
-        self._tx(op)
+        self._change(lambda tx: tx.add_host(name, slots, labels_json))
 
     def drain_host(self, name: str) -> None:
         """No new grants on ``name``; its jobs move off at their next iteration boundary."""
@@ -290,18 +369,7 @@ class PoolClient:
     def set_host_state(self, name: str, state: HostState | str) -> None:
         check_host("host", name)
         st = check_host_state(state)
-
-        def op(conn, now):
-            ledger.host_row(conn, name)
-            conn.execute(
-                update(s.hosts)
-                .where(s.hosts.c.name == name)
-                .values(state=st.value, state_since=now, failures=0)
-            )
-            ledger.log_event(conn, now, "host", host=name, reason=f"state -> {st.value}")
-            ledger.replan(conn, now)
-
-        self._tx(op)
+        self._change(lambda tx: tx.set_host_state(name, st))
 
     # --- jobs ----------------------------------------------------------------------------
 
@@ -323,61 +391,20 @@ class PoolClient:
         if not isinstance(preemptible, bool):
             raise SpecError("preemptible", preemptible, "must be true or false")
         wanted = check_host_selector("selector", selector)
-
-        def op(conn, now):
-            row = conn.execute(select(s.jobs).where(s.jobs.c.name == job)).first()
-            values = dict(
-                min_workers=min_workers,
-                max_workers=max_workers,
-                priority=priority,
-                preemptible=preemptible,
-                last_seen=now,
-                selector=json.dumps(wanted, sort_keys=True),
-            )
-            on = f" on hosts with {_labels(wanted)}" if wanted else ""
-            if row is None:
-                conn.execute(
-                    insert(s.jobs).values(
-                        name=job,
-                        state=JobState.WAITING.value,
-                        submitted=now,
-                        waiting_since=now,
-                        epoch=0,
-                        avoid_hosts="[]",
-                        target=0,
-                        reason="submitted",
-                        **values,
-                    )
-                )
-                ledger.log_event(
-                    conn,
-                    now,
-                    "submit",
-                    job=job,
-                    reason=f"min {min_workers} max {max_workers} "
-                    f"priority {priority} preemptible {preemptible}{on}",
-                )
-            else:
-                self._check_unpreemptible_min(conn, job, min_workers, preemptible)
-                if row.state == JobState.FINISHED.value:  # a rerun (the DAG run was cleared)
-                    values.update(
-                        state=JobState.WAITING.value, waiting_since=now, submitted=now, avoid_hosts="[]"
-                    )
-                    ledger.log_event(
-                        conn, now, "submit", job=job, reason=f"registered again: min {min_workers} "
-                        f"max {max_workers} priority {priority} preemptible {preemptible}{on}",
-                    )
-                elif changed := _changed_demand(row, values):  # the log keeps every job's demand
-                    ledger.log_event(conn, now, "config", job=job, reason=f"submitted again: {changed}")
-                conn.execute(update(s.jobs).where(s.jobs.c.name == job).values(**values))
-            ledger.replan(conn, now)
-
-        self._tx(op)
+        values = dict(min_workers=min_workers, max_workers=max_workers, priority=priority,
+                      preemptible=preemptible, selector=json.dumps(wanted, sort_keys=True))
+        described = f"min {min_workers} max {max_workers} priority {priority} preemptible {preemptible}"
+        on = f" on hosts with {_labels(wanted)}" if wanted else ""
+        self._change(lambda tx: tx.submit(job, values, described, on), lock=Lock.NONE)
 
     def request(
         self, job: str, *, avoid_hosts: Iterable[str] = (), new_attempt: bool = False
     ) -> Grant | Wait:
         """Ask for workers. Returns the live grant (new or existing) or ``Wait`` with the reason.
+
+        A job without a live lease asks the planner and this call returns after a plan that
+        saw the ask: granted then if the policy gives it slots; a job told to wait stays asking
+        (for a lease TTL), and a later plan may grant it: its next request returns that grant.
 
         ``new_attempt=True`` (the first request of a new try of a chunk): a lease the job still
         holds belongs to an earlier try, which may not be quite dead (a task killed while its
@@ -390,99 +417,54 @@ class PoolClient:
         check_name("job", job)
         avoid = check_hosts("avoid_hosts", avoid_hosts)
         check_flag("new_attempt", new_attempt)
-
-        def op(conn, now):
-            ledger.sync(conn, now)  # an overdue lease is not handed out again
-            row = ledger.job_row(conn, job)
-            values: dict[str, Any] = {"last_seen": now}
-            if avoid:
-                values["avoid_hosts"] = json.dumps(sorted(set(json.loads(row.avoid_hosts)) | set(avoid)))
-            if row.state == JobState.FINISHED.value:
-                if not new_attempt:
-                    raise JobEndedError(job)
-                values.update(state=JobState.WAITING.value, waiting_since=now)
-            lease = ledger.live_lease(conn, job)
-            if lease is not None and row.state == JobState.PARKED.value:
-                values["state"] = JobState.RUNNING.value  # the next chunk takes the parked slots
-            conn.execute(update(s.jobs).where(s.jobs.c.name == job).values(**values))
-            if lease is not None and new_attempt:
-                lease = ledger.reissue(conn, now, job, lease)
-            if lease is None:
-                plan = ledger.replan(conn, now, grant_to=job, synced=True)
-                lease = ledger.live_lease(conn, job)
-                if lease is None:
-                    d = plan.get(job)
-                    return Wait(job, d.reason if d else "not planned")
-            ttl = ledger.pool_settings(conn)["lease_ttl_s"]
-            return Grant(job, lease.epoch, ledger.held_slots(conn, job), ttl)
-
-        return self._tx(op)
-
+        self._change(lambda tx: tx.ask(job, avoid, new_attempt))
+        lease, slots, reason, ttl = self._read(lambda tx: tx.answer(job))
+        if lease is None:
+            return Wait(job, reason)
+        return Grant(job, lease.epoch, slots, ttl)
 
     def heartbeat(
-        self, job: str, epoch: int, *, workers: int, placements: Sequence[Slot] | None = None
+        self,
+        job: str,
+        epoch: int,
+        *,
+        workers: int,
+        placements: Sequence[Slot] | None = None,
+        progress: Progress | Mapping[str, Any] | None = None,
     ) -> Target:
-        """Renew the lease and return the target. ``workers``: what the job runs now.
+        """Renew the lease, report ``progress`` (what the job measured since its last heartbeat)
+        and return the target the planner last wrote. ``workers``: what the job runs now. Takes
+        no pool lock and does not plan: it touches this job's rows only.
 
         Slots the plan takes away are released when the job reports ``workers <= target``
         (and, if it passes ``placements``, no longer lists them): it has shrunk at a boundary.
         ``workers=0`` (the job stopped at a boundary after ``preempt``) ends the lease and returns
         all its slots, even if the plan has changed since; the job requests again later. So does a
-        preempted job left holding no slot (its ``placements`` lists none of them).
+        preempted job left holding no slot (its ``placements`` lists none of them). A dead epoch
+        raises :class:`LeaseExpiredError`.
         """
         check_name("job", job)
         check_epoch(epoch)
         check_int("workers", workers, 0, MAX_WORKERS_LIMIT)
         placements = check_placements(placements)
+        observed = check_progress(progress)
+        beat, tx = self._tx(lambda tx: tx.heartbeat(job, epoch, workers, placements, observed),
+                            lock=Lock.NONE)
+        self._settle(tx.seq)  # it freed slots a shrink gave up: others may grow onto them
+        if beat.error is not None:
+            self._nudge()  # an overdue lease: the plan that notices it returns its slots
+            raise beat.error
+        if beat.stopped:
+            return _raise_if_error(self._change(lambda tx: tx.stopped(job, epoch)))
+        if beat.plan_due:
+            self._nudge()
+        assert beat.target is not None
+        return beat.target
 
-        def op(conn, now):
-            ledger.sync(conn, now)
-            row = ledger.job_row(conn, job)
-            if (dead := ledger.lease_error(conn, job, epoch)) is not None:
-                return dead  # raised after the commit: the expiry sync() found must stick
-            if workers == 0:
-                return ledger.stopped(conn, now, job, epoch)
-            ttl = ledger.pool_settings(conn)["lease_ttl_s"]
-            conn.execute(
-                update(s.leases)
-                .where(s.leases.c.job == job, s.leases.c.epoch == epoch)
-                .values(expires=now + ttl)
-            )
-            values: dict[str, Any] = {"last_seen": now}
-            if row.state == JobState.PARKED.value:  # it runs workers: not parked any more
-                values["state"] = JobState.RUNNING.value
-            conn.execute(update(s.jobs).where(s.jobs.c.name == job).values(**values))
-            if left := ledger.abandoned(conn, job, placements):
-                ledger.free_slots(conn, now, job, left, "shrink", "released at boundary: no longer used",
-                                  epoch=epoch, workers=workers)
-            lo = row.min_workers
-            d = ledger.within_minimum(ledger.replan(conn, now, synced=True)[job], lo)
-            # the slots a shrink gives up go once the job runs no more workers than the slots it
-            # keeps (not its target: slots the target counts may not be free yet, e.g. when its
-            # host drains while the others are full, and the job still runs on the old ones)
-            if d.release and workers <= len(d.placements):
-                gone = ledger.given_up(conn, job, d, placements)
-                if gone:
-                    ledger.free_slots(
-                        conn,
-                        now,
-                        job,
-                        gone,
-                        "shrink",
-                        f"released at boundary: {d.reason}",
-                        epoch=epoch,
-                        workers=d.target,
-                    )
-                    d = ledger.within_minimum(ledger.replan(conn, now, synced=True)[job], lo)
-            if d.target == 0 and not ledger.held_slots(conn, job):
-                # preempted and holding nothing now: it has stopped, whatever it says it runs (a
-                # live lease holding no slot was granted back as 0 workers)
-                return ledger.stopped(conn, now, job, epoch)
-            ledger.mark_releasing(conn, now, job, d.release)
-            return ledger.target_of(job, workers, d)
-
-        return _raise_if_error(self._tx(op))
-
+    def observations(self, job: str) -> list[dict[str, Any]]:
+        """What ``job``'s heartbeats reported, summed per (workers, hosts, batch)."""
+        check_name("job", job)
+        return self._read(lambda tx: tx.observations(job))
 
     def release(self, job: str, epoch: int, *, finished: bool = False, handover: bool = False) -> bool:
         """Give back every slot of the lease ``epoch``. Idempotent: a lease already ended (or
@@ -501,69 +483,32 @@ class PoolClient:
         if finished and handover:
             raise SpecError("handover", handover, "a finished job has no next chunk to hand over to; "
                             "pass finished=True or handover=True, not both")
-
-        def op(conn, now):
-            row = ledger.job_row(conn, job)
-            ledger.sync(conn, now)
-            live = ledger.live_lease(conn, job)
-            if handover and live is not None and live.epoch == epoch:
-                return ledger.park(conn, now, job, epoch)
-            return ledger.give_back(conn, now, row, epoch, finished)
-
-        return self._tx(op)
-
-
+        return self._change(lambda tx: tx.release(job, epoch, finished, handover))
 
     def finish(self, job: str) -> bool:
         """End ``job`` whatever it holds: a live lease is released (its slots return), the job
         leaves the plan. Idempotent: False when it had ended already. For a job whose run failed
         for good outside any grant."""
-
-        def op(conn, now):
-            row = ledger.job_row(conn, job)
-            ledger.sync(conn, now)
-            if row.state == JobState.FINISHED.value:
-                return False
-            live = ledger.live_lease(conn, job)
-            ledger.give_back(conn, now, row, row.epoch if live is None else live.epoch, True)
-            return True
-
-        return self._tx(op)
+        return self._change(lambda tx: tx.finish(job))
 
     def report_failure(self, job: str, host: str) -> None:
         """``job`` failed on ``host``: the job avoids it from now on; enough failures cool it."""
         check_name("job", job)
         check_host("host", host)
-
-        def op(conn, now):
-            row = ledger.job_row(conn, job)
-            h = ledger.host_row(conn, host)
-            cfg = ledger.pool_settings(conn)
-            avoid = sorted(set(json.loads(row.avoid_hosts)) | {host})
-            conn.execute(update(s.jobs).where(s.jobs.c.name == job).values(avoid_hosts=json.dumps(avoid)))
-            failures = h.failures + 1
-            values: dict[str, Any] = {"failures": failures}
-            reason = f"failure {failures} of job {job}"
-            if failures >= cfg["failure_threshold"] and h.state == HostState.UP.value:
-                values.update(state=HostState.COOLING.value, state_since=now, failures=0)
-                reason += f"; cooling for {cfg['cooling_s']:.0f}s"
-            conn.execute(update(s.hosts).where(s.hosts.c.name == host).values(**values))
-            ledger.log_event(conn, now, "failure", job=job, host=host, reason=reason)
-            ledger.replan(conn, now)
-
-        self._tx(op)
+        self._change(lambda tx: tx.report_failure(job, host), lock=Lock.NONE)
 
     def check_epoch(self, job: str, epoch: int) -> None:
         """Raise :class:`LeaseExpiredError` unless ``epoch`` is the job's live lease."""
         check_name("job", job)
         check_epoch(epoch)
 
-        def op(conn, now):
-            ledger.job_row(conn, job)
-            ledger.sync(conn, now)
-            return ledger.lease_error(conn, job, epoch)
+        def op(tx: Tx) -> LeaseExpiredError | None:
+            tx.job_row(job)
+            return tx.lease_error(job, epoch)
 
-        _raise_if_error(self._tx(op))
+        if (dead := self._read(op)) is not None:
+            self._nudge()
+            raise dead
 
     def set_priority(self, job: str, priority: int) -> None:
         check_int("priority", priority, 1, 1000)
@@ -577,22 +522,8 @@ class PoolClient:
             job,
             {"min_workers": min_workers, "max_workers": max_workers},
             f"bounds -> {min_workers}..{max_workers}",
-            check=lambda conn, row: self._check_unpreemptible_min(conn, job, min_workers, row.preemptible),
+            check=lambda tx, row: tx.check_unpreemptible_min(job, min_workers, row.preemptible),
         )
-
-    def _check_unpreemptible_min(
-        self, conn: Connection, job: str, min_workers: int, preemptible: bool
-    ) -> None:
-        """A job that may not be preempted and holds fewer slots than its minimum would have to be
-        preempted to honour it: the change that would make it so is refused (bounds, submit,
-        preemptible)."""
-        held = len(ledger.held_slots(conn, job))
-        if not preemptible and 0 < held < min_workers:
-            raise SpecError(
-                "min_workers", min_workers,
-                f"must be <= the {held} slots job {job!r} holds: it may not be preempted",
-                hint="raise it once the job has released its slots, or make it preemptible",
-            )
 
     def set_selector(self, job: str, selector: Mapping[str, str] | None) -> None:
         """Change the labels a job's hosts must carry (``{}``/None: any host). Slots it holds on
@@ -605,34 +536,23 @@ class PoolClient:
         if not isinstance(preemptible, bool):
             raise SpecError("preemptible", preemptible, "must be true or false")
         self._update_job(job, {"preemptible": preemptible}, f"preemptible -> {preemptible}",
-                         check=lambda conn, row: self._check_unpreemptible_min(
-                             conn, job, row.min_workers, preemptible))
+                         check=lambda tx, row: tx.check_unpreemptible_min(job, row.min_workers, preemptible))
 
     def _update_job(
-        self,
-        job: str,
-        values: dict[str, Any],
-        reason: str,
-        check: Callable[[Connection, Any], None] | None = None,
+        self, job: str, values: dict[str, Any], reason: str, check: Callable[[Tx, Any], None] | None = None
     ) -> None:
-        def op(conn, now):
-            row = ledger.job_row(conn, job)
-            if check is not None:
-                check(conn, row)
-            conn.execute(update(s.jobs).where(s.jobs.c.name == job).values(**values))
-            ledger.log_event(conn, now, "config", job=job, reason=reason)
-            ledger.replan(conn, now)
-
-        self._tx(op)
+        self._change(lambda tx: tx.update_job(job, values, reason, check), lock=Lock.NONE)
 
     # --- reading -------------------------------------------------------------------------
 
     def status(self) -> dict[str, Any]:
-        """Hosts, jobs (with held slots, targets, leases) and settings, after a sync."""
+        """Hosts, jobs (with held slots, targets, leases) and settings, after any plan due
+        (an overdue lease is expired first)."""
+        self._nudge()
 
-        def op(conn, now):
-            ledger.sync(conn, now)
-            held, going = ledger.holdings(conn)
+        def op(tx: Tx) -> dict[str, Any]:
+            conn, now = tx.conn, tx.now
+            held, going = tx.holdings()
             per_host: dict[str, int] = {}
             for slots in held.values():
                 for h, _ in slots:
@@ -675,13 +595,14 @@ class PoolClient:
             used = sum(per_host.values())
             return {
                 "now": now,
-                "settings": ledger.pool_settings(conn),
+                "settings": dict(tx.settings),
+                "planner": dataclasses.asdict(tx.planner_state()),
                 "hosts": hosts,
                 "jobs": jobs,
                 "slots": {"up": total, "used": used},
             }
 
-        return self._tx(op)
+        return self._read(op)
 
     def events(
         self, job: str | None = None, *, since_id: int = 0, last: int | None = None
@@ -694,7 +615,7 @@ class PoolClient:
         if job is not None:
             check_name("job", job)
 
-        def op(conn, now):
+        def op(tx: Tx) -> list[dict[str, Any]]:
             q = select(s.events).where(s.events.c.id > since_id)
             if job is not None:
                 q = q.where(s.events.c.job == job)
@@ -703,9 +624,9 @@ class PoolClient:
                 q = q.order_by(q.selected_columns.id)
             else:
                 q = q.order_by(s.events.c.id)
-            return [_event_dict(r) for r in conn.execute(q)]
+            return [_event_dict(r) for r in tx.conn.execute(q)]
 
-        return self._tx(op, lock=False)
+        return self._read(op)
 
     def usage(self, *, hours: float | None = None, job: str | None = None) -> dict[str, Any]:
         """Slot-hours per job and per host over the last ``hours`` (default: since the oldest
@@ -716,7 +637,8 @@ class PoolClient:
         if job is not None:
             check_name("job", job)
 
-        def op(conn, now):
+        def op(tx: Tx):
+            conn, now = tx.conn, tx.now
             # only the events that give or take slots: targets, submissions and the rest change
             # no holding (and are most of a busy log)
             mine = s.events.c.job == job if job is not None else true()
@@ -727,7 +649,7 @@ class PoolClient:
             slots = {r.name: r.slots for r in conn.execute(select(s.hosts.c.name, s.hosts.c.slots))}
             return now, rows, oldest, slots
 
-        now, rows, oldest, slots = self._tx(op, lock=False)
+        now, rows, oldest, slots = self._read(op)
         since = now - hours * 3600 if hours is not None else (now if oldest is None else float(oldest))
         return usage_of(rows, since, now).to_dict(slots)
 
@@ -744,38 +666,9 @@ class PoolClient:
         ):
             raise SpecError("older_than_s", older_than_s, "must be a positive number of seconds")
 
-        def op(conn, now):
-            live = select(s.leases.c.job).where(s.leases.c.ended.is_(None))
-            # the newest event stays whatever its age: SQLite numbers a new row max(id) + 1, so
-            # with it gone the next events would take ids a reader polling since_id has seen
-            newest = conn.execute(select(func.max(s.events.c.id))).scalar() or 0
-            gone = conn.execute(
-                delete(s.events).where(
-                    s.events.c.ts < now - older_than_s,
-                    s.events.c.id < newest,
-                    or_(s.events.c.job.is_(None), s.events.c.job.not_in(live)),
-                )
-            )
-            return int(gone.rowcount or 0)
-
-        return self._tx(op)
-
-    # --- internals -----------------------------------------------------------------------
+        return self._tx(lambda tx: tx.prune_events(older_than_s))[0]
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
+def _lost_lock(exc: BaseException) -> bool:
+    """A lock lost in a moment (tried again), not one held past its timeout (LedgerBusyError)."""
+    return isinstance(exc, OperationalError) and retryable(exc) and not lock_timeout(exc)

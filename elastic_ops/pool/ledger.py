@@ -1,28 +1,38 @@
-"""The ledger's mechanism, inside one transaction: **sync → decide → apply**.
+"""The ledger's mechanism: one :class:`Tx` per database transaction, with named operations.
 
-- *sync* (:func:`sync`) expires leases whose TTL passed (their slots return, their epoch dies)
-  and returns cooled-down hosts to ``up``;
-- *decide* (:func:`replan`) builds a :class:`~elastic_ops.pool.model.Snapshot` from the rows
-  and calls the configured policy, the same pure function the simulator calls;
-- *apply* reserves the slots of decided grows, creates the asking job's grant, frees slots a
-  parked job gives up, and records every change in ``events``.
+Two kinds of transaction (see docs/pool.md, "The control plane"):
 
-Every function takes the open connection of a transaction :class:`~elastic_ops.pool.client.PoolClient`
-began (and locked); none commits. Per-transaction state rides in ``conn.info``: the settings
-(``pool_settings``), the metrics sent after the commit (``pool_metrics``), whether anyone reads
-the pool gauges (``pool_gauges``) and the job rows the last snapshot read (``pool_job_rows``).
+- **Changes and plans** hold the *pool lock* (SQLite: the file's write lock, taken at
+  ``BEGIN IMMEDIATE``; PostgreSQL: the single ``pool`` row, ``SELECT … FOR UPDATE``), so they
+  are serialised. A change (submit, request, release, priority, bounds, host, settings) writes
+  its rows and marks the plan dirty (:meth:`Tx.mark_dirty`); it does not plan. A plan
+  (:meth:`Tx.plan`: *sync → decide → apply*) expires overdue leases, builds a
+  :class:`~elastic_ops.pool.model.Snapshot`, calls the configured policy (the same pure
+  function the simulator calls), reserves the slots of decided grows and grants, and writes
+  every job's decision (target, reason, the slots to hold and to give back) to its row.
+- **Heartbeats** (:meth:`Tx.heartbeat`) take no pool lock: they renew one lease, fold what the
+  job measured into its observations, free the slots the job says it left, and read the
+  decision the planner last wrote for the job. O(rows of that job).
+
+The planner state (``planner`` row: ``dirty_seq``, ``planned_seq``, when the last plan ended)
+is what :class:`~elastic_ops.pool.client.PoolClient` reads to decide whether, and when, a plan
+must run (group commit: a change returns once a plan that saw it has committed).
+
+No function here commits; the client's ``_tx`` begins, locks, retries and commits.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from sqlalchemy import Connection, delete, insert, select, update
+from sqlalchemy import Connection, delete, exists, func, insert, or_, select, true, update
+from sqlalchemy.dialects import postgresql, sqlite
 
-from elastic_ops.errors import LeaseExpiredError, UnknownHostError, UnknownJobError
+from elastic_ops.errors import JobEndedError, LeaseExpiredError, SpecError, UnknownHostError, UnknownJobError
 from elastic_ops.pool import schema as s
 from elastic_ops.pool.checks import CONFIG_FIELDS, check_host, check_name
 from elastic_ops.pool.model import (
@@ -34,6 +44,7 @@ from elastic_ops.pool.model import (
     Plan,
     PolicyConfig,
     Preemption,
+    Progress,
     Slot,
     Snapshot,
     TargetAction,
@@ -52,6 +63,35 @@ class Target:
     action: TargetAction
     reason: str
     placements: tuple[Slot, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannerState:
+    """The ``planner`` row: changes made (``dirty_seq``), changes the last committed plan saw
+    (``planned_seq``), when that plan ended (``planned_at``, wall-clock seconds), how many plans
+    ran and how long the last one took."""
+
+    dirty_seq: int
+    planned_seq: int
+    planned_at: float
+    plans: int
+    plan_s: float
+
+    @property
+    def dirty(self) -> bool:
+        return self.dirty_seq > self.planned_seq
+
+
+@dataclasses.dataclass(frozen=True)
+class Beat:
+    """A heartbeat's outcome: the target, and whether the caller should try to run a plan
+    after the commit (the plan is dirty, a lease is overdue, or the last plan is older than
+    ``plan_refresh_s``), or raise (the lease is not live)."""
+
+    target: Target | None
+    error: LeaseExpiredError | None
+    stopped: bool  # workers=0, or preempted and holding nothing: a change under the pool lock
+    plan_due: bool
 
 
 def avoidable(avoid: frozenset[str], up_slots: dict[str, int], min_workers: int) -> frozenset[str]:
@@ -77,377 +117,6 @@ def within_minimum(d: Decision, min_workers: int) -> Decision:
     )
 
 
-def pool_settings(conn: Connection) -> dict[str, Any]:
-    """Pool settings, read once per transaction (``PoolClient._tx`` clears the cache)."""
-    cached = conn.info.get("pool_settings")
-    if cached is None:
-        row = conn.execute(select(s.pool).where(s.pool.c.id == 1)).mappings().one()
-        cached = conn.info["pool_settings"] = {k: row[k] for k in CONFIG_FIELDS}
-    return cached
-
-
-def job_row(conn: Connection, job: str):
-    check_name("job", job)  # every job-named call comes here (a list would reach the SQL)
-    row = conn.execute(select(s.jobs).where(s.jobs.c.name == job)).first()
-    if row is None:
-        raise UnknownJobError(job)
-    return row
-
-
-def host_row(conn: Connection, host: str):
-    check_host("host", host)
-    row = conn.execute(select(s.hosts).where(s.hosts.c.name == host)).first()
-    if row is None:
-        raise UnknownHostError(host)
-    return row
-
-
-def live_lease(conn: Connection, job: str):
-    return conn.execute(select(s.leases).where(s.leases.c.job == job, s.leases.c.ended.is_(None))).first()
-
-
-def lease_error(conn: Connection, job: str, epoch: int) -> LeaseExpiredError | None:
-    """The error to raise (once the transaction has committed) unless ``epoch`` is live."""
-    live = live_lease(conn, job)
-    if live is None or live.epoch != epoch:
-        current = None if live is None else live.epoch
-        return LeaseExpiredError(
-            f"lease epoch {epoch} of job {job!r} is not live (live epoch: {current})",
-            hint="the lease expired, was released or was replaced; request a new grant",
-        )
-    return None
-
-
-def held_slots(conn: Connection, job: str) -> tuple[Slot, ...]:
-    rows = conn.execute(
-        select(s.allocations.c.host, s.allocations.c.slot)
-        .where(s.allocations.c.job == job)
-        .order_by(s.allocations.c.host, s.allocations.c.slot)
-    )
-    return tuple((r.host, r.slot) for r in rows)
-
-
-def log_event(
-    conn: Connection,
-    now: float,
-    kind: str,
-    *,
-    job: str | None = None,
-    host: str | None = None,
-    slots: Sequence[Slot] = (),
-    epoch: int | None = None,
-    workers: int | None = None,
-    reason: str = "",
-) -> None:
-    conn.info["pool_metrics"].append(("incr", f"pool.event.{kind}", 1))
-    conn.execute(
-        insert(s.events).values(
-            ts=now,
-            kind=kind,
-            job=job,
-            host=host,
-            slots=json.dumps([list(x) for x in slots]),
-            epoch=epoch,
-            workers=workers,
-            reason=reason,
-        )
-    )
-
-
-def free_slots(conn, now, job, slots: Sequence[Slot], kind: str, reason: str, *, epoch, workers) -> None:
-    for h, sl in slots:
-        conn.execute(
-            delete(s.allocations).where(
-                s.allocations.c.host == h, s.allocations.c.slot == sl, s.allocations.c.job == job
-            )
-        )
-    if slots:
-        conn.execute(update(s.jobs).where(s.jobs.c.name == job).values(last_rescale=now))
-    log_event(conn, now, kind, job=job, slots=slots, epoch=epoch, workers=workers, reason=reason)
-
-
-def given_up(conn, job, d: Decision, placements) -> list[Slot]:
-    """Slots of ``d.release`` the job has certainly stopped using: it says so (``placements``),
-    or it was told to release them in an earlier heartbeat and now runs ``workers <= target``
-    (it acted at a boundary). A job that runs nothing is handled by :func:`stopped`."""
-    if placements is not None:
-        still = {tuple(p) for p in placements}
-        return [sl for sl in d.release if sl not in still]
-    rows = conn.execute(
-        select(s.allocations.c.host, s.allocations.c.slot).where(
-            s.allocations.c.job == job, s.allocations.c.releasing.is_not(None)
-        )
-    )
-    told = {(r.host, r.slot) for r in rows}
-    return [sl for sl in d.release if sl in told]
-
-
-def abandoned(conn, job, placements) -> list[Slot]:
-    """Slots the job was told to give up in an earlier heartbeat and no longer lists among those
-    it runs on (``placements``): it left them at a boundary. They go whatever the plan says now:
-    a plan that changed its mind meanwhile (the job a move made room for left) would otherwise
-    keep them and send the job back, a second relaunch inside ``min_rescale_interval_s``."""
-    if placements is None:
-        return []
-    rows = conn.execute(
-        select(s.allocations.c.host, s.allocations.c.slot).where(
-            s.allocations.c.job == job, s.allocations.c.releasing.is_not(None)
-        )
-    )
-    still = {tuple(p) for p in placements}
-    return sorted((r.host, r.slot) for r in rows if (r.host, r.slot) not in still)
-
-
-def mark_releasing(conn, now, job, release: Sequence[Slot]) -> None:
-    """Remember which slots this heartbeat told the job to give up (and forget the rest)."""
-    rows = conn.execute(
-        select(s.allocations.c.host, s.allocations.c.slot, s.allocations.c.releasing).where(
-            s.allocations.c.job == job
-        )
-    ).all()
-    wanted = set(release)
-    for r in rows:
-        told = (r.host, r.slot) in wanted
-        if told != (r.releasing is not None):
-            conn.execute(
-                update(s.allocations)
-                .where(s.allocations.c.host == r.host, s.allocations.c.slot == r.slot)
-                .values(releasing=now if told else None)
-            )
-
-
-def end_lease(conn, now, job, epoch, why: str) -> None:
-    conn.execute(
-        update(s.leases)
-        .where(s.leases.c.job == job, s.leases.c.epoch == epoch)
-        .values(ended=now, end_reason=why)
-    )
-
-
-def sync(conn: Connection, now: float) -> None:
-    """Expire overdue leases (slots return, epoch dies) and end finished cooling periods."""
-    expired = conn.execute(
-        select(s.leases).where(s.leases.c.ended.is_(None), s.leases.c.expires < now)
-    ).all()
-    for lease in expired:
-        held = held_slots(conn, lease.job)
-        free_slots(
-            conn,
-            now,
-            lease.job,
-            held,
-            "expiry",
-            f"lease expired at {lease.expires:.3f}",
-            epoch=lease.epoch,
-            workers=0,
-        )
-        end_lease(conn, now, lease.job, lease.epoch, "expired")
-        conn.execute(
-            update(s.jobs)
-            .where(s.jobs.c.name == lease.job, s.jobs.c.state != JobState.FINISHED.value)
-            .values(state=JobState.WAITING.value, waiting_since=now)
-        )
-    cooling_s = pool_settings(conn)["cooling_s"]
-    for h in conn.execute(
-        select(s.hosts).where(
-            s.hosts.c.state == HostState.COOLING.value, s.hosts.c.state_since + cooling_s <= now
-        )
-    ).all():
-        conn.execute(
-            update(s.hosts)
-            .where(s.hosts.c.name == h.name)
-            .values(state=HostState.UP.value, state_since=now)
-        )
-        log_event(conn, now, "host", host=h.name, reason="cooling over -> up")
-
-
-def holdings(conn: Connection) -> tuple[dict[str, list[Slot]], dict[str, list[Slot]]]:
-    """Every job's held slots and, among them, those it was told to give up at its next
-    boundary and still holds (in table order: one pass, no sort)."""
-    held: dict[str, list[Slot]] = {}
-    releasing: dict[str, list[Slot]] = {}
-    a = s.allocations.c
-    for r in conn.execute(select(a.job, a.host, a.slot, a.releasing)):
-        held.setdefault(r.job, []).append((r.host, r.slot))
-        if r.releasing is not None:
-            releasing.setdefault(r.job, []).append((r.host, r.slot))
-    return held, releasing
-
-
-def snapshot(conn: Connection, now: float, cfg: dict[str, Any]) -> Snapshot:
-    hosts = tuple(
-        Host(r.name, r.slots, HostState(r.state), tuple(sorted(json.loads(r.labels).items())))
-        for r in conn.execute(select(s.hosts))
-    )
-    held, releasing = holdings(conn)
-    idle_before = now - cfg["job_idle_s"]
-    up_slots = {h.name: h.slots for h in hosts if h.state is HostState.UP}
-    jobs = []
-    rows = conn.execute(select(s.jobs).where(s.jobs.c.state != JobState.FINISHED.value)).all()
-    conn.info["pool_job_rows"] = {r.name: r for r in rows}
-    for r in rows:
-        mine = held.get(r.name, ())
-        if not mine and r.last_seen < idle_before:
-            continue  # a waiting job that stopped asking does not block others
-        # hosts without the job's labels are never its own; among the others, those that
-        # failed it are avoided unless that leaves too few
-        excluded = outside(json.loads(r.selector), hosts)
-        usable = {h: n for h, n in up_slots.items() if h not in excluded} if excluded else up_slots
-        failed = avoidable(frozenset(json.loads(r.avoid_hosts)), usable, r.min_workers)
-        jobs.append(
-            Job(
-                name=r.name,
-                min_workers=r.min_workers,
-                max_workers=r.max_workers,
-                priority=r.priority,
-                preemptible=bool(r.preemptible),
-                avoid_hosts=failed | excluded,
-                leave_hosts=excluded,  # a narrowed selector moves the job off them
-                submitted=r.submitted,
-                waiting_since=r.waiting_since,
-                last_rescale=r.last_rescale,
-                held=tuple(sorted(mine)),
-                epoch=r.epoch,
-                releasing=frozenset(releasing.get(r.name, ())),
-            )
-        )
-    config = PolicyConfig(
-        preemption=Preemption(cfg["preemption"]),
-        min_rescale_interval_s=cfg["min_rescale_interval_s"],
-        min_gain=cfg["min_gain"],
-        aging_s=cfg["aging_s"],
-    )
-    return Snapshot(hosts, tuple(jobs), now, config)
-
-
-def replan(
-    conn: Connection, now: float, *, grant_to: str | None = None, synced: bool = False
-) -> Plan:
-    """sync → decide → apply. Reserves decided grows of running jobs; grants only to
-    ``grant_to`` (other waiting jobs get theirs when they ask). Returns the plan
-    (``plan[job]`` is a job's :class:`Decision`). Reads every job's target and reason from
-    the plan's columns; slot tuples are made only for the jobs given slots."""
-    if not synced:
-        sync(conn, now)
-    cfg = pool_settings(conn)
-    while True:  # each pass that frees parked slots frees at least one: it ends
-        snap = snapshot(conn, now, cfg)
-        plan = get_policy(cfg["policy"])(snap)
-        rows = conn.info.pop("pool_job_rows")  # read by snapshot() in this transaction
-        if not unpark(conn, now, plan, rows, snap):
-            break
-    if conn.info.get("pool_gauges"):  # a client with metrics
-        gauges(conn, snap)
-    held_by = {j.name: j.held for j in snap.jobs}
-    changed = set(plan.changed())
-    for k, (name, target, reason) in enumerate(zip(plan.jobs, plan.target, plan.reason, strict=True)):
-        row = rows[name]
-        values: dict[str, Any] = {}
-        if row.target != target or row.reason != reason:
-            values.update(target=target, reason=reason)
-            if row.target != target:
-                log_event(conn, now, "target", job=name, workers=target, reason=reason)
-        if held_by[name]:
-            new = plan.slots.new(k) if k in changed else ()
-            if new:
-                d = plan.decision(k)
-                # a move (new slots for old ones, with or without more workers) rescales when its
-                # old slots go (free_slots stamps it then): stamped now, it would count as
-                # rescaled while it holds both, be frozen on all of them by
-                # min_rescale_interval_s (a job frozen keeps what it holds), and moved back
-                plain_grow = len(d.placements) > len(held_by[name]) and not d.release
-                reserve(conn, now, name, row.epoch, list(new), "grow", d, rescaled=plain_grow)
-            state = JobState.PREEMPTING if target == 0 else JobState.RUNNING
-            if row.state == JobState.PARKED.value:  # unpark() left it slots to keep
-                state = JobState.PARKED
-            if row.state != state.value:
-                values["state"] = state.value
-                if state == JobState.PREEMPTING:
-                    log_event(conn, now, "preempt", job=name, epoch=row.epoch, workers=0, reason=reason)
-        elif name == grant_to and k in changed:
-            d = plan.decision(k)
-            epoch = row.epoch + 1
-            ttl = cfg["lease_ttl_s"]
-            conn.execute(insert(s.leases).values(job=name, epoch=epoch, granted=now, expires=now + ttl))
-            values.update(epoch=epoch, state=JobState.RUNNING.value)
-            reserve(conn, now, name, epoch, list(d.placements), "grant", d)
-        if values:
-            conn.execute(update(s.jobs).where(s.jobs.c.name == name).values(**values))
-    if len(rows) != len(plan.jobs):  # the common case: every job was planned, none idle
-        mark_idle(conn, rows, set(plan.jobs), cfg["job_idle_s"])
-    return plan
-
-
-def gauges(conn: Connection, snap: Snapshot) -> None:
-    """The pool as this decision found it (before it applies its own changes)."""
-    running = sum(1 for j in snap.jobs if j.held)
-    conn.info["pool_metrics"].extend([
-        ("gauge", "pool.slots_up", sum(h.slots for h in snap.hosts if h.state == HostState.UP)),
-        ("gauge", "pool.slots_used", sum(len(j.held) for j in snap.jobs)),
-        ("gauge", "pool.jobs_running", running),
-        ("gauge", "pool.jobs_waiting", len(snap.jobs) - running),
-    ])
-
-
-def mark_idle(conn: Connection, rows: dict[str, Any], planned: set[str], idle_s: float) -> None:
-    """Jobs left out of the plan because nobody asked for them for ``job_idle_s`` (a task
-    marked failed while it waited, a paused DAG): shown as such, not with the last share the
-    plan gave them."""
-    reason = f"idle: no request for over {idle_s:g}s (job_idle_s); planned again at its next request"
-    for name in rows.keys() - planned:
-        row = rows[name]
-        if row.target != 0 or row.reason != reason:
-            conn.execute(update(s.jobs).where(s.jobs.c.name == name).values(target=0, reason=reason))
-
-
-def unpark(conn: Connection, now: float, plan: Plan, rows: dict[str, Any], snap: Snapshot) -> bool:
-    """Apply at once what ``plan`` takes from parked jobs (they run nothing, so there is no
-    boundary to wait for): a shrink frees the slots; a preemption, or a move of all its
-    slots (e.g. off a draining host), ends the lease, and the next chunk's request is granted
-    afresh. Returns whether any slot was freed (the plan must then be made again: they are
-    free now)."""
-    parked = {name for name, r in rows.items() if r.state == JobState.PARKED.value}
-    if not parked:  # the common case: one pass over the rows, on every re-plan
-        return False
-    freed = False
-    for job in snap.jobs:
-        if job.name not in parked or not job.held:
-            continue
-        row = rows[job.name]
-        # a parked job too keeps old slots rather than hand its next chunk less than its minimum
-        d = within_minimum(plan.decision(plan.index(job.name)), row.min_workers)
-        if d.target == 0 or not d.placements or len(d.release) == len(job.held):
-            why = "preempted" if d.target == 0 or not d.placements else "moved"
-            free_slots(conn, now, job.name, job.held, "release", f"parked, then {why}: {d.reason}",
-                       epoch=row.epoch, workers=0)
-            end_lease(conn, now, job.name, row.epoch, f"{why} while parked")
-            conn.execute(
-                update(s.jobs)
-                .where(s.jobs.c.name == job.name)
-                .values(state=JobState.WAITING.value, waiting_since=now)
-            )
-            freed = True
-        elif d.release:
-            free_slots(conn, now, job.name, d.release, "shrink", f"parked, released at once: {d.reason}",
-                       epoch=row.epoch, workers=len(d.placements))
-            freed = True
-    return freed
-
-
-def reserve(
-    conn, now, job, epoch, slots: list[Slot], kind: str, d: Decision, *, rescaled: bool = True
-) -> None:
-    conn.execute(
-        insert(s.allocations),
-        [{"host": h, "slot": sl, "job": job, "epoch": epoch, "granted": now} for h, sl in slots],
-    )
-    if rescaled:
-        conn.execute(update(s.jobs).where(s.jobs.c.name == job).values(last_rescale=now))
-    log_event(
-        conn, now, kind, job=job, slots=slots, epoch=epoch, workers=len(d.placements), reason=d.reason
-    )
-
-
 def target_of(job: str, workers: int, d: Decision) -> Target:
     n = len(d.placements)
     if d.target == 0 or n == 0:  # nothing usable to run on (e.g. its host drains, others full)
@@ -461,76 +130,747 @@ def target_of(job: str, workers: int, d: Decision) -> Target:
     return Target(job, n, action, d.reason, d.placements)
 
 
-def reissue(conn: Connection, now: float, job: str, lease: Any) -> Any:
-    """End ``lease`` and give its slots to a new lease of the next epoch."""
-    epoch = job_row(conn, job).epoch + 1
-    ttl = pool_settings(conn)["lease_ttl_s"]
-    end_lease(conn, now, job, lease.epoch, "superseded by a new try")
-    conn.execute(insert(s.leases).values(job=job, epoch=epoch, granted=now, expires=now + ttl))
-    conn.execute(update(s.allocations).where(s.allocations.c.job == job).values(epoch=epoch))
-    conn.execute(update(s.jobs).where(s.jobs.c.name == job).values(epoch=epoch, last_seen=now))
-    log_event(conn, now, "reissue", job=job, epoch=epoch, slots=held_slots(conn, job),
-                reason=f"new try: epoch {lease.epoch} -> {epoch}, same slots")
-    return live_lease(conn, job)
+def _slots_json(slots: Sequence[Slot]) -> str:
+    return json.dumps([list(x) for x in slots])
 
 
-def stopped(conn: Connection, now: float, job: str, epoch: int) -> Target:
-    """The job reports ``workers=0``: it checkpointed and stopped at a boundary (only a
-    preempted job runs nothing, ``min_workers >= 1``). All its slots return, with a
-    ``release`` event, and its lease ends, *whatever the plan says now*: the preemptor may
-    have left since the job was told ``preempt``, and a plan that lets it keep its slots
-    must not leave them (and a live lease) to a job that is no longer running."""
-    held = held_slots(conn, job)
-    reason = job_row(conn, job).reason
-    if held:
-        free_slots(
-            conn, now, job, held, "release", f"stopped at boundary: {reason}", epoch=epoch, workers=0
+def _slots_of(text: str | None) -> tuple[Slot, ...] | None:
+    return None if text is None else tuple((str(h), int(sl)) for h, sl in json.loads(text))
+
+
+def _upsert(dialect: str):
+    return postgresql.insert if dialect == "postgresql" else sqlite.insert
+
+
+class Tx:
+    """One open transaction of the ledger and the operations that run inside it.
+
+    ``conn``: the connection (its transaction begun, and locked if the operation needs it);
+    ``now``: the ledger's time for this transaction; ``wall``: wall-clock seconds (the planner's
+    rate limit; the injected ledger clock may stand still in tests). Metrics are collected in
+    ``sent`` and sent by the client once the transaction commits."""
+
+    def __init__(
+        self, conn: Connection, now: float, *, wall: float | None = None, gauges: bool = False
+    ) -> None:
+        self.conn = conn
+        self.now = now
+        self.wall = time.time() if wall is None else wall
+        self.gauges = gauges
+        self.sent: list[tuple[str, str, float]] = []
+        self._settings: dict[str, Any] | None = None
+        self.locked = True  # the client says whether it holds the pool lock
+        self.seq: int | None = None  # this transaction's change, if it made one
+
+    # --- reading --------------------------------------------------------------------------
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        """Pool settings, read once per transaction."""
+        if self._settings is None:
+            row = self.conn.execute(select(s.pool).where(s.pool.c.id == 1)).mappings().one()
+            self._settings = {k: row[k] for k in CONFIG_FIELDS}
+        return self._settings
+
+    def job_row(self, job: str):
+        check_name("job", job)  # every job-named call comes here (a list would reach the SQL)
+        row = self.conn.execute(select(s.jobs).where(s.jobs.c.name == job)).first()
+        if row is None:
+            raise UnknownJobError(job)
+        return row
+
+    def host_row(self, host: str):
+        check_host("host", host)
+        row = self.conn.execute(select(s.hosts).where(s.hosts.c.name == host)).first()
+        if row is None:
+            raise UnknownHostError(host)
+        return row
+
+    def live_lease(self, job: str):
+        le = s.leases.c
+        return self.conn.execute(select(s.leases).where(le.job == job, le.ended.is_(None))).first()
+
+    def lease_error(self, job: str, epoch: int) -> LeaseExpiredError | None:
+        """The error to raise (once the transaction has committed) unless ``epoch`` is live."""
+        live = self.live_lease(job)
+        if live is None or live.epoch != epoch or live.expires < self.now:
+            current = None if live is None or live.expires < self.now else live.epoch
+            return LeaseExpiredError(
+                f"lease epoch {epoch} of job {job!r} is not live (live epoch: {current})",
+                hint="the lease expired, was released or was replaced; request a new grant",
+            )
+        return None
+
+    def held_slots(self, job: str) -> tuple[Slot, ...]:
+        a = s.allocations.c
+        rows = self.conn.execute(select(a.host, a.slot).where(a.job == job).order_by(a.host, a.slot))
+        return tuple((r.host, r.slot) for r in rows)
+
+    def planner_state(self) -> PlannerState:
+        r = self.conn.execute(select(s.planner).where(s.planner.c.id == 1)).one()
+        return PlannerState(r.dirty_seq, r.planned_seq, r.planned_at, r.plans, r.plan_s)
+
+    # --- writing --------------------------------------------------------------------------
+
+    def log_event(
+        self,
+        kind: str,
+        *,
+        job: str | None = None,
+        host: str | None = None,
+        slots: Sequence[Slot] = (),
+        epoch: int | None = None,
+        workers: int | None = None,
+        reason: str = "",
+    ) -> None:
+        self.sent.append(("incr", f"pool.event.{kind}", 1))
+        self.conn.execute(
+            insert(s.events).values(
+                ts=self.now, kind=kind, job=job, host=host, slots=_slots_json(slots),
+                epoch=epoch, workers=workers, reason=reason,
+            )
         )
-    end_lease(conn, now, job, epoch, "preempted")
-    conn.execute(
-        update(s.jobs)
-        .where(s.jobs.c.name == job)
-        .values(state=JobState.WAITING.value, waiting_since=now, last_seen=now)
-    )
-    replan(conn, now, synced=True)
-    return Target(job, 0, TargetAction.PREEMPT, reason, ())
 
+    def mark_dirty(self) -> int:
+        """The pool's inputs changed: a plan must run. Returns this change's sequence number
+        (the client waits for a plan that saw it)."""
+        p = s.planner.c
+        self.conn.execute(update(s.planner).where(p.id == 1).values(dirty_seq=p.dirty_seq + 1))
+        self.seq = int(self.conn.execute(select(p.dirty_seq).where(p.id == 1)).scalar_one())
+        return self.seq
 
-def park(conn: Connection, now: float, job: str, epoch: int) -> bool:
-    ttl = pool_settings(conn)["lease_ttl_s"]
-    conn.execute(
-        update(s.leases).where(s.leases.c.job == job, s.leases.c.epoch == epoch).values(expires=now + ttl)
-    )
-    conn.execute(
-        update(s.jobs).where(s.jobs.c.name == job).values(state=JobState.PARKED.value, last_seen=now)
-    )
-    log_event(conn, now, "park", job=job, epoch=epoch, workers=0,
-                reason=f"chunk done; slots kept for the next chunk for {ttl:.0f}s")
-    replan(conn, now, synced=True)
-    return True
-
-
-def give_back(conn: Connection, now: float, row: Any, epoch: int, finished: bool) -> bool:
-    """``PoolClient.release`` inside its transaction (the ledger synced)."""
-    job = row.name
-    live = live_lease(conn, job)
-    released = live is not None and live.epoch == epoch
-    if released:
-        held = held_slots(conn, job)
-        why = "finished" if finished else "released"
-        free_slots(conn, now, job, held, "release", why, epoch=epoch, workers=0)
-        end_lease(conn, now, job, epoch, why)
-    # a late release of a lease already ended does not bring a finished job back: only its
-    # next request does (on_kill ends the job, then the dying try releases again)
-    revived = row.state == JobState.FINISHED.value and not released and not finished
-    if (epoch == row.epoch or released) and not revived:
-        state = JobState.FINISHED if finished else JobState.WAITING
-        conn.execute(
-            update(s.jobs)
-            .where(s.jobs.c.name == job)
-            .values(state=state.value, waiting_since=now, target=0, reason=state.value)
+    def _time_due(self):
+        """SQL: true when time alone has changed the pool's inputs: a live lease is past its
+        expiry, or a host's cooling period is over (the next plan's sync acts on both)."""
+        le, h, p = s.leases.c, s.hosts.c, s.pool.c
+        cooling = select(p.cooling_s).where(p.id == 1).scalar_subquery()
+        return or_(
+            exists().where(le.ended.is_(None), le.expires < self.now),
+            exists().where(h.state == HostState.COOLING.value, h.state_since + cooling <= self.now),
         )
-        if finished:
-            log_event(conn, now, "finish", job=job, epoch=epoch)
-    replan(conn, now, synced=True)
-    return released
+
+    def overdue(self) -> bool:
+        return bool(self.conn.execute(select(self._time_due())).scalar())
+
+    def free_slots(
+        self, job, slots: Sequence[Slot], kind: str, reason: str, *, epoch, workers
+    ) -> list[Slot]:
+        """Give ``job``'s ``slots`` back; logs (and returns) those it still held. A heartbeat
+        and a plan may free slots of one job at once (PostgreSQL: neither holds a pool lock
+        for both); a slot the other freed first is neither freed nor logged twice."""
+        a = s.allocations.c
+        gone = [
+            (h, sl) for h, sl in slots
+            if self.conn.execute(delete(s.allocations).where(a.host == h, a.slot == sl, a.job == job))
+            .rowcount
+        ]
+        self.log_event(kind, job=job, slots=gone, epoch=epoch, workers=workers, reason=reason)
+        if gone:
+            self.conn.execute(update(s.jobs).where(s.jobs.c.name == job).values(last_rescale=self.now))
+        return gone
+
+    def reserve(
+        self, job, epoch, slots: list[Slot], kind: str, d: Decision, *, rescaled: bool = True
+    ) -> None:
+        self.conn.execute(
+            insert(s.allocations),
+            [{"host": h, "slot": sl, "job": job, "epoch": epoch, "granted": self.now} for h, sl in slots],
+        )
+        if rescaled:
+            self.conn.execute(update(s.jobs).where(s.jobs.c.name == job).values(last_rescale=self.now))
+        self.log_event(kind, job=job, slots=slots, epoch=epoch, workers=len(d.placements), reason=d.reason)
+
+    def end_lease(self, job, epoch, why: str) -> None:
+        le = s.leases.c
+        self.conn.execute(update(s.leases).where(le.job == job, le.epoch == epoch).values(ended=self.now,
+                                                                                          end_reason=why))
+
+    def _to_waiting(self, job: str, **extra: Any) -> None:
+        self.conn.execute(
+            update(s.jobs).where(s.jobs.c.name == job).values(
+                state=JobState.WAITING.value, waiting_since=self.now, plan_placements=None,
+                plan_release=None, **extra,
+            )
+        )
+
+    # --- sync: what time alone changes ------------------------------------------------------
+
+    def sync(self) -> bool:
+        """Expire overdue leases (slots return, epoch dies) and end finished cooling periods.
+        Returns whether it changed anything (a change outside a plan must mark the plan dirty)."""
+        le = s.leases.c
+        changed = False
+        overdue = select(s.leases).where(le.ended.is_(None), le.expires < self.now)
+        for lease in self.conn.execute(overdue).all():
+            # ended first, and only if still overdue: a heartbeat may have renewed it since the
+            # read (PostgreSQL re-checks the condition once that heartbeat commits)
+            ended = self.conn.execute(
+                update(s.leases)
+                .where(le.job == lease.job, le.epoch == lease.epoch, le.ended.is_(None),
+                       le.expires < self.now)
+                .values(ended=self.now, end_reason="expired")
+            ).rowcount
+            if not ended:
+                continue
+            self.free_slots(lease.job, self.held_slots(lease.job), "expiry",
+                            f"lease expired at {lease.expires:.3f}", epoch=lease.epoch, workers=0)
+            changed = True
+            self.conn.execute(
+                update(s.jobs)
+                .where(s.jobs.c.name == lease.job, s.jobs.c.state != JobState.FINISHED.value)
+                .values(state=JobState.WAITING.value, waiting_since=self.now, plan_placements=None,
+                        plan_release=None)
+            )
+        cooling_s = self.settings["cooling_s"]
+        h = s.hosts.c
+        for row in self.conn.execute(
+            select(s.hosts).where(h.state == HostState.COOLING.value, h.state_since + cooling_s <= self.now)
+        ).all():
+            self.conn.execute(update(s.hosts).where(h.name == row.name).values(state=HostState.UP.value,
+                                                                               state_since=self.now))
+            self.log_event("host", host=row.name, reason="cooling over -> up")
+            changed = True
+        return changed
+
+    # --- the plan ---------------------------------------------------------------------------
+
+    def holdings(self) -> tuple[dict[str, list[Slot]], dict[str, list[Slot]]]:
+        """Every job's held slots and, among them, those it was told to give up at its next
+        boundary and still holds (in table order: one pass, no sort)."""
+        held: dict[str, list[Slot]] = {}
+        releasing: dict[str, list[Slot]] = {}
+        a = s.allocations.c
+        for r in self.conn.execute(select(a.job, a.host, a.slot, a.releasing)):
+            held.setdefault(r.job, []).append((r.host, r.slot))
+            if r.releasing is not None:
+                releasing.setdefault(r.job, []).append((r.host, r.slot))
+        return held, releasing
+
+    def snapshot(self) -> tuple[Snapshot, dict[str, Any]]:
+        """The snapshot a policy decides on, and the job rows it was built from."""
+        cfg, now = self.settings, self.now
+        hosts = tuple(
+            Host(r.name, r.slots, HostState(r.state), tuple(sorted(json.loads(r.labels).items())))
+            for r in self.conn.execute(select(s.hosts))
+        )
+        held, releasing = self.holdings()
+        idle_before = now - cfg["job_idle_s"]
+        up_slots = {h.name: h.slots for h in hosts if h.state is HostState.UP}
+        jobs = []
+        unfinished = select(s.jobs).where(s.jobs.c.state != JobState.FINISHED.value)
+        rows = {r.name: r for r in self.conn.execute(unfinished)}
+        for r in rows.values():
+            mine = held.get(r.name, ())
+            if not mine and r.last_seen < idle_before:
+                continue  # a waiting job that stopped asking does not block others
+            # hosts without the job's labels are never its own; among the others, those that
+            # failed it are avoided unless that leaves too few
+            excluded = outside(json.loads(r.selector), hosts)
+            usable = {h: n for h, n in up_slots.items() if h not in excluded} if excluded else up_slots
+            failed = avoidable(frozenset(json.loads(r.avoid_hosts)), usable, r.min_workers)
+            jobs.append(
+                Job(
+                    name=r.name, min_workers=r.min_workers, max_workers=r.max_workers,
+                    priority=r.priority, preemptible=bool(r.preemptible),
+                    avoid_hosts=failed | excluded,
+                    leave_hosts=excluded,  # a narrowed selector moves the job off them
+                    submitted=r.submitted, waiting_since=r.waiting_since, last_rescale=r.last_rescale,
+                    held=tuple(sorted(mine)), epoch=r.epoch,
+                    releasing=frozenset(releasing.get(r.name, ())),
+                )
+            )
+        config = PolicyConfig(
+            preemption=Preemption(cfg["preemption"]),
+            min_rescale_interval_s=cfg["min_rescale_interval_s"],
+            min_gain=cfg["min_gain"],
+            aging_s=cfg["aging_s"],
+        )
+        return Snapshot(hosts, tuple(jobs), now, config), rows
+
+    def plan(self, seen: int | None = None) -> Plan:
+        """sync → decide → apply, under the pool lock. Reserves decided grows of running jobs,
+        grants to waiting jobs that asked within a lease TTL, and writes every job's decision to
+        its row, where heartbeats read it. ``seen``: the change sequence this plan covers
+        (recorded as ``planned_seq``)."""
+        started = time.perf_counter()
+        self.sync()
+        cfg, now = self.settings, self.now
+        while True:  # each pass that frees parked slots frees at least one: it ends
+            snap, rows = self.snapshot()
+            plan = get_policy(cfg["policy"])(snap)
+            if not self._unpark(plan, rows, snap):
+                break
+        if self.gauges:
+            self._gauges(snap)
+        held_by = {j.name: j.held for j in snap.jobs}
+        changed = set(plan.changed())
+        ask_since = now - cfg["lease_ttl_s"]
+        for k, (name, target, reason) in enumerate(zip(plan.jobs, plan.target, plan.reason, strict=True)):
+            row = rows[name]
+            values: dict[str, Any] = {}
+            if row.target != target or row.reason != reason:
+                values.update(target=target, reason=reason)
+                if row.target != target:
+                    self.log_event("target", job=name, workers=target, reason=reason)
+            if held_by[name]:
+                pp = pr = None  # unchanged: it keeps exactly what it holds
+                if k in changed:
+                    d = plan.decision(k)
+                    new = plan.slots.new(k)
+                    if new:
+                        # a move (new slots for old ones, with or without more workers) rescales
+                        # when its old slots go (free_slots stamps it then): stamped now, it would
+                        # count as rescaled while it holds both, be frozen on all of them by
+                        # min_rescale_interval_s (a job frozen keeps what it holds), and moved back
+                        plain_grow = len(d.placements) > len(held_by[name]) and not d.release
+                        self.reserve(name, row.epoch, list(new), "grow", d, rescaled=plain_grow)
+                    d = within_minimum(d, row.min_workers)
+                    pp, pr = _slots_json(d.placements), _slots_json(d.release)
+                    if d.reason != reason:
+                        values.update(target=target, reason=d.reason)
+                if row.plan_placements != pp or row.plan_release != pr:
+                    values.update(plan_placements=pp, plan_release=pr)
+                state = JobState.PREEMPTING if target == 0 else JobState.RUNNING
+                if row.state == JobState.PARKED.value:  # _unpark() left it slots to keep
+                    state = JobState.PARKED
+                if row.state != state.value:
+                    values["state"] = state.value
+                    if state == JobState.PREEMPTING:
+                        self.log_event("preempt", job=name, epoch=row.epoch, workers=0, reason=reason)
+            elif k in changed and row.asked is not None and row.asked >= ask_since:
+                d = plan.decision(k)
+                epoch = row.epoch + 1
+                self.conn.execute(insert(s.leases).values(job=name, epoch=epoch, granted=now,
+                                                          expires=now + cfg["lease_ttl_s"]))
+                values.update(epoch=epoch, state=JobState.RUNNING.value, asked=None,
+                              plan_placements=None, plan_release=None)
+                self.reserve(name, epoch, list(d.placements), "grant", d)
+            if values:
+                self.conn.execute(update(s.jobs).where(s.jobs.c.name == name).values(**values))
+        if len(rows) != len(plan.jobs):  # the common case: every job was planned, none idle
+            self._mark_idle(rows, set(plan.jobs), cfg["job_idle_s"])
+        self._planned(seen, time.perf_counter() - started)
+        return plan
+
+    def _planned(self, seen: int | None, took: float) -> None:
+        p = s.planner.c
+        values: dict[str, Any] = dict(planned_at=time.time(), plans=p.plans + 1, plan_s=took)
+        if seen is not None:
+            values["planned_seq"] = func.max(seen, p.planned_seq) if self.conn.dialect.name == "sqlite" \
+                else func.greatest(seen, p.planned_seq)
+        self.conn.execute(update(s.planner).where(p.id == 1).values(**values))
+        self.sent.append(("gauge", "pool.plan_seconds", took))
+
+    def _gauges(self, snap: Snapshot) -> None:
+        """The pool as this decision found it (before it applies its own changes)."""
+        running = sum(1 for j in snap.jobs if j.held)
+        self.sent.extend([
+            ("gauge", "pool.slots_up", sum(h.slots for h in snap.hosts if h.state == HostState.UP)),
+            ("gauge", "pool.slots_used", sum(len(j.held) for j in snap.jobs)),
+            ("gauge", "pool.jobs_running", running),
+            ("gauge", "pool.jobs_waiting", len(snap.jobs) - running),
+        ])
+
+    def _mark_idle(self, rows: dict[str, Any], planned: set[str], idle_s: float) -> None:
+        """Jobs left out of the plan because nobody asked for them for ``job_idle_s`` (a task
+        marked failed while it waited, a paused DAG): shown as such, not with the last share the
+        plan gave them."""
+        reason = f"idle: no request for over {idle_s:g}s (job_idle_s); planned again at its next request"
+        for name in rows.keys() - planned:
+            row = rows[name]
+            if row.target != 0 or row.reason != reason:
+                self.conn.execute(update(s.jobs).where(s.jobs.c.name == name).values(target=0, reason=reason))
+
+    def _unpark(self, plan: Plan, rows: dict[str, Any], snap: Snapshot) -> bool:
+        """Apply at once what ``plan`` takes from parked jobs (they run nothing, so there is no
+        boundary to wait for): a shrink frees the slots; a preemption, or a move of all its
+        slots (e.g. off a draining host), ends the lease, and the next chunk's request is granted
+        afresh. Returns whether any slot was freed (the plan must then be made again)."""
+        parked = {name for name, r in rows.items() if r.state == JobState.PARKED.value}
+        if not parked:  # the common case: one pass over the rows, on every plan
+            return False
+        freed = False
+        for job in snap.jobs:
+            if job.name not in parked or not job.held:
+                continue
+            row = rows[job.name]
+            # a parked job too keeps old slots rather than hand its next chunk less than its minimum
+            d = within_minimum(plan.decision(plan.index(job.name)), row.min_workers)
+            if d.target == 0 or not d.placements or len(d.release) == len(job.held):
+                why = "preempted" if d.target == 0 or not d.placements else "moved"
+                self.free_slots(job.name, job.held, "release", f"parked, then {why}: {d.reason}",
+                                epoch=row.epoch, workers=0)
+                self.end_lease(job.name, row.epoch, f"{why} while parked")
+                self._to_waiting(job.name)
+                freed = True
+            elif d.release:
+                self.free_slots(job.name, d.release, "shrink", f"parked, released at once: {d.reason}",
+                                epoch=row.epoch, workers=len(d.placements))
+                freed = True
+        return freed
+
+    # --- heartbeats (no pool lock) -------------------------------------------------------------
+
+    def heartbeat(
+        self, job: str, epoch: int, workers: int, placements: Sequence[Slot] | None, progress: Progress | None
+    ) -> Beat:
+        """Renew ``epoch``'s lease, record ``progress``, free the slots the job left, and read its
+        decision. Touches only this job's rows (and reads the pool and planner rows)."""
+        le, p, pl = s.leases.c, s.pool.c, s.planner.c
+        ttl = select(p.lease_ttl_s).where(p.id == 1).scalar_subquery()
+        renewed = self.conn.execute(
+            update(s.leases)
+            .where(le.job == job, le.epoch == epoch, le.ended.is_(None), le.expires >= self.now)
+            .values(expires=ttl + self.now)
+        ).rowcount
+        overdue = self._time_due()
+        head = self.conn.execute(
+            select(
+                s.jobs.c.state, s.jobs.c.target, s.jobs.c.reason, s.jobs.c.min_workers,
+                s.jobs.c.plan_placements, s.jobs.c.plan_release,
+                pl.dirty_seq, pl.planned_seq, pl.planned_at, p.plan_interval_s, p.plan_refresh_s,
+                overdue.label("overdue"),
+            )
+            .select_from(s.jobs.join(s.planner, true()).join(s.pool, p.id == 1))
+            .where(s.jobs.c.name == job, pl.id == 1)
+        ).first()
+        if head is None:
+            check_name("job", job)
+            raise UnknownJobError(job)
+        wall = self.wall
+        plan_due = bool(head.overdue) or (
+            (head.dirty_seq > head.planned_seq and wall >= head.planned_at + head.plan_interval_s)
+            or wall >= head.planned_at + head.plan_refresh_s
+        )
+        if not renewed:
+            return Beat(None, self.lease_error(job, epoch), False, True)
+        if workers == 0:
+            return Beat(None, None, True, plan_due)
+        if progress is not None:
+            self.observe(job, progress)
+        a = s.allocations.c
+        mine = self.conn.execute(select(a.host, a.slot, a.releasing).where(a.job == job)).all()
+        held = {(r.host, r.slot) for r in mine}
+        told = {(r.host, r.slot) for r in mine if r.releasing is not None}
+        keep = _slots_of(head.plan_placements)
+        release = _slots_of(head.plan_release) or ()
+        keep = tuple(sorted(held)) if keep is None else keep
+        d = Decision(job, head.target, keep, release, None, head.reason)
+        freed: list[Slot] = []
+        still = None if placements is None else {tuple(x) for x in placements}
+        if still is not None:
+            # told to give up in an earlier heartbeat and no longer used: they go whatever the
+            # plan says now (a plan that changed its mind meanwhile would send the job back,
+            # a second relaunch inside min_rescale_interval_s)
+            left = sorted(sl for sl in told if sl not in still)
+            if left:
+                freed += self.free_slots(job, left, "shrink", "released at boundary: no longer used",
+                                         epoch=epoch, workers=workers)
+        # the slots a shrink gives up go once the job runs no more workers than the slots it
+        # keeps (not its target: slots the target counts may not be free yet, e.g. when its
+        # host drains while the others are full, and the job still runs on the old ones)
+        if d.release and workers <= len(d.placements):
+            if still is not None:
+                gone = [sl for sl in d.release if sl not in still and sl not in freed and sl in held]
+            else:
+                gone = [sl for sl in d.release if sl in told]
+            if gone:
+                freed += self.free_slots(job, gone, "shrink", f"released at boundary: {d.reason}",
+                                         epoch=epoch, workers=d.target)
+        if freed:  # a shrink reported: a change (the caller waits for a plan that saw it)
+            held -= set(freed)
+            self.mark_dirty()
+        # what the job may run on is what it still holds: slots the plan counts that a
+        # heartbeat freed since the plan are not its own any more
+        d = dataclasses.replace(
+            d, placements=tuple(sl for sl in d.placements if sl in held),
+            release=tuple(sl for sl in d.release if sl in held),
+        )
+        if d.target == 0 and not held:
+            # preempted and holding nothing now: it has stopped, whatever it says it runs
+            return Beat(None, None, True, plan_due)
+        self._mark_releasing(mine, set(d.release))
+        if head.state == JobState.PARKED.value:  # it runs workers: not parked any more
+            self.conn.execute(update(s.jobs).where(s.jobs.c.name == job).values(state=JobState.RUNNING.value))
+        return Beat(target_of(job, workers, d), None, False, plan_due)
+
+    def _mark_releasing(self, rows: Sequence[Any], release: set[Slot]) -> None:
+        """Remember which slots this heartbeat told the job to give up (and forget the rest)."""
+        a = s.allocations.c
+        for r in rows:
+            told = (r.host, r.slot) in release
+            if told != (r.releasing is not None):
+                self.conn.execute(
+                    update(s.allocations).where(a.host == r.host, a.slot == r.slot)
+                    .values(releasing=self.now if told else None)
+                )
+
+    def observe(self, job: str, progress: Progress) -> None:
+        """Fold ``progress`` into the job's observations: one row per (workers, hosts, batch),
+        so the history stays bounded by the configurations the job ran in."""
+        o = s.observations.c
+        stmt = _upsert(self.conn.dialect.name)(s.observations).values(
+            job=job, workers=progress.workers, hosts=progress.hosts, batch=progress.batch,
+            iterations=progress.iterations, seconds=progress.seconds, reports=1,
+            first_ts=self.now, last_ts=self.now,
+        )
+        ex = stmt.excluded
+        self.conn.execute(stmt.on_conflict_do_update(
+            index_elements=[o.job, o.workers, o.hosts, o.batch],
+            set_={"iterations": o.iterations + ex.iterations, "seconds": o.seconds + ex.seconds,
+                  "reports": o.reports + 1, "last_ts": ex.last_ts},
+        ))
+
+    def observations(self, job: str) -> list[dict[str, Any]]:
+        o = s.observations.c
+        rows = self.conn.execute(select(s.observations).where(o.job == job)
+                                 .order_by(o.workers, o.hosts, o.batch))
+        return [
+            {"workers": r.workers, "hosts": r.hosts, "batch": r.batch, "iterations": r.iterations,
+             "seconds": r.seconds, "reports": r.reports, "first_ts": r.first_ts, "last_ts": r.last_ts}
+            for r in rows
+        ]
+
+    # --- changes (under the pool lock) -----------------------------------------------------------
+
+    def configure(self, changes: dict[str, Any]) -> None:
+        if changes:
+            self.conn.execute(update(s.pool).where(s.pool.c.id == 1).values(**changes))
+            self._settings = None
+            self.log_event("config", reason=json.dumps(changes, sort_keys=True))
+        self.mark_dirty()
+
+    def add_host(self, name: str, slots: int, labels_json: str) -> None:
+        row = self.conn.execute(select(s.hosts).where(s.hosts.c.name == name)).first()
+        a = s.allocations.c
+        busy = self.conn.execute(select(a.slot).where(a.host == name, a.slot >= slots)).first()
+        if busy is not None:  # slots that would vanish under the jobs running on them
+            raise SpecError(
+                "slots", slots,
+                f"must keep the slots jobs hold on host {name!r} (slot {busy.slot} is in use)",
+                hint=f"drain the host first (elastic-ops pool drain {name}), then shrink it",
+            )
+        values = dict(slots=slots, labels=labels_json, state=HostState.UP.value, state_since=self.now,
+                      failures=0)
+        if row is None:
+            self.conn.execute(insert(s.hosts).values(name=name, **values))
+        else:
+            self.conn.execute(update(s.hosts).where(s.hosts.c.name == name).values(**values))
+        self.log_event("host", host=name, workers=slots, reason=f"added: {slots} slots, up")
+        self.mark_dirty()
+
+    def set_host_state(self, name: str, state: HostState) -> None:
+        self.host_row(name)
+        self.conn.execute(update(s.hosts).where(s.hosts.c.name == name)
+                          .values(state=state.value, state_since=self.now, failures=0))
+        self.log_event("host", host=name, reason=f"state -> {state.value}")
+        self.mark_dirty()
+
+    def check_unpreemptible_min(self, job: str, min_workers: int, preemptible: bool) -> None:
+        """A job that may not be preempted and holds fewer slots than its minimum would have to be
+        preempted to honour it: the change that would make it so is refused (bounds, submit,
+        preemptible)."""
+        held = len(self.held_slots(job))
+        if not preemptible and 0 < held < min_workers:
+            raise SpecError(
+                "min_workers", min_workers,
+                f"must be <= the {held} slots job {job!r} holds: it may not be preempted",
+                hint="raise it once the job has released its slots, or make it preemptible",
+            )
+
+    def submit(self, job: str, values: dict[str, Any], described: str, on: str) -> None:
+        """Register a job or update its demand (``values``: its demand columns)."""
+        row = self.conn.execute(select(s.jobs).where(s.jobs.c.name == job)).first()
+        values = {**values, "last_seen": self.now}
+        if row is None:
+            self.conn.execute(insert(s.jobs).values(
+                name=job, state=JobState.WAITING.value, submitted=self.now, waiting_since=self.now,
+                epoch=0, avoid_hosts="[]", target=0, reason="submitted", **values,
+            ))
+            self.log_event("submit", job=job, reason=f"{described}{on}")
+        else:
+            self.check_unpreemptible_min(job, values["min_workers"], values["preemptible"])
+            if row.state == JobState.FINISHED.value:  # a rerun (the DAG run was cleared)
+                values.update(state=JobState.WAITING.value, waiting_since=self.now, submitted=self.now,
+                              avoid_hosts="[]")
+                self.log_event("submit", job=job, reason=f"registered again: {described}{on}")
+            elif changed := _changed_demand(row, values):  # the log keeps every job's demand
+                self.log_event("config", job=job, reason=f"submitted again: {changed}")
+            self.conn.execute(update(s.jobs).where(s.jobs.c.name == job).values(**values))
+        self.mark_dirty()
+
+    def update_job(self, job: str, values: dict[str, Any], reason: str,
+                   check: Callable[[Tx, Any], None] | None = None) -> None:
+        row = self.job_row(job)
+        if check is not None:
+            check(self, row)
+        self.conn.execute(update(s.jobs).where(s.jobs.c.name == job).values(**values))
+        self.log_event("config", job=job, reason=reason)
+        self.mark_dirty()
+
+    def ask(self, job: str, avoid: Sequence[str], new_attempt: bool) -> tuple[Any, int | None]:
+        """The request's change: returns ``(live lease or None, change seq or None)``; with no
+        live lease the job asks the planner (``asked``), and the caller waits for a plan."""
+        if self.sync():  # an overdue lease is not handed out again
+            self.mark_dirty()
+        row = self.job_row(job)
+        values: dict[str, Any] = {"last_seen": self.now}
+        if avoid:
+            values["avoid_hosts"] = json.dumps(sorted(set(json.loads(row.avoid_hosts)) | set(avoid)))
+        if row.state == JobState.FINISHED.value:
+            if not new_attempt:
+                raise JobEndedError(job)
+            values.update(state=JobState.WAITING.value, waiting_since=self.now)
+        lease = self.live_lease(job)
+        if lease is not None and row.state == JobState.PARKED.value:
+            values["state"] = JobState.RUNNING.value  # the next chunk takes the parked slots
+        if lease is None:
+            values["asked"] = self.now
+        self.conn.execute(update(s.jobs).where(s.jobs.c.name == job).values(**values))
+        if lease is not None and new_attempt:
+            lease = self._reissue(job, lease, row.epoch)
+        if lease is not None:
+            le = s.leases.c  # handed out: renewed
+            self.conn.execute(update(s.leases).where(le.job == job, le.epoch == lease.epoch)
+                              .values(expires=self.now + self.settings["lease_ttl_s"]))
+            return lease, (self.mark_dirty() if avoid else None)
+        return None, self.mark_dirty()
+
+    def answer(self, job: str) -> tuple[Any, tuple[Slot, ...], str, float]:
+        """After the plan: the job's live lease (or None), its slots, its reason, the TTL."""
+        lease = self.live_lease(job)
+        row = self.job_row(job)
+        if lease is None:
+            return None, (), row.reason, self.settings["lease_ttl_s"]
+        held = self.held_slots(job)
+        # what the plan wants it to run on, among what it holds (a grant the plan has since
+        # shrunk, e.g. its bounds lowered while it was handed out, starts on the smaller set)
+        keep = [sl for sl in _slots_of(row.plan_placements) or () if sl in set(held)]
+        return lease, tuple(keep) if keep else held, row.reason, self.settings["lease_ttl_s"]
+
+    def _reissue(self, job: str, lease: Any, current_epoch: int) -> Any:
+        """End ``lease`` and give its slots to a new lease of the next epoch."""
+        epoch = current_epoch + 1
+        ttl = self.settings["lease_ttl_s"]
+        self.end_lease(job, lease.epoch, "superseded by a new try")
+        self.conn.execute(insert(s.leases).values(job=job, epoch=epoch, granted=self.now,
+                                                  expires=self.now + ttl))
+        self.conn.execute(update(s.allocations).where(s.allocations.c.job == job).values(epoch=epoch))
+        self.conn.execute(update(s.jobs).where(s.jobs.c.name == job).values(epoch=epoch, last_seen=self.now))
+        self.log_event("reissue", job=job, epoch=epoch, slots=self.held_slots(job),
+                       reason=f"new try: epoch {lease.epoch} -> {epoch}, same slots")
+        return self.live_lease(job)
+
+    def stopped(self, job: str, epoch: int) -> Target | LeaseExpiredError:
+        """The job reports ``workers=0`` (or was preempted and holds nothing): it checkpointed and
+        stopped at a boundary (only a preempted job runs nothing, ``min_workers >= 1``). All its
+        slots return, with a ``release`` event, and its lease ends, *whatever the plan says now*:
+        the preemptor may have left since the job was told ``preempt``, and a plan that lets it
+        keep its slots must not leave them (and a live lease) to a job that is no longer running."""
+        if (dead := self.lease_error(job, epoch)) is not None:
+            return dead
+        held = self.held_slots(job)
+        reason = self.job_row(job).reason
+        if held:
+            self.free_slots(job, held, "release", f"stopped at boundary: {reason}", epoch=epoch, workers=0)
+        self.end_lease(job, epoch, "preempted")
+        self._to_waiting(job, last_seen=self.now)
+        self.mark_dirty()
+        return Target(job, 0, TargetAction.PREEMPT, reason, ())
+
+    def release(self, job: str, epoch: int, finished: bool, handover: bool) -> bool:
+        row = self.job_row(job)
+        self.sync()
+        live = self.live_lease(job)
+        if handover and live is not None and live.epoch == epoch:
+            return self._park(job, epoch)
+        return self._give_back(row, epoch, finished)
+
+    def finish(self, job: str) -> bool:
+        row = self.job_row(job)
+        self.sync()
+        if row.state == JobState.FINISHED.value:
+            return False
+        live = self.live_lease(job)
+        self._give_back(row, row.epoch if live is None else live.epoch, True)
+        return True
+
+    def _park(self, job: str, epoch: int) -> bool:
+        ttl = self.settings["lease_ttl_s"]
+        le = s.leases.c
+        self.conn.execute(update(s.leases).where(le.job == job, le.epoch == epoch)
+                          .values(expires=self.now + ttl))
+        self.conn.execute(update(s.jobs).where(s.jobs.c.name == job)
+                          .values(state=JobState.PARKED.value, last_seen=self.now))
+        self.log_event("park", job=job, epoch=epoch, workers=0,
+                       reason=f"chunk done; slots kept for the next chunk for {ttl:.0f}s")
+        self.mark_dirty()
+        return True
+
+    def _give_back(self, row: Any, epoch: int, finished: bool) -> bool:
+        """``PoolClient.release`` inside its transaction (the ledger synced)."""
+        job = row.name
+        live = self.live_lease(job)
+        released = live is not None and live.epoch == epoch
+        if released:
+            why = "finished" if finished else "released"
+            self.free_slots(job, self.held_slots(job), "release", why, epoch=epoch, workers=0)
+            self.end_lease(job, epoch, why)
+        # a late release of a lease already ended does not bring a finished job back: only its
+        # next request does (on_kill ends the job, then the dying try releases again)
+        revived = row.state == JobState.FINISHED.value and not released and not finished
+        if (epoch == row.epoch or released) and not revived:
+            state = JobState.FINISHED if finished else JobState.WAITING
+            self.conn.execute(
+                update(s.jobs).where(s.jobs.c.name == job).values(
+                    state=state.value, waiting_since=self.now, target=0, reason=state.value, asked=None,
+                    plan_placements=None, plan_release=None,
+                )
+            )
+            if finished:
+                self.log_event("finish", job=job, epoch=epoch)
+        self.mark_dirty()
+        return released
+
+    def report_failure(self, job: str, host: str) -> None:
+        row = self.job_row(job)
+        h = self.host_row(host)
+        cfg = self.settings
+        avoid = sorted(set(json.loads(row.avoid_hosts)) | {host})
+        self.conn.execute(update(s.jobs).where(s.jobs.c.name == job).values(avoid_hosts=json.dumps(avoid)))
+        failures = h.failures + 1
+        values: dict[str, Any] = {"failures": failures}
+        reason = f"failure {failures} of job {job}"
+        if failures >= cfg["failure_threshold"] and h.state == HostState.UP.value:
+            values.update(state=HostState.COOLING.value, state_since=self.now, failures=0)
+            reason += f"; cooling for {cfg['cooling_s']:.0f}s"
+        self.conn.execute(update(s.hosts).where(s.hosts.c.name == host).values(**values))
+        self.log_event("failure", job=job, host=host, reason=reason)
+        self.mark_dirty()
+
+    def prune_events(self, older_than_s: float) -> int:
+        """Events older than ``older_than_s`` go, except those of a job holding a live lease (the
+        log still explains every slot held now) and the newest (SQLite numbers a new row
+        max(id) + 1: with it gone the next events would take ids a reader has seen)."""
+        live = select(s.leases.c.job).where(s.leases.c.ended.is_(None))
+        newest = self.conn.execute(select(func.max(s.events.c.id))).scalar() or 0
+        gone = self.conn.execute(
+            delete(s.events).where(
+                s.events.c.ts < self.now - older_than_s,
+                s.events.c.id < newest,
+                or_(s.events.c.job.is_(None), s.events.c.job.not_in(live)),
+            )
+        )
+        return int(gone.rowcount or 0)
+
+
+def _changed_demand(row: Any, values: dict[str, Any]) -> str:
+    """What a submit changes of a job's demand, as ``"max 8 -> 2, priority 1 -> 7"`` ('' if nothing)."""
+    parts = []
+    for key in ("min_workers", "max_workers", "priority", "preemptible", "selector"):
+        old, new = getattr(row, key), values[key]
+        if key == "preemptible":
+            old = bool(old)
+        if old != new:
+            parts.append(f"{key.removesuffix('_workers')} {old} -> {new}")
+    return ", ".join(parts)

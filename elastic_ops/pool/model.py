@@ -127,6 +127,22 @@ class Job:
 
 
 @dataclasses.dataclass(frozen=True)
+class Progress:
+    """What a running job measured since its last heartbeat, carried by that heartbeat.
+
+    ``iterations`` completed in ``seconds`` of training (start-up and checkpoint stalls
+    excluded) at ``workers`` ranks spread over ``hosts`` hosts, global batch ``batch`` (0: the
+    job's fixed batch). The ledger sums them per (workers, hosts, batch): what the pool learns
+    of how the job scales."""
+
+    iterations: int
+    seconds: float
+    workers: int
+    hosts: int = 1
+    batch: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
 class PolicyConfig:
     """Knobs shared by all policies.
 

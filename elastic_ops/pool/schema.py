@@ -19,6 +19,7 @@ from sqlalchemy import (
     Column,
     Connection,
     Float,
+    Index,
     Integer,
     MetaData,
     PrimaryKeyConstraint,
@@ -56,6 +57,21 @@ pool = Table(
     Column("job_idle_s", Float, nullable=False),
     Column("cooling_s", Float, nullable=False),
     Column("failure_threshold", Integer, nullable=False),
+    Column("plan_interval_s", Float, nullable=False, default=0.05, server_default="0.05"),  # v4
+    Column("plan_refresh_s", Float, nullable=False, default=5.0, server_default="5.0"),  # v4
+)
+
+# v4: the planner's state. ``dirty_seq`` counts changes of the pool's inputs; ``planned_seq`` is
+# the last change a committed plan saw; ``planned_at`` (wall clock) when it ended.
+planner = Table(
+    "planner",
+    metadata,
+    Column("id", Integer, primary_key=True),
+    Column("dirty_seq", BigInteger, nullable=False, default=0),
+    Column("planned_seq", BigInteger, nullable=False, default=0),
+    Column("planned_at", Float, nullable=False, default=0.0),
+    Column("plans", BigInteger, nullable=False, default=0),
+    Column("plan_s", Float, nullable=False, default=0.0),
 )
 
 hosts = Table(
@@ -87,6 +103,11 @@ jobs = Table(
     Column("target", Integer, nullable=False, default=0),
     Column("reason", Text, nullable=False, default=""),
     Column("selector", Text, nullable=False, default="{}", server_default="{}"),  # v2
+    # v4: the planner's decision for a job holding slots (JSON [[host, slot], ...]; NULL: keep
+    # exactly what it holds), and when a waiting job last asked for a grant (NULL: not asking)
+    Column("plan_placements", Text),
+    Column("plan_release", Text),
+    Column("asked", Float),
 )
 
 leases = Table(
@@ -99,6 +120,27 @@ leases = Table(
     Column("ended", Float),
     Column("end_reason", String(32)),
     PrimaryKeyConstraint("job", "epoch"),
+)
+# the planner and every heartbeat look for overdue live leases: an index, not a scan (v4)
+Index("leases_live_expires", leases.c.expires, postgresql_where=leases.c.ended.is_(None),
+      sqlite_where=leases.c.ended.is_(None))
+
+# v4: what each job measured, one row per configuration it ran in (bounded by them): summed
+# iterations and training seconds at ``workers`` ranks over ``hosts`` hosts, global ``batch``
+# (0: the job's fixed batch)
+observations = Table(
+    "observations",
+    metadata,
+    Column("job", String(255), nullable=False),
+    Column("workers", Integer, nullable=False),
+    Column("hosts", Integer, nullable=False),
+    Column("batch", Integer, nullable=False),
+    Column("iterations", BigInteger, nullable=False),
+    Column("seconds", Float, nullable=False),
+    Column("reports", BigInteger, nullable=False),
+    Column("first_ts", Float, nullable=False),
+    Column("last_ts", Float, nullable=False),
+    PrimaryKeyConstraint("job", "workers", "hosts", "batch"),
 )
 
 allocations = Table(
@@ -139,6 +181,8 @@ DEFAULTS = {
     "job_idle_s": 180.0,
     "cooling_s": 300.0,
     "failure_threshold": 3,
+    "plan_interval_s": 0.05,
+    "plan_refresh_s": 5.0,
 }
 
 
@@ -173,27 +217,50 @@ def _v3(conn: Connection) -> None:
         conn.execute(text(f"ALTER SEQUENCE {seq} AS BIGINT MAXVALUE 9223372036854775807"))
 
 
-MIGRATIONS: list[tuple[int, Callable[[Connection], None]]] = [(1, _v1), (2, _v2), (3, _v3)]
+def _v4(conn: Connection) -> None:
+    """The planner (heartbeats renew and read; plans run when inputs change): its state row, the
+    jobs' decisions and asks, the planner's settings, observations, the live-lease index."""
+    names = {c["name"] for c in inspect(conn).get_columns("pool")}
+    for col, default in (("plan_interval_s", "0.05"), ("plan_refresh_s", "5.0")):
+        if col not in names:
+            conn.execute(text(f"ALTER TABLE pool ADD COLUMN {col} FLOAT NOT NULL DEFAULT {default}"))
+    names = {c["name"] for c in inspect(conn).get_columns("jobs")}
+    for col, kind in (("plan_placements", "TEXT"), ("plan_release", "TEXT"), ("asked", "FLOAT")):
+        if col not in names:
+            conn.execute(text(f"ALTER TABLE jobs ADD COLUMN {col} {kind}"))
+    metadata.create_all(conn, tables=[planner, observations], checkfirst=True)
+    if "leases_live_expires" not in {i["name"] for i in inspect(conn).get_indexes("leases")}:
+        next(i for i in leases.indexes if i.name == "leases_live_expires").create(conn)
+    if conn.execute(select(planner.c.id)).first() is None:
+        # a ledger upgraded in place plans at its first call: its jobs' rows hold no decision yet
+        conn.execute(insert(planner).values(id=1, dirty_seq=1, planned_seq=0, planned_at=0.0, plans=0,
+                                            plan_s=0.0))
+
+
+MIGRATIONS: list[tuple[int, Callable[[Connection], None]]] = [(1, _v1), (2, _v2), (3, _v3), (4, _v4)]
 LATEST = MIGRATIONS[-1][0]
 
 
-def current_version(conn: Connection) -> int:
+def applied_versions(conn: Connection) -> set[int]:
     if not inspect(conn).has_table("schema_version"):
-        return 0
-    return (
-        conn.execute(select(schema_version.c.version).order_by(schema_version.c.version.desc())).scalar() or 0
-    )
+        return set()
+    return set(conn.execute(select(schema_version.c.version)).scalars())
+
+
+def current_version(conn: Connection) -> int:
+    return max(applied_versions(conn), default=0)
 
 
 def migrate(conn: Connection) -> int:
-    """Apply pending migrations in the caller's (locked) transaction; return the new version."""
+    """Apply the migrations this ledger lacks, in order, in the caller's (locked) transaction;
+    return the new version. Each step is idempotent (it checks what is there), so a ledger
+    missing any one of them (restored from a partial backup, edited by hand) gets it."""
     if conn.dialect.name == "postgresql":
         # Serialise concurrent first starts (the pool row may not exist yet to lock).
         conn.execute(text("SELECT pg_advisory_xact_lock(7720331)"))
-    version = current_version(conn)
+    done = applied_versions(conn)
     for v, step in MIGRATIONS:
-        if v > version:
+        if v not in done:
             step(conn)
             conn.execute(insert(schema_version).values(version=v, applied=time.time()))
-            version = v
-    return version
+    return LATEST

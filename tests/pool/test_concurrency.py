@@ -1,13 +1,18 @@
-"""Many processes requesting, heartbeating and releasing against one ledger stay consistent."""
+"""Many processes requesting, heartbeating and releasing against one ledger stay consistent,
+with some SIGKILLed mid-lease and changes made from another process meanwhile."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import random
+import signal
+import time
 
 import pytest
 import sqlalchemy as sa
 
+from elastic_ops.errors import LeaseExpiredError, UnknownJobError
 from elastic_ops.pool import Grant, PoolClient, TargetAction
 
 from .timeline import held_now, replay
@@ -56,8 +61,8 @@ def _worker(url: str, proc: int, seed: int, out) -> None:
         done += 1
     for j, (epoch, _) in live.items():
         pool.release(j, epoch, finished=True)
-    for j in parked:  # the run ended between two chunks
-        pool.finish(j)
+    for j in set(jobs) - set(live):  # the run ended between two chunks, or while it waited
+        pool.finish(j)  # (a job told to wait stays asking: a later plan may have granted it)
     pool.close()
     out.put(done)
 
@@ -110,6 +115,139 @@ def test_many_processes_on_sqlite(sqlite_url):
 @pytest.mark.postgres
 def test_many_processes_on_postgres(pg_url):
     _run(pg_url)
+
+
+def _holder(url: str, proc: int, seed: int, seconds: float, marker: str, out) -> None:
+    """Two jobs driven like chunk tasks for ``seconds``, following their targets with
+    placements (as the lease keeper does); writes ``marker`` once it holds a lease (the test
+    may SIGKILL it from then on, mid-lease). A lease lost to expiry is asked for again."""
+    rng = random.Random(seed)
+    pool = PoolClient(url)
+    jobs = [f"k{proc}-j{k}" for k in range(2)]
+    live: dict[str, tuple[int, tuple]] = {}  # job -> (epoch, placements it runs on)
+    for j in jobs:
+        pool.submit(j, min_workers=1, max_workers=rng.randint(2, 6), priority=rng.randint(1, 5))
+    end, done = time.monotonic() + seconds, 0
+    while time.monotonic() < end:
+        for j in jobs:
+            if j not in live:
+                g = pool.request(j, new_attempt=True)
+                if isinstance(g, Grant):
+                    live[j] = (g.epoch, g.placements)
+                    open(marker, "a").close()
+                continue
+            epoch, on = live[j]
+            try:
+                if rng.random() < 0.05:
+                    pool.release(j, epoch, handover=rng.random() < 0.5)
+                    del live[j]
+                    continue
+                t = pool.heartbeat(j, epoch, workers=len(on), placements=on)
+                if t.action == TargetAction.PREEMPT:
+                    pool.heartbeat(j, epoch, workers=0)
+                    del live[j]
+                elif set(t.placements) != set(on):  # a boundary: run on the target's slots
+                    live[j] = (epoch, t.placements)
+                    pool.heartbeat(j, epoch, workers=len(t.placements), placements=t.placements)
+            except LeaseExpiredError:
+                del live[j]
+            done += 1
+        time.sleep(0.01)
+    for j, (epoch, _) in live.items():
+        pool.release(j, epoch, finished=True)
+    for j in jobs:
+        pool.finish(j)
+    pool.close()
+    out.put(done)
+
+
+def _operator(url: str, seed: int, seconds: float) -> None:
+    """Priorities and bounds changed, hosts drained and brought back, from another process."""
+    rng = random.Random(seed)
+    pool = PoolClient(url)
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        what = rng.random()
+        try:
+            if what < 0.5:
+                job = f"k{rng.randint(0, HOLDERS - 1)}-j{rng.randint(0, 1)}"
+                pool.set_priority(job, rng.randint(1, 9))
+            else:
+                host = f"h{rng.randint(0, 2)}"
+                pool.set_host_state(host, "draining" if what < 0.75 else "up")
+        except UnknownJobError:
+            pass
+        time.sleep(0.05)
+    for h in range(3):
+        pool.set_host_state(f"h{h}", "up")
+    pool.close()
+
+
+HOLDERS, KILLED = 5, 2
+
+
+def _run_with_kills(url: str, tmp_path) -> None:
+    ttl = 3.0
+    setup = PoolClient(url, lease_ttl_s=ttl, policy="priority", preemption="graceful", plan_interval_s=0.02)
+    for h in range(3):
+        setup.add_host(f"h{h}", 6)
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    seconds = 6.0
+    markers = [str(tmp_path / f"holding-{i}") for i in range(HOLDERS)]
+    holders = [ctx.Process(target=_holder, args=(url, i, 2000 + i, seconds, markers[i], out))
+               for i in range(HOLDERS)]
+    operator = ctx.Process(target=_operator, args=(url, 7, seconds))
+    procs = [*holders, operator]
+    try:
+        for p in procs:
+            p.start()
+        for i in range(KILLED):  # SIGKILLed while holding a lease
+            deadline = time.monotonic() + 60
+            while not os.path.exists(markers[i]):
+                assert time.monotonic() < deadline, "a holder never got a grant"
+                time.sleep(0.01)
+            time.sleep(0.5 + i)
+            os.kill(holders[i].pid, signal.SIGKILL)
+        for p in procs:
+            p.join(timeout=120)
+        assert [p.exitcode for p in holders[KILLED:]] == [0] * (HOLDERS - KILLED)
+        assert operator.exitcode == 0
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    assert all(out.get(timeout=5) > 0 for _ in range(HOLDERS - KILLED))
+    time.sleep(ttl + 0.5)  # the killed holders' leases run out; nobody calls for their jobs...
+    setup.status()  # ...and the next call that finds a lease overdue plans (expiry returns them)
+    events = setup.events()
+    with setup.engine.connect() as conn:
+        rows = conn.execute(sa.text("SELECT host, slot, job FROM allocations")).all()
+        live = conn.execute(sa.text("SELECT job, epoch FROM leases WHERE ended IS NULL")).all()
+    allocations = {(r.host, r.slot): r.job for r in rows}
+    tables = f"allocations table: {allocations}; live leases: {[tuple(r) for r in live]}"
+    replay(events)  # no slot ever held by two jobs; only holders release; no stale epoch commits
+    held = held_now(events)
+    assert held == allocations, f"event log says {held} is held, but the {tables}"
+    assert held == {}, f"slots never given back; {tables}"
+    assert not live, f"leases never ended; {tables}"
+    killed = {f"k{i}-j{k}" for i in range(KILLED) for k in range(2)}
+    expired = {e["job"] for e in events if e["kind"] == "expiry"}
+    granted = {e["job"] for e in events if e["kind"] in ("grant", "reissue")}
+    assert killed & granted <= expired | {e["job"] for e in events if e["kind"] == "release"}
+    assert killed & expired, "no killed holder's lease expired: they were not killed mid-lease"
+    assert any(e["kind"] == "host" and "draining" in e["reason"] for e in events)
+    assert any(e["kind"] == "config" and "priority" in e["reason"] for e in events)
+
+
+def test_holders_killed_mid_lease_with_changes_from_another_process_on_sqlite(sqlite_url, tmp_path):
+    _run_with_kills(sqlite_url, tmp_path)
+
+
+@pytest.mark.postgres
+def test_holders_killed_mid_lease_with_changes_from_another_process_on_postgres(pg_url, tmp_path):
+    _run_with_kills(pg_url, tmp_path)
 
 
 def _hold_the_pool_lock(url: str, *, engine=None):

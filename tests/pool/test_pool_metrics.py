@@ -74,7 +74,7 @@ def test_a_refused_change_sends_nothing(tmp_path, change):
 
 def test_without_metrics_nothing_is_computed(tmp_path, monkeypatch):
     pool = PoolClient(f"sqlite:///{tmp_path / 'pool.db'}")
-    monkeypatch.setattr(ledger, "gauges", lambda *a: pytest.fail("gauges computed for nobody"))
+    monkeypatch.setattr(ledger.Tx, "_gauges", lambda *a: pytest.fail("gauges computed for nobody"))
     pool.add_host("h1", 2)
     pool.submit("a", min_workers=1, max_workers=2)
     assert pool.request("a").workers == 2
