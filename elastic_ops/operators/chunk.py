@@ -539,7 +539,12 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
     def _train(self, spec: JobSpec, state: dict[str, Any], epoch: int, host: str, keeper: LeaseKeeper,
                hook: ElasticOpsHook) -> Any:
         """Run the chunk on this host's agent if one is configured and answers, else here."""
-        on_progress = progress_logger(self.log, spec.name)
+        logged = progress_logger(self.log, spec.name)
+
+        def on_progress(p: Any) -> None:  # logged, and timed for the pool's heartbeats
+            logged(p)
+            keeper.progressed(p)
+
         warm_start = state.get("warm_start")
         nodes = node_config_from_env()
         if nodes is not None:  # a cluster: the chunk trains on the granted host, wherever this task is

@@ -19,6 +19,10 @@ slots its plan takes away that the running workers do not use (a move off a drai
 shrink), and keeps the ones they do use even when its target has moved on (a move the runner
 could not follow keeps the old slots this job's, so no other job is handed a busy GPU).
 
+Every heartbeat also carries what the runner measured since the last one (:meth:`progressed`:
+iterations and seconds at a steady worker count, and over how many hosts), which the pool keeps
+per configuration (``PoolClient.observations``).
+
 A heartbeat that fails (a busy or unreachable ledger, any error) is retried at the next beat;
 once no heartbeat has succeeded for the lease's TTL the pool has expired the lease, and the
 keeper treats it as lost (target 0: the chunk stops at its next boundary).
@@ -34,6 +38,7 @@ from typing import Any
 
 from elastic_ops.errors import ElasticOpsError, LeaseExpiredError
 from elastic_ops.metrics import NO_METRICS, Metrics
+from elastic_ops.pool.model import Observation
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +83,9 @@ class LeaseKeeper:
         self.ttl_s = ttl_s  # None: never lost by silence (only by the pool saying so)
         self.clock = clock
         self._last_ok = clock()  # the grant itself renewed the lease
+        # what the runner measured, not yet sent: (workers, hosts) -> [iterations, seconds]
+        self._at: tuple[int, int, float] | None = None  # the last boundary: iteration, workers, time
+        self._measured: dict[tuple[int, int], list[float]] = {}
 
     def start(self) -> LeaseKeeper:
         self._thread.start()
@@ -146,11 +154,38 @@ class LeaseKeeper:
             log.info("job %s: %d workers from iteration %d%s", self.job, workers, iteration, where)
             self._wake.set()
 
+    def progressed(self, p: Any) -> None:
+        """The runner reached a boundary (its ``Progress``: ``iteration``, ``workers``): the
+        iterations since the previous one at the same worker count, timed here, go to the pool
+        with the next heartbeat (how fast the job runs at that size). A change of count starts
+        timing afresh, so a relaunch's start-up is not counted as training."""
+        now = self.clock()
+        with self._lock:
+            last, self._at = self._at, (int(p.iteration), int(p.workers), now)
+            if last is None or last[1] != p.workers or p.iteration <= last[0] or p.workers < 1:
+                return
+            hosts = len({h for h, _ in self._running_on}) if self._running_on else 1
+            acc = self._measured.setdefault((int(p.workers), max(1, min(hosts, int(p.workers)))), [0, 0.0])
+            acc[0] += int(p.iteration) - last[0]
+            acc[1] += now - last[2]
+
+    def _progress(self) -> tuple[tuple[int, int], Observation] | None:
+        """One configuration's measurements to send (the others wait for the next beats)."""
+        with self._lock:
+            for key, (its, secs) in self._measured.items():
+                if its > 0 and secs > 0:
+                    return key, Observation(iterations=int(its), seconds=float(secs), workers=key[0],
+                                            hosts=key[1])
+        return None
+
     def beat(self) -> None:
         with self._lock:
             running, running_on = self._running, self._running_on
         # placements only once known: before the first segment starts, the count alone decides
-        extra = {} if running_on is None else {"placements": running_on}
+        extra: dict[str, Any] = {} if running_on is None else {"placements": running_on}
+        measured = self._progress()
+        if measured is not None:
+            extra["measured"] = measured[1]
         try:
             target = self.client.heartbeat(self.job, self.epoch, workers=running, **extra)
         except LeaseExpiredError as exc:
@@ -165,6 +200,14 @@ class LeaseKeeper:
                 log.warning("job %s: heartbeat failed (%s%s); retrying", self.job, kind, exc)
             return
         self._last_ok = self.clock()
+        if measured is not None:  # sent: what was measured since goes with a later beat
+            with self._lock:
+                acc = self._measured.get(measured[0])
+                if acc is not None:
+                    acc[0] -= measured[1].iterations
+                    acc[1] -= measured[1].seconds
+                    if acc[0] <= 0:
+                        del self._measured[measured[0]]
         action = str(getattr(target.action, "value", target.action))
         wanted = 0 if action == "preempt" else int(target.workers)
         placements = () if wanted == 0 else tuple((str(h), int(s)) for h, s in target.placements)

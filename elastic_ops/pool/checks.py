@@ -10,7 +10,7 @@ from typing import Any
 
 from elastic_ops.errors import SpecError
 from elastic_ops.pool import schema as s
-from elastic_ops.pool.model import HostState, Preemption, Progress, Slot, check_aging
+from elastic_ops.pool.model import HostState, Observation, Preemption, Slot, check_aging
 from elastic_ops.pool.policies import POLICIES
 from elastic_ops.spec import MAX_WORKERS_LIMIT, check_host_name, check_number
 
@@ -65,30 +65,31 @@ def check_hosts(field: str, value: Any) -> list[str]:
     return sorted({check_host_name(field, h) for h in value})
 
 
-MAX_PROGRESS_ITERATIONS = 10**12
-MAX_PROGRESS_SECONDS = 1e9
+MAX_MEASURED_ITERATIONS = 10**12
+MAX_MEASURED_SECONDS = 1e9
 
 
-def check_progress(value: Any) -> Progress | None:
-    """A heartbeat's ``progress``: a :class:`Progress` (or its dict), each field in range."""
+def check_observation(value: Any) -> Observation | None:
+    """A heartbeat's ``measured``: an :class:`Observation` (or its dict), each field in range."""
     if value is None:
         return None
     if isinstance(value, Mapping):
-        known = {f.name for f in dataclasses.fields(Progress)}
+        known = {f.name for f in dataclasses.fields(Observation)}
         if unknown := sorted(set(map(str, value)) - known):
-            raise SpecError("progress", unknown[0], f"an unknown field; known: {', '.join(sorted(known))}")
+            raise SpecError("measured", unknown[0], f"an unknown field; known: {', '.join(sorted(known))}")
         try:
-            value = Progress(**value)
+            value = Observation(**value)
         except TypeError:
-            raise SpecError("progress", dict(value), "needs iterations, seconds and workers") from None
-    if not isinstance(value, Progress):
-        raise SpecError("progress", value, "must be a Progress (iterations, seconds, workers, hosts, batch)")
-    check_int("progress.iterations", value.iterations, 0, MAX_PROGRESS_ITERATIONS)
-    check_number("progress.seconds", value.seconds, minimum=0, maximum=MAX_PROGRESS_SECONDS,
+            raise SpecError("measured", dict(value), "needs iterations, seconds and workers") from None
+    if not isinstance(value, Observation):
+        raise SpecError("measured", value, "must be an Observation (iterations, seconds, workers, hosts, "
+                        "batch)")
+    check_int("measured.iterations", value.iterations, 0, MAX_MEASURED_ITERATIONS)
+    check_number("measured.seconds", value.seconds, minimum=0, maximum=MAX_MEASURED_SECONDS,
                  unit=" of seconds")
-    check_int("progress.workers", value.workers, 1, MAX_WORKERS_LIMIT)
-    check_int("progress.hosts", value.hosts, 1, value.workers)
-    check_int("progress.batch", value.batch, 0, 2**31 - 1)
+    check_int("measured.workers", value.workers, 1, MAX_WORKERS_LIMIT)
+    check_int("measured.hosts", value.hosts, 1, value.workers)
+    check_int("measured.batch", value.batch, 0, 2**31 - 1)
     return value
 
 

@@ -68,10 +68,20 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p = psub.add_parser("configure", help="pool-wide settings (policy, preemption, ttl, anti-thrashing)")
     p.add_argument("--policy")
     p.add_argument("--preemption", choices=["none", "graceful"])
-    for name in ("lease-ttl-s", "min-rescale-interval-s", "min-gain", "aging-s", "job-idle-s", "cooling-s"):
+    for name in ("lease-ttl-s", "min-rescale-interval-s", "min-gain", "aging-s", "job-idle-s", "cooling-s",
+                 "plan-interval-s", "plan-refresh-s"):
         p.add_argument(f"--{name}", type=float)
     p.add_argument("--failure-threshold", type=int)
     p.set_defaults(func=_configure)
+
+    p = psub.add_parser(
+        "planner", help="run the pool's planner as a service: plans whenever one is due (optional: "
+        "clients plan without it)",
+    )
+    p.add_argument("--once", action="store_true", help="run one plan now, print the planner's state, exit")
+    p.add_argument("--poll-s", type=float, default=None,
+                   help="seconds between checks for a due plan (default: the pool's plan_interval_s)")
+    p.set_defaults(func=_planner)
 
     p = psub.add_parser("events", help="the event log (grants, grows, shrinks, releases, expiries, hosts)")
     p.add_argument("--job", default=None)
@@ -194,9 +204,40 @@ def _configure(args: argparse.Namespace) -> None:
         "job_idle_s",
         "cooling_s",
         "failure_threshold",
+        "plan_interval_s",
+        "plan_refresh_s",
     )
     changes = {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
     print(json.dumps(_client(args).configure(**changes), sort_keys=True))
+
+
+def _planner(args: argparse.Namespace) -> None:
+    """Plans whenever one is due until SIGTERM or Ctrl-C: a dedicated planner, so an expired
+    lease's slots return and time-driven rules (aging, cooling) act even when no client calls."""
+    import signal
+
+    from elastic_ops.pool.client import PoolClient
+    from elastic_ops.spec import check_number
+
+    if args.poll_s is not None:
+        check_number("--poll-s", args.poll_s, minimum=0.01, maximum=3600.0, unit=" of seconds")
+    pool = _client(args)
+    if not isinstance(pool, PoolClient):
+        from elastic_ops.errors import SpecError
+
+        raise SpecError("--api-url", args.api_url, "the planner needs the ledger: give --pool-url "
+                        f"(or ${ENV_URL}), not the api-server")
+    if args.once:
+        print(json.dumps(pool.plan(), sort_keys=True))
+        return
+    stopping: list[int] = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, _frame: stopping.append(signum))
+    from elastic_ops.urls import shown_url
+
+    print(f"planner on {shown_url(pool.url)}: planning whenever a plan is due", file=sys.stderr, flush=True)
+    plans = pool.serve_planner(lambda: bool(stopping), poll_s=args.poll_s)
+    print(f"planner stopped after {plans} plans", file=sys.stderr)
 
 
 def _status(args: argparse.Namespace) -> None:

@@ -4,7 +4,7 @@ operations (:class:`elastic_ops.pool.ledger.Tx`) in transactions.
 - A **change** (submit, request, release, priority, bounds, selector, hosts, settings) runs
   under the pool lock, marks the plan dirty and returns once a committed plan has seen it
   (group commit: one caller plans for every change made before its plan began).
-- A **heartbeat** takes no pool lock and does not plan: it renews one lease, reports progress
+- A **heartbeat** takes no pool lock and does not plan: it renews one lease, reports what the job measured
   and reads the target the planner last wrote. When it finds a plan due (dirty, a lease
   overdue, the last plan older than ``plan_refresh_s``) it runs one if no other client is.
 - One plan at a time: the pool lock (SQLite: the file's write lock; PostgreSQL: the ``pool``
@@ -54,12 +54,12 @@ from elastic_ops.pool.checks import (
     check_hosts,
     check_int,
     check_name,
+    check_observation,
     check_placements,
-    check_progress,
 )
 from elastic_ops.pool.engine import NO_LEDGER_HINT, first_line, lock_timeout, make_engine, retryable
 from elastic_ops.pool.ledger import PlannerState, Target, Tx
-from elastic_ops.pool.model import HostState, Progress, Slot
+from elastic_ops.pool.model import HostState, Observation, Slot
 from elastic_ops.pool.usage import ADD as USAGE_ADD
 from elastic_ops.pool.usage import REMOVE as USAGE_REMOVE
 from elastic_ops.pool.usage import usage as usage_of
@@ -430,9 +430,9 @@ class PoolClient:
         *,
         workers: int,
         placements: Sequence[Slot] | None = None,
-        progress: Progress | Mapping[str, Any] | None = None,
+        measured: Observation | Mapping[str, Any] | None = None,
     ) -> Target:
-        """Renew the lease, report ``progress`` (what the job measured since its last heartbeat)
+        """Renew the lease, report ``measured`` (what the job measured since its last heartbeat)
         and return the target the planner last wrote. ``workers``: what the job runs now. Takes
         no pool lock and does not plan: it touches this job's rows only.
 
@@ -447,7 +447,7 @@ class PoolClient:
         check_epoch(epoch)
         check_int("workers", workers, 0, MAX_WORKERS_LIMIT)
         placements = check_placements(placements)
-        observed = check_progress(progress)
+        observed = check_observation(measured)
         beat, tx = self._tx(lambda tx: tx.heartbeat(job, epoch, workers, placements, observed),
                             lock=Lock.NONE)
         self._settle(tx.seq)  # it freed slots a shrink gave up: others may grow onto them

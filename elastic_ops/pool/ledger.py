@@ -41,10 +41,10 @@ from elastic_ops.pool.model import (
     HostState,
     Job,
     JobState,
+    Observation,
     Plan,
     PolicyConfig,
     Preemption,
-    Progress,
     Slot,
     Snapshot,
     TargetAction,
@@ -512,9 +512,10 @@ class Tx:
     # --- heartbeats (no pool lock) -------------------------------------------------------------
 
     def heartbeat(
-        self, job: str, epoch: int, workers: int, placements: Sequence[Slot] | None, progress: Progress | None
+        self, job: str, epoch: int, workers: int, placements: Sequence[Slot] | None,
+        measured: Observation | None,
     ) -> Beat:
-        """Renew ``epoch``'s lease, record ``progress``, free the slots the job left, and read its
+        """Renew ``epoch``'s lease, record ``measured``, free the slots the job left, and read its
         decision. Touches only this job's rows (and reads the pool and planner rows)."""
         le, p, pl = s.leases.c, s.pool.c, s.planner.c
         ttl = select(p.lease_ttl_s).where(p.id == 1).scalar_subquery()
@@ -546,8 +547,8 @@ class Tx:
             return Beat(None, self.lease_error(job, epoch), False, True)
         if workers == 0:
             return Beat(None, None, True, plan_due)
-        if progress is not None:
-            self.observe(job, progress)
+        if measured is not None:
+            self.observe(job, measured)
         a = s.allocations.c
         mine = self.conn.execute(select(a.host, a.slot, a.releasing).where(a.job == job)).all()
         held = {(r.host, r.slot) for r in mine}
@@ -605,13 +606,13 @@ class Tx:
                     .values(releasing=self.now if told else None)
                 )
 
-    def observe(self, job: str, progress: Progress) -> None:
-        """Fold ``progress`` into the job's observations: one row per (workers, hosts, batch),
+    def observe(self, job: str, seen: Observation) -> None:
+        """Fold ``seen`` into the job's observations: one row per (workers, hosts, batch),
         so the history stays bounded by the configurations the job ran in."""
         o = s.observations.c
         stmt = _upsert(self.conn.dialect.name)(s.observations).values(
-            job=job, workers=progress.workers, hosts=progress.hosts, batch=progress.batch,
-            iterations=progress.iterations, seconds=progress.seconds, reports=1,
+            job=job, workers=seen.workers, hosts=seen.hosts, batch=seen.batch,
+            iterations=seen.iterations, seconds=seen.seconds, reports=1,
             first_ts=self.now, last_ts=self.now,
         )
         ex = stmt.excluded

@@ -127,7 +127,7 @@ class Job:
 
 
 @dataclasses.dataclass(frozen=True)
-class Progress:
+class Observation:
     """What a running job measured since its last heartbeat, carried by that heartbeat.
 
     ``iterations`` completed in ``seconds`` of training (start-up and checkpoint stalls

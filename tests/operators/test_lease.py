@@ -66,3 +66,44 @@ def test_the_heartbeat_thread_survives_errors():
     finally:
         keeper.stop()
     assert len(calls) >= 4 and not keeper.lost
+
+
+def test_heartbeats_carry_what_the_runner_measured_at_a_steady_count(tmp_path):
+    """Boundaries at one worker count become iterations and seconds in the next heartbeat; a
+    change of count starts timing afresh (a relaunch's start-up is not training); a failed
+    heartbeat loses nothing; the pool keeps them per configuration."""
+    from elastic_ops.pool import PoolClient
+
+    clock = Clock()
+    pool = PoolClient(f"sqlite:///{tmp_path / 'pool.db'}")
+    pool.add_host("a", 4)
+    pool.submit("j", min_workers=1, max_workers=4)
+    g = pool.request("j")
+    failing = [True]
+
+    def heartbeat(job, epoch, **kw):
+        if failing.pop(0) if failing else False:
+            raise RuntimeError("transient")
+        return pool.heartbeat(job, epoch, **kw)
+
+    keeper = LeaseKeeper(SimpleNamespace(heartbeat=heartbeat), "j", g.epoch, 4, interval_s=1, clock=clock)
+    keeper.applied(0, 4, slots=[0, 1, 2, 3])
+
+    def boundary(it: int, workers: int, dt: float) -> None:
+        clock.t += dt
+        keeper.progressed(SimpleNamespace(iteration=it, workers=workers))
+
+    boundary(0, 4, 0)
+    for it in range(1, 11):
+        boundary(it, 4, 0.5)  # 10 iterations in 5 s on 4 workers
+    keeper.beat()  # fails: kept for the next beat
+    assert pool.observations("j") == []
+    boundary(11, 2, 30.0)  # relaunched on 2: its start-up is not counted
+    for it in range(12, 16):
+        boundary(it, 2, 1.0)  # 4 iterations in 4 s on 2 workers
+    keeper.beat()
+    keeper.beat()
+    obs = {o["workers"]: (o["iterations"], o["seconds"]) for o in pool.observations("j")}
+    assert obs == {4: (10, 5.0), 2: (4, 4.0)}
+    keeper.beat()  # nothing new measured: nothing sent
+    assert sum(o["reports"] for o in pool.observations("j")) == 2

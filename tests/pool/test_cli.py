@@ -158,3 +158,47 @@ def test_a_postgres_url_the_ledger_cannot_use_says_why(pg_url, capsys):
     assert bare != pg_url and PoolClient(bare).engine.dialect.driver == "psycopg2"
     assert run(["pool", "--pool-url", pg_url.replace("+psycopg2", "+pg8000", 1), "status"]) == 2
     assert "a PostgreSQL driver that is installed: pg8000 is not" in capsys.readouterr().err
+
+
+def test_pool_planner_runs_plans_until_stopped(sqlite_url, tmp_path):
+    """The planner service: started as a process, it plans what is due with nobody else calling
+    (an expired lease's slots return), and stops cleanly on SIGTERM."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    pool = PoolClient(sqlite_url, lease_ttl_s=1, plan_refresh_s=3600)
+    pool.add_host("h0", 2)
+    pool.submit("gone", min_workers=1, max_workers=2)
+    pool.request("gone")  # granted; its holder never heartbeats
+    env = {**os.environ, "ELASTIC_OPS_POOL_URL": sqlite_url}
+    proc = subprocess.Popen([sys.executable, "-m", "elastic_ops.cli", "pool", "planner", "--poll-s", "0.05"],
+                            env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not any(e["kind"] == "expiry" for e in pool.events("gone")):
+            assert time.monotonic() < deadline, "the planner never expired the lease"
+            assert proc.poll() is None, proc.stderr.read()
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    err = proc.stderr.read()
+    assert "planning whenever a plan is due" in err and "planner stopped after" in err
+    with sa.create_engine(sqlite_url).connect() as conn:
+        assert conn.execute(sa.text("SELECT count(*) FROM allocations")).scalar() == 0
+
+
+def test_pool_planner_once_and_its_errors(sqlite_url, monkeypatch, capsys):
+    monkeypatch.setenv("ELASTIC_OPS_POOL_URL", sqlite_url)
+    assert run(["pool", "planner", "--once"]) == 0
+    state = json.loads(capsys.readouterr().out)
+    assert state["planned_seq"] == state["dirty_seq"] and state["plans"] >= 1
+    assert run(["pool", "planner", "--poll-s", "0"]) == 2
+    assert "invalid --poll-s=0" in capsys.readouterr().err
+    assert run(["pool", "configure", "--plan-interval-s", "0.2"]) == 0
+    assert json.loads(capsys.readouterr().out)["plan_interval_s"] == 0.2

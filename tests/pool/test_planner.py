@@ -15,7 +15,7 @@ import sqlalchemy as sa
 
 from elastic_ops.errors import LeaseExpiredError, SpecError
 from elastic_ops.pool import Grant, PoolClient, TargetAction, Wait, ledger
-from elastic_ops.pool.model import Progress
+from elastic_ops.pool.model import Observation
 from elastic_ops.pool.policies import get_policy
 
 from .timeline import held_now, replay
@@ -65,7 +65,7 @@ def test_a_heartbeat_renews_and_reads_without_running_the_policy(pool, clock, co
     for _ in range(20):
         clock.advance(1)
         ta = pool.heartbeat("a", a.epoch, workers=a.workers, placements=a.placements,
-                            progress=Progress(iterations=10, seconds=1.5, workers=a.workers))
+                            measured=Observation(iterations=10, seconds=1.5, workers=a.workers))
         pool.heartbeat("b", b.epoch, workers=b.workers, placements=b.placements)
     assert len(counted) == before, "a heartbeat ran the policy"
     assert ta.action == TargetAction.KEEP and ta.workers == a.workers
@@ -141,12 +141,12 @@ def test_time_alone_is_planned_within_the_refresh(ledger_url, clock):
 def test_planner_settings_are_checked(pool):
     with pytest.raises(SpecError, match="plan_interval_s=-1"):
         pool.configure(plan_interval_s=-1)
-    with pytest.raises(SpecError, match="progress.hosts=3"):
+    with pytest.raises(SpecError, match="measured.hosts=3"):
         g = grant(pool, "a")
         pool.heartbeat("a", g.epoch, workers=2,
-                       progress=Progress(iterations=1, seconds=1.0, workers=2, hosts=3))
-    with pytest.raises(SpecError, match="progress"):
-        pool.heartbeat("a", g.epoch, workers=2, progress={"iterations": 1, "speed": 2})
+                       measured=Observation(iterations=1, seconds=1.0, workers=2, hosts=3))
+    with pytest.raises(SpecError, match="measured"):
+        pool.heartbeat("a", g.epoch, workers=2, measured={"iterations": 1, "speed": 2})
     assert pool.configure(plan_interval_s=0.2)["plan_interval_s"] == 0.2
 
 
