@@ -18,15 +18,17 @@ import dataclasses
 import enum
 import json
 import os
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from sqlalchemy import Connection, func, inspect, select, true
-from sqlalchemy.exc import DatabaseError, OperationalError, ProgrammingError
+from sqlalchemy.exc import DatabaseError, DBAPIError, OperationalError, ProgrammingError
 from tenacity import (
     Retrying,
     retry_if_exception,
+    retry_if_exception_type,
     stop_after_attempt,
     stop_after_delay,
     wait_random_exponential,
@@ -40,6 +42,7 @@ from elastic_ops.errors import (
 )
 from elastic_ops.metrics import NO_METRICS, Metrics
 from elastic_ops.pool import engine as db
+from elastic_ops.pool import ledger
 from elastic_ops.pool import schema as s
 from elastic_ops.pool.checks import (
     MAX_EPOCH,
@@ -67,6 +70,9 @@ from elastic_ops.spec import MAX_WORKERS_LIMIT, check_host_selector, check_numbe
 from elastic_ops.urls import shown_url
 
 T = TypeVar("T")
+SETTLE_POLL_S = 0.002  # a change waiting for another's plan reads the planner this often (x2, to 50 ms)
+_BUSY = object()  # _plan_for: another client holds the pool lock
+NUDGE_BACKOFF_S = 0.1  # a heartbeat that found another client planning tries again after this
 
 
 class Lock(enum.StrEnum):
@@ -167,6 +173,24 @@ class PoolClient:
         self.metrics = metrics
         self.wait_for_plan = check_flag("wait_for_plan", wait_for_plan)
         self.engine = make_engine(url, create=create)
+        self._inline_engine = (
+            self.engine.execution_options(**{db.INLINE_SETTINGS: True})
+            if self.engine.dialect.name == "postgresql" else None
+        )
+        self._inline_head = (
+            None if self._inline_engine is None
+            else ledger.heartbeat_statements(db.inline_settings(self.engine), clock is not None)
+        )
+        self._local = threading.local()
+        self._nudge_after = 0.0  # monotonic: no try to plan before (another client was planning)
+        # one retry policy per client (tenacity keeps each call's state per thread)
+        self._retrying = Retrying(
+            stop=stop_after_attempt(retries + 1) | stop_after_delay(db.SQLITE_BUSY_TIMEOUT_S),
+            wait=wait_random_exponential(multiplier=0.005, max=0.5),
+            retry=retry_if_exception(_lost_lock) | retry_if_exception_type(_Dropped),
+            sleep=sleep,
+            reraise=True,
+        )
 
         def first_use(tx: Tx) -> int:
             conn = tx.conn
@@ -195,34 +219,68 @@ class PoolClient:
 
     # --- transactions -------------------------------------------------------------------
 
-    def _run(self, fn: Callable[[Tx], T], lock: Lock) -> tuple[T, Tx]:
-        """One try of a transaction: begin, lock as ``lock`` says, run ``fn``, commit."""
-        with self.engine.begin() as conn:
-            locked = True
-            if lock is not Lock.NONE and conn.dialect.name == "postgresql":
-                q = select(s.pool.c.id).where(s.pool.c.id == 1)
-                q = q.with_for_update(skip_locked=True) if lock is Lock.TRY else q.with_for_update()
-                locked = conn.execute(q).first() is not None
-            tx = Tx(conn, self._now(conn), gauges=self.metrics is not NO_METRICS)
-            tx.locked = locked
-            out = fn(tx)
+    def _run(self, fn: Callable[[Tx], T], lock: Lock, inline: bool = False) -> tuple[T, Tx]:
+        """One try of a transaction: begin, lock as ``lock`` says, run ``fn``, commit.
+        ``inline`` (PostgreSQL, a transaction whose first statement is ``fn``'s and sets the
+        session settings itself): the engine does not send them on its own, and ``now`` is
+        the database's clock that statement reads (``Tx.now`` None until then)."""
+        committing = False
+        inline = inline and self._inline_engine is not None
+        held = self._held_connection() if inline else None
+        try:
+            with held.begin() if held is not None else self.engine.begin() as began:
+                conn = held if held is not None else began
+                locked = True
+                if lock is not Lock.NONE and conn.dialect.name == "postgresql":
+                    q = select(s.pool.c.id).where(s.pool.c.id == 1)
+                    q = q.with_for_update(skip_locked=True) if lock is Lock.TRY else q.with_for_update()
+                    locked = conn.execute(q).first() is not None
+                now = (None if self.clock is None else float(self.clock())) if inline else self._now(conn)
+                tx = Tx(conn, now, gauges=self.metrics is not NO_METRICS)  # type: ignore[arg-type]
+                if inline:
+                    tx.inline = self._inline_head
+                tx.locked = locked
+                out = fn(tx)
+                committing = True
+        except DBAPIError as exc:
+            # a pooled connection the server dropped (it restarted, or ended a session left idle
+            # in a transaction): nothing of this try was committed, so it is tried again on a new
+            # one (the engine does not ping each connection before use: a round trip per call)
+            if held is not None:  # whatever it was, the next heartbeat starts on a fresh one
+                self._local.conn = None
+                held.close()
+            if exc.connection_invalidated and not committing:
+                raise _Dropped(exc) from exc
+            raise
         self._send(tx.sent)
         return out, tx
 
-    def _tx(self, fn: Callable[[Tx], T], *, lock: Lock = Lock.POOL) -> tuple[T, Tx]:
+    def _held_connection(self) -> Connection:
+        """This thread's connection for heartbeats, kept between them (a heartbeat thread
+        beats every few seconds: checking a connection out of the pool and back each time is
+        a visible share of its cost). Not inherited across a fork."""
+        held = getattr(self._local, "conn", None)
+        if held is None or held[0] != os.getpid() or held[1].closed:
+            held = (os.getpid(), self._inline_engine.connect())  # type: ignore[union-attr]
+            self._local.conn = held
+        return held[1]
+
+    def _tx(self, fn: Callable[[Tx], T], *, lock: Lock = Lock.POOL, inline: bool = False) -> tuple[T, Tx]:
         """``fn`` in a transaction, retried (tenacity) when a lock was lost in a moment (a
         deadlock, SQLite's busy handler giving up at once). Each SQLite try may itself wait the
         whole busy timeout for the write lock: past that in all, a held lock is
         :class:`LedgerBusyError`, not many such waits."""
-        retrying = Retrying(
-            stop=stop_after_attempt(self.retries + 1) | stop_after_delay(db.SQLITE_BUSY_TIMEOUT_S),
-            wait=wait_random_exponential(multiplier=0.005, max=0.5),
-            retry=retry_if_exception(_lost_lock),
-            sleep=self.sleep,
-            reraise=True,
-        )
+        retrying = self._retrying
         try:
-            return retrying(self._run, fn, lock)
+            try:
+                try:  # the first try outside tenacity: most calls need no other (and it costs)
+                    return self._run(fn, lock, inline)
+                except (OperationalError, _Dropped) as exc:
+                    if not (isinstance(exc, _Dropped) or _lost_lock(exc)):
+                        raise
+                return retrying(self._run, fn, lock, inline)
+            except _Dropped as dropped:
+                raise dropped.error from None
         except OperationalError as exc:
             if lock_timeout(exc):  # another client held a lock this call needs for PG_LOCK_TIMEOUT_S
                 raise LedgerBusyError(
@@ -270,28 +328,45 @@ class PoolClient:
         if self.clock is not None:
             return float(self.clock())
         if conn.dialect.name == "postgresql":  # one clock for every client of the ledger
+            began = conn.info.pop(db.BEGAN_AT, None)  # read with the transaction's settings
+            if began is not None:
+                return began
             return float(conn.execute(select(func.extract("epoch", func.clock_timestamp()))).scalar_one())
         return time.time()
 
     # --- the planner ---------------------------------------------------------------------
 
     def _settle(self, seq: int | None) -> None:
-        """Return once a committed plan has seen change ``seq``: one caller plans for every
-        change made before its plan began (the others find their change planned); in a burst
-        (more changes waiting than this one) the plan waits out ``plan_interval_s`` since the
-        last plan ended, so that more join it."""
+        """Return once a committed plan has seen change ``seq`` (group commit): whoever finds no
+        plan running plans, for every change made before its plan began; the others read the
+        planner's state (no lock) until that plan has committed. In a burst (more changes
+        waiting than this one) a plan first waits out ``plan_interval_s`` since the last plan
+        ended, so that more join it."""
         if seq is None:
             return
-        rest, _ = self._tx(lambda tx: self._plan_for(tx, seq, waited=False))
-        if rest is not None:  # a burst: wait for more changes to join, then plan whatever came
-            self.sleep(rest)
-            self._tx(lambda tx: self._plan_for(tx, seq, waited=True))
+        waited, poll = False, SETTLE_POLL_S
+        deadline = time.monotonic() + db.PG_LOCK_TIMEOUT_S
+        while True:
+            if self._read(lambda tx: tx.planner_state()).planned_seq >= seq:
+                return
+            locked = Lock.TRY if time.monotonic() < deadline else Lock.POOL  # a planner that hangs
+            out, _ = self._tx(lambda tx, waited=waited: self._plan_for(tx, seq, waited), lock=locked)
+            if out is None:
+                return
+            if out is _BUSY:  # another client is planning: its plan may cover this change
+                self.sleep(poll)
+                poll = min(2 * poll, 0.05)
+                continue
+            self.sleep(out)  # a burst: more changes join the plan made after this wait
+            waited = True
 
     @staticmethod
-    def _plan_for(tx: Tx, seq: int, waited: bool) -> float | None:
+    def _plan_for(tx: Tx, seq: int, waited: bool) -> float | object | None:
         st = tx.planner_state()
         if st.planned_seq >= seq:
             return None
+        if not tx.locked:
+            return _BUSY
         rest = st.planned_at + tx.settings["plan_interval_s"] - tx.wall
         if not waited and st.dirty_seq - st.planned_seq > 1 and rest > 0:
             return min(rest, tx.settings["plan_interval_s"])
@@ -303,9 +378,13 @@ class PoolClient:
         last one, a lease is overdue, or the last plan is older than ``plan_refresh_s``) and no
         other client is planning now; never waits for one. Returns whether it planned."""
 
+        if time.monotonic() < self._nudge_after:
+            return False  # another client was planning a moment ago: its plan covers this
+
         def op(tx: Tx) -> bool:
-            if not tx.locked:
-                return False  # another client plans now; it plans again if the plan is dirty
+            if not tx.locked:  # another client plans now; it plans again if the plan is dirty
+                self._nudge_after = time.monotonic() + NUDGE_BACKOFF_S
+                return False
             st, cfg = tx.planner_state(), tx.settings
             due = (
                 (st.dirty and tx.wall >= st.planned_at + cfg["plan_interval_s"])
@@ -314,6 +393,8 @@ class PoolClient:
             )
             if due:
                 tx.plan(seen=st.dirty_seq)
+            elif tx.now >= st.next_due:  # the earliest lease was renewed since: look again later
+                tx.refresh_due()
             return due
 
         return self._tx(op, lock=Lock.TRY)[0]
@@ -343,6 +424,10 @@ class PoolClient:
         return plans
 
     def close(self) -> None:
+        held = getattr(self._local, "conn", None)
+        if held is not None and held[0] == os.getpid():
+            held[1].close()
+        self._local.conn = None
         self.engine.dispose()
 
     # --- settings and hosts --------------------------------------------------------------
@@ -449,7 +534,7 @@ class PoolClient:
         placements = check_placements(placements)
         observed = check_observation(measured)
         beat, tx = self._tx(lambda tx: tx.heartbeat(job, epoch, workers, placements, observed),
-                            lock=Lock.NONE)
+                            lock=Lock.NONE, inline=True)
         self._settle(tx.seq)  # it freed slots a shrink gave up: others may grow onto them
         if beat.error is not None:
             self._nudge()  # an overdue lease: the plan that notices it returns its slots
@@ -667,6 +752,14 @@ class PoolClient:
             raise SpecError("older_than_s", older_than_s, "must be a positive number of seconds")
 
         return self._tx(lambda tx: tx.prune_events(older_than_s))[0]
+
+
+class _Dropped(Exception):
+    """A try that lost its connection before it committed (tried again on a new one)."""
+
+    def __init__(self, error: DBAPIError) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 def _lost_lock(exc: BaseException) -> bool:

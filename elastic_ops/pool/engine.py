@@ -4,10 +4,11 @@ pool's transactions rely on, and which database errors mean busy, unreachable or
 from __future__ import annotations
 
 import os
+import weakref
 from importlib.util import find_spec
 from typing import Any
 
-from sqlalchemy import create_engine, event
+from sqlalchemy import create_engine, event, func
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError
 
@@ -106,19 +107,39 @@ def _postgres_engine(parsed: Any) -> Engine:
     options = str(parsed.query.get("options", ""))
     ours = {"lock_timeout": PG_LOCK_TIMEOUT_S, "idle_in_transaction_session_timeout": PG_IDLE_IN_TX_S}
     settings = {name: int(seconds * 1000) for name, seconds in ours.items() if name not in options}
-    engine = create_engine(parsed, pool_pre_ping=True, isolation_level="READ COMMITTED",
-                           connect_args=connect_args)
+    engine = create_engine(parsed, isolation_level="READ COMMITTED", connect_args=connect_args)
+
+    SESSION_SETTINGS[engine] = settings
 
     @event.listens_for(engine, "begin")
     def _begin(conn):  # per transaction (SET LOCAL), not per session: a transaction-mode pooler
         # (PgBouncer) runs each transaction on whichever server session is free, where a session
-        # SET made at connect time may never have happened
-        if settings:
-            conn.exec_driver_sql(
-                "SELECT " + ", ".join(f"set_config('{name}', '{ms}', true)" for name, ms in settings.items())
-            )
+        # SET made at connect time may never have happened. The same statement reads the
+        # database's clock (one round trip, not two: a heartbeat is a handful of them)
+        if conn.get_execution_options().get(INLINE_SETTINGS):
+            return  # the transaction's first statement sets them (see INLINE_SETTINGS)
+        parts = [f"set_config('{name}', '{ms}', true)" for name, ms in settings.items()]
+        row = conn.exec_driver_sql(
+            "SELECT " + ", ".join([*parts, "extract(epoch from clock_timestamp())"])
+        ).first()
+        conn.info[BEGAN_AT] = float(row[-1])
 
     return engine
+
+
+BEGAN_AT = "elastic_ops.began_at"  # conn.info: the database's clock when the transaction began
+# An execution option: the transaction's first statement sets the session settings and reads the
+# clock itself (``inline_settings``), saving a round trip (the heartbeat's, the hottest call)
+INLINE_SETTINGS = "elastic_ops_inline_settings"
+SESSION_SETTINGS: weakref.WeakKeyDictionary[Engine, dict[str, int]] = weakref.WeakKeyDictionary()
+
+
+def inline_settings(engine: Engine) -> list[Any]:
+    """Columns that set ``engine``'s per-transaction settings and read the database's clock
+    (its last column): for the first statement of a transaction begun with INLINE_SETTINGS."""
+    settings = SESSION_SETTINGS.get(engine, {})
+    cols: list[Any] = [func.set_config(name, str(ms), True) for name, ms in settings.items()]
+    return [*cols, func.extract("epoch", func.clock_timestamp()).label("db_now")]
 
 
 def first_line(exc: BaseException) -> str:

@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from sqlalchemy import Connection, delete, exists, func, insert, or_, select, true, update
+from sqlalchemy import Connection, bindparam, case, delete, exists, func, insert, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 
 from elastic_ops.errors import JobEndedError, LeaseExpiredError, SpecError, UnknownHostError, UnknownJobError
@@ -76,6 +76,7 @@ class PlannerState:
     planned_at: float
     plans: int
     plan_s: float
+    next_due: float = 0.0
 
     @property
     def dirty(self) -> bool:
@@ -138,6 +139,14 @@ def _slots_of(text: str | None) -> tuple[Slot, ...] | None:
     return None if text is None else tuple((str(h), int(sl)) for h, sl in json.loads(text))
 
 
+_FAR = 1e300  # no lease and no cooling host: time alone changes nothing
+TAKEOVER_S = 1.0  # a plan left dirty this long (past plan_interval_s) is planned by the next heartbeat
+
+
+def _config(m: Observation) -> tuple[int, int, int]:
+    return (m.workers, m.hosts, m.batch)
+
+
 def _upsert(dialect: str):
     return postgresql.insert if dialect == "postgresql" else sqlite.insert
 
@@ -160,6 +169,7 @@ class Tx:
         self.sent: list[tuple[str, str, float]] = []
         self._settings: dict[str, Any] | None = None
         self.locked = True  # the client says whether it holds the pool lock
+        self.inline: Any = None  # the heartbeat's first statement, setting the session (heartbeat_head)
         self.seq: int | None = None  # this transaction's change, if it made one
 
     # --- reading --------------------------------------------------------------------------
@@ -208,7 +218,7 @@ class Tx:
 
     def planner_state(self) -> PlannerState:
         r = self.conn.execute(select(s.planner).where(s.planner.c.id == 1)).one()
-        return PlannerState(r.dirty_seq, r.planned_seq, r.planned_at, r.plans, r.plan_s)
+        return PlannerState(r.dirty_seq, r.planned_seq, r.planned_at, r.plans, r.plan_s, r.next_due)
 
     # --- writing --------------------------------------------------------------------------
 
@@ -239,18 +249,32 @@ class Tx:
         self.seq = int(self.conn.execute(select(p.dirty_seq).where(p.id == 1)).scalar_one())
         return self.seq
 
-    def _time_due(self):
-        """SQL: true when time alone has changed the pool's inputs: a live lease is past its
-        expiry, or a host's cooling period is over (the next plan's sync acts on both)."""
+    def overdue(self) -> bool:
+        """Time alone has changed the pool's inputs: a live lease is past its expiry, or a
+        host's cooling period is over (the next plan's sync acts on both)."""
         le, h, p = s.leases.c, s.hosts.c, s.pool.c
         cooling = select(p.cooling_s).where(p.id == 1).scalar_subquery()
-        return or_(
+        return bool(self.conn.execute(select(or_(
             exists().where(le.ended.is_(None), le.expires < self.now),
             exists().where(h.state == HostState.COOLING.value, h.state_since + cooling <= self.now),
-        )
+        ))).scalar())
 
-    def overdue(self) -> bool:
-        return bool(self.conn.execute(select(self._time_due())).scalar())
+    def _due_expr(self) -> Any:
+        """SQL: the ledger time by which time alone may change the plan (the earliest live
+        lease's expiry, the end of a cooling period; far off with neither)."""
+        le, h, p = s.leases.c, s.hosts.c, s.pool.c
+        expiry = select(func.min(le.expires)).where(le.ended.is_(None)).scalar_subquery()
+        cooled = (
+            select(func.min(h.state_since) + select(p.cooling_s).where(p.id == 1).scalar_subquery())
+            .where(h.state == HostState.COOLING.value).scalar_subquery()
+        )
+        least = func.min if self.conn.dialect.name == "sqlite" else func.least
+        return least(func.coalesce(expiry, _FAR), func.coalesce(cooled, _FAR))
+
+    def refresh_due(self) -> None:
+        """Write ``planner.next_due`` (:meth:`_due_expr`). Heartbeats move their expiry forward,
+        so it is a lower bound: a heartbeat past it checks (:meth:`overdue`)."""
+        self.conn.execute(update(s.planner).where(s.planner.c.id == 1).values(next_due=self._due_expr()))
 
     def free_slots(
         self, job, slots: Sequence[Slot], kind: str, reason: str, *, epoch, workers
@@ -282,8 +306,38 @@ class Tx:
 
     def end_lease(self, job, epoch, why: str) -> None:
         le = s.leases.c
-        self.conn.execute(update(s.leases).where(le.job == job, le.epoch == epoch).values(ended=self.now,
-                                                                                          end_reason=why))
+        self.conn.execute(update(s.leases).where(le.job == job, le.epoch == epoch)
+                          .values(ended=self.now, end_reason=why))
+        self._keep_measured(job, epoch)
+
+    def _keep_measured(self, job: str, epoch: int) -> None:
+        """Move what the lease's heartbeats measured into ``observations`` (it ended, or the job
+        runs in another configuration now)."""
+        le = s.leases.c
+        r = self.conn.execute(
+            select(le.obs_workers, le.obs_hosts, le.obs_batch, le.obs_iterations, le.obs_seconds,
+                   le.obs_reports, le.obs_first).where(le.job == job, le.epoch == epoch)
+        ).first()
+        if r is None or not r.obs_reports:
+            return
+        self._keep_observation(job, r)
+        self.conn.execute(update(s.leases).where(le.job == job, le.epoch == epoch)
+                          .values(obs_iterations=0, obs_seconds=0.0, obs_reports=0))
+
+    def _keep_observation(self, job: str, r: Any) -> None:
+        """Add a lease's accumulated ``obs_*`` (row ``r``) to the job's ``observations``."""
+        o = s.observations.c
+        stmt = _upsert(self.conn.dialect.name)(s.observations).values(
+            job=job, workers=r.obs_workers, hosts=r.obs_hosts, batch=r.obs_batch,
+            iterations=r.obs_iterations, seconds=r.obs_seconds, reports=r.obs_reports,
+            first_ts=r.obs_first, last_ts=self.now,
+        )
+        ex = stmt.excluded
+        self.conn.execute(stmt.on_conflict_do_update(
+            index_elements=[o.job, o.workers, o.hosts, o.batch],
+            set_={"iterations": o.iterations + ex.iterations, "seconds": o.seconds + ex.seconds,
+                  "reports": o.reports + ex.reports, "last_ts": ex.last_ts},
+        ))
 
     def _to_waiting(self, job: str, **extra: Any) -> None:
         self.conn.execute(
@@ -312,6 +366,7 @@ class Tx:
             ).rowcount
             if not ended:
                 continue
+            self._keep_measured(lease.job, lease.epoch)
             self.free_slots(lease.job, self.held_slots(lease.job), "expiry",
                             f"lease expired at {lease.expires:.3f}", epoch=lease.epoch, workers=0)
             changed = True
@@ -458,6 +513,7 @@ class Tx:
         if seen is not None:
             values["planned_seq"] = func.max(seen, p.planned_seq) if self.conn.dialect.name == "sqlite" \
                 else func.greatest(seen, p.planned_seq)
+        values["next_due"] = self._due_expr()  # one statement: a plan's round trips are its cost under load
         self.conn.execute(update(s.planner).where(p.id == 1).values(**values))
         self.sent.append(("gauge", "pool.plan_seconds", took))
 
@@ -517,40 +573,78 @@ class Tx:
     ) -> Beat:
         """Renew ``epoch``'s lease, record ``measured``, free the slots the job left, and read its
         decision. Touches only this job's rows (and reads the pool and planner rows)."""
-        le, p, pl = s.leases.c, s.pool.c, s.planner.c
-        ttl = select(p.lease_ttl_s).where(p.id == 1).scalar_subquery()
-        renewed = self.conn.execute(
-            update(s.leases)
-            .where(le.job == job, le.epoch == epoch, le.ended.is_(None), le.expires >= self.now)
-            .values(expires=ttl + self.now)
-        ).rowcount
-        overdue = self._time_due()
-        head = self.conn.execute(
-            select(
-                s.jobs.c.state, s.jobs.c.target, s.jobs.c.reason, s.jobs.c.min_workers,
-                s.jobs.c.plan_placements, s.jobs.c.plan_release,
-                pl.dirty_seq, pl.planned_seq, pl.planned_at, p.plan_interval_s, p.plan_refresh_s,
-                overdue.label("overdue"),
-            )
-            .select_from(s.jobs.join(s.planner, true()).join(s.pool, p.id == 1))
-            .where(s.jobs.c.name == job, pl.id == 1)
-        ).first()
-        if head is None:
+        if self.inline is not None:  # PostgreSQL: renew and read in one statement
+            return self._heartbeat_one_statement(job, epoch, workers, placements, measured)
+        rows = self.conn.execute(_HEAD, {"b_job": job, "b_epoch": epoch}).all()
+        if not rows:
             check_name("job", job)
             raise UnknownJobError(job)
-        wall = self.wall
-        plan_due = bool(head.overdue) or (
-            (head.dirty_seq > head.planned_seq and wall >= head.planned_at + head.plan_interval_s)
-            or wall >= head.planned_at + head.plan_refresh_s
-        )
-        if not renewed:
+        head = rows[0]
+        plan_due = self._plan_due(head)
+        if head.ended is not None or head.expires is None or head.expires < self.now:
             return Beat(None, self.lease_error(job, epoch), False, True)
+        values = self._renew_values(job, epoch, head.lease_ttl_s, measured)
+        if measured is not None:
+            if head.obs_reports and _config(measured) != (head.obs_workers, head.obs_hosts, head.obs_batch):
+                self._keep_measured(job, epoch)  # it runs in another configuration now
+            renewed = self.conn.execute(_RENEW_MEASURED, values).rowcount
+        else:
+            renewed = self.conn.execute(_RENEW, values).rowcount
+        if not renewed:  # ended or replaced since the read (a plan, a new try)
+            return Beat(None, self.lease_error(job, epoch), False, True)
+        return self._beat_on(head, rows, job, epoch, workers, placements, plan_due)
+
+    def _renew_values(self, job: str, epoch: int, ttl: float | None, measured: Observation | None) -> dict:
+        values: dict[str, Any] = {"b_job": job, "b_epoch": epoch, "b_now": self.now,
+                                  "b_expires": None if ttl is None else self.now + ttl}
+        if measured is not None:
+            values.update(b_w=measured.workers, b_h=measured.hosts, b_b=measured.batch,
+                          b_i=measured.iterations, b_s=measured.seconds)
+        return values
+
+    def _plan_due(self, head: Any) -> bool:
+        # a dirty plan is its changer's to make (it waits for it): a heartbeat takes over only
+        # one left unplanned for TAKEOVER_S (its changer died, or did not wait)
+        return self.now >= head.next_due or (
+            (head.dirty_seq > head.planned_seq
+             and self.wall >= head.planned_at + head.plan_interval_s + TAKEOVER_S)
+            or self.wall >= head.planned_at + head.plan_refresh_s
+        )
+
+    def _heartbeat_one_statement(
+        self, job: str, epoch: int, workers: int, placements: Sequence[Slot] | None,
+        measured: Observation | None,
+    ) -> Beat:
+        """PostgreSQL: the renewal is a data-modifying CTE of the statement that reads the
+        decision, the planner's state and the job's slots (and sets the transaction's session
+        settings and reads the clock): one round trip and the commit. The statement's reads see
+        the rows as they were before the renewal (one snapshot): what the lease had measured in
+        its previous configuration is moved to ``observations`` from those."""
+        stmt = self.inline[measured is not None]
+        rows = self.conn.execute(stmt, self._renew_values(job, epoch, None, measured)).all()
+        if not rows:
+            check_name("job", job)
+            raise UnknownJobError(job)
+        head = rows[0]
+        if self.now is None:
+            self.now = float(head.db_now)
+        plan_due = self._plan_due(head)
+        if head.renewed is None:
+            return Beat(None, self.lease_error(job, epoch), False, True)
+        if measured is not None and head.obs_reports and (
+            _config(measured) != (head.obs_workers, head.obs_hosts, head.obs_batch)
+        ):
+            self._keep_observation(job, head)  # it runs in another configuration now
+        return self._beat_on(head, rows, job, epoch, workers, placements, plan_due)
+
+    def _beat_on(
+        self, head: Any, rows: Sequence[Any], job: str, epoch: int, workers: int,
+        placements: Sequence[Slot] | None, plan_due: bool,
+    ) -> Beat:
+        """The heartbeat once renewed: free what the job left, and its target."""
         if workers == 0:
             return Beat(None, None, True, plan_due)
-        if measured is not None:
-            self.observe(job, measured)
-        a = s.allocations.c
-        mine = self.conn.execute(select(a.host, a.slot, a.releasing).where(a.job == job)).all()
+        mine = [r for r in rows if r.host is not None]
         held = {(r.host, r.slot) for r in mine}
         told = {(r.host, r.slot) for r in mine if r.releasing is not None}
         keep = _slots_of(head.plan_placements)
@@ -606,31 +700,28 @@ class Tx:
                     .values(releasing=self.now if told else None)
                 )
 
-    def observe(self, job: str, seen: Observation) -> None:
-        """Fold ``seen`` into the job's observations: one row per (workers, hosts, batch),
-        so the history stays bounded by the configurations the job ran in."""
-        o = s.observations.c
-        stmt = _upsert(self.conn.dialect.name)(s.observations).values(
-            job=job, workers=seen.workers, hosts=seen.hosts, batch=seen.batch,
-            iterations=seen.iterations, seconds=seen.seconds, reports=1,
-            first_ts=self.now, last_ts=self.now,
-        )
-        ex = stmt.excluded
-        self.conn.execute(stmt.on_conflict_do_update(
-            index_elements=[o.job, o.workers, o.hosts, o.batch],
-            set_={"iterations": o.iterations + ex.iterations, "seconds": o.seconds + ex.seconds,
-                  "reports": o.reports + 1, "last_ts": ex.last_ts},
-        ))
-
     def observations(self, job: str) -> list[dict[str, Any]]:
-        o = s.observations.c
-        rows = self.conn.execute(select(s.observations).where(o.job == job)
-                                 .order_by(o.workers, o.hosts, o.batch))
-        return [
-            {"workers": r.workers, "hosts": r.hosts, "batch": r.batch, "iterations": r.iterations,
-             "seconds": r.seconds, "reports": r.reports, "first_ts": r.first_ts, "last_ts": r.last_ts}
-            for r in rows
-        ]
+        """What ``job``'s heartbeats measured, summed per (workers, hosts, batch): the kept rows
+        and what its live lease has measured so far."""
+        o, le = s.observations.c, s.leases.c
+        out: dict[tuple[int, int, int], dict[str, Any]] = {}
+        for r in self.conn.execute(select(s.observations).where(o.job == job)):
+            out[(r.workers, r.hosts, r.batch)] = {
+                "workers": r.workers, "hosts": r.hosts, "batch": r.batch, "iterations": r.iterations,
+                "seconds": r.seconds, "reports": r.reports, "first_ts": r.first_ts, "last_ts": r.last_ts,
+            }
+        live = self.conn.execute(select(s.leases).where(le.job == job, le.ended.is_(None))).first()
+        if live is not None and live.obs_reports:
+            key = (live.obs_workers, live.obs_hosts, live.obs_batch)
+            row = out.setdefault(key, {"workers": key[0], "hosts": key[1], "batch": key[2], "iterations": 0,
+                                       "seconds": 0.0, "reports": 0, "first_ts": live.obs_first,
+                                       "last_ts": self.now})
+            row["iterations"] += live.obs_iterations
+            row["seconds"] += live.obs_seconds
+            row["reports"] += live.obs_reports
+            row["first_ts"] = min(row["first_ts"], live.obs_first)
+            row["last_ts"] = self.now
+        return [out[k] for k in sorted(out)]
 
     # --- changes (under the pool lock) -----------------------------------------------------------
 
@@ -875,3 +966,67 @@ def _changed_demand(row: Any, values: dict[str, Any]) -> str:
         if old != new:
             parts.append(f"{key.removesuffix('_workers')} {old} -> {new}")
     return ", ".join(parts)
+
+
+def _renewals(now: Any, expires: Any) -> tuple[Any, Any]:
+    """The lease renewal without and with a measurement: the expiry moves to ``expires`` if the
+    lease is live at ``now``; a measurement in the configuration the lease has measured in is
+    added, one in another replaces it (its sums were kept first)."""
+    le = s.leases.c
+    live = (le.job == bindparam("b_job"), le.epoch == bindparam("b_epoch"), le.ended.is_(None),
+            le.expires >= now)
+    renew = update(s.leases).where(*live).values(expires=expires)
+    same = (le.obs_workers == bindparam("b_w")) & (le.obs_hosts == bindparam("b_h")) & (
+        le.obs_batch == bindparam("b_b"))
+    renew_measured = update(s.leases).where(*live).values(
+        expires=expires, obs_workers=bindparam("b_w"), obs_hosts=bindparam("b_h"),
+        obs_batch=bindparam("b_b"),
+        obs_first=case((same & (le.obs_reports > 0), le.obs_first), else_=now),
+        obs_iterations=case((same, le.obs_iterations), else_=0) + bindparam("b_i"),
+        obs_seconds=case((same, le.obs_seconds), else_=0.0) + bindparam("b_s"),
+        obs_reports=case((same, le.obs_reports), else_=0) + 1,
+    )
+    return renew, renew_measured
+
+
+def _head(extra: Sequence[Any] = (), renewed: Any = None) -> Any:
+    """The heartbeat's read: the job's decision, its lease, the planner's state and the job's
+    slots (one row per slot; one row of NULLs when it holds none), and ``renewed``'s job."""
+    j, le, p, pl, a = s.jobs.c, s.leases.c, s.pool.c, s.planner.c, s.allocations.c
+    joined = (
+        s.jobs.join(s.planner, pl.id == 1).join(s.pool, p.id == 1)
+        .outerjoin(s.leases, (le.job == j.name) & (le.epoch == bindparam("b_epoch")))
+        .outerjoin(s.allocations, a.job == j.name)
+    )
+    cols = [
+        j.state, j.target, j.reason, j.min_workers, j.plan_placements, j.plan_release,
+        pl.dirty_seq, pl.planned_seq, pl.planned_at, pl.next_due,
+        p.plan_interval_s, p.plan_refresh_s, p.lease_ttl_s,
+        le.ended, le.expires, le.obs_workers, le.obs_hosts, le.obs_batch, le.obs_reports,
+        le.obs_first, le.obs_iterations, le.obs_seconds, a.host, a.slot, a.releasing, *extra,
+    ]
+    if renewed is not None:
+        joined = joined.outerjoin(renewed, renewed.c.job == j.name)
+        cols.append(renewed.c.job.label("renewed"))
+    return select(*cols).select_from(joined).where(j.name == bindparam("b_job"))
+
+
+# built once (a heartbeat is the ledger's hottest call: SQLAlchemy caches the statements'
+# compiled forms, not their construction)
+_HEAD = _head()
+_RENEW, _RENEW_MEASURED = _renewals(bindparam("b_now"), bindparam("b_expires"))
+
+
+def heartbeat_statements(inline: Sequence[Any], clock: bool) -> tuple[Any, Any]:
+    """PostgreSQL: the heartbeat as one statement, without and with a measurement: the renewal
+    a data-modifying CTE (``renewed``) of the read, with ``inline`` columns in the select list
+    (``engine.inline_settings``: the session settings, and the clock as ``db_now``). ``clock``:
+    the client's own clock gives ``b_now``; else the database's (``clock_timestamp()``)."""
+    p = s.pool.c
+    now = bindparam("b_now") if clock else func.extract("epoch", func.clock_timestamp())
+    ttl = select(p.lease_ttl_s).where(p.id == 1).scalar_subquery()
+    plain, measured = _renewals(now, ttl + now)
+    le = s.leases.c
+    return tuple(  # type: ignore[return-value]
+        _head(inline, renew.returning(le.job).cte("renewed")) for renew in (plain, measured)
+    )

@@ -72,6 +72,9 @@ planner = Table(
     Column("planned_at", Float, nullable=False, default=0.0),
     Column("plans", BigInteger, nullable=False, default=0),
     Column("plan_s", Float, nullable=False, default=0.0),
+    # the ledger time by which time alone may change the plan (the earliest live lease's expiry,
+    # the end of a cooling period), as of the last plan: heartbeats compare it, cheaply
+    Column("next_due", Float, nullable=False, default=0.0),
 )
 
 hosts = Table(
@@ -119,6 +122,16 @@ leases = Table(
     Column("expires", Float, nullable=False),
     Column("ended", Float),
     Column("end_reason", String(32)),
+    # v4: what the holder measured in its current configuration, summed by its heartbeats (no
+    # second row to write per heartbeat); moved to ``observations`` when the configuration
+    # changes or the lease ends
+    Column("obs_workers", Integer),
+    Column("obs_hosts", Integer),
+    Column("obs_batch", Integer),
+    Column("obs_iterations", BigInteger, nullable=False, default=0, server_default="0"),
+    Column("obs_seconds", Float, nullable=False, default=0.0, server_default="0"),
+    Column("obs_reports", BigInteger, nullable=False, default=0, server_default="0"),
+    Column("obs_first", Float),
     PrimaryKeyConstraint("job", "epoch"),
 )
 # the planner and every heartbeat look for overdue live leases: an index, not a scan (v4)
@@ -228,13 +241,20 @@ def _v4(conn: Connection) -> None:
     for col, kind in (("plan_placements", "TEXT"), ("plan_release", "TEXT"), ("asked", "FLOAT")):
         if col not in names:
             conn.execute(text(f"ALTER TABLE jobs ADD COLUMN {col} {kind}"))
+    names = {c["name"] for c in inspect(conn).get_columns("leases")}
+    for col, kind in (("obs_workers", "INTEGER"), ("obs_hosts", "INTEGER"), ("obs_batch", "INTEGER"),
+                      ("obs_iterations", "BIGINT NOT NULL DEFAULT 0"),
+                      ("obs_seconds", "FLOAT NOT NULL DEFAULT 0"),
+                      ("obs_reports", "BIGINT NOT NULL DEFAULT 0"), ("obs_first", "FLOAT")):
+        if col not in names:
+            conn.execute(text(f"ALTER TABLE leases ADD COLUMN {col} {kind}"))
     metadata.create_all(conn, tables=[planner, observations], checkfirst=True)
     if "leases_live_expires" not in {i["name"] for i in inspect(conn).get_indexes("leases")}:
         next(i for i in leases.indexes if i.name == "leases_live_expires").create(conn)
     if conn.execute(select(planner.c.id)).first() is None:
         # a ledger upgraded in place plans at its first call: its jobs' rows hold no decision yet
         conn.execute(insert(planner).values(id=1, dirty_seq=1, planned_seq=0, planned_at=0.0, plans=0,
-                                            plan_s=0.0))
+                                            plan_s=0.0, next_due=0.0))
 
 
 MIGRATIONS: list[tuple[int, Callable[[Connection], None]]] = [(1, _v1), (2, _v2), (3, _v3), (4, _v4)]
