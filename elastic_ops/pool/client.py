@@ -179,7 +179,10 @@ class PoolClient:
         )
         self._inline_head = (
             None if self._inline_engine is None
-            else ledger.heartbeat_statements(db.inline_settings(self.engine), clock is not None)
+            else db.fast_queries(
+                ledger.heartbeat_statements(db.inline_settings(self.engine), clock is not None),
+                self.engine.dialect,
+            )
         )
         self._local = threading.local()
         self._nudge_after = 0.0  # monotonic: no try to plan before (another client was planning)

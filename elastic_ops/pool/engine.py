@@ -3,6 +3,7 @@ pool's transactions rely on, and which database errors mean busy, unreachable or
 
 from __future__ import annotations
 
+import collections
 import os
 import weakref
 from importlib.util import find_spec
@@ -140,6 +141,44 @@ def inline_settings(engine: Engine) -> list[Any]:
     settings = SESSION_SETTINGS.get(engine, {})
     cols: list[Any] = [func.set_config(name, str(ms), True) for name, ms in settings.items()]
     return [*cols, func.extract("epoch", func.clock_timestamp()).label("db_now")]
+
+
+class FastQuery:
+    """A SELECT compiled once for a dialect whose DBAPI takes named parameters (psycopg2), run on
+    the DBAPI cursor of a SQLAlchemy connection, inside its transaction: a heartbeat's one
+    statement without the ~0.1 ms of CPU SQLAlchemy's execution and result layers add to each
+    execute (the heartbeat is the ledger's hottest call). Driver errors become SQLAlchemy's, as
+    ``Connection.execute`` makes them (a dropped connection is invalidated and says so)."""
+
+    def __init__(self, stmt: Any, dialect: Any) -> None:
+        self._compiled = stmt.compile(dialect=dialect)
+        self.sql = self._compiled.string
+        names = [c.key or f"col{i}" for i, c in enumerate(stmt.selected_columns)]
+        self._row = collections.namedtuple("Row", names, rename=True)  # type: ignore[misc]
+
+    def run(self, conn: Any, params: dict[str, Any]) -> list[Any]:
+        values = self._compiled.construct_params(params)
+        dbapi = conn.connection.driver_connection
+        cursor = None
+        try:
+            cursor = dbapi.cursor()
+            cursor.execute(self.sql, values)
+            rows = cursor.fetchall()
+            cursor.close()
+        except conn.dialect.loaded_dbapi.Error as exc:
+            dropped = conn.dialect.is_disconnect(exc, dbapi, cursor)
+            if dropped:
+                conn.invalidate(exc)
+            raise DBAPIError.instance(self.sql, values, exc, conn.dialect.loaded_dbapi.Error,
+                                      connection_invalidated=dropped) from exc
+        return [self._row(*r) for r in rows]
+
+
+def fast_queries(stmts: Any, dialect: Any) -> Any:
+    """``stmts`` as :class:`FastQuery` where the dialect's DBAPI takes named parameters."""
+    if dialect.paramstyle not in ("pyformat", "named") or dialect.positional:
+        return stmts
+    return tuple(FastQuery(s, dialect) for s in stmts)
 
 
 def first_line(exc: BaseException) -> str:

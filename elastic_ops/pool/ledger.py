@@ -35,6 +35,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from elastic_ops.errors import JobEndedError, LeaseExpiredError, SpecError, UnknownHostError, UnknownJobError
 from elastic_ops.pool import schema as s
 from elastic_ops.pool.checks import CONFIG_FIELDS, check_host, check_name
+from elastic_ops.pool.engine import FastQuery
 from elastic_ops.pool.model import (
     Decision,
     Host,
@@ -620,8 +621,11 @@ class Tx:
         settings and reads the clock): one round trip and the commit. The statement's reads see
         the rows as they were before the renewal (one snapshot): what the lease had measured in
         its previous configuration is moved to ``observations`` from those."""
-        stmt = self.inline[measured is not None]
-        rows = self.conn.execute(stmt, self._renew_values(job, epoch, None, measured)).all()
+        stmt, values = self.inline[measured is not None], self._renew_values(job, epoch, None, measured)
+        if isinstance(stmt, FastQuery):
+            rows = stmt.run(self.conn, values)
+        else:
+            rows = self.conn.execute(stmt, values).all()
         if not rows:
             check_name("job", job)
             raise UnknownJobError(job)
@@ -826,7 +830,14 @@ class Tx:
             self.conn.execute(update(s.leases).where(le.job == job, le.epoch == lease.epoch)
                               .values(expires=self.now + self.settings["lease_ttl_s"]))
             return lease, (self.mark_dirty() if avoid else None)
-        return None, self.mark_dirty()
+        # asking again (a trigger polls every second or two) tells the planner nothing new: no
+        # plan, unless the ask had lapsed (the plan left the job out, or stopped granting it)
+        cfg, now = self.settings, self.now
+        asking = (
+            row.state == JobState.WAITING.value and not avoid and row.asked is not None
+            and row.asked >= now - cfg["lease_ttl_s"] and row.last_seen >= now - cfg["job_idle_s"]
+        )
+        return None, (None if asking else self.mark_dirty())
 
     def answer(self, job: str) -> tuple[Any, tuple[Slot, ...], str, float]:
         """After the plan: the job's live lease (or None), its slots, its reason, the TTL."""

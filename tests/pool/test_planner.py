@@ -333,3 +333,40 @@ def test_a_planner_killed_mid_plan_loses_nothing(ledger_url, tmp_path):
     events = pool.events()
     replay(events)
     assert len(held_now(events)) == 8
+
+
+def test_asking_again_while_waiting_plans_nothing_new(pool, counted, clock):
+    """A trigger polls its request every second or two: a job already asking adds nothing to
+    plan; one whose ask lapsed (a lease TTL without asking) is planned again."""
+    big = grant(pool, "big", min_workers=8, max_workers=8)
+    pool.submit("small", min_workers=2, max_workers=2)
+    assert isinstance(pool.request("small"), Wait)
+    plans = len(counted)
+    for _ in range(5):
+        clock.advance(1)
+        assert isinstance(pool.request("small"), Wait)
+    assert len(counted) == plans
+    clock.advance(20)
+    pool.heartbeat("big", big.epoch, workers=8)
+    clock.advance(11)  # past the lease TTL (30 s) since small's last ask
+    assert isinstance(pool.request("small"), Wait)
+    assert len(counted) == plans + 1
+
+
+@pytest.mark.postgres
+def test_a_heartbeat_whose_connection_the_server_dropped_is_tried_again(pg_url):
+    """The heartbeat thread keeps its connection between beats: one the server ended meanwhile
+    (a restart, an administrator) is replaced, and the heartbeat succeeds."""
+    pool = PoolClient(pg_url, lease_ttl_s=600)
+    pool.add_host("h0", 2)
+    g = grant(pool, "a", max_workers=2)
+    pool.heartbeat("a", g.epoch, workers=2)
+    pid = pool._local.conn[1].connection.driver_connection.get_backend_pid()
+    with sa.create_engine(pg_url).connect() as admin:
+        assert admin.execute(sa.text("SELECT pg_terminate_backend(:pid)"), {"pid": pid}).scalar()
+    time.sleep(0.2)
+    t = pool.heartbeat("a", g.epoch, workers=2, measured=Observation(iterations=5, seconds=1.0, workers=2))
+    assert t.action == TargetAction.KEEP
+    assert pool._local.conn[1].connection.driver_connection.get_backend_pid() != pid
+    assert pool.observations("a")[0]["iterations"] == 5
+    pool.close()
