@@ -205,6 +205,7 @@ def _worker(cell: Cell, idx: int, barrier, out, timeouts: dict[str, float]) -> N
                 leases[name] = [g.epoch, g.workers]
             else:
                 waiting.append(name)
+        bulk.close()  # registered: its connection goes back
         retried = len(waiting)
         deadline = time.perf_counter() + 60
         while waiting and time.perf_counter() < deadline:  # a later plan grants them
@@ -230,7 +231,6 @@ def _worker(cell: Cell, idx: int, barrier, out, timeouts: dict[str, float]) -> N
             _wait(barrier, timeouts["phase"])
         raw.close()
         pool.close()
-        bulk.close()
     except BrokenBarrierError:
         pass  # another process failed: the parent reports it
     except BaseException:

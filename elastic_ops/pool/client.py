@@ -229,16 +229,25 @@ class PoolClient:
         the database's clock that statement reads (``Tx.now`` None until then)."""
         committing = False
         inline = inline and self._inline_engine is not None
-        held = self._held_connection() if inline else None
+        # PostgreSQL: each thread keeps one connection (a checkout from the pool and back per
+        # call is a visible share of a heartbeat's cost); its transactions set the session
+        # settings themselves (the engine's begin event skips them on it)
+        held = self._held_connection() if self._inline_engine is not None else None
         try:
             with held.begin() if held is not None else self.engine.begin() as began:
                 conn = held if held is not None else began
+                db_now = None if held is None or inline else db.begin_settings(conn, self.engine)
                 locked = True
                 if lock is not Lock.NONE and conn.dialect.name == "postgresql":
                     q = select(s.pool.c.id).where(s.pool.c.id == 1)
                     q = q.with_for_update(skip_locked=True) if lock is Lock.TRY else q.with_for_update()
                     locked = conn.execute(q).first() is not None
-                now = (None if self.clock is None else float(self.clock())) if inline else self._now(conn)
+                if inline:
+                    now = None if self.clock is None else float(self.clock())
+                elif self.clock is not None:
+                    now = float(self.clock())
+                else:
+                    now = db_now if db_now is not None else self._now(conn)
                 tx = Tx(conn, now, gauges=self.metrics is not NO_METRICS)  # type: ignore[arg-type]
                 if inline:
                     tx.inline = self._inline_head
@@ -249,7 +258,7 @@ class PoolClient:
             # a pooled connection the server dropped (it restarted, or ended a session left idle
             # in a transaction): nothing of this try was committed, so it is tried again on a new
             # one (the engine does not ping each connection before use: a round trip per call)
-            if held is not None:  # whatever it was, the next heartbeat starts on a fresh one
+            if held is not None:  # whatever it was, the next call starts on a fresh one
                 self._local.conn = None
                 held.close()
             if exc.connection_invalidated and not committing:
@@ -259,9 +268,9 @@ class PoolClient:
         return out, tx
 
     def _held_connection(self) -> Connection:
-        """This thread's connection for heartbeats, kept between them (a heartbeat thread
-        beats every few seconds: checking a connection out of the pool and back each time is
-        a visible share of its cost). Not inherited across a fork."""
+        """This thread's connection, kept between calls (a heartbeat thread beats every few
+        seconds: checking a connection out of the pool and back each time is a visible share of
+        its cost). Not inherited across a fork."""
         held = getattr(self._local, "conn", None)
         if held is None or held[0] != os.getpid() or held[1].closed:
             held = (os.getpid(), self._inline_engine.connect())  # type: ignore[union-attr]

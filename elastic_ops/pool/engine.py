@@ -118,12 +118,8 @@ def _postgres_engine(parsed: Any) -> Engine:
         # SET made at connect time may never have happened. The same statement reads the
         # database's clock (one round trip, not two: a heartbeat is a handful of them)
         if conn.get_execution_options().get(INLINE_SETTINGS):
-            return  # the transaction's first statement sets them (see INLINE_SETTINGS)
-        parts = [f"set_config('{name}', '{ms}', true)" for name, ms in settings.items()]
-        row = conn.exec_driver_sql(
-            "SELECT " + ", ".join([*parts, "extract(epoch from clock_timestamp())"])
-        ).first()
-        conn.info[BEGAN_AT] = float(row[-1])
+            return  # the transaction sets them itself (see INLINE_SETTINGS)
+        conn.info[BEGAN_AT] = _set_session(conn, settings)
 
     return engine
 
@@ -133,6 +129,19 @@ BEGAN_AT = "elastic_ops.began_at"  # conn.info: the database's clock when the tr
 # clock itself (``inline_settings``), saving a round trip (the heartbeat's, the hottest call)
 INLINE_SETTINGS = "elastic_ops_inline_settings"
 SESSION_SETTINGS: weakref.WeakKeyDictionary[Engine, dict[str, int]] = weakref.WeakKeyDictionary()
+
+
+def _set_session(conn: Any, settings: dict[str, int]) -> float:
+    parts = [f"set_config('{name}', '{ms}', true)" for name, ms in settings.items()]
+    clock = "extract(epoch from clock_timestamp())"
+    row = conn.exec_driver_sql("SELECT " + ", ".join([*parts, clock])).first()
+    return float(row[-1])
+
+
+def begin_settings(conn: Any, engine: Engine) -> float:
+    """On a connection of an INLINE_SETTINGS engine, a transaction's first statement: set
+    ``engine``'s session settings for it; returns the database's clock."""
+    return _set_session(conn, SESSION_SETTINGS.get(engine, {}))
 
 
 def inline_settings(engine: Engine) -> list[Any]:
