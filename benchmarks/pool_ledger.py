@@ -75,7 +75,8 @@ PG_BASE = os.environ.get("ELASTIC_OPS_TEST_POSTGRES", "postgresql+psycopg2://pos
 HOST_SLOTS = 16
 LEASE_TTL_S = 600.0
 CHANGE_EVERY_S = 0.5
-TARGETS = {"ratio_min": 0.25, "heartbeats_per_s_min_at_1000": 2000}
+PACED_INTERVAL_S = 2.0  # the paced phase: each job heartbeats every 2 s, as chunk tasks do
+TARGETS = {"ratio_min": 0.25, "heartbeats_per_s_min_at_1000": 2000, "change_readable_max_ms_at_1000": 1000}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,6 +189,37 @@ def _heartbeat_phase(pool: PoolClient, leases: dict[str, list[int]], seconds: fl
             "actions": dict(actions)}
 
 
+def _paced_phase(pool: PoolClient, leases: dict[str, list[int]], seconds: float) -> dict[str, Any]:
+    """Each job of this process heartbeats once every PACED_INTERVAL_S, spread evenly: the load
+    a pool of this size gets in production (the changes' latency is read under it)."""
+    lat = array.array("d")
+    items = list(leases.items())
+    start = time.perf_counter()
+    end = start + seconds
+    gap = PACED_INTERVAL_S / max(1, len(items))
+    next_at, i = start + random.random() * gap, 0
+    while items:
+        now = time.perf_counter()
+        if now >= end or next_at >= end:
+            break
+        if now < next_at:
+            time.sleep(next_at - now)
+        job, st = items[i % len(items)]
+        i += 1
+        t0 = time.perf_counter()
+        try:
+            tgt = pool.heartbeat(job, st[0], workers=st[1],
+                                 measured=Observation(iterations=10, seconds=1.0, workers=st[1]))
+        except LeaseExpiredError:
+            items.remove((job, st))
+            continue
+        lat.append(time.perf_counter() - t0)
+        if tgt.workers:
+            st[1] = tgt.workers
+        next_at += gap
+    return {"count": len(lat), "elapsed": time.perf_counter() - start, "lat": lat}
+
+
 def _worker(cell: Cell, idx: int, barrier, out, timeouts: dict[str, float]) -> None:
     try:
         pool = PoolClient(cell.url)
@@ -229,6 +261,9 @@ def _worker(cell: Cell, idx: int, barrier, out, timeouts: dict[str, float]) -> N
             _wait(barrier, timeouts["phase"])  # raw phase starts
             out.put(("raw", idx, r, _raw_phase(cell, raw, names, cell.seconds)))
             _wait(barrier, timeouts["phase"])
+            _wait(barrier, timeouts["phase"])  # paced phase starts
+            out.put(("paced", idx, r, _paced_phase(pool, leases, cell.seconds)))
+            _wait(barrier, timeouts["phase"])
         raw.close()
         pool.close()
     except BrokenBarrierError:
@@ -249,6 +284,35 @@ def _live_leases(pool: PoolClient) -> dict[str, list[int]]:
     return {job: [epoch, int(held.get(job, 1))] for job, epoch in live.items()}
 
 
+def _changes_during(pool: PoolClient, rng: random.Random, names: list[str], leases: dict[str, list[int]],
+                    seconds: float) -> dict[str, Any]:
+    """A change every CHANGE_EVERY_S for ``seconds``: (change s, change + one heartbeat s, plan s)."""
+    samples, expired = [], 0
+    start = time.perf_counter()
+    end, next_at = start + seconds, start + CHANGE_EVERY_S / 2
+    while True:
+        now = time.perf_counter()
+        if next_at >= end or now >= end:
+            break
+        if now < next_at:
+            time.sleep(next_at - now)
+        job = rng.choice(names)
+        epoch, workers = leases[job]
+        t0 = time.perf_counter()
+        pool.set_priority(job, rng.randint(1, 9))
+        t1 = time.perf_counter()
+        try:
+            tgt = pool.heartbeat(job, epoch, workers=workers)
+            if tgt.workers:
+                leases[job][1] = tgt.workers
+        except LeaseExpiredError:
+            expired += 1
+        t2 = time.perf_counter()
+        samples.append((t1 - t0, t2 - t0, pool.planner_state()["plan_s"]))
+        next_at = max(next_at + CHANGE_EVERY_S, time.perf_counter())
+    return {"samples": samples, "lease_expired": expired}
+
+
 def _changer(cell: Cell, barrier, out, timeouts: dict[str, float]) -> None:
     """One change every ~0.5 s during heartbeat phases: set_priority, then one heartbeat."""
     try:
@@ -259,34 +323,13 @@ def _changer(cell: Cell, barrier, out, timeouts: dict[str, float]) -> None:
         leases = _live_leases(pool)
         names = sorted(leases)
         for r in range(cell.rounds):
+            _wait(barrier, timeouts["phase"])  # heartbeats as fast as they can
+            out.put(("changes", -1, r, _changes_during(pool, rng, names, leases, cell.seconds)))
             _wait(barrier, timeouts["phase"])
-            samples, expired = [], 0
-            start = time.perf_counter()
-            end, next_at = start + cell.seconds, start + CHANGE_EVERY_S / 2
-            while True:
-                now = time.perf_counter()
-                if next_at >= end or now >= end:
-                    break
-                if now < next_at:
-                    time.sleep(next_at - now)
-                job = rng.choice(names)
-                epoch, workers = leases[job]
-                t0 = time.perf_counter()
-                pool.set_priority(job, rng.randint(1, 9))
-                t1 = time.perf_counter()
-                try:
-                    tgt = pool.heartbeat(job, epoch, workers=workers)
-                    if tgt.workers:
-                        leases[job][1] = tgt.workers
-                except LeaseExpiredError:
-                    expired += 1
-                t2 = time.perf_counter()
-                plan_s = pool.planner_state()["plan_s"]
-                samples.append((t1 - t0, t2 - t0, plan_s))
-                next_at = max(next_at + CHANGE_EVERY_S, time.perf_counter())
-            out.put(("changes", -1, r, {"samples": samples, "lease_expired": expired}))
+            _wait(barrier, timeouts["phase"])  # raw renewals: no change
             _wait(barrier, timeouts["phase"])
-            _wait(barrier, timeouts["phase"])
+            _wait(barrier, timeouts["phase"])  # heartbeats at the production pace
+            out.put(("paced_changes", -1, r, _changes_during(pool, rng, names, leases, cell.seconds)))
             _wait(barrier, timeouts["phase"])
         pool.close()
     except BrokenBarrierError:
@@ -414,6 +457,7 @@ def run_cell(cell: Cell) -> dict[str, Any]:
             setup_s, st1 = time.perf_counter() - t0, admin.planner_state()
             setups = [m[2] for m in run.collect(60, setup=cell.clients)["setup"]]
             hb_parts, raw_parts, changes, plan_windows = [], [], [], []
+            paced_parts, paced_changes = [], []
             changer_expired = 0
             for _ in range(cell.rounds):
                 a = admin.planner_state()
@@ -430,7 +474,15 @@ def run_cell(cell: Cell) -> dict[str, Any]:
                 run.wait("phase")
                 run.wait("phase")
                 raw_parts += [m[3] for m in run.collect(120, raw=cell.clients)["raw"]]
+                run.wait("phase")
+                run.wait("phase")
+                got = run.collect(120, paced=cell.clients, paced_changes=1)
+                paced_parts += [m[3] for m in got["paced"]]
+                paced_changes += got["paced_changes"][0][3]["samples"]
         hb, raw = _lat_stats(hb_parts, cell.rounds), _lat_stats(raw_parts, cell.rounds)
+        paced = _lat_stats(paced_parts, cell.rounds)
+        paced_readable = np.array([c[1] for c in paced_changes])
+        paced_plan = np.array([c[2] for c in paced_changes])
         actions: Counter[str] = Counter()
         for p in hb_parts:
             actions.update(p["actions"])
@@ -489,6 +541,15 @@ def run_cell(cell: Cell) -> dict[str, Any]:
                 "readable_ms_max": _ms(readable_s, 1.0),
                 "lease_expired": changer_expired,
             },
+            "paced": {
+                "interval_s": PACED_INTERVAL_S,
+                "heartbeats": paced,
+                "changes": len(paced_changes),
+                "readable_ms_p50": _ms(paced_readable, 0.5),
+                "readable_ms_max": _ms(paced_readable, 1.0),
+                "plan_ms_p50": _ms(paced_plan, 0.5),
+                "plan_ms_max": _ms(paced_plan, 1.0),
+            },
             "after": {
                 "expiry_events": sum(1 for e in events if e["kind"] == "expiry"),
                 "leases_ended_expired": int(ended_expired),
@@ -501,13 +562,16 @@ def run_cell(cell: Cell) -> dict[str, Any]:
 
 
 def _line(row: dict[str, Any]) -> str:
-    hb, raw, su, pl, ch, af = (row[k] for k in ("heartbeat", "raw", "setup", "planner", "changes", "after"))
+    keys = ("heartbeat", "raw", "setup", "planner", "changes", "after", "paced")
+    hb, raw, su, pl, ch, af, pc = (row[k] for k in keys)
     return (
         f"{row['backend']:10s} jobs={row['jobs']:<6d} setup {su['jobs_s']}s/{su['plans']} plans | "
         f"heartbeat {hb['per_s']}/s p50 {hb['p50_ms']}ms p99 {hb['p99_ms']}ms | "
         f"raw {raw['per_s']}/s p50 {raw['p50_ms']}ms | ratio {row['ratio']} | "
         f"plans {pl['plans_per_s']}/s last {pl['last_plan_ms']}ms | "
         f"change->readable p50 {ch['readable_ms_p50']}ms max {ch['readable_ms_max']}ms | "
+        f"paced {pc['heartbeats']['per_s']}/s: change->readable p50 {pc['readable_ms_p50']}ms "
+        f"max {pc['readable_ms_max']}ms | "
         f"expiries {af['expiry_events']} live {af['live_leases']}/{row['jobs']}"
     )
 
@@ -535,6 +599,8 @@ def _targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "ratio": at["ratio"] is not None and at["ratio"] >= TARGETS["ratio_min"],
             "heartbeats_per_s_at_1000": at["heartbeat"]["per_s"] >= TARGETS["heartbeats_per_s_min_at_1000"],
             "no_expiry": at["after"]["expiry_events"] == 0,
+            "change_readable_paced": (at["paced"]["readable_ms_max"] or 0)
+            <= TARGETS["change_readable_max_ms_at_1000"],
         }
     return {**TARGETS, "row": None if at is None else "postgresql, 1000 jobs", "met": met}
 

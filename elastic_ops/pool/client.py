@@ -400,7 +400,7 @@ class PoolClient:
             st, cfg = tx.planner_state(), tx.settings
             due = (
                 (st.dirty and tx.wall >= st.planned_at + cfg["plan_interval_s"])
-                or tx.wall >= st.planned_at + cfg["plan_refresh_s"]
+                or tx.now >= st.planned_now + cfg["plan_refresh_s"]
                 or tx.overdue()
             )
             if due:
@@ -514,7 +514,9 @@ class PoolClient:
         check_name("job", job)
         avoid = check_hosts("avoid_hosts", avoid_hosts)
         check_flag("new_attempt", new_attempt)
-        self._change(lambda tx: tx.ask(job, avoid, new_attempt))
+        _, seq = self._change(lambda tx: tx.ask(job, avoid, new_attempt))
+        if seq is None:  # asked again: nothing new to plan, unless time has made a plan due
+            self._nudge()
         lease, slots, reason, ttl = self._read(lambda tx: tx.answer(job))
         if lease is None:
             return Wait(job, reason)

@@ -40,7 +40,6 @@ from elastic_ops.pool.model import (
     Decision,
     Host,
     HostState,
-    Job,
     JobState,
     Observation,
     Plan,
@@ -49,6 +48,7 @@ from elastic_ops.pool.model import (
     Slot,
     Snapshot,
     TargetAction,
+    make_job,
     outside,
 )
 from elastic_ops.pool.policies import get_policy
@@ -78,6 +78,7 @@ class PlannerState:
     plans: int
     plan_s: float
     next_due: float = 0.0
+    planned_now: float = 0.0
 
     @property
     def dirty(self) -> bool:
@@ -219,7 +220,8 @@ class Tx:
 
     def planner_state(self) -> PlannerState:
         r = self.conn.execute(select(s.planner).where(s.planner.c.id == 1)).one()
-        return PlannerState(r.dirty_seq, r.planned_seq, r.planned_at, r.plans, r.plan_s, r.next_due)
+        return PlannerState(r.dirty_seq, r.planned_seq, r.planned_at, r.plans, r.plan_s, r.next_due,
+                            r.planned_now)
 
     # --- writing --------------------------------------------------------------------------
 
@@ -415,26 +417,24 @@ class Tx:
         jobs = []
         unfinished = select(s.jobs).where(s.jobs.c.state != JobState.FINISHED.value)
         rows = {r.name: r for r in self.conn.execute(unfinished)}
+        none: frozenset[str] = frozenset()
         for r in rows.values():
             mine = held.get(r.name, ())
             if not mine and r.last_seen < idle_before:
                 continue  # a waiting job that stopped asking does not block others
             # hosts without the job's labels are never its own; among the others, those that
-            # failed it are avoided unless that leaves too few
-            excluded = outside(json.loads(r.selector), hosts)
+            # failed it are avoided unless that leaves too few ("{}" / "[]": most jobs, no parse)
+            excluded = none if r.selector == "{}" else outside(json.loads(r.selector), hosts)
             usable = {h: n for h, n in up_slots.items() if h not in excluded} if excluded else up_slots
-            failed = avoidable(frozenset(json.loads(r.avoid_hosts)), usable, r.min_workers)
-            jobs.append(
-                Job(
-                    name=r.name, min_workers=r.min_workers, max_workers=r.max_workers,
-                    priority=r.priority, preemptible=bool(r.preemptible),
-                    avoid_hosts=failed | excluded,
-                    leave_hosts=excluded,  # a narrowed selector moves the job off them
-                    submitted=r.submitted, waiting_since=r.waiting_since, last_rescale=r.last_rescale,
-                    held=tuple(sorted(mine)), epoch=r.epoch,
-                    releasing=frozenset(releasing.get(r.name, ())),
-                )
-            )
+            failed = none if r.avoid_hosts == "[]" else avoidable(
+                frozenset(json.loads(r.avoid_hosts)), usable, r.min_workers)
+            going = releasing.get(r.name)
+            jobs.append(make_job(
+                r.name, r.min_workers, r.max_workers, r.priority, bool(r.preemptible),
+                failed | excluded, excluded,  # a narrowed selector moves the job off its hosts
+                r.submitted, r.waiting_since, r.last_rescale, tuple(sorted(mine)), r.epoch,
+                frozenset(going) if going else none,
+            ))
         config = PolicyConfig(
             preemption=Preemption(cfg["preemption"]),
             min_rescale_interval_s=cfg["min_rescale_interval_s"],
@@ -510,7 +510,8 @@ class Tx:
 
     def _planned(self, seen: int | None, took: float) -> None:
         p = s.planner.c
-        values: dict[str, Any] = dict(planned_at=time.time(), plans=p.plans + 1, plan_s=took)
+        values: dict[str, Any] = dict(planned_at=time.time(), planned_now=self.now, plans=p.plans + 1,
+                                      plan_s=took)
         if seen is not None:
             values["planned_seq"] = func.max(seen, p.planned_seq) if self.conn.dialect.name == "sqlite" \
                 else func.greatest(seen, p.planned_seq)
@@ -609,7 +610,7 @@ class Tx:
         return self.now >= head.next_due or (
             (head.dirty_seq > head.planned_seq
              and self.wall >= head.planned_at + head.plan_interval_s + TAKEOVER_S)
-            or self.wall >= head.planned_at + head.plan_refresh_s
+            or self.now >= head.planned_now + head.plan_refresh_s
         )
 
     def _heartbeat_one_statement(
@@ -1011,7 +1012,7 @@ def _head(extra: Sequence[Any] = (), renewed: Any = None) -> Any:
     )
     cols = [
         j.state, j.target, j.reason, j.min_workers, j.plan_placements, j.plan_release,
-        pl.dirty_seq, pl.planned_seq, pl.planned_at, pl.next_due,
+        pl.dirty_seq, pl.planned_seq, pl.planned_at, pl.next_due, pl.planned_now,
         p.plan_interval_s, p.plan_refresh_s, p.lease_ttl_s,
         le.ended, le.expires, le.obs_workers, le.obs_hosts, le.obs_batch, le.obs_reports,
         le.obs_first, le.obs_iterations, le.obs_seconds, a.host, a.slot, a.releasing, *extra,

@@ -126,6 +126,23 @@ class Job:
     releasing: frozenset[Slot] = frozenset()
 
 
+def make_job(
+    name: str, min_workers: int, max_workers: int, priority: int, preemptible: bool,
+    avoid_hosts: frozenset[str], leave_hosts: frozenset[str], submitted: float,
+    waiting_since: float | None, last_rescale: float | None, held: tuple[Slot, ...], epoch: int,
+    releasing: frozenset[Slot],
+) -> Job:
+    """The same :class:`Job` as ``Job(...)``, built without the frozen dataclass ``__init__``
+    (as :func:`make_decision`): the ledger builds one per job for every plan."""
+    j = _new(Job)
+    j.__dict__.update(
+        name=name, min_workers=min_workers, max_workers=max_workers, priority=priority,
+        preemptible=preemptible, avoid_hosts=avoid_hosts, leave_hosts=leave_hosts, submitted=submitted,
+        waiting_since=waiting_since, last_rescale=last_rescale, held=held, epoch=epoch, releasing=releasing,
+    )
+    return j
+
+
 @dataclasses.dataclass(frozen=True)
 class Observation:
     """What a running job measured since its last heartbeat, carried by that heartbeat.

@@ -75,6 +75,9 @@ planner = Table(
     # the ledger time by which time alone may change the plan (the earliest live lease's expiry,
     # the end of a cooling period), as of the last plan: heartbeats compare it, cheaply
     Column("next_due", Float, nullable=False, default=0.0),
+    # the ledger time of the last plan (time-driven rules, aging and rescale intervals, are in
+    # the ledger's time: plan_refresh_s counts in it too)
+    Column("planned_now", Float, nullable=False, default=0.0),
 )
 
 hosts = Table(
@@ -254,7 +257,7 @@ def _v4(conn: Connection) -> None:
     if conn.execute(select(planner.c.id)).first() is None:
         # a ledger upgraded in place plans at its first call: its jobs' rows hold no decision yet
         conn.execute(insert(planner).values(id=1, dirty_seq=1, planned_seq=0, planned_at=0.0, plans=0,
-                                            plan_s=0.0, next_due=0.0))
+                                            plan_s=0.0, next_due=0.0, planned_now=0.0))
 
 
 MIGRATIONS: list[tuple[int, Callable[[Connection], None]]] = [(1, _v1), (2, _v2), (3, _v3), (4, _v4)]
