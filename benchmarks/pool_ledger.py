@@ -223,7 +223,6 @@ def _paced_phase(pool: PoolClient, leases: dict[str, list[int]], seconds: float)
 def _worker(cell: Cell, idx: int, barrier, out, timeouts: dict[str, float]) -> None:
     try:
         pool = PoolClient(cell.url)
-        bulk = PoolClient(cell.url, wait_for_plan=False)  # registering jobs in bulk (docs/pool.md)
         raw = _raw_connect(cell)
         mine = list(cell.jobs[idx :: cell.clients])
         _wait(barrier, timeouts["start"])  # B0: setup starts
@@ -231,13 +230,14 @@ def _worker(cell: Cell, idx: int, barrier, out, timeouts: dict[str, float]) -> N
         leases: dict[str, list[int]] = {}
         waiting: list[str] = []
         for name, most in mine:
-            bulk.submit(name, min_workers=1, max_workers=most)
+            pool.wait_for_plan = False  # registering jobs in bulk (docs/pool.md), then asking
+            pool.submit(name, min_workers=1, max_workers=most)
+            pool.wait_for_plan = True
             g = pool.request(name)
             if isinstance(g, Grant):
                 leases[name] = [g.epoch, g.workers]
             else:
                 waiting.append(name)
-        bulk.close()  # registered: its connection goes back
         retried = len(waiting)
         deadline = time.perf_counter() + 60
         while waiting and time.perf_counter() < deadline:  # a later plan grants them

@@ -547,6 +547,9 @@ class PoolClient:
         check_int("workers", workers, 0, MAX_WORKERS_LIMIT)
         placements = check_placements(placements)
         observed = check_observation(measured)
+        quick = self._quick_heartbeat(job, epoch, workers, placements, observed)
+        if quick is not None:
+            return quick
         beat, tx = self._tx(lambda tx: tx.heartbeat(job, epoch, workers, placements, observed),
                             lock=Lock.NONE, inline=True)
         self._settle(tx.seq)  # it freed slots a shrink gave up: others may grow onto them
@@ -559,6 +562,45 @@ class PoolClient:
             self._nudge()
         assert beat.target is not None
         return beat.target
+
+    def _quick_heartbeat(
+        self, job: str, epoch: int, workers: int, placements: Sequence[Slot] | None,
+        measured: Observation | None,
+    ) -> Target | None:
+        """PostgreSQL, the common heartbeat (it renews, reads its target and writes nothing
+        else): the one statement and the commit on this thread's DBAPI connection, with none of
+        SQLAlchemy's transaction machinery (most of a heartbeat's client CPU). Anything else —
+        a slot to free, a release flag to set, a dead lease, an error — rolls back and returns
+        None: the full path (``Tx.heartbeat``) does it, and reports errors as it does."""
+        if not isinstance(self._inline_head, tuple) or not isinstance(self._inline_head[0], db.FastQuery):
+            return None
+        held = self._held_connection()
+        if held.in_transaction():
+            return None
+        now = None if self.clock is None else float(self.clock())
+        values: dict[str, Any] = {"b_job": job, "b_epoch": epoch, "b_now": now, "b_expires": None}
+        if measured is not None:
+            values.update(b_w=measured.workers, b_h=measured.hosts, b_b=measured.batch,
+                          b_i=measured.iterations, b_s=measured.seconds)
+        try:
+            dbapi = held.connection.driver_connection
+            rows = self._inline_head[measured is not None].rows(dbapi, values)
+            out = ledger.quick_beat(rows, job, workers, placements, measured,
+                                    now if now is not None else float(rows[0].db_now) if rows else 0.0,
+                                    time.time())
+            if out is None:
+                dbapi.rollback()
+                return None
+            dbapi.commit()
+        except Exception:  # noqa: BLE001 - whatever it was, the full path tries again and says
+            self._local.conn = None
+            held.invalidate()
+            held.close()
+            return None
+        target, due = out
+        if due:
+            self._nudge()
+        return target
 
     def observations(self, job: str) -> list[dict[str, Any]]:
         """What ``job``'s heartbeats reported, summed per (workers, hosts, batch)."""

@@ -165,6 +165,15 @@ class FastQuery:
         names = [c.key or f"col{i}" for i, c in enumerate(stmt.selected_columns)]
         self._row = collections.namedtuple("Row", names, rename=True)  # type: ignore[misc]
 
+    def rows(self, dbapi: Any, params: dict[str, Any]) -> list[Any]:
+        """Run on a bare DBAPI connection (its transaction is the caller's); driver errors raise."""
+        cursor = dbapi.cursor()
+        try:
+            cursor.execute(self.sql, self._compiled.construct_params(params))
+            return [self._row(*r) for r in cursor.fetchall()]
+        finally:
+            cursor.close()
+
     def run(self, conn: Any, params: dict[str, Any]) -> list[Any]:
         values = self._compiled.construct_params(params)
         dbapi = conn.connection.driver_connection

@@ -145,6 +145,86 @@ _FAR = 1e300  # no lease and no cooling host: time alone changes nothing
 TAKEOVER_S = 1.0  # a plan left dirty this long (past plan_interval_s) is planned by the next heartbeat
 
 
+@dataclasses.dataclass(frozen=True)
+class _BeatView:
+    """What a heartbeat reads of its job (rows of the heartbeat's statement), and what the job's
+    report means: ``left``, slots it was told to give up and no longer runs on; ``gone``, slots
+    of a shrink it has acted on (it runs no more workers than the slots it keeps)."""
+
+    mine: tuple[Any, ...]
+    held: frozenset[Slot]
+    d: Decision
+    left: tuple[Slot, ...]
+    gone: tuple[Slot, ...]
+
+    @classmethod
+    def of(cls, head: Any, rows: Sequence[Any], job: str, workers: int,
+           placements: Sequence[Slot] | None) -> _BeatView:
+        mine = tuple(r for r in rows if r.host is not None)
+        held = frozenset((r.host, r.slot) for r in mine)
+        told = {(r.host, r.slot) for r in mine if r.releasing is not None}
+        keep = _slots_of(head.plan_placements)
+        keep = tuple(sorted(held)) if keep is None else keep
+        d = Decision(job, head.target, keep, _slots_of(head.plan_release) or (), None, head.reason)
+        still = None if placements is None else {tuple(x) for x in placements}
+        # told to give up in an earlier heartbeat and no longer used: they go whatever the plan
+        # says now (a plan that changed its mind meanwhile would send the job back, a second
+        # relaunch inside min_rescale_interval_s)
+        left = tuple(sorted(sl for sl in told if sl not in still)) if still is not None else ()
+        # the slots a shrink gives up go once the job runs no more workers than the slots it
+        # keeps (not its target: slots the target counts may not be free yet, e.g. when its
+        # host drains while the others are full, and the job still runs on the old ones)
+        gone: tuple[Slot, ...] = ()
+        if d.release and workers <= len(d.placements):
+            if still is not None:
+                gone = tuple(sl for sl in d.release if sl not in still and sl not in left and sl in held)
+            else:
+                gone = tuple(sl for sl in d.release if sl in told)
+        return cls(mine, held, d, left, gone)
+
+    def runs_on(self, held: frozenset[Slot]) -> Decision:
+        """The decision as the job may follow it: on what it still holds (slots the plan counts
+        that a heartbeat freed since the plan are not its own any more)."""
+        d = self.d
+        return dataclasses.replace(
+            d, placements=tuple(sl for sl in d.placements if sl in held),
+            release=tuple(sl for sl in d.release if sl in held),
+        )
+
+
+def quick_beat(
+    rows: Sequence[Any], job: str, workers: int, placements: Sequence[Slot] | None,
+    measured: Observation | None, now: float, wall: float,
+) -> Target | tuple[Target, bool] | None:
+    """A heartbeat whose statement (:func:`heartbeat_statements`) renewed the lease and whose
+    report needs no other write (no slot freed, no release flag changed, its measurement in the
+    configuration the lease sums): its target and whether a plan is due. ``None``: anything
+    else, for the full path (:meth:`Tx.heartbeat`) to handle."""
+    if not rows or workers == 0:
+        return None
+    head = rows[0]
+    if head.renewed is None or head.state == JobState.PARKED.value:
+        return None
+    if measured is not None and head.obs_reports and (
+        _config(measured) != (head.obs_workers, head.obs_hosts, head.obs_batch)
+    ):
+        return None
+    v = _BeatView.of(head, rows, job, workers, placements)
+    if v.left or v.gone:
+        return None
+    d = v.runs_on(v.held)
+    if d.target == 0 and not v.held:
+        return None
+    release = set(d.release)
+    if any(((r.host, r.slot) in release) != (r.releasing is not None) for r in v.mine):
+        return None
+    due = now >= head.next_due or (
+        (head.dirty_seq > head.planned_seq and wall >= head.planned_at + head.plan_interval_s + TAKEOVER_S)
+        or now >= head.planned_now + head.plan_refresh_s
+    )
+    return target_of(job, workers, d), due
+
+
 def _config(m: Observation) -> tuple[int, int, int]:
     return (m.workers, m.hosts, m.batch)
 
@@ -649,47 +729,24 @@ class Tx:
         """The heartbeat once renewed: free what the job left, and its target."""
         if workers == 0:
             return Beat(None, None, True, plan_due)
-        mine = [r for r in rows if r.host is not None]
-        held = {(r.host, r.slot) for r in mine}
-        told = {(r.host, r.slot) for r in mine if r.releasing is not None}
-        keep = _slots_of(head.plan_placements)
-        release = _slots_of(head.plan_release) or ()
-        keep = tuple(sorted(held)) if keep is None else keep
-        d = Decision(job, head.target, keep, release, None, head.reason)
+        v = _BeatView.of(head, rows, job, workers, placements)
         freed: list[Slot] = []
-        still = None if placements is None else {tuple(x) for x in placements}
-        if still is not None:
-            # told to give up in an earlier heartbeat and no longer used: they go whatever the
-            # plan says now (a plan that changed its mind meanwhile would send the job back,
-            # a second relaunch inside min_rescale_interval_s)
-            left = sorted(sl for sl in told if sl not in still)
-            if left:
-                freed += self.free_slots(job, left, "shrink", "released at boundary: no longer used",
-                                         epoch=epoch, workers=workers)
-        # the slots a shrink gives up go once the job runs no more workers than the slots it
-        # keeps (not its target: slots the target counts may not be free yet, e.g. when its
-        # host drains while the others are full, and the job still runs on the old ones)
-        if d.release and workers <= len(d.placements):
-            if still is not None:
-                gone = [sl for sl in d.release if sl not in still and sl not in freed and sl in held]
-            else:
-                gone = [sl for sl in d.release if sl in told]
-            if gone:
-                freed += self.free_slots(job, gone, "shrink", f"released at boundary: {d.reason}",
-                                         epoch=epoch, workers=d.target)
+        if v.left:
+            freed += self.free_slots(job, v.left, "shrink", "released at boundary: no longer used",
+                                     epoch=epoch, workers=workers)
+        gone = [sl for sl in v.gone if sl not in freed]
+        if gone:
+            freed += self.free_slots(job, gone, "shrink", f"released at boundary: {v.d.reason}",
+                                     epoch=epoch, workers=v.d.target)
+        held = v.held
         if freed:  # a shrink reported: a change (the caller waits for a plan that saw it)
-            held -= set(freed)
+            held = held - set(freed)
             self.mark_dirty()
-        # what the job may run on is what it still holds: slots the plan counts that a
-        # heartbeat freed since the plan are not its own any more
-        d = dataclasses.replace(
-            d, placements=tuple(sl for sl in d.placements if sl in held),
-            release=tuple(sl for sl in d.release if sl in held),
-        )
+        d = v.runs_on(held)
         if d.target == 0 and not held:
             # preempted and holding nothing now: it has stopped, whatever it says it runs
             return Beat(None, None, True, plan_due)
-        self._mark_releasing(mine, set(d.release))
+        self._mark_releasing(v.mine, set(d.release))
         if head.state == JobState.PARKED.value:  # it runs workers: not parked any more
             self.conn.execute(update(s.jobs).where(s.jobs.c.name == job).values(state=JobState.RUNNING.value))
         return Beat(target_of(job, workers, d), None, False, plan_due)

@@ -151,3 +151,13 @@ def selector_snapshots(draw) -> Snapshot:
         jobs.append(_job(draw, f"job{i}", lo, hi, held, now, outside | failed, outside))
     config = _draw_config(draw)
     return Snapshot(tuple(hosts), tuple(jobs), now, config)
+
+
+def grant(pool, job, **kw):
+    """Submit ``job`` (min 1, max 4 unless given) and request it; it must be granted."""
+    from elastic_ops.pool import Grant
+
+    pool.submit(job, min_workers=kw.pop("min_workers", 1), max_workers=kw.pop("max_workers", 4), **kw)
+    g = pool.request(job)
+    assert isinstance(g, Grant), g
+    return g

@@ -67,6 +67,25 @@ def _worker(url: str, proc: int, seed: int, out) -> None:
     out.put(done)
 
 
+def _assert_every_slot_came_back(setup: PoolClient) -> list[dict]:
+    """The event log replays (no slot ever held by two jobs; only holders release), agrees with
+    the tables, and says every slot came back and every lease ended. Returns the events."""
+    events = setup.events()
+    with setup.engine.connect() as conn:
+        rows = conn.execute(sa.text("SELECT host, slot, job FROM allocations")).all()
+        live = conn.execute(sa.text("SELECT job, epoch FROM leases WHERE ended IS NULL")).all()
+    allocations = {(r.host, r.slot): r.job for r in rows}
+    tables = f"allocations table: {allocations}; live leases: {[tuple(r) for r in live]}"
+    replay(events)
+    held = held_now(events)
+    # Both sides, so a failure says which is wrong: an unrecorded change (they disagree) or a
+    # slot never given back (they agree, both non-empty).
+    assert held == allocations, f"event log says {held} is held, but the {tables}"
+    assert held == {}, f"slots never given back; {tables}"
+    assert not live, f"leases never ended; {tables}"
+    return events
+
+
 def _run(url: str) -> None:
     setup = PoolClient(url, lease_ttl_s=3600, policy="priority", preemption="graceful")
     for h in range(3):
@@ -87,19 +106,7 @@ def _run(url: str) -> None:
                 p.join()
     assert sum(out.get(timeout=5) for _ in procs) == PROCS * OPS
 
-    events = setup.events()
-    with setup.engine.connect() as conn:
-        rows = conn.execute(sa.text("SELECT host, slot, job FROM allocations")).all()
-        live = conn.execute(sa.text("SELECT job, epoch FROM leases WHERE ended IS NULL")).all()
-    allocations = {(r.host, r.slot): r.job for r in rows}
-    tables = f"allocations table: {allocations}; live leases: {[tuple(r) for r in live]}"
-    replay(events)  # no slot ever held by two jobs; only holders release
-    held = held_now(events)
-    # Both sides, so a failure says which is wrong: an unrecorded change (they disagree) or a
-    # slot never given back (they agree, both non-empty).
-    assert held == allocations, f"event log says {held} is held, but the {tables}"
-    assert held == {}, f"slots never given back; {tables}"
-    assert not live, f"leases never ended; {tables}"
+    events = _assert_every_slot_came_back(setup)
     # the run moved slots between jobs (not a pool that only ever said "wait"): how many grants
     # there are depends on how the processes interleave, but the second job to ask always finds
     # free slots (18 of them, a max of 8 each), so at least two jobs were granted some
@@ -221,17 +228,7 @@ def _run_with_kills(url: str, tmp_path) -> None:
     assert all(out.get(timeout=5) > 0 for _ in range(HOLDERS - KILLED))
     time.sleep(ttl + 0.5)  # the killed holders' leases run out; nobody calls for their jobs...
     setup.status()  # ...and the next call that finds a lease overdue plans (expiry returns them)
-    events = setup.events()
-    with setup.engine.connect() as conn:
-        rows = conn.execute(sa.text("SELECT host, slot, job FROM allocations")).all()
-        live = conn.execute(sa.text("SELECT job, epoch FROM leases WHERE ended IS NULL")).all()
-    allocations = {(r.host, r.slot): r.job for r in rows}
-    tables = f"allocations table: {allocations}; live leases: {[tuple(r) for r in live]}"
-    replay(events)  # no slot ever held by two jobs; only holders release; no stale epoch commits
-    held = held_now(events)
-    assert held == allocations, f"event log says {held} is held, but the {tables}"
-    assert held == {}, f"slots never given back; {tables}"
-    assert not live, f"leases never ended; {tables}"
+    events = _assert_every_slot_came_back(setup)
     killed = {f"k{i}-j{k}" for i in range(KILLED) for k in range(2)}
     expired = {e["job"] for e in events if e["kind"] == "expiry"}
     granted = {e["job"] for e in events if e["kind"] in ("grant", "reissue")}

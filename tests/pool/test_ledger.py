@@ -17,6 +17,7 @@ from elastic_ops.pool import Grant, PoolClient, TargetAction, Wait
 from elastic_ops.pool.policies import SMALL_CLUSTER, SMALL_SNAPSHOT_JOBS
 from elastic_ops.pool.schema import LATEST
 
+from .builders import grant
 from .timeline import held_now, replay
 
 
@@ -26,13 +27,6 @@ def pool(ledger_url, clock):
     client.add_host("h0", 4)
     yield client
     client.close()
-
-
-def grant(pool, job, **kw) -> Grant:
-    pool.submit(job, min_workers=kw.pop("min_workers", 1), max_workers=kw.pop("max_workers", 4), **kw)
-    g = pool.request(job)
-    assert isinstance(g, Grant), g
-    return g
 
 
 def test_expired_lease_returns_its_slots_and_its_epoch_is_dead(pool, clock):

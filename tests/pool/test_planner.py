@@ -18,6 +18,7 @@ from elastic_ops.pool import Grant, PoolClient, TargetAction, Wait, ledger
 from elastic_ops.pool.model import Observation
 from elastic_ops.pool.policies import get_policy
 
+from .builders import grant
 from .timeline import held_now, replay
 
 
@@ -47,13 +48,6 @@ def pool(ledger_url, clock):
     client.add_host("h1", 4)
     yield client
     client.close()
-
-
-def grant(pool, job, **kw) -> Grant:
-    pool.submit(job, min_workers=kw.pop("min_workers", 1), max_workers=kw.pop("max_workers", 4), **kw)
-    g = pool.request(job)
-    assert isinstance(g, Grant), g
-    return g
 
 
 def test_a_heartbeat_renews_and_reads_without_running_the_policy(pool, clock, counted):
