@@ -2,17 +2,21 @@
 
 Two kinds of transaction (see docs/pool.md, "The control plane"):
 
-- **Changes and plans** hold the *pool lock* (SQLite: the file's write lock, taken at
-  ``BEGIN IMMEDIATE``; PostgreSQL: the single ``pool`` row, ``SELECT … FOR UPDATE``), so they
-  are serialised. A change (submit, request, release, priority, bounds, host, settings) writes
-  its rows and marks the plan dirty (:meth:`Tx.mark_dirty`); it does not plan. A plan
+- **Changes and plans.** A change (submit, request, release, priority, bounds, host, settings)
+  writes its rows and marks the plan dirty (:meth:`Tx.mark_dirty`); it does not plan. Plans and
+  the changes that touch leases or slots hold the *pool lock* (SQLite: the file's write lock,
+  taken at ``BEGIN IMMEDIATE``; PostgreSQL: the single ``pool`` row, ``SELECT … FOR UPDATE``),
+  so they are serialised; a change of a demand or a setting, which no plan writes, takes none.
+  A plan
   (:meth:`Tx.plan`: *sync → decide → apply*) expires overdue leases, builds a
   :class:`~elastic_ops.pool.model.Snapshot`, calls the configured policy (the same pure
   function the simulator calls), reserves the slots of decided grows and grants, and writes
   every job's decision (target, reason, the slots to hold and to give back) to its row.
-- **Heartbeats** (:meth:`Tx.heartbeat`) take no pool lock: they renew one lease, fold what the
-  job measured into its observations, free the slots the job says it left, and read the
-  decision the planner last wrote for the job. O(rows of that job).
+- **Heartbeats** (:meth:`Tx.heartbeat`) take no pool lock: they renew one lease, add what the
+  job measured to the lease's sums, free the slots the job says it left, and read the decision
+  the planner last wrote for the job. O(rows of that job). On PostgreSQL the common one (nothing
+  to write but the renewal) is one statement (:func:`heartbeat_statements`) whose rows
+  :func:`quick_beat` turns into the target.
 
 The planner state (``planner`` row: ``dirty_seq``, ``planned_seq``, when the last plan ended)
 is what :class:`~elastic_ops.pool.client.PoolClient` reads to decide whether, and when, a plan
