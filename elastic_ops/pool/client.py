@@ -337,12 +337,11 @@ class PoolClient:
                 self.metrics.gauge(name, value)
 
     def _now(self, conn: Connection) -> float:
+        """The ledger's time for a transaction that did not read the database's clock (SQLite,
+        or an injected clock)."""
         if self.clock is not None:
             return float(self.clock())
         if conn.dialect.name == "postgresql":  # one clock for every client of the ledger
-            began = conn.info.pop(db.BEGAN_AT, None)  # read with the transaction's settings
-            if began is not None:
-                return began
             return float(conn.execute(select(func.extract("epoch", func.clock_timestamp()))).scalar_one())
         return time.time()
 
@@ -578,10 +577,7 @@ class PoolClient:
         if held.in_transaction():
             return None
         now = None if self.clock is None else float(self.clock())
-        values: dict[str, Any] = {"b_job": job, "b_epoch": epoch, "b_now": now, "b_expires": None}
-        if measured is not None:
-            values.update(b_w=measured.workers, b_h=measured.hosts, b_b=measured.batch,
-                          b_i=measured.iterations, b_s=measured.seconds)
+        values = ledger.renew_values(job, epoch, now, None, measured)
         try:
             dbapi = held.connection.driver_connection
             rows = self._inline_head[measured is not None].rows(dbapi, values)

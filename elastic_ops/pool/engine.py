@@ -115,16 +115,14 @@ def _postgres_engine(parsed: Any) -> Engine:
     @event.listens_for(engine, "begin")
     def _begin(conn):  # per transaction (SET LOCAL), not per session: a transaction-mode pooler
         # (PgBouncer) runs each transaction on whichever server session is free, where a session
-        # SET made at connect time may never have happened. The same statement reads the
-        # database's clock (one round trip, not two: a heartbeat is a handful of them)
+        # SET made at connect time may never have happened
         if conn.get_execution_options().get(INLINE_SETTINGS):
             return  # the transaction sets them itself (see INLINE_SETTINGS)
-        conn.info[BEGAN_AT] = _set_session(conn, settings)
+        _set_session(conn, settings)
 
     return engine
 
 
-BEGAN_AT = "elastic_ops.began_at"  # conn.info: the database's clock when the transaction began
 # An execution option: the transaction's first statement sets the session settings and reads the
 # clock itself (``inline_settings``), saving a round trip (the heartbeat's, the hottest call)
 INLINE_SETTINGS = "elastic_ops_inline_settings"

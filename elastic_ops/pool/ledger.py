@@ -222,11 +222,29 @@ def quick_beat(
     release = set(d.release)
     if any(((r.host, r.slot) in release) != (r.releasing is not None) for r in v.mine):
         return None
-    due = now >= head.next_due or (
+    return target_of(job, workers, d), plan_is_due(head, now, wall)
+
+
+def renew_values(job: str, epoch: int, now: float | None, ttl: float | None,
+                 measured: Observation | None) -> dict[str, Any]:
+    """The parameters of the heartbeat's statements (``ttl`` None: the statement reads it)."""
+    values: dict[str, Any] = {"b_job": job, "b_epoch": epoch, "b_now": now,
+                              "b_expires": None if ttl is None or now is None else now + ttl}
+    if measured is not None:
+        values.update(b_w=measured.workers, b_h=measured.hosts, b_b=measured.batch,
+                      b_i=measured.iterations, b_s=measured.seconds)
+    return values
+
+
+def plan_is_due(head: Any, now: float, wall: float) -> bool:
+    """Whether a heartbeat that read ``head`` should try to plan: time alone may have changed
+    the plan (``next_due``, ``plan_refresh_s``), or a dirty plan was left unplanned. A dirty plan
+    is its changer's to make (it waits for it): a heartbeat takes over only one left for
+    TAKEOVER_S past ``plan_interval_s`` (its changer died, or did not wait)."""
+    return now >= head.next_due or (
         (head.dirty_seq > head.planned_seq and wall >= head.planned_at + head.plan_interval_s + TAKEOVER_S)
         or now >= head.planned_now + head.plan_refresh_s
     )
-    return target_of(job, workers, d), due
 
 
 def _config(m: Observation) -> tuple[int, int, int]:
@@ -666,10 +684,10 @@ class Tx:
             check_name("job", job)
             raise UnknownJobError(job)
         head = rows[0]
-        plan_due = self._plan_due(head)
+        plan_due = plan_is_due(head, self.now, self.wall)
         if head.ended is not None or head.expires is None or head.expires < self.now:
             return Beat(None, self.lease_error(job, epoch), False, True)
-        values = self._renew_values(job, epoch, head.lease_ttl_s, measured)
+        values = renew_values(job, epoch, self.now, head.lease_ttl_s, measured)
         if measured is not None:
             if head.obs_reports and _config(measured) != (head.obs_workers, head.obs_hosts, head.obs_batch):
                 self._keep_measured(job, epoch)  # it runs in another configuration now
@@ -680,23 +698,6 @@ class Tx:
             return Beat(None, self.lease_error(job, epoch), False, True)
         return self._beat_on(head, rows, job, epoch, workers, placements, plan_due)
 
-    def _renew_values(self, job: str, epoch: int, ttl: float | None, measured: Observation | None) -> dict:
-        values: dict[str, Any] = {"b_job": job, "b_epoch": epoch, "b_now": self.now,
-                                  "b_expires": None if ttl is None else self.now + ttl}
-        if measured is not None:
-            values.update(b_w=measured.workers, b_h=measured.hosts, b_b=measured.batch,
-                          b_i=measured.iterations, b_s=measured.seconds)
-        return values
-
-    def _plan_due(self, head: Any) -> bool:
-        # a dirty plan is its changer's to make (it waits for it): a heartbeat takes over only
-        # one left unplanned for TAKEOVER_S (its changer died, or did not wait)
-        return self.now >= head.next_due or (
-            (head.dirty_seq > head.planned_seq
-             and self.wall >= head.planned_at + head.plan_interval_s + TAKEOVER_S)
-            or self.now >= head.planned_now + head.plan_refresh_s
-        )
-
     def _heartbeat_one_statement(
         self, job: str, epoch: int, workers: int, placements: Sequence[Slot] | None,
         measured: Observation | None,
@@ -706,7 +707,7 @@ class Tx:
         settings and reads the clock): one round trip and the commit. The statement's reads see
         the rows as they were before the renewal (one snapshot): what the lease had measured in
         its previous configuration is moved to ``observations`` from those."""
-        stmt, values = self.inline[measured is not None], self._renew_values(job, epoch, None, measured)
+        stmt, values = self.inline[measured is not None], renew_values(job, epoch, self.now, None, measured)
         if isinstance(stmt, FastQuery):
             rows = stmt.run(self.conn, values)
         else:
@@ -717,7 +718,7 @@ class Tx:
         head = rows[0]
         if self.now is None:
             self.now = float(head.db_now)
-        plan_due = self._plan_due(head)
+        plan_due = plan_is_due(head, self.now, self.wall)
         if head.renewed is None:
             return Beat(None, self.lease_error(job, epoch), False, True)
         if measured is not None and head.obs_reports and (
