@@ -13,7 +13,9 @@ import enum
 import hashlib
 import json
 import math
+import os
 import re
+import stat
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -209,6 +211,30 @@ def _int(field: str, value: Any, lo: int, hi: int | None = None) -> int:
         rng = f"between {lo} and {hi}" if hi is not None else f">= {lo}"
         raise SpecError(field, value, f"must be {rng}")
     return value
+
+
+MAX_SPEC_BYTES = 1 << 20  # a job spec is a page of YAML; a bigger "spec" is the wrong file
+
+
+def _read_spec_file(path: Path) -> bytes:
+    """The bytes of a spec file: a regular file of at most MAX_SPEC_BYTES. Opened without
+    blocking and checked before reading, so a FIFO (which would wait for a writer), a device
+    (``/dev/zero``: read until memory ran out) or a folder is refused at once."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = ("a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+                    else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a regular file")
+            raise SpecError("spec", str(path), f"must be a regular YAML file, not {kind}")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read(MAX_SPEC_BYTES + 1)
+    finally:
+        os.close(fd)
+    if len(data) > MAX_SPEC_BYTES:
+        raise SpecError("spec", str(path), f"must be a YAML job spec of at most {MAX_SPEC_BYTES // 1024} KiB",
+                        hint="is this the spec file?")
+    return data
 
 
 @dataclasses.dataclass(frozen=True)
@@ -417,6 +443,10 @@ class JobSpec:
 
         Stored in every manifest, so a checkpoint is never resumed by a different job.
         """
+        return hashlib.sha256(json.dumps(self.trajectory(), sort_keys=True).encode()).hexdigest()[:16]
+
+    def trajectory(self) -> dict[str, Any]:
+        """The fields :meth:`spec_hash` hashes, as plain JSON values."""
         keys = (
             "entrypoint", "global_batch", "consistency", "virtual_shards", "micro_batch",
             "scaling", "warmup_iterations", "data_seed", "params", "total_iterations",
@@ -425,8 +455,7 @@ class JobSpec:
             keys += ("min_workers",)       # hash change, so existing checkpoints still resume)
         if self.script_args:  # likewise only when given
             keys += ("script_args",)
-        data = {k: _plain(getattr(self, k)) for k in keys}
-        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+        return {k: _plain(getattr(self, k)) for k in keys}
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
@@ -459,7 +488,7 @@ class JobSpec:
 
         p = Path(path)
         try:
-            text = p.read_text(encoding="utf-8")
+            text = _read_spec_file(p).decode("utf-8")
         except OSError as exc:
             raise SpecError("spec", str(path), f"cannot be read ({exc.strerror})") from None
         except UnicodeDecodeError as exc:

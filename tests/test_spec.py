@@ -284,3 +284,21 @@ def test_yaml_merge_keys_merge_and_unreadable_values_are_spec_errors(tmp_path):
         with pytest.raises(SpecError, match=r"holds a value YAML cannot read \(.*\(hint: quote") as err:
             JobSpec.from_yaml(path)
         assert err.value.field == "spec" and "set_int_max_str_digits" not in str(err.value)
+
+
+def test_a_spec_that_is_no_regular_file_is_refused_at_once(tmp_path):
+    """``/dev/zero`` was read until memory ran out, a FIFO waited for a writer forever (an audit)."""
+    import os
+
+    with pytest.raises(SpecError, match="not a device"):
+        JobSpec.from_yaml("/dev/zero")
+    fifo = tmp_path / "spec.fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(SpecError, match="not a FIFO"):
+        JobSpec.from_yaml(fifo)
+    with pytest.raises(SpecError, match="not a folder"):
+        JobSpec.from_yaml(tmp_path)
+    huge = tmp_path / "huge.yaml"
+    huge.write_text("name: j\n" + "# padding\n" * 200_000)
+    with pytest.raises(SpecError, match="at most 1024 KiB"):
+        JobSpec.from_yaml(huge)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from elastic_ops.urls import shown_url
+from elastic_ops.urls import scrubbed, shown_url
 
 
 @pytest.mark.parametrize(
@@ -32,3 +32,25 @@ from elastic_ops.urls import shown_url
 )
 def test_no_password_is_shown(url, shown):
     assert shown_url(url) == shown
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        # a parser that ends the password at its first '@' takes the rest for the host
+        ("postgresql://dbuser:p@ssword99@127.0.0.1:5432/test",
+         'could not translate host name "ssword99@127.0.0.1" to address'),
+        ("postgresql://u:hunter2@db/pool", "connection to db failed for u:hunter2"),
+        ("postgresql://u@db/pool?password=qs_secret", "bad option password=qs_secret"),
+        ("postgresql://u:hunter2%40x@db/pool", "authentication failed: hunter2@x"),  # decoded
+    ],
+)
+def test_a_drivers_message_loses_the_urls_secrets(url, message):
+    shown = scrubbed(message, url)
+    assert all(secret not in shown for secret in ("ssword99", "hunter2", "qs_secret"))
+    assert "***" in shown
+
+
+def test_a_message_about_a_url_without_secrets_is_unchanged():
+    assert scrubbed("could not connect to db:5432", "postgresql://pool@db:5432/pool") == (
+        "could not connect to db:5432")

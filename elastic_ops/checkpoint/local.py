@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
+import logging
 import os
 import stat
 import sys
@@ -32,6 +33,7 @@ from elastic_ops.checkpoint.checksum import Hasher, hash_stream
 from elastic_ops.errors import StoragePermanentError, StorageTransientError
 
 _TMP_PREFIX = ".tmp-"
+log = logging.getLogger("elastic_ops.checkpoint")
 _LOCK_NAME = ".commit-lock"  # at the root: serialises delete_if (never listed: not an it-… key)
 _PIECE = 1 << 20  # bytes per write() of a buffer we hold: one huge write is slower than pieces
 _WRITEBACK_EVERY = 4 << 20
@@ -172,13 +174,41 @@ class LocalBackend:
         with _os_errors(self.uri, key):
             tmp = self._write_tmp(path, data)
             try:
-                os.link(tmp, path)
-            except FileExistsError:
-                return False
+                for _ in range(2):
+                    try:
+                        os.link(tmp, path)
+                        break
+                    except FileExistsError:
+                        if not self._clear_non_object(key, path):
+                            return False  # a stored object is there: the conditional write lost
+                else:
+                    return False
             finally:
                 tmp.unlink(missing_ok=True)
             _fsync_dir(path.parent)
             return True
+
+    def _clear_non_object(self, key: str, path: Path) -> bool:
+        """Remove what stands at ``path`` if it is no stored object (a symbolic link, a FIFO, a
+        device, a folder: what ``get`` reads as missing), so a create there can succeed rather
+        than fail for good; a folder is moved aside (``<name>.not-an-object-<id>``), not deleted.
+        False when a regular file (a stored object) is there. Under the store's lock, as
+        ``delete_if``: two writers clearing one key do not remove each other's object."""
+        with open(self.root / _LOCK_NAME, "a+b") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                mode = os.lstat(path).st_mode
+            except FileNotFoundError:
+                return True
+            if stat.S_ISREG(mode):
+                return False
+            if stat.S_ISDIR(mode):
+                os.rename(path, path.with_name(f"{path.name}.not-an-object-{uuid.uuid4().hex[:8]}"))
+            else:
+                os.unlink(path)
+        log.warning("%s/%s was no stored object (%s): removed, so it can be written",
+                    self.uri, key, _kind(mode))
+        return True
 
     def get(self, key: str, *, size_hint: int | None = None) -> bytes | None:
         return self.read_stream(key, lambda f, size: f.read())
@@ -378,6 +408,11 @@ def _publish(path: Path, fill: Callable[[Path], T]) -> T:
         raise
     _fsync_dir(path.parent)
     return result
+
+
+def _kind(mode: int) -> str:
+    return ("a symbolic link" if stat.S_ISLNK(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+            else "a folder" if stat.S_ISDIR(mode) else "a device or socket")
 
 
 def _open_regular(path: Path) -> BinaryIO | None:

@@ -5,6 +5,7 @@ Layout under the store's root (a directory or an S3 prefix)::
     it-00000040/manifest.json                 written LAST, create-if-absent: the commit point
     it-00000040/d-<writer-unique>/state.pt    data, in a directory only its writer uses
     _fence/epoch-00000000000000000007         one marker per fencing epoch seen; fence = max
+    _spec/<spec hash>.json                    the job definition behind a hash (record_spec)
 
 Save: upload the data (hashing it meanwhile), list the root once (fence check + retention
 plan; on a remote store during a one-request upload), create the manifest if absent, delete
@@ -19,6 +20,7 @@ are pruned, so the maximum is never lost.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import re
@@ -64,6 +66,7 @@ log = logging.getLogger("elastic_ops.checkpoint")
 _IT_RE = re.compile(r"^it-(\d+)$")
 ORPHAN_AGE_S = 3600.0  # data without a manifest this much older than the store's newest object is an orphan
 _FENCE_DIR = "_fence"
+_SPEC_DIR = "_spec"  # {spec_hash}.json: the job definition each spec hash stands for
 _FENCE_RE = re.compile(r"^_fence/epoch-(\d+)$")
 
 
@@ -178,11 +181,36 @@ class CheckpointStore:
         self._clock = clock
         self._lock = threading.Lock()
         self._loaded: tuple[CheckpointRef, Any] | None = None  # what latest() verified and decoded
+        # checkpoints latest() passed over although their checksums verify (content the safe
+        # loader refuses): for callers to report; never loaded
+        self.refused: list[CheckpointRef] = []
         self._executor: ThreadPoolExecutor | None = None
         self._executor_pid = os.getpid()
 
     def __repr__(self) -> str:
         return f"CheckpointStore({self.uri!r}, keep_last={self.keep_last}, keep_every={self.keep_every})"
+
+    # --- the job definitions the checkpoints belong to ----------------------------------------
+
+    def record_spec(self, spec_hash: str, fields: Mapping[str, Any]) -> None:
+        """Keep the fields behind ``spec_hash`` (``JobSpec.trajectory()``) beside the checkpoints,
+        once per hash: a later run of a changed spec at this location is told what changed."""
+        self._check_args(0, 0, spec_hash)
+        if not re.fullmatch(r"[0-9a-f]{1,64}", spec_hash):
+            raise SpecError("spec_hash", spec_hash, "must be a hex digest (JobSpec.spec_hash())")
+        self.backend.put_if_absent(f"{_SPEC_DIR}/{spec_hash}.json",
+                                   json.dumps(dict(fields), sort_keys=True).encode())
+
+    def recorded_spec(self, spec_hash: str) -> dict[str, Any] | None:
+        """The fields :meth:`record_spec` kept for ``spec_hash``; None if none (or unreadable)."""
+        if not re.fullmatch(r"[0-9a-f]{1,64}", spec_hash):
+            return None
+        data = self.backend.get(f"{_SPEC_DIR}/{spec_hash}.json")
+        try:
+            doc = json.loads(data) if data is not None else None
+        except (UnicodeDecodeError, ValueError):
+            return None
+        return doc if isinstance(doc, dict) else None
 
     # --- fencing ---------------------------------------------------------------------------
 
@@ -451,7 +479,8 @@ class CheckpointStore:
             if self.backend.put_if_absent(manifest_key, body):
                 break
             resolved = self._resolve_existing(ours, body, self.backend.get(manifest_key), manifest_key)
-            if resolved is not None:
+            if resolved is not None:  # committed (ours, its reply lost; or the same content)
+                self._retain_after(iteration, objects, in_background)
                 return resolved
             # the manifest there was damaged and is gone now (or vanished): commit ours again
         else:
@@ -462,11 +491,14 @@ class CheckpointStore:
             )
         ref = self._ref(ours)
         log.info("committed checkpoint %s (epoch %d, %d bytes)", ref.uri, epoch, ref.size)
+        self._retain_after(iteration, objects, in_background)
+        return ref
+
+    def _retain_after(self, iteration: int, objects: list[ObjectInfo] | None, in_background: bool) -> None:
         if in_background:
             self._retain(committed=iteration, objects=objects)
         else:  # the caller need not wait for deletions: retention runs on the background thread
             self._submit(self._retain, committed=iteration, objects=objects)
-        return ref
 
     def _resolve_existing(
         self, ours: Manifest, body: bytes, existing: bytes | None, key: str
@@ -477,8 +509,8 @@ class CheckpointStore:
         - exactly our manifest: our own write succeeded but its reply was lost (then retried):
           committed, keep everything;
         - a damaged one (unreadable, or a file missing or failing its digest: what ``latest()``
-          skips): it blocks the iteration for good unless removed, so it is (its data after
-          its manifest, never ours);
+          skips), or one whose content this store's ``latest()`` refused: it blocks the
+          iteration for good unless removed, so it is (its data after its manifest, never ours);
         - an intact one: our upload lost (or repeats) the commit: ours is removed (data
           directories are writer-unique); identical content is success, else a conflict.
         """
@@ -494,6 +526,8 @@ class CheckpointStore:
             if theirs.iteration != ours.iteration:
                 raise CheckpointCorruptError(f"manifest {where} says iteration {theirs.iteration}")
             self._hash_verified(self._ref(theirs), {})
+            if self._ref(theirs) in self.refused:  # latest() passed over it: unsafe content
+                raise CheckpointCorruptError(f"{where}: content the safe loader refuses")
         except CheckpointCorruptError as exc:
             # only if it still is the damaged one: another writer may have replaced it while we
             # verified, and its commit must stand (then ours meets it on the next try)
@@ -560,6 +594,17 @@ class CheckpointStore:
             sizes = self._scan(self.backend.list(f"{name}/")).get(iteration)
             if sizes:  # None: removed by retention since the first listing
                 yield iteration, sizes
+
+    def newer_than(self, iteration: int) -> list[CheckpointRef]:
+        """Committed checkpoints after ``iteration``, oldest first, of any spec hash (as
+        :meth:`list`, reading only their manifests)."""
+        by_it = self._scan()
+        refs = []
+        for it in sorted(i for i in by_it if i > iteration):
+            m = self._read_manifest(it, by_it[it], quiet=True)
+            if m is not None:
+                refs.append(self._ref(m))
+        return refs
 
     def list(self) -> list[CheckpointRef]:
         """Committed checkpoints, oldest first: the manifest parses and every listed file is
@@ -661,8 +706,18 @@ class CheckpointStore:
                     continue
                 log.warning("skipping damaged checkpoint %s, using an older one: %s", ref.uri, exc)
                 continue
-            if into is not None:
-                _check_loadable(ref, into)
+            try:
+                if into is not None:
+                    _check_loadable(ref, into)
+                elif decode and isinstance(loaded, CheckpointCorruptError):
+                    raise loaded
+            except CheckpointCorruptError as exc:
+                # its checksums verify, so it was written as it is: crafted, or by a writer this
+                # loader cannot trust. It must not stop the job resuming from an older one.
+                self.refused.append(ref)
+                log.error("refusing checkpoint %s (its checksums verify, but %s); using an older one",
+                          ref.uri, exc)
+                continue
             if into is not None or not decode:
                 return ref, moved_on
             with self._lock:

@@ -18,6 +18,7 @@ from elastic_ops.pool.model import (
     TargetAction,
 )
 from elastic_ops.pool.policies import POLICIES, decide, get_policy
+from elastic_ops.pool.scaling import Measured, ScalingModel
 
 __all__ = [
     "ENV_URL",
@@ -28,11 +29,13 @@ __all__ = [
     "HostState",
     "Job",
     "JobState",
+    "Measured",
     "Observation",
     "Plan",
     "PolicyConfig",
     "PoolClient",
     "Preemption",
+    "ScalingModel",
     "Snapshot",
     "Target",
     "TargetAction",

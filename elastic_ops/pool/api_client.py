@@ -24,6 +24,7 @@ from elastic_ops.errors import (
     UnknownHostError,
     UnknownJobError,
 )
+from elastic_ops.urls import shown_url
 
 ENV_API_URL = "ELASTIC_OPS_API_URL"
 ENV_API_TOKEN = "ELASTIC_OPS_API_TOKEN"
@@ -33,7 +34,11 @@ PREFIX = "/elastic-ops"
 
 
 def _check_base(url: str) -> str:
-    parts = urlsplit(url or "")
+    try:
+        parts = urlsplit(url or "")
+        parts.port  # noqa: B018 - parsed on access: a port that is no number raises here
+    except ValueError as exc:  # "Invalid IPv6 URL", "Port could not be cast to integer value"
+        raise SpecError("api_url", shown_url(url), f"must be the api-server's http(s) URL ({exc})") from None
     if parts.scheme not in ("http", "https") or not parts.netloc or parts.query or parts.fragment:
         raise SpecError("api_url", url, "must be the api-server's http(s) URL, e.g. https://airflow.example.com")
     if parts.username or parts.password:

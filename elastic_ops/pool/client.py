@@ -63,6 +63,8 @@ from elastic_ops.pool.checks import (
 from elastic_ops.pool.engine import NO_LEDGER_HINT, first_line, lock_timeout, make_engine, retryable
 from elastic_ops.pool.ledger import PlannerState, Target, Tx
 from elastic_ops.pool.model import HostState, Observation, Slot
+from elastic_ops.pool.scaling import ScalingModel, measured_from_rows
+from elastic_ops.pool.scaling import fit as fit_scaling
 from elastic_ops.pool.usage import ADD as USAGE_ADD
 from elastic_ops.pool.usage import REMOVE as USAGE_REMOVE
 from elastic_ops.pool.usage import usage as usage_of
@@ -72,7 +74,8 @@ from elastic_ops.urls import shown_url
 T = TypeVar("T")
 SETTLE_POLL_S = 0.002  # a change waiting for another's plan reads the planner this often (x2, to 50 ms)
 _BUSY = object()  # _plan_for: another client holds the pool lock
-NUDGE_BACKOFF_S = 0.1  # a heartbeat that found another client planning tries again after this
+NUDGE_BACKOFF_S = 1.0  # a heartbeat that found another client planning tries again after this (its
+# plan, once committed, covers what this one saw; a planner that died drops its lock at once)
 
 
 class Lock(enum.StrEnum):
@@ -209,7 +212,7 @@ class PoolClient:
             self._tx(first_use, lock=Lock.NONE)
         except ProgrammingError as exc:  # e.g. the URL's search_path names no schema; no CREATE right
             raise SpecError("url", shown_url(url), "a database where the ledger's tables can be created "
-                            f"and used: {first_line(exc.orig or exc)}",
+                            f"and used: {first_line(exc.orig or exc, url)}",
                             hint="check that the URL's schema (search_path) exists and that its user may "
                             "create tables there") from None
         except DatabaseError as exc:
@@ -311,9 +314,9 @@ class PoolClient:
             # connection refused or lost: retryable by the caller (a heartbeat, a trigger, an
             # Airflow try), never a raw driver error
             raise LedgerUnavailableError(
-                f"pool ledger {shown_url(self.url)} unreachable: {first_line(exc.orig or exc)}",
+                f"pool ledger {shown_url(self.url)} unreachable: {first_line(exc.orig or exc, self.url)}",
                 hint="check that the database is up and reachable from this host",
-            ) from exc
+            ) from None  # the driver's own message, in a chained traceback, may quote the URL
 
     def _read(self, fn: Callable[[Tx], T]) -> T:
         return self._tx(fn, lock=Lock.NONE)[0]
@@ -580,7 +583,8 @@ class PoolClient:
         values = ledger.renew_values(job, epoch, now, None, measured)
         try:
             dbapi = held.connection.driver_connection
-            rows = self._inline_head[measured is not None].rows(dbapi, values)
+            prepared = held.connection.info.setdefault("elastic_ops_prepared", set())
+            rows = self._inline_head[measured is not None].rows(dbapi, values, prepared)
             out = ledger.quick_beat(rows, job, workers, placements, measured,
                                     now if now is not None else float(rows[0].db_now) if rows else 0.0,
                                     time.time())
@@ -602,6 +606,12 @@ class PoolClient:
         """What ``job``'s heartbeats reported, summed per (workers, hosts, batch)."""
         check_name("job", job)
         return self._read(lambda tx: tx.observations(job))
+
+    def scaling(self, job: str, *, batch: int = 0) -> ScalingModel:
+        """``job``'s scaling model (:mod:`elastic_ops.pool.scaling`), fitted to what its
+        heartbeats measured at global ``batch`` (0: the job's fixed batch)."""
+        check_int("batch", batch, 0, 2**62)
+        return fit_scaling(measured_from_rows(self.observations(job), batch))
 
     def release(self, job: str, epoch: int, *, finished: bool = False, handover: bool = False) -> bool:
         """Give back every slot of the lease ``epoch``. Idempotent: a lease already ended (or

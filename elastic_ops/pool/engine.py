@@ -4,7 +4,9 @@ pool's transactions rely on, and which database errors mean busy, unreachable or
 from __future__ import annotations
 
 import collections
+import hashlib
 import os
+import re
 import weakref
 from importlib.util import find_spec
 from typing import Any
@@ -14,7 +16,7 @@ from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError
 
 from elastic_ops.errors import SpecError
-from elastic_ops.urls import shown_url
+from elastic_ops.urls import scrubbed, shown_url
 
 
 def sqlite_file(url: str) -> str | None:
@@ -26,6 +28,7 @@ def sqlite_file(url: str) -> str | None:
     return parsed.database if parsed.get_backend_name() == "sqlite" else None
 
 
+_ENCODE_HINT = "percent-encode '@', ':' and '/' in a user name or password (%40, %3A, %2F)"
 NO_LEDGER_HINT = "a ledger is created by its first chunk task, `pool add-host` or `pool configure`"
 
 
@@ -34,10 +37,16 @@ def make_engine(url: str, *, create: bool = True) -> Engine:
     (a typo in a path must not make an empty ledger, and its folders, to read from)."""
     try:
         parsed = make_url(url)
-    except ArgumentError:
+    except (ArgumentError, ValueError):  # ValueError: a port that is no number (int() of it)
         raise SpecError(
-            "url", shown_url(url), "must be an SQLAlchemy URL: sqlite:////abs/pool.db or postgresql+psycopg2://…"
+            "url", shown_url(url), "must be an SQLAlchemy URL: sqlite:////abs/pool.db or postgresql+psycopg2://…",
+            hint=_ENCODE_HINT,
         ) from None
+    if parsed.host is not None and "@" in parsed.host:
+        # the password holds an '@': SQLAlchemy's parser ends it at the first one and takes the
+        # rest of the password for the host (which the driver's errors would then show)
+        raise SpecError("url", shown_url(url), "a URL whose user name and password hold no raw '@'",
+                        hint=_ENCODE_HINT)
     backend = parsed.get_backend_name()
     if backend == "sqlite":
         if not parsed.database or parsed.database == ":memory:" or not os.path.isabs(parsed.database):
@@ -150,6 +159,11 @@ def inline_settings(engine: Engine) -> list[Any]:
     return [*cols, func.extract("epoch", func.clock_timestamp()).label("db_now")]
 
 
+_NAMED = re.compile(r"%\((\w+)\)s")
+# the prepared statement does not exist / already exists: the session is not the one it was
+_POOLED_SESSION = frozenset({"26000", "42P05"})
+
+
 class FastQuery:
     """A SELECT compiled once for a dialect whose DBAPI takes named parameters (psycopg2), run on
     the DBAPI cursor of a SQLAlchemy connection, inside its transaction: a heartbeat's one
@@ -162,12 +176,55 @@ class FastQuery:
         self.sql = self._compiled.string
         names = [c.key or f"col{i}" for i, c in enumerate(stmt.selected_columns)]
         self._row = collections.namedtuple("Row", names, rename=True)  # type: ignore[misc]
+        self.prepare = True  # off once a connection pooler shows it keeps no session state
+        self._prepared: tuple[str, str, tuple[str, ...]] | None = None  # (PREPARE, EXECUTE, names)
 
-    def rows(self, dbapi: Any, params: dict[str, Any]) -> list[Any]:
-        """Run on a bare DBAPI connection (its transaction is the caller's); driver errors raise."""
+    def _prepared_form(
+        self, cursor: Any, values: dict[str, Any], given: Any
+    ) -> tuple[str, str, tuple[str, ...]]:
+        """The statement as a server-side prepared one: the parameters the caller gives
+        (``given``) as ``$n``, the statement's own constants as literals (each parameter sent is
+        a value the driver quotes, per call)."""
+        if self._prepared is None:
+            order: list[str] = []
+
+            def bind(m: re.Match[str]) -> str:
+                name = m.group(1)
+                if name not in given:
+                    return cursor.mogrify("%s", (values[name],)).decode()
+                if name not in order:
+                    order.append(name)
+                return f"${order.index(name) + 1}"
+
+            body = _NAMED.sub(bind, self.sql).replace("%%", "%")
+            name = "elastic_ops_" + hashlib.sha1(body.encode()).hexdigest()[:16]
+            execute = f"EXECUTE {name}({', '.join(['%s'] * len(order))})" if order else f"EXECUTE {name}"
+            self._prepared = (f"PREPARE {name} AS {body}", execute, tuple(order))
+        return self._prepared
+
+    def rows(self, dbapi: Any, params: dict[str, Any], prepared: set[str] | None = None) -> list[Any]:
+        """Run on a bare DBAPI connection (its transaction is the caller's); driver errors raise.
+        ``prepared``: the statements this connection's session has prepared (kept with it): the
+        statement is prepared on first use, and later runs skip the server's parse and plan
+        (more than half the server's time for a heartbeat)."""
         cursor = dbapi.cursor()
         try:
-            cursor.execute(self.sql, self._compiled.construct_params(params))
+            if prepared is None or not self.prepare:
+                cursor.execute(self.sql, self._compiled.construct_params(params))
+            else:
+                prepare, execute, order = self._prepared or self._prepared_form(
+                    cursor, self._compiled.construct_params(params), params)
+                try:
+                    if prepare not in prepared:
+                        cursor.execute(prepare)
+                        prepared.add(prepare)
+                    cursor.execute(execute, tuple(params[k] for k in order))
+                except Exception as exc:
+                    if getattr(exc, "pgcode", None) in _POOLED_SESSION:
+                        # a transaction-mode pooler (PgBouncer) ran this on another server
+                        # session: plain statements from now on
+                        self.prepare = False
+                    raise
             return [self._row(*r) for r in cursor.fetchall()]
         finally:
             cursor.close()
@@ -197,9 +254,12 @@ def fast_queries(stmts: Any, dialect: Any) -> Any:
     return tuple(FastQuery(s, dialect) for s in stmts)
 
 
-def first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException, url: str | None = None) -> str:
+    """The first line of ``exc``'s message, without ``url``'s secrets (a driver's message may
+    quote parts of the URL it was given)."""
     lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-    return (lines[0] if lines else type(exc).__name__)[:300]
+    line = lines[0] if lines else type(exc).__name__
+    return (line if url is None else scrubbed(line, url))[:300]
 
 
 def lock_timeout(exc: DBAPIError) -> bool:

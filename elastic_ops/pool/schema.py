@@ -137,9 +137,14 @@ leases = Table(
     Column("obs_first", Float),
     PrimaryKeyConstraint("job", "epoch"),
 )
-# the planner and every heartbeat look for overdue live leases: an index, not a scan (v4)
-Index("leases_live_expires", leases.c.expires, postgresql_where=leases.c.ended.is_(None),
+# the planner and every heartbeat look for overdue live leases: an index of the live ones, not a
+# scan of every lease ever granted (v5). Not on ``expires``: each heartbeat moves it, and an
+# indexed column makes every renewal a new row version with new index entries (PostgreSQL's HOT
+# update, the row rewritten in its page, needs no indexed column to change and room in the page:
+# LEASES_FILLFACTOR)
+Index("leases_live", leases.c.job, postgresql_where=leases.c.ended.is_(None),
       sqlite_where=leases.c.ended.is_(None))
+LEASES_FILLFACTOR = 50
 
 # v4: what each job measured, one row per configuration it ran in (bounded by them): summed
 # iterations and training seconds at ``workers`` ranks over ``hosts`` hosts, global ``batch``
@@ -235,7 +240,7 @@ def _v3(conn: Connection) -> None:
 
 def _v4(conn: Connection) -> None:
     """The planner (heartbeats renew and read; plans run when inputs change): its state row, the
-    jobs' decisions and asks, the planner's settings, observations, the live-lease index."""
+    jobs' decisions and asks, the planner's settings, observations."""
     names = {c["name"] for c in inspect(conn).get_columns("pool")}
     for col, default in (("plan_interval_s", "0.05"), ("plan_refresh_s", "5.0")):
         if col not in names:
@@ -252,15 +257,28 @@ def _v4(conn: Connection) -> None:
         if col not in names:
             conn.execute(text(f"ALTER TABLE leases ADD COLUMN {col} {kind}"))
     metadata.create_all(conn, tables=[planner, observations], checkfirst=True)
-    if "leases_live_expires" not in {i["name"] for i in inspect(conn).get_indexes("leases")}:
-        next(i for i in leases.indexes if i.name == "leases_live_expires").create(conn)
     if conn.execute(select(planner.c.id)).first() is None:
         # a ledger upgraded in place plans at its first call: its jobs' rows hold no decision yet
         conn.execute(insert(planner).values(id=1, dirty_seq=1, planned_seq=0, planned_at=0.0, plans=0,
                                             plan_s=0.0, next_due=0.0, planned_now=0.0))
 
 
-MIGRATIONS: list[tuple[int, Callable[[Connection], None]]] = [(1, _v1), (2, _v2), (3, _v3), (4, _v4)]
+def _v5(conn: Connection) -> None:
+    """Renewals rewrite the lease in place: the live-lease index on ``job`` (not ``expires``,
+    which v4 indexed), and on PostgreSQL room in each page for the new row version."""
+    names = {i["name"] for i in inspect(conn).get_indexes("leases")}
+    if "leases_live_expires" in names:
+        conn.execute(text("DROP INDEX leases_live_expires"))
+    if "leases_live" not in names:
+        next(i for i in leases.indexes if i.name == "leases_live").create(conn)
+    if conn.dialect.name == "postgresql":
+        # rows already written get the room as they are rewritten (no table rewrite, no long lock)
+        conn.execute(text(f"ALTER TABLE leases SET (fillfactor = {LEASES_FILLFACTOR})"))
+
+
+MIGRATIONS: list[tuple[int, Callable[[Connection], None]]] = [
+    (1, _v1), (2, _v2), (3, _v3), (4, _v4), (5, _v5),
+]
 LATEST = MIGRATIONS[-1][0]
 
 

@@ -38,7 +38,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from elastic_ops.errors import (
     AgentLostError,
@@ -49,6 +49,7 @@ from elastic_ops.errors import (
     TrainingError,
     UserCodeError,
     WorkerLostError,
+    short_repr,
 )
 from elastic_ops.runtime.control import ControlChannel, count_of, moved
 from elastic_ops.runtime.launcher import (
@@ -69,6 +70,9 @@ from elastic_ops.runtime.segment import (
 )
 from elastic_ops.runtime.state import load_state, param_sha256, save_atomic
 from elastic_ops.spec import JobSpec
+
+if TYPE_CHECKING:
+    from elastic_ops.checkpoint.store import CheckpointRef, CheckpointStore
 
 log = logging.getLogger("elastic_ops.runtime")
 
@@ -732,6 +736,46 @@ def _check_entrypoint(spec: JobSpec) -> None:
     load_trainable_class(spec.entrypoint)
 
 
+
+def _check_one_job(store: CheckpointStore, spec: JobSpec, ref: CheckpointRef | None) -> None:
+    """Refuse to train at a location holding newer checkpoints of another job definition (a
+    spec changed, its checkpoint location kept): its commits would meet theirs at the first
+    iteration both reach, as a conflict blaming another writer. Then record this spec's fields,
+    so a later change is told what changed."""
+    mine, newest = spec.spec_hash(), -1 if ref is None else ref.iteration
+    others = [r for r in store.newer_than(newest) if r.spec_hash != mine]
+    if others:
+        other = others[-1]
+        old = store.recorded_spec(other.spec_hash)
+        changed = ("not recorded (written before this version)" if old is None
+                   else _changed_fields(old, spec.trajectory()))
+        raise SpecError(
+            "checkpoint", store.uri,
+            f"a location holding checkpoints of this job definition only: it holds checkpoints of "
+            f"another (spec hash {other.spec_hash}, up to iteration {other.iteration}; this spec's "
+            f"is {mine}; changed: {changed})",
+            hint="give the changed job a new checkpoint location (the spec's `checkpoint`, or "
+            f"--checkpoint), and warm_start={store.uri} to start from the old job's weights",
+        )
+    store.record_spec(mine, spec.trajectory())
+
+
+def _changed_fields(old: dict[str, Any], new: dict[str, Any]) -> str:
+    """``params.lr 0.1 -> 0.05, total_iterations 200 -> 400``: what differs, nested dicts by key."""
+    out: list[str] = []
+    missing = "(unset)"
+
+    def walk(prefix: str, a: Any, b: Any) -> None:
+        if isinstance(a, dict) and isinstance(b, dict):
+            for k in sorted(set(a) | set(b), key=str):
+                walk(f"{prefix}.{k}" if prefix else str(k), a.get(k, missing), b.get(k, missing))
+        elif a != b:
+            shown = [x if x is missing else short_repr(x, 40) for x in (a, b)]
+            out.append(f"{prefix} {shown[0]} -> {shown[1]}")
+
+    walk("", old, new)
+    return ", ".join(out) or "nothing the hash covers (the old definition hashed differently)"
+
 def run_chunk(
     spec: JobSpec,
     start: int,
@@ -822,6 +866,7 @@ def run_chunk(
                 duration_s=time.time() - t0,
                 param_sha256=m.get("param_sha256"),
             )
+        _check_one_job(store, spec, ref)
         if ref is None and start > 0:
             raise CheckpointNotFoundError(
                 f"no committed checkpoint for spec hash {spec.spec_hash()} in {store.uri} "

@@ -100,10 +100,13 @@ def test_malicious_checkpoint_with_valid_manifest_is_rejected(target: StoreTarge
     # an attacker with write access plants a checkpoint whose manifest and checksums are valid
     _plant(target, exploit.data)
 
-    ref = target.open().latest()
-    assert ref.iteration == 20, "checksums verify, so it is the latest"
+    store = target.open()
+    assert store.latest().iteration == 10, "checksums verify, but it cannot be loaded: passed over"
+    assert [r.iteration for r in store.refused] == [20]
+    planted = target.open().list()[-1]
+    assert planted.iteration == 20
     with pytest.raises(UnsafeCheckpointError) as err:
-        target.open().load(ref)
+        target.open().load(planted)
     assert err.value.retryable is False
     assert isinstance(err.value, CheckpointCorruptError)
     assert not exploit.marker.exists(), "the payload was never executed"
@@ -173,13 +176,13 @@ def test_streamed_encoding_writes_the_same_bytes_and_digest_as_encoding_in_memor
 def test_a_malicious_checkpoint_placed_as_a_file_is_refused_and_removed(
     target: StoreTarget, tmp_path: Path, exploit: Exploit
 ) -> None:
-    """latest(into=) and export() hand over the file without decoding it, but check its pickle."""
+    """latest(into=) and export() hand over the file without decoding it, but check its pickle:
+    latest() passes over it (to an older checkpoint, here none), export() refuses it."""
     _plant(target, exploit.data)
     out = tmp_path / "restore.pt"
-    with pytest.raises(UnsafeCheckpointError) as err:
-        target.open().latest(spec_hash="h", into=out)
-    assert err.value.retryable is False and not out.exists()
     store = target.open()
+    assert store.latest(spec_hash="h", into=out) is None
+    assert [r.iteration for r in store.refused] == [20] and not out.exists()
     with pytest.raises(UnsafeCheckpointError):
         store.export(store.list()[-1], out)
     assert not out.exists() and not exploit.marker.exists()

@@ -197,3 +197,17 @@ def test_a_manifest_write_whose_reply_was_lost_is_committed_and_keeps_its_data(s
     latest = make_s3_store(s3_endpoint).latest(spec_hash="h")
     assert latest is not None and latest.iteration == 10 and latest.files == ref.files
     assert store.load(latest)["step"] == 7
+
+
+def test_retention_runs_after_a_commit_whose_manifest_reply_was_lost(s3_endpoint) -> None:
+    """The lost reply's commit returned before retention (an audit: 4-5 checkpoints kept with
+    keep_last=3 through a proxy dropping replies)."""
+    store = make_s3_store(s3_endpoint, keep_last=3)
+    for it in (10, 20, 30):
+        store.save(it, small_state(it), epoch=1, spec_hash="h")
+    s3_endpoint.inject(1, method="PUT", path_contains="it-00000040/manifest.json", kind="lost_reply",
+                       status=500, code="InternalError")
+    store.save(40, small_state(40), epoch=1, spec_hash="h")
+    store.wait()
+    assert len(_faulted(s3_endpoint)) == 1
+    assert [r.iteration for r in make_s3_store(s3_endpoint).list()] == [20, 30, 40]

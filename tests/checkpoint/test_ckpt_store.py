@@ -502,6 +502,38 @@ def test_save_file_refuses_what_the_safe_loader_refuses_and_stale_writers(target
     assert [k for k in target.keys() if k.startswith("it-")] == [], "a zombie leaves nothing"
 
 
+def test_a_crafted_newest_checkpoint_is_passed_over_loudly(
+    target: StoreTarget, tmp_path, monkeypatch, caplog
+):
+    """Valid checksums, content the safe loader refuses (someone with write access to the store
+    crafted it): it blocked every resume (an audit). latest() falls back past it, says so, and
+    the job may commit that iteration again."""
+    from elastic_ops.checkpoint import store as store_module
+
+    class Exploit:
+        def __reduce__(self):  # noqa: ANN204
+            return (open, (str(tmp_path / "pwned"), "w"))
+
+    store = target.open()
+    good = store.save(10, small_state(1), epoch=1, spec_hash="h")
+    evil = tmp_path / "evil.pt"
+    torch.save({"model": Exploit()}, evil)
+    with monkeypatch.context() as m:  # a writer that does not check what it commits
+        m.setattr(store_module, "check_decodable", lambda *a, **k: None)
+        target.open().save_file(20, evil, epoch=1, spec_hash="h")
+    for read in (lambda s: s.latest(), lambda s: s.latest(spec_hash="h", into=tmp_path / "restore.pt")):
+        fresh = target.open()
+        with caplog.at_level("ERROR"):
+            assert read(fresh) == good
+        assert [r.iteration for r in fresh.refused] == [20]
+        assert "refusing checkpoint" in caplog.text and "it-00000020" in caplog.text
+        caplog.clear()
+    assert torch.equal(fresh.load(fresh.latest())["w"], small_state(1)["w"])
+    again = fresh.save(20, small_state(2), epoch=2, spec_hash="h")  # the retrained iteration commits
+    assert target.open().latest() == again
+    assert not (tmp_path / "pwned").exists(), "nothing ran"
+
+
 def test_save_file_copies_across_file_systems(tmp_path, monkeypatch) -> None:
     from elastic_ops.checkpoint import local
 
@@ -862,3 +894,32 @@ def test_a_fence_raised_while_a_save_uploads_and_seen_before_its_commit_refuses_
     old.wait()
     assert target.open().latest() is None
     assert not any(k.startswith("it-") for k in target.keys()), "a zombie leaves nothing"
+
+
+@pytest.mark.parametrize("planted", ["link_to_dev_zero", "dangling_link", "fifo", "folder"])
+def test_a_manifest_that_is_no_regular_file_does_not_block_recommitting(tmp_path, planted, caplog):
+    """It was `CommitConflictError: ... its manifest kept changing under this writer` for good
+    (an audit), against "a retrained iteration is never blocked by the broken copy"."""
+    import os
+
+    from elastic_ops.checkpoint import open_store
+
+    store = open_store(f"file://{tmp_path}/ck")
+    store.save(10, small_state(1), epoch=1, spec_hash="h")
+    where = tmp_path / "ck" / "it-00000020"
+    where.mkdir()
+    manifest = where / "manifest.json"
+    if planted == "link_to_dev_zero":
+        manifest.symlink_to("/dev/zero")
+    elif planted == "dangling_link":
+        manifest.symlink_to(tmp_path / "nowhere")
+    elif planted == "fifo":
+        os.mkfifo(manifest)
+    else:
+        (manifest / "inside").mkdir(parents=True)
+    assert store.latest().iteration == 10, "what was planted is no checkpoint"
+    with caplog.at_level("WARNING"):
+        ref = store.save(20, small_state(2), epoch=1, spec_hash="h")
+    assert "was no stored object" in caplog.text
+    assert open_store(f"file://{tmp_path}/ck").latest() == ref
+    assert manifest.is_file() and not manifest.is_symlink()

@@ -176,6 +176,11 @@ def test_bad_settings_are_refused_before_any_request(server, monkeypatch, capsys
     monkeypatch.delenv("ELASTIC_OPS_API_PASSWORD")
     with pytest.raises(SpecError, match="api_url"):
         ApiPoolClient("ftp://airflow")
+    # were ValueError tracebacks at the CLI (an audit)
+    assert run(["pool", "--api-url", "http://[::1", "status"]) == 2
+    assert "Invalid IPv6 URL" in (err := capsys.readouterr().err) and "Traceback" not in err
+    assert run(["pool", "--api-url", "http://airflow:notaport", "status"]) == 2
+    assert "'notaport'" in (err := capsys.readouterr().err) and "Traceback" not in err
     with pytest.raises(SpecError, match="must not hold credentials") as err:
         ApiPoolClient("https://op:secret@airflow.example.com")
     assert "secret" not in str(err.value)

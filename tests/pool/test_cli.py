@@ -7,6 +7,7 @@ import json
 import pytest
 import sqlalchemy as sa
 
+from elastic_ops.errors import SpecError
 from elastic_ops.pool import PoolClient
 
 from .cli_helper import run
@@ -144,6 +145,20 @@ def test_reading_commands_never_create_a_ledger_on_postgres(pg_url, capsys):
         assert sa.inspect(conn).get_table_names() == []
     assert run(["pool", "--pool-url", pg_url, "add-host", "gpu-0", "2"]) == 0
     assert run(["pool", "--pool-url", pg_url, "status"]) == 0
+
+
+@pytest.mark.parametrize("url", ["postgresql://dbuser:p@ssword99@127.0.0.1:5432/test",
+                                 "postgresql://dbuser:p@ss:w0rd@127.0.0.1:5432/test"])
+def test_a_password_holding_an_at_sign_is_refused_without_showing_it(url, capsys, monkeypatch):
+    """It was a driver message quoting the password's tail as a host name, or a ValueError
+    traceback (an audit): now one line naming the URL's field and the fix."""
+    monkeypatch.setenv("ELASTIC_OPS_POOL_URL", url)
+    assert run(["pool", "status"]) == 2
+    err = capsys.readouterr().err
+    assert "percent-encode '@'" in err and "Traceback" not in err
+    assert "ssword99" not in err and "w0rd" not in err and "p@ss" not in err
+    with pytest.raises(SpecError, match="%40"):
+        PoolClient(url)
 
 
 @pytest.mark.postgres

@@ -144,16 +144,21 @@ def test_planner_settings_are_checked(pool):
     assert pool.configure(plan_interval_s=0.2)["plan_interval_s"] == 0.2
 
 
-def test_a_ledger_of_schema_3_upgrades_in_place(ledger_url, clock):
+def _a_ledger_holding_one_lease(ledger_url, clock):
+    """A ledger where job "a" holds 4 slots (its grant), closed; an engine to edit it with."""
     pool = PoolClient(ledger_url, clock=clock)
     pool.add_host("h0", 4)
     g = grant(pool, "a", max_workers=4)
     pool.close()
-    engine = sa.create_engine(ledger_url)
+    return g, sa.create_engine(ledger_url)
+
+
+def test_a_ledger_of_schema_3_upgrades_in_place(ledger_url, clock):
+    g, engine = _a_ledger_holding_one_lease(ledger_url, clock)
     with engine.begin() as conn:  # back to what schema 3 had
         conn.execute(sa.text("DROP TABLE planner"))
         conn.execute(sa.text("DROP TABLE observations"))
-        conn.execute(sa.text("DROP INDEX leases_live_expires"))
+        conn.execute(sa.text("DROP INDEX leases_live"))
         for col in ("plan_placements", "plan_release", "asked"):
             conn.execute(sa.text(f"ALTER TABLE jobs DROP COLUMN {col}"))
         for col in ("plan_interval_s", "plan_refresh_s"):
@@ -161,7 +166,7 @@ def test_a_ledger_of_schema_3_upgrades_in_place(ledger_url, clock):
         for col in ("obs_workers", "obs_hosts", "obs_batch", "obs_iterations", "obs_seconds", "obs_reports",
                     "obs_first"):
             conn.execute(sa.text(f"ALTER TABLE leases DROP COLUMN {col}"))
-        conn.execute(sa.text("DELETE FROM schema_version WHERE version = 4"))
+        conn.execute(sa.text("DELETE FROM schema_version WHERE version IN (4, 5)"))
     engine.dispose()
     pool = PoolClient(ledger_url, clock=clock)
     assert pool.heartbeat("a", g.epoch, workers=4).action == TargetAction.KEEP
@@ -169,6 +174,53 @@ def test_a_ledger_of_schema_3_upgrades_in_place(ledger_url, clock):
     assert isinstance(pool.request("b"), Wait)  # a plan: a shrinks for b
     assert pool.heartbeat("a", g.epoch, workers=4).action == TargetAction.SHRINK
     assert pool.status()["settings"]["plan_interval_s"] == 0.05
+    pool.close()
+
+
+def test_a_ledger_of_schema_4_upgrades_to_in_place_renewals(ledger_url, clock):
+    g, engine = _a_ledger_holding_one_lease(ledger_url, clock)
+    with engine.begin() as conn:  # back to what schema 4 had: the live leases indexed by expiry
+        conn.execute(sa.text("DROP INDEX leases_live"))
+        conn.execute(sa.text("CREATE INDEX leases_live_expires ON leases (expires) WHERE ended IS NULL"))
+        if conn.dialect.name == "postgresql":
+            conn.execute(sa.text("ALTER TABLE leases RESET (fillfactor)"))
+        conn.execute(sa.text("DELETE FROM schema_version WHERE version = 5"))
+    pool = PoolClient(ledger_url, clock=clock)
+    clock.advance(5)
+    assert pool.heartbeat("a", g.epoch, workers=4).action == TargetAction.KEEP
+    with engine.connect() as conn:
+        names = {i["name"] for i in sa.inspect(conn).get_indexes("leases")}
+        assert "leases_live" in names and "leases_live_expires" not in names
+        if conn.dialect.name == "postgresql":
+            options = conn.execute(sa.text("SELECT reloptions FROM pg_class WHERE oid = 'leases'::regclass"))
+            assert "fillfactor=50" in options.scalar_one()
+    engine.dispose()
+    pool.close()
+
+
+@pytest.mark.postgres
+def test_a_heartbeat_on_a_session_without_its_prepared_statement_still_renews(pg_url, clock):
+    """Behind a transaction-mode pooler (PgBouncer) a transaction may run on a server session
+    that lacks the heartbeat's prepared statement (or whose reset deallocated it): the heartbeat
+    renews and reports all the same, and the client stops preparing."""
+    pool = PoolClient(pg_url, clock=clock, lease_ttl_s=600)
+    pool.add_host("h0", 2)
+    g = grant(pool, "a", max_workers=2)
+    beat = Observation(iterations=5, seconds=1.0, workers=2)
+    pool.heartbeat("a", g.epoch, workers=2, measured=beat)
+    held = pool._local.conn[1].connection.driver_connection
+    cur = held.cursor()
+    cur.execute("DEALLOCATE ALL")
+    held.commit()
+    clock.advance(10)
+    assert pool.heartbeat("a", g.epoch, workers=2, measured=beat).action == TargetAction.KEEP
+    clock.advance(10)
+    assert pool.heartbeat("a", g.epoch, workers=2, measured=beat).action == TargetAction.KEEP
+    with sa.create_engine(pg_url).connect() as conn:
+        expires = conn.execute(sa.text("SELECT expires FROM leases WHERE job = 'a' AND ended IS NULL"))
+        assert expires.scalar_one() == pytest.approx(clock() + 600)
+    assert pool.observations("a")[0]["iterations"] == 15
+    assert not pool._inline_head[1].prepare  # the measured heartbeat: plain statements from now on
     pool.close()
 
 

@@ -653,3 +653,20 @@ def test_device_auto_is_resolved_by_the_chunks_process_and_logged(tmp_path, monk
         run_chunk(spec, 0, 10, target=one_worker, slots=lambda: (2,), host="gpu-7")  # no GPU for slot 2
     assert "segment 0: iterations 0..10 with 1 worker(s) on cuda (device auto), slots [2]" in caplog.text
     assert spec.spec_hash() == make_spec(tmp_path, device="cpu").spec_hash()  # the device is not in it
+
+
+def test_a_changed_spec_at_the_old_checkpoint_location_says_what_changed(tmp_path):
+    """Edit a hyperparameter, keep the checkpoint location: it was `iteration 10 is already
+    committed ... another writer owns this job` at the first commit, every time (an audit)."""
+    first = make_spec(tmp_path, params={"weight_decay": 0.0})
+    assert run_chunk(first, 0, 20, target=one_worker).status is ChunkStatus.COMPLETED
+    changed = make_spec(tmp_path, params={"weight_decay": 0.01})
+    with pytest.raises(SpecError, match=r"invalid checkpoint=.*another \(spec hash .*up to iteration 20.*"
+                                        r"changed: params\.weight_decay 0\.0 -> 0\.01") as err:
+        run_chunk(changed, 0, 20, target=one_worker)
+    assert "warm_start=" in str(err.value) and not err.value.retryable
+    assert [r.iteration for r in open_store(first.checkpoint).list()] == [10, 20], "nothing written"
+    elsewhere = changed.replace(checkpoint=f"file://{tmp_path}/ckpt2")
+    assert run_chunk(elsewhere, 0, 20, target=one_worker).status is ChunkStatus.COMPLETED
+    # the old job itself resumes where it was
+    assert run_chunk(first, 20, 30, target=one_worker).status is ChunkStatus.COMPLETED

@@ -1,0 +1,140 @@
+"""The scaling model: fitted from noisy measurements it recovers the curve that made them, a job
+that stops gaining is modelled as flat, and an uncertain model promises one doubling at a time."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from elastic_ops.errors import SpecError
+from elastic_ops.pool import Observation, PoolClient
+from elastic_ops.pool.scaling import PRIOR, Measured, ScalingModel, fit, measured_from_rows
+
+from .builders import grant
+
+
+def _truth(fixed=0.02, compute=1.0, local=0.03, local_per=0.004, net=0.08, net_per=0.01) -> ScalingModel:
+    return ScalingModel((fixed, compute, local, local_per, net, net_per), None, 0, 0.0)
+
+
+def _measure(model: ScalingModel, configs, rng: random.Random, noise: float = 0.05, reports: int = 10,
+             iterations: int = 20):
+    """What a job following ``model`` reports: per configuration, ``reports`` heartbeats of
+    ``iterations`` each, every one's step time off by lognormal noise (the fit sums them)."""
+    return [
+        Measured(n, h, iterations, model.step_s(n, h) * iterations * rng.lognormvariate(0.0, noise))
+        for n, h in configs
+        for _ in range(reports)
+    ]
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_a_fit_recovers_the_curve_that_made_noisy_measurements(seed):
+    rng = random.Random(seed)
+    truth = _truth()
+    configs = [(1, 1), (2, 1), (3, 1), (4, 1), (6, 1), (8, 1), (16, 2), (24, 3), (32, 4)]
+    model = fit(_measure(truth, configs, rng))
+    assert model.explore_to is None  # many counts, a close fit: it extrapolates
+    for n, h in [*configs, (12, 2), (48, 6)]:  # measured, between and beyond
+        assert model.step_s(n, h) == pytest.approx(truth.step_s(n, h), rel=0.1)
+        assert model.speedup(n, h) == pytest.approx(truth.speedup(n, h), rel=0.1)
+
+
+def test_a_job_that_stops_gaining_is_modelled_flat():
+    """Its step is dominated by synchronisation past 2 workers: more workers buy nothing."""
+    rng = random.Random(1)
+    flat = _truth(compute=1.0, local=0.45, local_per=0.12)
+    model = fit(_measure(flat, [(1, 1), (2, 1), (4, 1)], rng, noise=0.03))
+    assert model.speedup(2) == pytest.approx(flat.speedup(2), rel=0.1)
+    assert model.speedup(4) < 1.15 * model.speedup(2)
+    assert model.speedup(8) <= model.speedup(4)
+
+
+def test_an_uncertain_model_promises_one_doubling_past_what_was_measured():
+    rng = random.Random(2)
+    truth = _truth()
+    one = fit(_measure(truth, [(1, 1)], rng))
+    assert one.explore_to == 2
+    assert one.speedup(8) == one.speedup(2) > 1
+    two = fit(_measure(truth, [(1, 1), (2, 1)], rng))
+    assert two.explore_to == 4
+    assert two.speedup(16) == two.speedup(4) > two.speedup(2)
+
+
+def test_with_no_measurement_the_prior_speaks():
+    model = fit([])
+    assert model.measured == 0 and model.explore_to == 2
+    assert model.params == PRIOR
+    assert model.speedup(2) == pytest.approx(1.74, abs=0.01)
+    unlimited = ScalingModel(model.params, None, 0, 0.0)
+    assert unlimited.speedup(4) == pytest.approx(2.8, abs=0.05)
+    assert unlimited.speedup(8) == pytest.approx(3.6, abs=0.05)
+    assert unlimited.speedup(16, 2) == pytest.approx(2.0, abs=0.05)
+
+
+def test_one_configuration_sets_the_scale_and_leaves_the_shape_to_the_prior():
+    model = fit([Measured(2, 1, 100, 30.0)])
+    assert model.step_s(2, 1) == pytest.approx(0.3, rel=0.02)
+    assert model.speedup(2) == pytest.approx(fit([]).speedup(2), rel=0.02)
+
+
+def test_repeated_configurations_are_summed_and_empty_ones_ignored():
+    a = fit([Measured(1, 1, 50, 5.0), Measured(1, 1, 50, 5.0), Measured(2, 1, 0, 0.0)])
+    b = fit([Measured(1, 1, 100, 10.0)])
+    assert a == b
+
+
+def test_observation_rows_of_the_ledger_become_measurements():
+    rows = [
+        {"workers": 2, "hosts": 1, "batch": 0, "iterations": 40, "seconds": 8.0},
+        {"workers": 4, "hosts": 2, "batch": 0, "iterations": 0, "seconds": 0.0},  # measured nothing
+        {"workers": 4, "hosts": 1, "batch": 256, "iterations": 10, "seconds": 1.0},  # another batch
+    ]
+    assert measured_from_rows(rows) == [Measured(2, 1, 40, 8.0)]
+    assert measured_from_rows(rows, batch=256) == [Measured(4, 1, 10, 1.0)]
+
+
+def test_a_spread_that_is_impossible_is_refused():
+    with pytest.raises(ValueError, match="hosts=3"):
+        fit([]).speedup(2, 3)
+
+
+_config = st.integers(1, 64).flatmap(lambda n: st.tuples(st.just(n), st.integers(1, min(n, 8))))
+_measured = st.builds(lambda c, it, s: Measured(c[0], c[1], it, s), _config, st.integers(1, 10_000),
+                      st.floats(1e-3, 1e4))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(_measured, max_size=8), _config)
+def test_every_fit_is_a_usable_model(measured, probe):
+    model = fit(measured)
+    assert all(p >= 0 for p in model.params)
+    assert model.speedup(1, 1) == pytest.approx(1.0)
+    s = model.speedup(*probe)
+    assert 0 < s < float("inf")
+    assert fit(measured) == model  # same measurements, same model
+
+
+def test_the_pool_fits_a_job_from_its_heartbeats(ledger_url, clock):
+    """Two chunks of one job, at 1 and then 2 workers: the pool's model of it is what they measured."""
+    pool = PoolClient(ledger_url, clock=clock, lease_ttl_s=60)
+    pool.add_host("h0", 2)
+    g = grant(pool, "a", max_workers=1)
+    for _ in range(5):
+        pool.heartbeat("a", g.epoch, workers=1, measured=Observation(iterations=10, seconds=2.0, workers=1))
+    pool.release("a", g.epoch, handover=True)
+    pool.set_bounds("a", 1, 2)
+    g = pool.request("a")
+    assert g.workers == 2
+    for _ in range(5):
+        pool.heartbeat("a", g.epoch, workers=2, measured=Observation(iterations=10, seconds=1.25, workers=2))
+    model = pool.scaling("a")
+    assert model.measured == 2 and model.explore_to == 4
+    assert model.step_s(1) == pytest.approx(0.2, rel=0.02)
+    assert model.speedup(2) == pytest.approx(1.6, rel=0.03)
+    with pytest.raises(SpecError, match="batch=-1"):
+        pool.scaling("a", batch=-1)
+    pool.close()
