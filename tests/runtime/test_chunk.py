@@ -15,7 +15,6 @@ from elastic_ops.errors import (
     NonFiniteLossError,
     SpecError,
     StaleEpochError,
-    UnsafeCheckpointError,
     UserCodeError,
     WorkerLostError,
 )
@@ -569,9 +568,11 @@ def test_cuda_workers_with_nccl_are_bitwise_equal_to_one_worker(tmp_path, refere
         assert two.param_sha256 == one.param_sha256
 
 
-def test_a_planted_checkpoint_the_safe_loader_refuses_stops_the_chunk_before_any_worker(tmp_path):
-    """The workers get the restored state as the committed file itself (store.export), but the
-    coordinator has decoded it once already, so a refused checkpoint fails here, not retryably."""
+def test_a_planted_checkpoint_the_safe_loader_refuses_is_passed_over_before_any_worker(tmp_path):
+    """The workers get the restored state as the committed file itself, but its pickle is
+    checked first: a planted newest checkpoint (valid checksums, content the safe loader
+    refuses) is passed over for the older one, whose chunk then trains the gap and commits that
+    iteration again; with no older one there is nothing to resume from. Nothing in it runs."""
     import io
 
     from elastic_ops.checkpoint.manifest import FileEntry, Manifest
@@ -590,9 +591,13 @@ def test_a_planted_checkpoint_the_safe_loader_refuses_stops_the_chunk_before_any
     manifest = Manifest(iteration=10, epoch=1, spec_hash=spec.spec_hash(), created=0.0, files=(entry,))
     (root / "it-00000010/manifest.json").write_bytes(manifest.to_json())
     launcher = RecordingLauncher()
-    with pytest.raises(UnsafeCheckpointError) as err:
+    with pytest.raises(CheckpointNotFoundError):
         run_chunk(spec, 10, 20, target=lambda i: 1, launcher=launcher)
-    assert err.value.retryable is False and launcher.requests == []
+    assert launcher.requests == []
+    assert run_chunk(spec, 0, 5, target=one_worker).status is ChunkStatus.COMPLETED  # an older one
+    done = run_chunk(spec, 10, 20, target=one_worker)
+    assert done.status is ChunkStatus.COMPLETED and done.iteration == 20
+    assert [r.iteration for r in open_store(spec.checkpoint).list()] == [5, 10, 20]
     assert not (tmp_path / "pwned").exists()
 
 
