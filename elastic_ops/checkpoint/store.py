@@ -67,6 +67,7 @@ _IT_RE = re.compile(r"^it-(\d+)$")
 ORPHAN_AGE_S = 3600.0  # data without a manifest this much older than the store's newest object is an orphan
 _FENCE_DIR = "_fence"
 _SPEC_DIR = "_spec"  # {spec_hash}.json: the job definition each spec hash stands for
+_SPEC_HASH_RE = re.compile(r"[0-9a-f]{1,64}")  # a key's name: nothing but a digest
 _FENCE_RE = re.compile(r"^_fence/epoch-(\d+)$")
 
 
@@ -195,15 +196,14 @@ class CheckpointStore:
     def record_spec(self, spec_hash: str, fields: Mapping[str, Any]) -> None:
         """Keep the fields behind ``spec_hash`` (``JobSpec.trajectory()``) beside the checkpoints,
         once per hash: a later run of a changed spec at this location is told what changed."""
-        self._check_args(0, 0, spec_hash)
-        if not re.fullmatch(r"[0-9a-f]{1,64}", spec_hash):
+        if not (isinstance(spec_hash, str) and _SPEC_HASH_RE.fullmatch(spec_hash)):
             raise SpecError("spec_hash", spec_hash, "must be a hex digest (JobSpec.spec_hash())")
         self.backend.put_if_absent(f"{_SPEC_DIR}/{spec_hash}.json",
                                    json.dumps(dict(fields), sort_keys=True).encode())
 
     def recorded_spec(self, spec_hash: str) -> dict[str, Any] | None:
         """The fields :meth:`record_spec` kept for ``spec_hash``; None if none (or unreadable)."""
-        if not re.fullmatch(r"[0-9a-f]{1,64}", spec_hash):
+        if not _SPEC_HASH_RE.fullmatch(spec_hash):
             return None
         data = self.backend.get(f"{_SPEC_DIR}/{spec_hash}.json")
         try:

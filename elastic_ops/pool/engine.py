@@ -8,6 +8,7 @@ import hashlib
 import os
 import re
 import weakref
+from collections.abc import Mapping
 from importlib.util import find_spec
 from typing import Any
 
@@ -180,26 +181,25 @@ class FastQuery:
         self._prepared: tuple[str, str, tuple[str, ...]] | None = None  # (PREPARE, EXECUTE, names)
 
     def _prepared_form(
-        self, cursor: Any, values: dict[str, Any], given: Any
+        self, cursor: Any, values: dict[str, Any], given: Mapping[str, Any]
     ) -> tuple[str, str, tuple[str, ...]]:
-        """The statement as a server-side prepared one: the parameters the caller gives
-        (``given``) as ``$n``, the statement's own constants as literals (each parameter sent is
-        a value the driver quotes, per call)."""
-        if self._prepared is None:
-            order: list[str] = []
+        """The statement as a server-side prepared one, built once: the parameters the caller
+        gives (``given``) as ``$n``, the statement's own constants as literals (each parameter
+        sent is a value the driver quotes, per call)."""
+        order: list[str] = []
 
-            def bind(m: re.Match[str]) -> str:
-                name = m.group(1)
-                if name not in given:
-                    return cursor.mogrify("%s", (values[name],)).decode()
-                if name not in order:
-                    order.append(name)
-                return f"${order.index(name) + 1}"
+        def bind(m: re.Match[str]) -> str:
+            name = m.group(1)
+            if name not in given:
+                return cursor.mogrify("%s", (values[name],)).decode()
+            if name not in order:
+                order.append(name)
+            return f"${order.index(name) + 1}"
 
-            body = _NAMED.sub(bind, self.sql).replace("%%", "%")
-            name = "elastic_ops_" + hashlib.sha1(body.encode()).hexdigest()[:16]
-            execute = f"EXECUTE {name}({', '.join(['%s'] * len(order))})" if order else f"EXECUTE {name}"
-            self._prepared = (f"PREPARE {name} AS {body}", execute, tuple(order))
+        body = _NAMED.sub(bind, self.sql).replace("%%", "%")
+        name = "elastic_ops_" + hashlib.sha1(body.encode()).hexdigest()[:16]
+        execute = f"EXECUTE {name}({', '.join(['%s'] * len(order))})" if order else f"EXECUTE {name}"
+        self._prepared = (f"PREPARE {name} AS {body}", execute, tuple(order))
         return self._prepared
 
     def rows(self, dbapi: Any, params: dict[str, Any], prepared: set[str] | None = None) -> list[Any]:
