@@ -56,6 +56,7 @@ from elastic_ops.pool.model import (
     outside,
 )
 from elastic_ops.pool.policies import get_policy
+from elastic_ops.pool.scaling import Measured, fit_cached
 
 
 @dataclasses.dataclass(frozen=True)
@@ -519,6 +520,8 @@ class Tx:
         jobs = []
         unfinished = select(s.jobs).where(s.jobs.c.state != JobState.FINISHED.value)
         rows = {r.name: r for r in self.conn.execute(unfinished)}
+        # only the goodput policy reads what jobs measured: the others pay nothing for it
+        learned = self.measured() if cfg["policy"] == "goodput" else {}
         none: frozenset[str] = frozenset()
         for r in rows.values():
             mine = held.get(r.name, ())
@@ -531,11 +534,14 @@ class Tx:
             failed = none if r.avoid_hosts == "[]" else avoidable(
                 frozenset(json.loads(r.avoid_hosts)), usable, r.min_workers)
             going = releasing.get(r.name)
+            measured = learned.get(r.name)
             jobs.append(make_job(
                 r.name, r.min_workers, r.max_workers, r.priority, bool(r.preemptible),
                 failed | excluded, excluded,  # a narrowed selector moves the job off its hosts
                 r.submitted, r.waiting_since, r.last_rescale, tuple(sorted(mine)), r.epoch,
                 frozenset(going) if going else none,
+                fit_cached(tuple(measured)) if measured else None,
+                sum(m.workers * m.seconds for m in measured) if measured else 0.0,
             ))
         config = PolicyConfig(
             preemption=Preemption(cfg["preemption"]),
@@ -766,6 +772,21 @@ class Tx:
                     update(s.allocations).where(a.host == r.host, a.slot == r.slot)
                     .values(releasing=self.now if told else None)
                 )
+
+    def measured(self) -> dict[str, list[Measured]]:
+        """What every job measured at its fixed batch, per configuration: the kept rows and
+        what live leases have measured so far (two reads, whatever the number of jobs)."""
+        o, le = s.observations.c, s.leases.c
+        out: dict[str, list[Measured]] = {}
+        for r in self.conn.execute(select(o.job, o.workers, o.hosts, o.iterations, o.seconds)
+                                   .where(o.batch == 0, o.iterations > 0, o.seconds > 0)):
+            out.setdefault(r.job, []).append(Measured(r.workers, r.hosts, r.iterations, r.seconds))
+        live = select(le.job, le.obs_workers, le.obs_hosts, le.obs_iterations, le.obs_seconds).where(
+            le.ended.is_(None), le.obs_batch == 0, le.obs_iterations > 0, le.obs_seconds > 0)
+        for r in self.conn.execute(live):
+            m = Measured(r.obs_workers, r.obs_hosts, r.obs_iterations, r.obs_seconds)
+            out.setdefault(r.job, []).append(m)
+        return out
 
     def observations(self, job: str) -> list[dict[str, Any]]:
         """What ``job``'s heartbeats measured, summed per (workers, hosts, batch): the kept rows

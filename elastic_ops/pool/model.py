@@ -14,6 +14,7 @@ import functools
 from collections.abc import Iterable, Mapping, Sequence
 
 from elastic_ops.errors import SpecError
+from elastic_ops.pool.scaling import ScalingModel
 from elastic_ops.spec import check_number
 
 Slot = tuple[str, int]  # (host name, slot index on that host)
@@ -109,6 +110,8 @@ class Job:
     until then. ``releasing`` (among ``held``): slots it was told to give up at its next
     boundary and still holds: a job in the middle of a shrink or a move keeps its other slots
     first and may be moved only off those until it has acted (see plain_policies._may_leave).
+    ``scaling``: its fitted step-time model (None: nothing measured, the prior);
+    ``attained``: GPU-seconds it has trained so far. Only the ``goodput`` policy reads them.
     """
 
     name: str
@@ -124,13 +127,15 @@ class Job:
     held: tuple[Slot, ...] = ()
     epoch: int = 0
     releasing: frozenset[Slot] = frozenset()
+    scaling: ScalingModel | None = None
+    attained: float = 0.0
 
 
 def make_job(
     name: str, min_workers: int, max_workers: int, priority: int, preemptible: bool,
     avoid_hosts: frozenset[str], leave_hosts: frozenset[str], submitted: float,
     waiting_since: float | None, last_rescale: float | None, held: tuple[Slot, ...], epoch: int,
-    releasing: frozenset[Slot],
+    releasing: frozenset[Slot], scaling: ScalingModel | None = None, attained: float = 0.0,
 ) -> Job:
     """The same :class:`Job` as ``Job(...)``, built without the frozen dataclass ``__init__``
     (as :func:`make_decision`): the ledger builds one per job for every plan."""
@@ -139,6 +144,7 @@ def make_job(
         name=name, min_workers=min_workers, max_workers=max_workers, priority=priority,
         preemptible=preemptible, avoid_hosts=avoid_hosts, leave_hosts=leave_hosts, submitted=submitted,
         waiting_since=waiting_since, last_rescale=last_rescale, held=held, epoch=epoch, releasing=releasing,
+        scaling=scaling, attained=attained,
     )
     return j
 
@@ -168,16 +174,19 @@ class PolicyConfig:
     job whose relative change ``|target - held| / held`` is below this is skipped.
     ``aging_s``: a waiting job gains one priority unit per ``aging_s`` seconds of waiting (see
     :func:`elastic_ops.pool.policies.effective_priority`); 0 disables aging.
+    ``rescale_cost_s``: the seconds a rescale stalls a job (checkpoint, restart, rendezvous):
+    the ``goodput`` policy grows a running job only when the gain pays it back.
     """
 
     preemption: Preemption = Preemption.GRACEFUL
     min_rescale_interval_s: float = 0.0
     min_gain: float = 0.0
     aging_s: float = 600.0
+    rescale_cost_s: float = 30.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "preemption", _preemption(self.preemption))
-        for field in ("min_rescale_interval_s", "min_gain"):
+        for field in ("min_rescale_interval_s", "min_gain", "rescale_cost_s"):
             check_number(field, getattr(self, field), minimum=0)
         check_aging("aging_s", self.aging_s)
 

@@ -50,13 +50,14 @@ from __future__ import annotations
 
 import gc
 from bisect import bisect_left, bisect_right
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from itertools import chain, compress, repeat
 from operator import attrgetter, itemgetter
 
 import numpy as np
 
 from elastic_ops.errors import UnknownPolicyError
+from elastic_ops.pool.goodput import goodput_fill
 from elastic_ops.pool.model import (
     HostState,
     Job,
@@ -68,6 +69,7 @@ from elastic_ops.pool.model import (
     TargetAction,
 )
 from elastic_ops.pool.plain_policies import (
+    GOODPUT_FIRST_FIT,
     MOVING,
     PLAIN,
     SETTLE_AFTER,
@@ -80,9 +82,9 @@ from elastic_ops.pool.shares import strict_fill_array, weighted_fill_array
 __all__ = ["POLICIES", "VECTORISED", "decide", "effective_priority", "get_policy", "make_policy", "order_key"]
 
 Policy = Callable[[Snapshot], Plan]
-# (mins, caps, priorities, effective priorities, capacity) -> targets, all arrays over the
-# admitted jobs in rank order.
-ShareFn = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int], np.ndarray]
+# (mins, caps, priorities, effective priorities, capacity, jobs, snapshot) -> targets, all
+# arrays (and the Job objects) over the admitted jobs in rank order.
+ShareFn = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int, Sequence[Job], Snapshot], np.ndarray]
 
 _host = itemgetter(0)
 
@@ -90,16 +92,21 @@ _host = itemgetter(0)
 # --- share functions (step 2) ---------------------------------------------------------------
 
 
-def _fair(mins, caps, prio, eff, capacity: int) -> np.ndarray:
+def _fair(mins, caps, prio, eff, capacity: int, jobs: Sequence[Job], snap: Snapshot) -> np.ndarray:
     return weighted_fill_array(mins, caps, np.ones(len(mins)), capacity)
 
 
-def _priority(mins, caps, prio, eff, capacity: int) -> np.ndarray:
+def _priority(mins, caps, prio, eff, capacity: int, jobs: Sequence[Job], snap: Snapshot) -> np.ndarray:
     return weighted_fill_array(mins, caps, prio, capacity)
 
 
-def _strict(mins, caps, prio, eff, capacity: int) -> np.ndarray:
+def _strict(mins, caps, prio, eff, capacity: int, jobs: Sequence[Job], snap: Snapshot) -> np.ndarray:
     return strict_fill_array(mins, caps, np.floor(eff), capacity)
+
+
+def _goodput(mins, caps, prio, eff, capacity: int, jobs: Sequence[Job], snap: Snapshot) -> np.ndarray:
+    out = goodput_fill(jobs, mins.tolist(), caps.tolist(), capacity, snap, snap.config.rescale_cost_s)
+    return np.array(out, dtype=np.int64)
 
 
 # --- step 1: the job table ------------------------------------------------------------------
@@ -151,6 +158,7 @@ class _Table:
         ol = order.tolist()
         self.n = n
         self.names: list[str] = list(map(names.__getitem__, ol))
+        self.jobs: list[Job] = list(map(snap.jobs.__getitem__, ol))
         self.held: list[tuple[Slot, ...]] = list(map(helds.__getitem__, ol))
         self.has_avoid = np.fromiter(map(bool, avoid), bool, n)[order]
         # The hosts each job avoids, by rank, for the few jobs that avoid any.
@@ -612,7 +620,10 @@ def _targets(t: _Table, share: ShareFn, held_up, hs: _Hosts, snap: Snapshot, fre
         targets = held_up.copy()  # frozen jobs keep what they hold
         targets[free_idx] = 0
         a = free_idx[admitted]
-        targets[a] = share(mins[admitted], fcaps[admitted], t.prio[a], t.eff[a], cap_left)
+        targets[a] = share(
+            mins[admitted], fcaps[admitted], t.prio[a], t.eff[a], cap_left,
+            list(map(t.jobs.__getitem__, a.tolist())), snap,
+        )
         new = _freeze(t, held_up, targets, is_free, snap)
         if not new or rnd == SETTLE_AFTER:
             break
@@ -1034,10 +1045,19 @@ def _grow(
     return 0, reason + f"; waiting for {need - avail} slots on its hosts"
 
 
-_SHARES: dict[str, ShareFn] = {"fairshare": _fair, "priority": _priority, "strict": _strict}
-POLICIES: dict[str, Policy] = {name: make_policy(fn, PLAIN[name]) for name, fn in _SHARES.items()}
-# The vectorised path at every size (tests and benchmarks compare it with PLAIN).
-VECTORISED: dict[str, Policy] = {name: make_policy(fn, repair=PLAIN[name]) for name, fn in _SHARES.items()}
+_SHARES: dict[str, ShareFn] = {
+    "fairshare": _fair, "priority": _priority, "strict": _strict, "goodput": _goodput,
+}
+POLICIES: dict[str, Policy] = {
+    name: make_policy(fn, PLAIN[name], GOODPUT_FIRST_FIT if name == "goodput" else None)
+    for name, fn in _SHARES.items()
+}
+# The vectorised path at every size (tests and benchmarks compare it with PLAIN). Not goodput's:
+# its plain form packs new slots on few hosts and moves growing jobs onto fewer (its vectorised
+# form, for large snapshots, shares the same way and places first-fit in host-name order).
+VECTORISED: dict[str, Policy] = {
+    name: make_policy(fn, repair=PLAIN[name]) for name, fn in _SHARES.items() if name != "goodput"
+}
 
 
 def get_policy(name: str) -> Policy:

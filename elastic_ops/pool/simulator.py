@@ -19,9 +19,18 @@ and finishes after the iterations its application needs (see :mod:`elastic_ops.p
 With ``placement="actual"`` a *move* (same count, other slots) relaunches the workers and costs
 ``rescale_cost`` too.
 
-Baseline ``static``: each job gets exactly the GPUs it asked for, strictly first come first
+**What a policy sees.** The policy knows a job only as production does: its demand and, for
+``goodput``, the scaling model fitted to what the job *measured* -- iterations and training
+seconds (stalls excluded) per (workers, hosts), as its heartbeats would report them -- and the
+GPU-seconds it has trained. It never reads the traces' step times.
+
+Baselines: ``static``: each job gets exactly the GPUs it asked for, strictly first come first
 served (no backfilling), never rescaled; it starts as soon as its GPUs are free (not only at
-ticks), which favours the baseline.
+ticks), which favours the baseline. ``tiresias``: Tiresias's two-dimensional least attained
+service (Gu et al., NSDI'19) as the Pollux paper compares with it: jobs at the GPUs they asked
+for (no elasticity), in two queues by attained GPU-time (below ``TIRESIAS_THRESHOLD_GPU_S``
+first), first come first served inside a queue, backfilling, preempting running jobs that
+rank lower, placed on as few hosts as they fit; re-decided at the same ticks and events.
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ from typing import Any
 from elastic_ops.errors import SpecError, UnknownPolicyError
 from elastic_ops.pool.model import Host, Job, PolicyConfig, Preemption, Snapshot
 from elastic_ops.pool.policies import POLICIES, get_policy
+from elastic_ops.pool.scaling import Measured, ScalingModel, fit
 from elastic_ops.pool.workload import (
     GPUS_PER_NODE,
     MAX_SUBMIT_S,
@@ -52,6 +62,10 @@ from elastic_ops.pool.workload import (
 from elastic_ops.spec import check_number
 
 STATIC = "static"
+TIRESIAS = "tiresias"
+BASELINES = (STATIC, TIRESIAS)
+TIRESIAS_THRESHOLD_GPU_S = 16 * 3600.0  # the Pollux artifact's setting: 16 GPU-hours
+REFIT_S = 600.0  # a job's model is refitted at a new configuration, else at most this often
 EPS = 1e-6
 # A job is done when what is left is below the clock's rounding (about 1e-16 of its reading):
 # a relative 1e-12 covers that with room, and stays a millisecond at the latest arrival a
@@ -91,12 +105,19 @@ class _SimJob:
     waiting_since: float = 0.0  # as the ledger: since submission, or since preempted (set at start)
     spread_aware: bool = True
     slots_per_host: int = GPUS_PER_NODE
+    # what the job measured, per (workers, hosts): [iterations, training seconds]
+    measured: dict[tuple[int, int], list[float]] = dataclasses.field(default_factory=dict)
+    model: ScalingModel | None = None
+    fitted_at: float = -math.inf
+    fitted_on: int = 0  # configurations measured at the last fit
     _rate: float = 0.0
     _scattered: bool = False
+    _hosts: int = 0
 
     def place(self, held: tuple[tuple[str, int], ...]) -> None:
         self.held = held
         spread = spread_of(held)
+        self._hosts = len(spread)
         self._scattered = len(spread) > math.ceil(len(held) / self.slots_per_host)
         if not held:
             self._rate = 0.0
@@ -120,7 +141,27 @@ class _SimJob:
             return
         stall = min(self.penalty, dt)
         self.penalty -= stall
-        self.remaining -= (dt - stall) * self.rate()
+        done = (dt - stall) * self.rate()
+        self.remaining -= done
+        if dt > stall:
+            acc = self.measured.setdefault((len(self.held), self._hosts), [0.0, 0.0])
+            acc[0] += done
+            acc[1] += dt - stall
+
+    def attained(self) -> float:
+        """GPU-seconds of training, from what it measured."""
+        return sum(n * sec for (n, _), (_, sec) in self.measured.items())
+
+    def scaling(self, now: float) -> ScalingModel | None:
+        """The model fitted to what it measured: refitted when it measured a new configuration,
+        else at most every REFIT_S seconds."""
+        if not self.measured:
+            return None
+        if len(self.measured) != self.fitted_on or now - self.fitted_at >= REFIT_S:
+            self.model = fit([Measured(n, h, max(1, round(it)), sec)
+                              for (n, h), (it, sec) in self.measured.items() if sec > 0])
+            self.fitted_at, self.fitted_on = now, len(self.measured)
+        return self.model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,8 +208,8 @@ def _check_jobs(workload: Sequence[WorkloadJob]) -> None:
 
 class Simulation:
     def __init__(self, workload: Sequence[WorkloadJob], policy: str, config: SimConfig, traces: str | Path):
-        if policy != STATIC and policy not in POLICIES:  # unknown names fail before any work
-            raise UnknownPolicyError(policy, [STATIC, *POLICIES])
+        if policy not in BASELINES and policy not in POLICIES:  # unknown names fail before any work
+            raise UnknownPolicyError(policy, [*BASELINES, *POLICIES])
         _check_jobs(workload)
         self.policy = policy
         self.cfg = config
@@ -182,6 +223,7 @@ class Simulation:
             min_rescale_interval_s=config.min_rescale_interval_s,
             min_gain=config.min_gain,
             aging_s=config.aging_s,
+            rescale_cost_s=config.rescale_cost,
         )
         self.jobs: list[_SimJob] = []
         for w in workload:
@@ -234,7 +276,10 @@ class Simulation:
             if self.policy == STATIC:
                 self._static(arrived)
             elif self.now >= next_tick - EPS or (changed and self.cfg.replan_on_events):
-                self._replan(arrived)
+                if self.policy == TIRESIAS:
+                    self._tiresias(arrived)
+                else:
+                    self._replan(arrived)
                 next_tick = self.now + self.cfg.replan_interval
         return self._metrics()
 
@@ -273,7 +318,30 @@ class Simulation:
             self._start_or_rescale(j, tuple(free[:need]))
             free = free[need:]
 
+    def _tiresias(self, arrived: list[_SimJob]) -> None:
+        active = [j for j in arrived if j.finished is None]
+        order = sorted(active, key=lambda j: (j.attained() >= TIRESIAS_THRESHOLD_GPU_S, j.spec.submit,
+                                              j.spec.name))
+        budget, chosen = self.cfg.slots, []
+        for j in order:  # backfilling: a job that does not fit lets smaller ones behind it run
+            need = min(j.spec.num_replicas, self.cfg.slots)
+            if need <= budget:
+                chosen.append(j)
+                budget -= need
+        keep = {id(j) for j in chosen}
+        for j in active:
+            if j.held and id(j) not in keep:
+                self._start_or_rescale(j, ())  # preempted: it checkpoints and waits
+        free: dict[str, list[int]] = {h.name: list(range(h.slots)) for h in self.hosts}
+        for j in active:
+            for h, i in j.held:
+                free[h].remove(i)
+        for j in chosen:
+            if not j.held:
+                self._start_or_rescale(j, _packed(free, min(j.spec.num_replicas, self.cfg.slots)))
+
     def _snapshot(self, active: list[_SimJob]) -> Snapshot:
+        learns = self.policy == "goodput"
         jobs = tuple(
             Job(
                 name=j.spec.name,
@@ -284,6 +352,8 @@ class Simulation:
                 waiting_since=None if j.held else max(j.spec.submit, j.waiting_since),
                 last_rescale=j.last_rescale,
                 held=j.held,
+                scaling=j.scaling(self.now) if learns else None,
+                attained=j.attained() if learns else 0.0,
             )
             for j in active
         )
@@ -308,6 +378,9 @@ class Simulation:
         makespan = max(j.finished for j in self.jobs) - first
         p99 = jcts[min(len(jcts) - 1, math.ceil(0.99 * len(jcts)) - 1)]
         busy = sum(j.gpu_seconds for j in self.jobs)
+        by_app: dict[str, list[float]] = {}
+        for j in self.jobs:
+            by_app.setdefault(j.spec.application, []).append(j.finished - j.spec.submit)
         return {
             "policy": self.policy,
             "jobs": len(jcts),
@@ -320,7 +393,22 @@ class Simulation:
             # GPU time of jobs spread over more hosts than the tightest packing needs
             "scattered": round(sum(j.scattered_gpu_seconds for j in self.jobs) / busy, 4) if busy else 0.0,
             "placement": self.cfg.placement,
+            "avg_jct_by_application": {a: round(sum(v) / len(v), 3) for a, v in sorted(by_app.items())},
         }
+
+
+def _packed(free: dict[str, list[int]], n: int) -> tuple[tuple[str, int], ...]:
+    """``n`` of the ``free`` slots (taken out of it) on as few hosts as possible: the host with
+    the fewest free slots that holds what is still needed, else all of the one with the most."""
+    out: list[tuple[str, int]] = []
+    while len(out) < n:
+        need = n - len(out)
+        room = [(len(v), h) for h, v in free.items() if v]
+        fits = [r for r in room if r[0] >= need]
+        h = min(fits)[1] if fits else min(room, key=lambda r: (-r[0], r[1]))[1]
+        take, free[h] = free[h][:need], free[h][need:]
+        out.extend((h, i) for i in take)
+    return tuple(out)
 
 
 def simulate(
@@ -338,7 +426,7 @@ def simulate(
 
 def policy_names(name: str) -> list[str]:
     """The policies ``name`` runs: one registered policy, ``static``, or ``all`` of them."""
-    everything = [STATIC, *sorted(POLICIES)]
+    everything = [*BASELINES, *sorted(POLICIES)]
     if name == "all":
         return everything
     if name not in everything:

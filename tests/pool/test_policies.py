@@ -199,7 +199,7 @@ def test_weighted_fill_rounds_deterministically_and_sums_to_capacity():
 
 
 def test_invalid_policy_inputs_get_clear_errors():
-    with pytest.raises(UnknownPolicyError, match="unknown policy 'best'.*fairshare, priority, strict"):
+    with pytest.raises(UnknownPolicyError, match="'best'.*fairshare, goodput, priority, strict"):
         get_policy("best")
     with pytest.raises(SpecError, match="preemption='always'"):
         PolicyConfig(preemption="always")

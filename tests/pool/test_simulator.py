@@ -66,7 +66,8 @@ def test_the_simulator_calls_the_registered_policy(monkeypatch):
 
 
 def test_bad_simulation_input():
-    with pytest.raises(UnknownPolicyError, match="known policies: fairshare, priority, static, strict"):
+    with pytest.raises(UnknownPolicyError,
+                       match="known policies: fairshare, goodput, priority, static, strict, tiresias"):
         simulate(WORKLOAD, "best", SMALL, TRACES)
     with pytest.raises(SpecError, match="slots=0"):
         SimConfig(slots=0)
@@ -78,7 +79,7 @@ def test_simulate_cli_json_last_line(capsys):
     rc = run(["simulate", "--workload", str(WORKLOAD), "--slots", "16", "--policy", "all", "--json"])
     assert rc == 0
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert set(last) == {"static", "fairshare", "priority", "strict"}
+    assert set(last) == {"static", "tiresias", "fairshare", "goodput", "priority", "strict"}
     assert {"avg_jct", "p99_jct", "makespan", "utilization", "rescales"} <= set(last["fairshare"])
 
 
@@ -147,3 +148,66 @@ def test_simulation_reports_scattering_and_the_packed_model_is_still_there():
     assert actual["avg_jct"] != packed["avg_jct"]
     with pytest.raises(SpecError, match="placement='tight'"):
         SimConfig(placement="tight")
+
+
+def test_goodput_sees_only_what_jobs_measured(monkeypatch):
+    # the policy's snapshots carry no model for a job before it has run, and afterwards one
+    # fitted to the (workers, hosts) it ran at -- never the traces' step times
+    from elastic_ops.pool import simulator
+
+    seen = []
+    real = simulator.get_policy
+
+    def spy(name):
+        decide = real(name)
+        return lambda snap: seen.append(snap) or decide(snap)
+
+    monkeypatch.setattr(simulator, "get_policy", spy)
+    simulate(WORKLOAD, "goodput", SMALL, TRACES)
+    first = {}
+    for snap in seen:
+        for j in snap.jobs:
+            first.setdefault(j.name, j)
+            if j.scaling is not None:
+                assert j.attained > 0 and j.scaling.measured >= 1
+    assert all(j.scaling is None and j.attained == 0 for j in first.values() if not j.held)
+    assert any(j.scaling is not None for snap in seen for j in snap.jobs)
+
+
+def test_tiresias_runs_jobs_at_what_they_asked_for_packed_and_never_rescaled(monkeypatch):
+    from elastic_ops.pool import simulator
+
+    sizes: dict[str, set[int]] = {}
+    spreads: list[tuple[int, int]] = []
+    real = simulator.Simulation._start_or_rescale
+
+    def spy(self, j, held):
+        if held:
+            sizes.setdefault(j.spec.name, set()).add(len(held))
+            spreads.append((len(held), len({h for h, _ in held})))
+        real(self, j, held)
+
+    monkeypatch.setattr(simulator.Simulation, "_start_or_rescale", spy)
+    r = simulate(WORKLOAD, "tiresias", SMALL, TRACES)
+    wl = {w.name: min(w.num_replicas, SMALL.slots) for w in read_workload(WORKLOAD)}
+    assert r["rescales"] == 0 and r["jobs"] == len(wl)
+    assert all(s == {wl[name]} for name, s in sizes.items())
+    # on as few hosts as fit whenever the free slots allow it; never more hosts than GPUs
+    assert all(hosts <= n for n, hosts in spreads)
+    assert sum(hosts == -(-n // SMALL.slots_per_host) for n, hosts in spreads) >= len(spreads) // 2
+
+
+def test_tiresias_preempts_the_job_with_the_most_attained_service(monkeypatch):
+    from elastic_ops.pool import simulator
+    from elastic_ops.pool.workload import WorkloadJob
+
+    # one job fills the cluster; past the threshold a newcomer (queue 0) preempts it at once
+    monkeypatch.setattr(simulator, "TIRESIAS_THRESHOLD_GPU_S", 100.0)
+    jobs = [WorkloadJob("long", 0.0, "cifar10", 16, 2048), WorkloadJob("new", 200.0, "cifar10", 16, 2048)]
+    alone = simulator.Simulation(jobs[:1], "tiresias", SMALL, TRACES)
+    alone.run()
+    sim = simulator.Simulation(jobs, "tiresias", SMALL, TRACES)
+    r = sim.run()
+    long, new = sim.jobs
+    assert new.started == pytest.approx(200.0) and r["rescales"] == 0
+    assert long.finished > alone.jobs[0].finished  # it waited while the newcomer ran

@@ -169,8 +169,8 @@ def test_an_application_is_a_plain_name_quoted_as_written(tmp_path):
     (["--rescale-cost", "-1"], "invalid --rescale-cost=-1.0"),
     (["--replan-interval", "0"], "invalid --replan-interval=0.0"),
     (["--min-gain", "nan"], "invalid --min-gain=nan"),
-    (["--policy", "bogus"], "invalid --policy='bogus': must be one of static, fairshare, priority, strict, "
-                            "or all"),
+    (["--policy", "bogus"], "invalid --policy='bogus': must be one of static, tiresias, fairshare, goodput, "
+                            "priority, strict, or all"),
 ])
 def test_simulate_errors_name_the_option(tmp_path, capsys, argv, needle):
     workload = write_workload_csv(tmp_path, "a,0,toy,1,32")

@@ -1,0 +1,335 @@
+"""The ``goodput`` share rule: workers go where they buy the most progress.
+
+Each admitted job's progress on ``n`` workers is its speed-up ``S(n)`` from its fitted
+:class:`~elastic_ops.pool.scaling.ScalingModel` (the prior for a job that measured nothing),
+on the tightest packing of ``n`` workers on the pool's hosts (the ``goodput`` policy places
+jobs that way). The rule maximises
+
+    sum over jobs of  w_j * log S_j(n_j)      within min_j <= n_j <= cap_j, sum n_j <= capacity
+
+over **packable** sizes: up to one host's slots any count, beyond that whole hosts (and the
+job's minimum and maximum): a multi-host job on part of a host leaves holes that scatter the
+jobs after it.
+
+**Why ``log``** (proportional fairness, Pollux's power-mean fairness at p = 0): a job whose
+speed-up stops growing gains nothing from more workers and is not grown, however many are
+free; and two jobs that scale alike (linearly) get shares in proportion to their weights, as
+under ``priority`` -- so the weights keep their meaning. (Pollux's p = -1 gives more to the
+slowest job, but splits linearly scaling jobs by the square root of their weights.)
+
+**Weights.** ``w = priority * (1 + YOUTH_BONUS / (1 + attained / YOUTH_GPU_S))``: the
+priority, times a youth factor from 4 (a job that has trained nothing) down towards 1 (one
+that has trained many GPU-hours; 2.5 at 4 GPU-hours). Young jobs -- most of them short, in
+every published trace -- weigh more, as Tiresias's least-attained-service queues favour them;
+a long job keeps at least a quarter of a young one's weight, so it is never starved.
+
+**Solving it.** The Lagrangian ``max_n w log S(n) - λ n`` is solved per job for a common λ
+(the price of a slot), found by bisection so that the jobs fit; it picks points of each job's
+concave envelope, so a speed-up that dips when a job spills onto a second host is handled.
+Slots the integer solution leaves over go one step at a time to the job whose next packable
+size gains most per slot. Ties prefer fewer workers. One vectorised pass over all jobs' curves.
+
+**Restarts are weighed.** A running job's change happens only when its gain, over its expected
+remaining run, exceeds ``rescale_cost_s`` (the stall of a rescale): for a grow, the time its
+extra workers save; for a shrink, what the freed slots are worth to the job that gains most
+from them, less what the job loses. The remaining run is estimated, as least-attained-service
+schedulers do, as the job's age, clamped to ``MIN_HORIZON_S..MAX_HORIZON_S`` (an allocation
+rarely lasts longer before arrivals and completions change it). Jobs held back keep what they
+hold and the rest is shared again around them.
+
+**Idle slots are lent to learn on.** Slots no model promises a gain for go first to jobs whose
+model is uncertain (weighted max-min, up to their max), then to certain jobs, in rank order, up
+to twice the most they measured: each size is tried once, so a model fitted on few sizes (a
+job whose second host is slow while its third and fourth pay) does not keep a job small for
+good. An idle GPU costs a restart, nothing else.
+
+The constants were chosen on the Pollux artifact's workloads (``benchmarks/pool_simulator.py``)
+and are not tuned per workload.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from elastic_ops.pool.model import HostState, Job, Snapshot
+from elastic_ops.pool.scaling import ScalingModel, fit
+from elastic_ops.pool.shares import weighted_fill_array
+
+__all__ = [
+    "MAX_HORIZON_S", "MIN_HORIZON_S", "YOUTH_BONUS", "YOUTH_GPU_S", "goodput_fill", "host_slots", "weight",
+]
+
+YOUTH_GPU_S = 4 * 3600.0  # attained GPU-seconds at which the youth bonus is halved
+YOUTH_BONUS = 3.0  # a job that has trained nothing weighs 1 + this times its priority
+MIN_HORIZON_S = 300.0  # the least remaining run a change's gain is counted over
+MAX_HORIZON_S = 1200.0  # ... and the most
+BISECTIONS = 60
+TIE = 1e-9  # objective differences below this are ties (fewer workers win)
+LOG_NONE = -30.0  # log S(0): finite, so a job with minimum 0 is in the sums, first to get one
+
+
+@functools.cache
+def _prior() -> ScalingModel:
+    return fit(())
+
+
+def weight(job: Job) -> float:
+    """The job's weight in the objective: priority times the youth factor (module docstring)."""
+    return float(_weights(np.array([job.priority], np.float64), np.array([job.attained], np.float64))[0])
+
+
+def _weights(priority: np.ndarray, attained: np.ndarray) -> np.ndarray:
+    return priority * (1.0 + YOUTH_BONUS / (1.0 + np.maximum(attained, 0.0) / YOUTH_GPU_S))
+
+
+def host_slots(snap: Snapshot) -> int:
+    """The workers one host holds: the largest up host (the tightest packing there is)."""
+    return max((h.slots for h in snap.hosts if h.state is HostState.UP), default=1)
+
+
+class _Table:
+    """What the rule reads of every job of a snapshot, as arrays (built once per snapshot: a
+    policy calls the rule once per freeze round, on the jobs it admits in that round)."""
+
+    def __init__(self, snap: Snapshot):
+        jobs = snap.jobs
+        prior = _prior()
+        models = [j.scaling or prior for j in jobs]
+        self.params = np.array([m.params for m in models], dtype=np.float64).reshape(len(jobs), 6)
+        self.explore = np.array([np.inf if m.explore_to is None else m.explore_to for m in models],
+                                np.float64)
+        self.w = _weights(np.fromiter((j.priority for j in jobs), np.float64, len(jobs)),
+                          np.fromiter((j.attained for j in jobs), np.float64, len(jobs)))
+        self.largest = np.fromiter((m.largest for m in models), np.int64, len(jobs))
+        self.held = np.fromiter((len(j.held) for j in jobs), np.int64, len(jobs))
+        self.submitted = np.fromiter((j.submitted for j in jobs), np.float64, len(jobs))
+        self.per_host = host_slots(snap)
+        self.row = {id(j): k for k, j in enumerate(jobs)}
+
+
+# (snapshot, its _Table) of the last call: the snapshot is kept, so no other takes its id; one
+# tuple replaced whole, so a thread never reads another thread's table
+_last: tuple[Snapshot | None, _Table | None] = (None, None)
+
+
+def _table(snap: Snapshot) -> _Table:
+    global _last
+    seen, table = _last
+    if seen is not snap or table is None:
+        table = _Table(snap)
+        _last = (snap, table)
+    return table
+
+
+class _Curves:
+    """Every job's objective ``w log S(n)`` for ``n = lo..hi``, one flat array (job ``i``'s
+    points at ``starts[i]:starts[i] + sizes[i]``), built in one vectorised pass."""
+
+    def __init__(self, t: _Table, rows: np.ndarray, lo: np.ndarray, caps: np.ndarray, spare: int):
+        per_host = t.per_host
+        p = t.params[rows]
+        explore = t.explore[rows]
+        self.uncertain = np.isfinite(explore)
+        self.largest = t.largest[rows]
+        self.w = t.w[rows]
+        # no job gains past its top: an uncertain model's explore_to; a certain one's step time
+        # has a minimum where the ring's cost outgrows the compute it splits
+        with np.errstate(divide="ignore", invalid="ignore"):
+            peak = np.where(p[:, 5] > 0, np.ceil(np.sqrt(p[:, 1] / p[:, 5])) + per_host, np.inf)
+        top = np.where(self.uncertain, np.maximum(explore, 1), np.maximum(peak, per_host))
+        hi = np.maximum(lo, np.minimum(np.minimum(top, caps), lo + max(spare, 0))).astype(np.int64)
+        self.lo, self.sizes = lo, hi - lo + 1
+        self.starts = np.concatenate([[0], np.cumsum(self.sizes)[:-1]]).astype(np.int64)
+        seg = np.repeat(np.arange(len(rows)), self.sizes)
+        self.seg = seg
+        self.offs = np.arange(len(seg)) - self.starts[seg]
+        n = (lo[seg] + self.offs).astype(np.float64)
+        e = np.maximum(np.minimum(n, explore[seg]), 1.0)
+        h = np.minimum(np.ceil(n / per_host), e)
+        local, net = (e >= 2) & (h == 1), h >= 2
+        q = p[seg]
+        step = q[:, 0] + q[:, 1] / e + local * (q[:, 2] + q[:, 3] * (e - 2))
+        step += net * (q[:, 4] + q[:, 5] * (e - 2))
+        one = p[:, 0] + p[:, 1]  # the step on one worker
+        self.flat = self.w[seg] * np.where(n == 0, LOG_NONE, np.log(one[seg]) - np.log(step))
+        # packable sizes: more workers than one host holds come in whole hosts (any count up to a
+        # host, the minimum and the maximum are allowed): partly used hosts of multi-host jobs are what
+        # scatters the jobs after them
+        ok = (n <= per_host) | (n % per_host == 0) | (self.offs == 0) | (n == caps[seg])
+        self.packable = np.where(ok, self.flat, -np.inf)
+
+    def at(self, idx: np.ndarray, workers: np.ndarray) -> np.ndarray:
+        """The objective of jobs ``idx`` at ``workers`` (within their ranges)."""
+        return self.flat[self.starts[idx] + workers - self.lo[idx]]
+
+
+def goodput_fill(
+    jobs: Sequence[Job], mins: Sequence[int], caps: Sequence[int], capacity: int, snap: Snapshot,
+    rescale_cost_s: float,
+) -> list[int]:
+    """Targets for the admitted ``jobs`` (jobs of ``snap``, rank order; ``sum(mins) <=
+    capacity``): see the module docstring. ``rescale_cost_s``: the stall a running job's change
+    must pay back."""
+    n = len(jobs)
+    if n == 0:
+        return []
+    lo = np.asarray(mins, dtype=np.int64)
+    cap = np.asarray(caps, dtype=np.int64)
+    t = _table(snap)
+    rows = np.fromiter(map(t.row.__getitem__, map(id, jobs)), np.int64, n)
+    c = _Curves(t, rows, lo, cap, capacity - int(lo.sum()))
+    everyone = np.arange(n)
+    targets = _solve(c, everyone, capacity)
+    helds = np.minimum(t.held[rows], lo + c.sizes - 1)
+    pinned = _pins(c, t.submitted[rows], helds, targets, capacity, snap.now, rescale_cost_s)
+    if len(pinned):
+        rest = np.setdiff1d(everyone, pinned)
+        targets = helds.copy()
+        targets[rest] = _solve(c, rest, capacity - int(helds[pinned].sum()))
+    return _explore(c, targets, cap, capacity, pinned, t.per_host).tolist()
+
+
+def _pins(c: _Curves, submitted, helds, targets, capacity: int, now: float, cost: float) -> np.ndarray:
+    """Running jobs whose change does not pay back its stall: they keep what they hold (in
+    rank order, while the others' minimums still fit)."""
+    if cost <= 0:
+        return np.zeros(0, dtype=np.int64)
+    cand = np.flatnonzero((helds >= c.lo) & (targets != helds))
+    if len(cand) == 0:
+        return cand
+    # what the change gains, in log speed-up: a grow its own; a shrink what the slots it frees
+    # are worth to the job that gains most from them, less its own loss
+    own = (c.at(cand, targets[cand]) - c.at(cand, helds[cand])) / c.w[cand]
+    value = _slot_value(c, helds, targets)
+    freed = (helds[cand] - targets[cand]).clip(min=0)
+    worth = np.where(freed > 0, value * np.maximum(freed, 1), 0.0)  # (inf * 0 would be nan)
+    gain = np.where(targets[cand] > helds[cand], own, own + worth / c.w[cand])
+    horizon = np.clip(now - submitted[cand], MIN_HORIZON_S, MAX_HORIZON_S)
+    with np.errstate(over="ignore", invalid="ignore"):
+        pays = (gain > 0) & (horizon * -np.expm1(-np.maximum(gain, 0)) > cost)
+    keep = cand[~pays]
+    room = capacity - int(c.lo.sum())
+    return keep[np.cumsum(helds[keep] - c.lo[keep]) <= room]
+
+
+def _slot_value(c: _Curves, helds, targets) -> float:
+    """What a slot is worth in this plan: the most any job gains per slot it is given beyond
+    what it holds (a job that holds nothing: beyond its minimum, which the pins always leave
+    room for); 0 if none is given any."""
+    base = np.maximum(helds, c.lo)
+    grows = np.flatnonzero(targets > base)
+    if len(grows) == 0:
+        return 0.0
+    per = (c.at(grows, targets[grows]) - c.at(grows, base[grows])) / (targets[grows] - base[grows])
+    return max(float(per.max()), 0.0)
+
+
+def _explore(c: _Curves, targets, caps, capacity: int, pinned, per_host: int) -> np.ndarray:
+    """Slots no model promises a gain for are lent to learn on: an idle GPU costs nothing but a
+    restart. First, max-min fairly by weight, to jobs whose model is still uncertain (up to
+    their caps); then, in rank order, a job whose model is certain goes to twice the most it
+    has measured (so each size is tried once: a model fitted on few sizes can miss one that
+    runs well, as a job whose second host is slow and whose third and fourth pay). Packable
+    sizes only."""
+    left = capacity - int(targets.sum())
+    if left <= 0:
+        return targets
+    out = targets.copy()
+    mask = c.uncertain & (targets < caps)
+    mask[pinned] = False
+    idx = np.flatnonzero(mask)
+    if len(idx):
+        part = weighted_fill_array(targets[idx], caps[idx], c.w[idx], int(targets[idx].sum()) + left)
+        out[idx] = np.maximum(targets[idx], _packed_floor(part, c.lo[idx], caps[idx], per_host))
+        left = capacity - int(out.sum())
+    try_to = _packed_floor(np.minimum(caps, 2 * c.largest), c.lo, caps, per_host)
+    certain = ~c.uncertain & (try_to > c.largest) & (try_to > out)
+    certain[pinned] = False
+    for i in np.flatnonzero(certain).tolist():
+        step = int(try_to[i] - out[i])
+        if step <= left:
+            out[i] += step
+            left -= step
+    return out
+
+
+def _packed_floor(n: np.ndarray, lo: np.ndarray, caps: np.ndarray, per_host: int) -> np.ndarray:
+    """The largest packable size (see :class:`_Curves`) at most ``n``."""
+    big = (n > per_host) & (n % per_host != 0) & (n != lo) & (n != caps)
+    return np.where(big, np.maximum(lo, n - n % per_host), n)
+
+
+def _solve(c: _Curves, idx: np.ndarray, capacity: int) -> np.ndarray:
+    """Workers for jobs ``idx`` maximising their summed (packable) objective with ``sum <=
+    capacity``, by the Lagrangian (bisection on the price of a slot) and a greedy top-up."""
+    if len(idx) == 0:
+        return np.zeros(0, dtype=np.int64)
+    sizes = c.sizes[idx]
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    seg = np.repeat(np.arange(len(idx)), sizes)
+    offs = np.arange(int(sizes.sum())) - starts[seg]
+    flat = c.packable[c.starts[idx][seg] + offs]
+    rel = flat - flat[starts][seg]
+    big = np.iinfo(np.int64).max
+
+    def pick(lam: float) -> np.ndarray:
+        val = rel - lam * offs
+        best = np.maximum.reduceat(val, starts)
+        return np.minimum.reduceat(np.where(val >= best[seg] - TIE, offs, big), starts)
+
+    lo = c.lo[idx]
+    room = capacity - int(lo.sum())
+    extra = pick(0.0)
+    if int(extra.sum()) > room:
+        # a price above every job's best average gain per worker keeps everyone at its min
+        with np.errstate(invalid="ignore"):
+            slope = np.where(offs > 0, rel / np.maximum(offs, 1), 0.0)
+        a, b = 0.0, max(float(np.max(slope, initial=0.0)), 0.0) + 1.0
+        for _ in range(BISECTIONS):
+            mid = (a + b) / 2
+            if int(pick(mid).sum()) > room:
+                a = mid
+            else:
+                b = mid
+            if b - a <= 1e-12 * b:
+                break
+        extra = pick(b)
+    left = room - int(extra.sum())
+    if left > 0:
+        extra = _top_up(flat, starts, sizes, extra, left)
+    return lo + extra
+
+
+def _top_up(flat: np.ndarray, starts: np.ndarray, sizes: np.ndarray, extra: np.ndarray, left: int):
+    """Hand out ``left`` more workers, one step at a time to the job whose next allowed size
+    (the next finite point of its curve) gains most per worker, while the step fits (ties: the
+    higher-ranked job)."""
+    extra = extra.copy()
+    m = len(flat)
+    # nxt[p]: the next finite point after p in p's curve (m: none)
+    pos = np.where(np.isfinite(flat), np.arange(m), m)
+    ends = starts + sizes
+    after = np.minimum.accumulate(pos[::-1])[::-1]  # first finite point at or after p
+    nxt = np.append(after[1:], m)
+    seg_end = np.repeat(ends, sizes)
+    nxt = np.where(nxt < seg_end, nxt, m)
+    while left > 0:
+        cur = starts + extra
+        q = nxt[cur]
+        step = q - cur
+        ok = (q < m) & (step <= left)
+        if not ok.any():
+            break
+        gain = np.full(len(sizes), -np.inf)
+        idx = np.flatnonzero(ok)
+        gain[idx] = (flat[q[idx]] - flat[cur[idx]]) / step[idx]
+        best = int(np.argmax(gain))
+        if gain[best] <= TIE:
+            break
+        extra[best] += int(step[best])
+        left -= int(step[best])
+    return extra

@@ -1,0 +1,212 @@
+"""The goodput policy: shares by measured speed-up, restarts weighed, jobs packed on few hosts."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+
+from elastic_ops.pool import Grant, PoolClient
+from elastic_ops.pool.model import Observation, Snapshot
+from elastic_ops.pool.plain_policies import PLAIN
+from elastic_ops.pool.policies import POLICIES
+from elastic_ops.pool.scaling import ScalingModel
+
+from .builders import make_job, make_snapshot
+
+GOODPUT = POLICIES["goodput"]
+# certain models (explore_to None): one that scales linearly, one flat past 2 workers
+LINEAR = ScalingModel((0.0, 1.0, 0.0, 0.0, 0.0, 0.0), None, 3, 0.0)
+FLAT_PAST_2 = ScalingModel((0.5, 1.0, 0.0, 0.0, 0.0, 0.0), None, 3, 0.0)  # 1.5 s, 1.0 s, 0.83 s ...
+
+
+def _slots(host, n, start=0):
+    return [(host, i) for i in range(start, start + n)]
+
+
+def test_the_seed_scenario_holds_under_goodput_for_jobs_that_scale_alike():
+    # 8 slots: job1 alone -> 8; job2 at the same priority -> 4/4; job2's priority 3 -> 5 -> 3/5;
+    # job1 gone -> 8 (rescale cost 0: the shares alone, as the seed scenario asks)
+    def plan(jobs):
+        return GOODPUT(make_snapshot(hosts=(("h0", 8),), jobs=jobs, rescale_cost_s=0.0)).targets()
+
+    one = make_job("job1", 1, 8, priority=3, scaling=LINEAR, submitted=0.0)
+    assert plan([one]) == {"job1": 8}
+    two = make_job("job2", 1, 8, priority=3, scaling=LINEAR, submitted=30.0)
+    assert plan([one, two]) == {"job1": 4, "job2": 4}
+    raised = make_job("job2", 1, 8, priority=5, scaling=LINEAR, submitted=30.0)
+    assert plan([one, raised]) == {"job1": 3, "job2": 5}
+    assert plan([raised]) == {"job2": 8}
+
+
+def test_a_job_that_stops_gaining_is_not_grown_while_one_that_scales_takes_the_rest():
+    snap = make_snapshot(
+        hosts=(("h0", 8),), rescale_cost_s=0.0,
+        jobs=[make_job("flat", 1, 8, scaling=FLAT_PAST_2, submitted=0.0),
+              make_job("scales", 1, 8, scaling=LINEAR, submitted=1.0)],
+    )
+    targets = GOODPUT(snap).targets()
+    assert targets["flat"] < targets["scales"] and targets["flat"] + targets["scales"] == 8
+    assert POLICIES["fairshare"](snap).targets() == {"flat": 4, "scales": 4}  # weights alone
+
+
+def test_free_slots_no_job_gains_from_stay_free():
+    useless = ScalingModel((1.0, 0.0, 0.0, 0.0, 0.0, 0.0), None, 3, 0.0)  # no faster on more workers
+    snap = make_snapshot(hosts=(("h0", 8),), jobs=[make_job("a", 1, 8, scaling=useless)])
+    assert GOODPUT(snap).targets() == {"a": 1}
+
+
+def test_idle_slots_let_a_job_try_twice_the_most_it_has_measured():
+    # the model (fitted on 1..4 workers) says a second host is a loss; the pool is idle, so
+    # the job is lent 8 to measure once -- and no more than it may use
+    flat_past_4 = ScalingModel((0.0, 1.0, 0.0, 0.0, 1.0, 0.0), None, 3, 0.0, 4)
+    job = make_job("a", 1, 16, scaling=flat_past_4, held=_slots("h0", 4), submitted=0.0)
+    snap = make_snapshot(hosts=(("h0", 4), ("h1", 4), ("h2", 4), ("h3", 4)), jobs=[job], rescale_cost_s=0.0)
+    assert GOODPUT(snap).targets() == {"a": 8}
+    tried = dataclasses.replace(job, scaling=dataclasses.replace(flat_past_4, largest=16))
+    assert GOODPUT(dataclasses.replace(snap, jobs=(tried,))).targets()["a"] <= 16
+    capped = dataclasses.replace(job, max_workers=4)
+    assert GOODPUT(dataclasses.replace(snap, jobs=(capped,))).targets() == {"a": 4}
+
+
+def test_multi_host_jobs_get_whole_hosts():
+    # two linear jobs on three 4-slot hosts: fairshare splits 6 / 6 (each on two part-used
+    # hosts); goodput gives whole hosts
+    snap = make_snapshot(
+        hosts=(("h0", 4), ("h1", 4), ("h2", 4)), rescale_cost_s=0.0,
+        jobs=[make_job("a", 1, 12, scaling=LINEAR, submitted=0.0),
+              make_job("b", 1, 12, scaling=LINEAR, submitted=1.0)],
+    )
+    assert POLICIES["fairshare"](snap).targets() == {"a": 6, "b": 6}
+    plan = GOODPUT(snap)
+    assert sorted(plan.targets().values()) == [4, 8]
+    for d in plan.decisions:
+        assert len({h for h, _ in d.placements}) == d.target // 4
+
+
+def test_a_grow_that_does_not_pay_back_its_restart_is_skipped():
+    # a young job on 7 of 8 slots: the 8th worker saves under 2 % of its run -- less than the
+    # 30 s stall over its expected 600 s; free restarts take it
+    job = make_job("a", 1, 8, scaling=LINEAR, held=_slots("h0", 7), submitted=900.0)
+    costly = make_snapshot(hosts=(("h0", 8),), jobs=[job], now=1000.0, rescale_cost_s=120.0)
+    assert GOODPUT(costly).targets() == {"a": 7}
+    free = make_snapshot(hosts=(("h0", 8),), jobs=[job], now=1000.0, rescale_cost_s=0.0)
+    assert GOODPUT(free).targets() == {"a": 8}
+    old = make_snapshot(hosts=(("h0", 8),), jobs=[make_job("a", 1, 8, scaling=LINEAR, held=_slots("h0", 7),
+                                                              submitted=-100_000.0)],
+                        now=1000.0, rescale_cost_s=120.0)
+    assert GOODPUT(old).targets() == {"a": 8}  # a long run pays the stall back
+
+
+def test_a_newcomer_is_placed_on_as_few_hosts_as_it_fits():
+    # h0 and h1 have 2 and 4 slots free: first-fit by name splits a 4-worker job 2 + 2,
+    # packing puts it on h1 alone
+    snap = make_snapshot(
+        hosts=(("h0", 4), ("h1", 4), ("h2", 4)), rescale_cost_s=0.0,
+        jobs=[make_job("old", 2, 2, held=_slots("h0", 2), scaling=LINEAR, submitted=0.0),
+              make_job("full", 4, 4, held=_slots("h2", 4), scaling=LINEAR, submitted=1.0),
+              make_job("new", 4, 4, scaling=LINEAR, submitted=2.0)],
+    )
+    assert {h for h, _ in GOODPUT(snap)["new"].placements} == {"h1"}
+    assert {h for h, _ in POLICIES["fairshare"](snap)["new"].placements} == {"h0", "h1"}
+
+
+def test_a_growing_job_moves_onto_fewer_hosts_when_it_restarts_anyway():
+    # "a" holds 2 on h0 (full); growing to 4 next to it would spread it over two hosts, while
+    # h1 is empty: it moves there and gives its h0 slots back
+    snap = make_snapshot(
+        hosts=(("h0", 4), ("h1", 4)), rescale_cost_s=0.0,
+        jobs=[make_job("a", 1, 4, held=_slots("h0", 2), scaling=LINEAR, submitted=0.0),
+              make_job("b", 2, 2, held=_slots("h0", 2, 2), scaling=FLAT_PAST_2, submitted=1.0)],
+    )
+    d = GOODPUT(snap)["a"]
+    assert d.target == 4 and {h for h, _ in d.placements} == {"h1"} and set(d.release) == set(_slots("h0", 2))
+    assert "packed onto fewer hosts" in d.reason
+
+
+def _random_snapshot(rng: random.Random, n_jobs: int, n_hosts: int, per_host: int) -> Snapshot:
+    slots = [(f"h{i:03d}", s) for i in range(n_hosts) for s in range(per_host)]
+    rng.shuffle(slots)
+    jobs, cursor = [], 0
+    for k in range(n_jobs):
+        lo = rng.randint(1, 3)
+        hi = rng.randint(lo, 24)
+        n_held = rng.choice([0, 0, lo, rng.randint(lo, hi)])
+        held = tuple(sorted(slots[cursor:cursor + n_held])) if cursor + n_held <= len(slots) else ()
+        cursor += len(held)
+        mild = ScalingModel((0.05, 0.9, 0.05, 0.01, 0.08, 0.01), rng.choice([None, 4, 8]), 2, 0.05)
+        model = rng.choice([None, LINEAR, FLAT_PAST_2, mild])
+        jobs.append(make_job(f"j{k}", lo, hi, priority=rng.randint(1, 5), held=held, scaling=model,
+                             attained=rng.uniform(0, 50_000), submitted=rng.uniform(0, 9_000)))
+    hosts = tuple((f"h{i:03d}", per_host) for i in range(n_hosts))
+    return make_snapshot(hosts=hosts, jobs=jobs, now=10_000.0)
+
+
+@pytest.mark.parametrize("size", [(12, 4, 4), (60, 16, 4), (400, 100, 8)])
+def test_goodput_plans_keep_the_invariants_at_small_and_large_sizes(size):
+    rng = random.Random(sum(size))
+    for _ in range(5):
+        snap = _random_snapshot(rng, *size)
+        plan = GOODPUT(snap)
+        assert plan == GOODPUT(snap)  # the same plan for the same snapshot
+        jobs = {j.name: j for j in snap.jobs}
+        taken: dict = {}
+        for d in plan.decisions:
+            job = jobs[d.job]
+            assert d.target == 0 or job.min_workers <= d.target <= job.max_workers, d
+            assert len(d.placements) <= d.target
+            for sl in d.placements:
+                assert sl not in taken or taken[sl] == d.job, (sl, d.job, taken[sl])  # no slot twice
+                taken[sl] = d.job
+            assert set(d.release) <= set(job.held)
+        held_by = {sl: j.name for j in snap.jobs for sl in j.held}
+        for sl, owner in taken.items():  # a new slot is free or given back by its holder
+            assert held_by.get(sl, owner) == owner or sl in set(plan[held_by[sl]].release)
+        capacity = sum(h.slots for h in snap.hosts)
+        assert sum(plan.targets().values()) <= capacity
+
+
+def test_the_plain_and_vectorised_goodput_give_the_same_targets():
+    from elastic_ops.pool.policies import _SHARES, make_policy
+
+    vectorised = make_policy(_SHARES["goodput"])  # the vectorised path at every size
+    rng = random.Random(7)
+    for _ in range(5):
+        snap = _random_snapshot(rng, 40, 10, 4)
+        assert vectorised(snap).targets() == PLAIN["goodput"](snap).targets()
+
+
+def test_on_the_real_ledger_the_job_that_scales_poorly_ends_with_fewer_workers(ledger_url, clock):
+    # two jobs report what they measured with their heartbeats: "linear" runs an iteration in
+    # 8/n s, "poor" in 4 + 4/n s. "poor" runs alone first (it grows, measuring each size), then
+    # "linear" arrives; the planner fits both and shares the 8 slots by what they gain
+    pool = PoolClient(ledger_url, clock=clock, policy="goodput", preemption="graceful")
+    pool.add_host("gpu-0", 8)
+    step = {"poor": lambda n: 4.0 + 4.0 / n, "linear": lambda n: 8.0 / n}
+    epochs, workers = {}, {}
+
+    def start(name):
+        pool.submit(name, min_workers=1, max_workers=8)
+        g = pool.request(name)
+        while not isinstance(g, Grant):  # it waits for slots the other gives up at a boundary
+            beat_all(1)
+            g = pool.request(name)
+        epochs[name], workers[name] = g.epoch, g.workers
+
+    def beat_all(rounds):
+        for _ in range(rounds):  # 60 s of training at the current size, then follow the target
+            clock.advance(60)
+            for name in list(epochs):
+                n = workers[name]
+                measured = Observation(iterations=max(1, round(60 / step[name](n))), seconds=60.0, workers=n)
+                workers[name] = pool.heartbeat(name, epochs[name], workers=n, measured=measured).workers
+            pool.plan()
+
+    start("poor")
+    beat_all(10)
+    start("linear")
+    beat_all(30)
+    final = {j["name"]: j["workers"] for j in pool.status()["jobs"]}
+    assert final["poor"] < final["linear"] and sum(final.values()) <= 8, final
+    assert pool.scaling("poor").speedup(8) < pool.scaling("linear").speedup(8)
