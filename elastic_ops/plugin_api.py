@@ -5,27 +5,42 @@ but no credentials for the ledger's database.
 Every route needs an authenticated Airflow user (JWT bearer token or the UI's session cookie),
 authorized through the configured auth manager as an Airflow pool named ``elastic_ops``:
 reading needs ``GET`` (read) access, changing a job, a host or a setting ``PUT`` (edit), adding a
-host ``POST`` (create), pruning events ``DELETE``. Bodies are strict JSON (nothing coerced, no
-unknown fields: 422, naming the field); values the pool refuses are 400 with its message (field,
-value, what is allowed), an unknown job or host 404, the ledger out of reach 503 (the cause is
-logged here, not shown: it names the database's host and user). No OpenAPI document or
-interactive docs are served: they would be the only routes without a login.
+host ``POST`` (create), pruning events ``DELETE``. A change is authorized before its body is
+read: a user who may not change the pool gets 403 whatever it sent, and no body is parsed for
+one. Bodies are at most ``MAX_BODY_BYTES`` (64 KiB; more: 413, read no further) of strict JSON
+(no key twice, nothing coerced, no unknown fields: 422, naming the field); values the pool
+refuses are 400 with its message (field, value, what is allowed), an unknown job or host 404,
+the ledger out of reach 503 (the cause is logged here, not shown: it names the database's host
+and user). No OpenAPI document or interactive docs are served: they would be the only routes
+without a login.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import math
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from airflow.api_fastapi.core_api.security import GetUserDep
 from fastapi import FastAPI, HTTPException, Path, Query, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+)
 
+from elastic_ops.agent.protocol import unique_keys
 from elastic_ops.errors import ElasticOpsError, UnknownHostError, UnknownJobError
 from elastic_ops.pool.checks import MAX_LOOKBACK_H
 from elastic_ops.spec import MAX_WORKERS_LIMIT
@@ -101,6 +116,40 @@ def _call(method: str, *args, **kwargs) -> Any:
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+MAX_BODY_BYTES = 64 * 1024  # the largest body is a selector or labels: a few hundred bytes
+B = TypeVar("B", bound=_Body)
+
+
+async def _read_body(request: Request, model: type[B]) -> B:
+    """The request's body as ``model``, read only now (after authorization): at most
+    MAX_BODY_BYTES (413 past it, the rest unread), strict JSON with no key twice, then the
+    model's checks (422 naming the field, as FastAPI's own)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise HTTPException(status_code=413, detail=f"the body is over {MAX_BODY_BYTES} bytes")
+    raw = bytearray()
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > MAX_BODY_BYTES:
+            raise HTTPException(status_code=413, detail=f"the body is over {MAX_BODY_BYTES} bytes")
+    try:
+        data = json.loads(bytes(raw), object_pairs_hook=unique_keys)
+    except (ValueError, RecursionError) as exc:
+        why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        msg = f"the body is not valid JSON: {why}"
+        error = {"type": "json_invalid", "loc": ("body",), "msg": msg, "input": None}
+        raise RequestValidationError([error]) from None
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        errors = [{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)]
+        raise RequestValidationError(errors) from None
+
+
+async def _authorized(method: str, user: Any) -> None:
+    await run_in_threadpool(_authorize, method, user)  # an auth manager may ask its database
 
 
 class PriorityBody(_Body):
@@ -225,33 +274,39 @@ def status_page(user: GetUserDep) -> HTMLResponse:
 
 
 # --- jobs -------------------------------------------------------------------------------------
+# Changes are async so that each authorizes before reading its body (a body parameter would be
+# read and parsed by FastAPI before any dependency runs); the pool calls run in the threadpool.
 
 
 @app.post("/jobs/{job}/priority")
-def set_priority(job: Job, body: PriorityBody, user: GetUserDep) -> dict[str, Any]:
-    _authorize("PUT", user)
-    _call("set_priority", job, body.priority)
+async def set_priority(job: Job, request: Request, user: GetUserDep) -> dict[str, Any]:
+    await _authorized("PUT", user)
+    body = await _read_body(request, PriorityBody)
+    await run_in_threadpool(_call, "set_priority", job, body.priority)
     return {"job": job, "priority": body.priority}
 
 
 @app.post("/jobs/{job}/bounds")
-def set_bounds(job: Job, body: BoundsBody, user: GetUserDep) -> dict[str, Any]:
-    _authorize("PUT", user)
-    _call("set_bounds", job, body.min_workers, body.max_workers)
+async def set_bounds(job: Job, request: Request, user: GetUserDep) -> dict[str, Any]:
+    await _authorized("PUT", user)
+    body = await _read_body(request, BoundsBody)
+    await run_in_threadpool(_call, "set_bounds", job, body.min_workers, body.max_workers)
     return {"job": job, "min_workers": body.min_workers, "max_workers": body.max_workers}
 
 
 @app.post("/jobs/{job}/preemptible")
-def set_preemptible(job: Job, body: PreemptibleBody, user: GetUserDep) -> dict[str, Any]:
-    _authorize("PUT", user)
-    _call("set_preemptible", job, body.preemptible)
+async def set_preemptible(job: Job, request: Request, user: GetUserDep) -> dict[str, Any]:
+    await _authorized("PUT", user)
+    body = await _read_body(request, PreemptibleBody)
+    await run_in_threadpool(_call, "set_preemptible", job, body.preemptible)
     return {"job": job, "preemptible": body.preemptible}
 
 
 @app.post("/jobs/{job}/selector")
-def set_selector(job: Job, body: SelectorBody, user: GetUserDep) -> dict[str, Any]:
-    _authorize("PUT", user)
-    _call("set_selector", job, body.selector)
+async def set_selector(job: Job, request: Request, user: GetUserDep) -> dict[str, Any]:
+    await _authorized("PUT", user)
+    body = await _read_body(request, SelectorBody)
+    await run_in_threadpool(_call, "set_selector", job, body.selector)
     return {"job": job, "selector": body.selector}
 
 
@@ -259,20 +314,23 @@ def set_selector(job: Job, body: SelectorBody, user: GetUserDep) -> dict[str, An
 
 
 @app.put("/hosts/{host}")
-def add_host(host: Host, body: HostBody, user: GetUserDep) -> dict[str, Any]:
-    _authorize("POST", user)
-    if any(h["name"] == host for h in _call("status")["hosts"]):
-        _authorize("PUT", user)  # re-enabling or resizing a host is an edit (it undoes a drain)
-    _call("add_host", host, body.slots, body.labels)
+async def add_host(host: Host, request: Request, user: GetUserDep) -> dict[str, Any]:
+    await _authorized("POST", user)
+    body = await _read_body(request, HostBody)
+    status = await run_in_threadpool(_call, "status")
+    if any(h["name"] == host for h in status["hosts"]):
+        await _authorized("PUT", user)  # re-enabling or resizing a host is an edit (it undoes a drain)
+    await run_in_threadpool(_call, "add_host", host, body.slots, body.labels)
     return {"host": host, "slots": body.slots, "labels": body.labels, "state": "up"}
 
 
 @app.post("/hosts/{host}/state")
-def set_host_state(host: Host, body: HostStateBody, user: GetUserDep) -> dict[str, Any]:
+async def set_host_state(host: Host, request: Request, user: GetUserDep) -> dict[str, Any]:
     """``{"state": "draining"}`` drains a host: no new grants, its jobs move off at their next
     iteration boundary."""
-    _authorize("PUT", user)
-    _call("set_host_state", host, body.state)
+    await _authorized("PUT", user)
+    body = await _read_body(request, HostStateBody)
+    await run_in_threadpool(_call, "set_host_state", host, body.state)
     return {"host": host, "state": body.state}
 
 
@@ -280,10 +338,11 @@ def set_host_state(host: Host, body: HostStateBody, user: GetUserDep) -> dict[st
 
 
 @app.patch("/settings")
-def configure(body: SettingsBody, user: GetUserDep) -> dict[str, Any]:
+async def configure(request: Request, user: GetUserDep) -> dict[str, Any]:
     """Change the given settings (none: re-plan only); returns every setting."""
-    _authorize("PUT", user)
-    return _call("configure", **body.model_dump(exclude_none=True))
+    await _authorized("PUT", user)
+    body = await _read_body(request, SettingsBody)
+    return await run_in_threadpool(_call, "configure", **body.model_dump(exclude_none=True))
 
 
 @app.delete("/events")

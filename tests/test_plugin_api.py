@@ -259,3 +259,47 @@ def test_a_non_finite_number_in_a_body_is_a_422_naming_it(tmp_path, monkeypatch,
     (error,) = r.json()["detail"]
     assert error["loc"][-1] == field and error["input"] in ("nan", "inf")
     assert pool.status()["hosts"] == before["hosts"] and pool.status()["jobs"] == before["jobs"]
+
+
+BODIED = [(m, p) for m, p, b in CHANGES if b is not None]
+
+
+@pytest.mark.parametrize(("method", "path"), BODIED)
+def test_a_user_who_may_not_change_gets_403_before_the_body_is_read(tmp_path, monkeypatch, method, path):
+    # a viewer's change is refused as such whatever the body: not a 422 that would tell it the
+    # body's shape, and not after parsing megabytes (the body is never read)
+    client, pool = make_api(tmp_path, monkeypatch, role="viewer")
+    for raw in ('{"nonsense": 1}', "not json", "{" * 100_000, "x" * (2 * plugin_api.MAX_BODY_BYTES)):
+        r = client.request(method, path, content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 403, (raw[:20], r.text)
+    assert host(pool, "h3") is None and job(pool)["priority"] == 2
+
+
+def test_a_body_over_the_cap_is_413_and_changes_nothing(tmp_path, monkeypatch):
+    client, pool = make_api(tmp_path, monkeypatch)
+    big = '{"selector": {"gpu": "' + "a" * plugin_api.MAX_BODY_BYTES + '"}}'
+    r = client.post("/jobs/j/selector", content=big, headers={"content-type": "application/json"})
+    assert r.status_code == 413 and "bytes" in r.json()["detail"]
+
+    def chunks():  # no content-length: the cap holds while reading
+        yield b'{"selector": {"gpu": "'
+        for _ in range(100):
+            yield b"a" * 1024
+        yield b'"}}'
+
+    r = client.post("/jobs/j/selector", content=chunks(), headers={"content-type": "application/json"})
+    assert r.status_code == 413
+    assert job(pool)["selector"] == {}
+
+
+@pytest.mark.parametrize(("raw", "says"), [
+    ('{"priority": 3, "priority": 900}', "'priority' appears twice"),
+    ('{"priority": 3', "not valid JSON"),
+    ("", "not valid JSON"),
+    ("[" * 20_000 + "]" * 20_000, "nested too deeply"),
+])
+def test_a_body_that_is_not_one_strict_json_object_is_a_422(tmp_path, monkeypatch, raw, says):
+    client, pool = make_api(tmp_path, monkeypatch)
+    r = client.post("/jobs/j/priority", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 422 and says in r.text, r.text
+    assert job(pool)["priority"] == 2

@@ -439,7 +439,9 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
 
 
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``object_pairs_hook`` for ``json.loads`` that refuses a key given twice (the standard
+    parser keeps the last, so two readers of one message could see different values)."""
     out: dict[str, Any] = {}
     for key, value in pairs:
         if key in out:
@@ -451,7 +453,7 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 def decode(line: bytes) -> dict[str, Any]:
     """One message: strict JSON (no NaN/Infinity, no key given twice, bounded nesting)."""
     try:
-        msg = json.loads(line, parse_constant=_no_constant, object_pairs_hook=_unique_keys)
+        msg = json.loads(line, parse_constant=_no_constant, object_pairs_hook=unique_keys)
     except RecursionError:
         raise AgentProtocolError("a message is nested too deeply") from None
     except ValueError as exc:

@@ -50,7 +50,6 @@ and are not tuned per workload.
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Sequence
 
 import numpy as np
