@@ -143,7 +143,21 @@ def check_checkpoint_uri(field: str, value: Any) -> str:
         raise SpecError(field, shown, URI_ALLOWED, hint=hint if str(value).startswith("file://") else None)
     if value.startswith("s3://") and (why := bucket_problem(value[5:].partition("/")[0])):
         raise SpecError(field, shown, URI_ALLOWED, hint=why)
+    if why := dot_segment(value):
+        raise SpecError(field, shown, URI_ALLOWED, hint=why)
     return value
+
+
+def dot_segment(uri: str) -> str | None:
+    """What is wrong with a store URI's path holding a '.' or '..' segment (None: nothing):
+    ``file:///data/store/../../etc`` would write outside the folder it names, and a store is
+    known by its URI (two spellings of one folder would be two stores)."""
+    from urllib.parse import unquote, urlparse
+
+    path = unquote(urlparse(uri).path)
+    if any(part in (".", "..") for part in path.split("/")):
+        return "the path may not hold '.' or '..' segments: give the folder's own path"
+    return None
 
 
 _IP_RE = re.compile(r"\d{1,3}(\.\d{1,3}){3}")

@@ -259,6 +259,26 @@ def test_bucket_names_s3_refuses_are_refused_where_they_enter(uri, why):
     assert JobSpec.from_dict({**base, "checkpoint": "s3://my.bucket-1/x"}).checkpoint == "s3://my.bucket-1/x"
 
 
+@pytest.mark.parametrize("uri", [
+    "file:///data/store/../../etc", "file:///data/./store", "file:///data/%2e%2e/x", "s3://bucket/a/../b",
+])
+def test_a_store_path_with_dot_segments_is_refused_where_it_enters(tmp_path, uri):
+    """``file:///…/store/../../x`` wrote outside the folder it names (a probe); the agent's wire
+    form and ``open_store`` check it too."""
+    from elastic_ops.agent.protocol import StoreConfig
+    from elastic_ops.checkpoint import open_store
+
+    base = {"name": "j", "entrypoint": "a.b:C", "total_iterations": 2, "global_batch": 4}
+    with pytest.raises(SpecError, match="invalid checkpoint=.*'.' or '..' segments"):
+        JobSpec.from_dict({**base, "checkpoint": uri})
+    with pytest.raises(SpecError, match="'.' or '..' segments"):
+        open_store(uri)
+    with pytest.raises(SpecError, match="invalid warm_start.uri=.*'.' or '..' segments"):
+        StoreConfig.from_wire({"uri": uri}, "warm_start")
+    ok = f"file://{tmp_path}/x..y/store.v2"  # dots inside a name are a name
+    assert JobSpec.from_dict({**base, "checkpoint": ok}).checkpoint == ok
+
+
 def test_a_refused_checkpoint_uri_never_echoes_its_secret():
     """``s3://KEY:SECRET@bucket`` is refused; the refusal (CLI output, a task's log) quoted the
     secret (a probe)."""

@@ -299,7 +299,8 @@ class ChunkSession:
                 spans=self.spans if r["slots"] is not None and r["spans"] is not None else None,
                 on_segment=self.segment,
                 warm_start=warm.uri if warm is not None else None,
-                warm_start_store=warm.open() if warm is not None else None,
+                # only read: a warm start never creates the folder it names
+                warm_start_store=warm.open(create=False) if warm is not None else None,
             )
         except BaseException as exc:  # noqa: BLE001 - every outcome goes back to the task
             self.done.set()

@@ -22,7 +22,7 @@ from elastic_ops.checkpoint.local import LocalBackend
 from elastic_ops.checkpoint.manifest import FORMAT_VERSION, FileEntry
 from elastic_ops.checkpoint.store import CheckpointRef, CheckpointStore
 from elastic_ops.errors import SpecError
-from elastic_ops.spec import bucket_problem
+from elastic_ops.spec import bucket_problem, dot_segment
 
 __all__ = [
     "FORMAT_VERSION",
@@ -74,6 +74,8 @@ def open_store(
         # a query or fragment would silently drop what follows it (the Airflow layer appends
         # '/<run_id>': every run would share one store)
         raise SpecError("checkpoint", uri, _ALLOWED_URI + " (no '?', '#', NUL or surrounding spaces)")
+    if why := dot_segment(uri):
+        raise SpecError("checkpoint", uri, _ALLOWED_URI, hint=why)
     extra = {} if clock is None else {"clock": clock}
     if parsed.scheme == "file":
         if parsed.netloc not in ("", "localhost") or not parsed.path.startswith("/"):

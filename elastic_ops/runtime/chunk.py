@@ -938,7 +938,7 @@ def _warm_state(uri: str | None, store: Any = None) -> dict[str, Any]:
     if store is None:
         from elastic_ops.checkpoint import open_store
 
-        store = open_store(uri)
+        store = open_store(uri, create=False)  # only read: a missing folder is not created
     ref = store.latest()
     if ref is None:
         raise CheckpointNotFoundError(f"warm_start {uri!r} holds no committed checkpoint")

@@ -401,6 +401,14 @@ def test_warm_start_takes_the_weights_of_another_job(tmp_path):
     assert all(torch.equal(src_model[k], got["model"][k]) for k in src_model)  # lr 0: weights kept
 
 
+def test_a_warm_start_from_a_folder_that_does_not_exist_creates_nothing(tmp_path):
+    spec = make_spec(tmp_path / "dst", name="dest", total_iterations=1, checkpoint_interval=1)
+    missing = tmp_path / "no" / "such" / "store"
+    with pytest.raises(CheckpointNotFoundError, match="holds no committed checkpoint"):
+        run_chunk(spec, 0, 1, target=one_worker, warm_start=f"file://{missing}")
+    assert not (tmp_path / "no").exists()  # a read-only field writes nothing
+
+
 class _Grant:
     """A pool lease as the runner sees it: 1 worker on slot 5, then 2 on slots 5 and 2 (a grow)."""
 
