@@ -301,6 +301,7 @@ class ChunkSession:
                 warm_start=warm.uri if warm is not None else None,
                 # only read: a warm start never creates the folder it names
                 warm_start_store=warm.open(create=False) if warm is not None else None,
+                import_entrypoint=False,  # the user's module runs in the workers, not in the agent
             )
         except BaseException as exc:  # noqa: BLE001 - every outcome goes back to the task
             self.done.set()

@@ -724,16 +724,21 @@ def _check_range(spec: JobSpec, start: int, end: int) -> None:
         raise SpecError("end", end, f"must be an integer in ({start}, {spec.total_iterations}]")
 
 
-def _check_entrypoint(spec: JobSpec) -> None:
+def _check_entrypoint(spec: JobSpec, import_it: bool = True) -> None:
+    """Fail before any worker starts on an entrypoint that cannot load. ``import_it=False``
+    (a long-lived agent): only find the Trainable's module, running none of its code here."""
     if spec.is_script():  # its consistency, scaling and micro_batch: JobSpec checks them
         if not Path(spec.entrypoint).is_file():
             from elastic_ops.errors import EntrypointError
 
             raise EntrypointError("entrypoint", spec.entrypoint, "script file does not exist")
         return
-    from elastic_ops.runtime.trainable import load_trainable_class
+    from elastic_ops.runtime.trainable import find_trainable_module, load_trainable_class
 
-    load_trainable_class(spec.entrypoint)
+    if import_it:
+        load_trainable_class(spec.entrypoint)
+    else:
+        find_trainable_module(spec.entrypoint)
 
 
 
@@ -793,6 +798,7 @@ def run_chunk(
     slots: Callable[[], Sequence[int]] | None = None,
     on_segment: Callable[..., None] | None = None,
     spans: Callable[[], Sequence[tuple[str, Sequence[int]]]] | None = None,
+    import_entrypoint: bool = True,
 ) -> ChunkResult:
     """Train iterations ``[start, end)`` from the latest committed checkpoint; see the module doc.
 
@@ -800,6 +806,8 @@ def run_chunk(
     to ~``HORIZON_S`` (at least ``LOOKAHEAD`` iterations) before ``i`` runs; it must be cheap
     (cache a pool heartbeat).
     ``workdir`` holds the staging files (a temporary directory by default, removed afterwards).
+    ``import_entrypoint=False``: the Trainable's module is only found here, not imported (a
+    long-lived process such as the agent runs no user code; the workers import it).
     ``warm_start_store`` is the already-open store at ``warm_start`` (e.g. built with the caller's
     S3 client and endpoint); without it ``open_store(warm_start)`` and boto3's default chain apply.
     ``slots()``: the GPU slots the pool granted on this host with the target ``target`` just
@@ -823,7 +831,7 @@ def run_chunk(
     the other hosts' slots in use, ``((host, slots), ...)``.
     """
     _check_range(spec, start, end)
-    _check_entrypoint(spec)
+    _check_entrypoint(spec, import_entrypoint)
     pg_timeout()  # read by every worker: a bad value is refused here, once
     stall_timeout()
     if store is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -66,6 +67,36 @@ class Trainable:
 
 
 REQUIRED_METHODS = ("build_model", "build_optimizer", "train_dataset", "loss")
+
+
+def find_trainable_module(entrypoint: str) -> None:
+    """Check that the module of ``package.module:Class`` can be found, running none of its
+    code nor its packages' (what a long-lived process checks: an import would run the user's
+    import-time code there and keep that module, stale, for every later chunk). The import
+    finders of ``sys.meta_path`` are asked as ``import`` would, parent by parent; that the class
+    exists is checked where the workers import it."""
+    if not isinstance(entrypoint, str) or ":" not in entrypoint:
+        raise EntrypointError("entrypoint", entrypoint, "must be 'package.module:TrainableClass'")
+    module_name = entrypoint.partition(":")[0]
+    if module_name in sys.modules:
+        return
+    path: list[str] | None = None
+    parts = module_name.split(".")
+    for k in range(len(parts)):
+        name = ".".join(parts[: k + 1])
+        spec = sys.modules[name].__spec__ if name in sys.modules else _find_spec(name, path)
+        if spec is None or (k + 1 < len(parts) and not spec.submodule_search_locations):
+            raise EntrypointError("entrypoint", entrypoint, f"module {module_name!r} cannot be found "
+                                  f"({name!r} is not {'a package' if spec is not None else 'importable'})")
+        path = list(spec.submodule_search_locations or [])
+
+
+def _find_spec(name: str, path: list[str] | None) -> Any:
+    for finder in sys.meta_path:
+        find = getattr(finder, "find_spec", None)  # a legacy finder may lack it (PEP 451)
+        if find is not None and (spec := find(name, path)) is not None:
+            return spec
+    return None
 
 
 def load_trainable_class(entrypoint: str) -> type[Trainable]:

@@ -48,6 +48,29 @@ def test_a_trainable_entrypoint_loads():
     assert load_trainable_class("tests.runtime.builders:TinyMLP") is TinyMLP
 
 
+def test_a_long_lived_process_finds_the_trainables_module_without_running_its_code(tmp_path, monkeypatch):
+    # the agent checks an entrypoint this way: importing it there ran the user's import-time
+    # code in the agent, and kept that module (stale after an edit) for every later chunk
+    import sys
+
+    from elastic_ops.runtime.trainable import find_trainable_module
+
+    pkg = tmp_path / "userpkg_fresh"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(f"open({str(tmp_path / 'pkg-ran')!r}, 'w').close()\n")
+    (pkg / "model.py").write_text(f"open({str(tmp_path / 'module-ran')!r}, 'w').close()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    find_trainable_module("userpkg_fresh.model:Anything")
+    assert not (tmp_path / "pkg-ran").exists() and not (tmp_path / "module-ran").exists()
+    assert "userpkg_fresh" not in sys.modules and "userpkg_fresh.model" not in sys.modules
+    find_trainable_module("tests.runtime.builders:TinyMLP")  # already imported: found
+    for entry, needle in [("userpkg_fresh.nope:X", "'userpkg_fresh.nope' is not importable"),
+                          ("userpkg_fresh.model.deeper:X", "'userpkg_fresh.model' is not a package"),
+                          ("no_such_pkg_here:X", "cannot be found"), ("no-colon", "package.module:")]:
+        with pytest.raises(EntrypointError, match=needle):
+            find_trainable_module(entry)
+
+
 @given(workers=st.integers(1, 64), lo=st.integers(1, 8))
 def test_scaling_factors_follow_linear_and_sqrt_rules(workers, lo):
     assert target_factor("linear_lr", workers, lo) == pytest.approx(workers / lo)
