@@ -7,6 +7,8 @@ check is bypassed here (the e2e test does it with real tokens against a real api
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from airflow.api_fastapi.auth.managers.simple.simple_auth_manager import SimpleAuthManager
 from airflow.api_fastapi.auth.managers.simple.user import SimpleAuthManagerUser
@@ -175,7 +177,7 @@ def test_node_agents_are_listed_and_hosts_without_one_named(tmp_path, monkeypatc
     assert "Node agents" not in client.get("/ui").text  # no cluster: no section
     config = make_config()
     try:
-        info = {"host": "h1", "pid": 42, "version": 1, "chunks": 1, "addr": "10.0.0.7"}
+        info = {"host": "h1", "pid": 42, "version": 1, "chunks": 1, "addr": "10.0.0.7", "at": time.time()}
         config.redis().set(config.alive_key("h1"), config.announcement("h1", info), ex=60)
         monkeypatch.setattr(plugin_api, "_nodes", lambda: NodeClient(config))
         assert client.get("/nodes").json() == {"cluster": True, "nodes": {"h1": info}}

@@ -31,6 +31,12 @@ NAMESPACE_ENV = "ELASTIC_OPS_NODE_NAMESPACE"
 DEFAULT_NAMESPACE = "elastic_ops"
 ALIVE_TTL_S = 10
 ALIVE_EVERY_S = 2.0
+# the clock skew tolerated between the cluster's hosts (a run request older than this by its
+# sender's clock is refused). An announcement older than the TTL plus this by its own signed
+# clock is stale, whatever Redis holds: a captured one re-SET by someone without the secret
+# keeps a stopped node "alive" no longer
+CLOCK_SKEW_S = 120.0
+ANNOUNCEMENT_MAX_AGE_S = ALIVE_TTL_S + CLOCK_SKEW_S
 URL_SCHEMES = ("redis", "rediss", "unix")
 _NAMESPACE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}")
 

@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from elastic_ops.agent.cluster import ALIVE_EVERY_S, ALIVE_TTL_S, NodeConfig
+from elastic_ops.agent.cluster import ALIVE_EVERY_S, ALIVE_TTL_S, CLOCK_SKEW_S, NodeConfig
 from elastic_ops.agent.protocol import PROTOCOL_VERSION, AgentProtocolError, error_to_wire
 from elastic_ops.agent.redis_channel import (
     BEAT_S,
@@ -60,12 +60,13 @@ from elastic_ops.urls import shown_url
 
 log = logging.getLogger("elastic_ops.node")
 
-REQUEST_MAX_AGE_S = 120.0  # a request older than this (by the sender's clock) is refused
+REQUEST_MAX_AGE_S = CLOCK_SKEW_S  # a request older than this (by the sender's clock) is refused
 _SESSION_RE = re.compile(r"[0-9a-f]{32}")
 
 
 # how long a node agent waits for another's announcement of its host to lapse before it refuses
 HOST_TAKEN_WAIT_S = ALIVE_TTL_S + ALIVE_EVERY_S
+NOT_RENEWED_S = 2 * ALIVE_EVERY_S + 1.0  # an announcement unchanged this long is renewed by no one
 
 
 class NodeAgent:
@@ -121,6 +122,7 @@ class NodeAgent:
             "chunks": len(self.sessions),
             "addr": self.address,  # set: this node can lead a segment spanning hosts
             "instance": self.instance,
+            "at": self.wall_clock(),  # signed: a replayed announcement goes stale (node_client)
         }
         self._send_gauges()
         self._redis.set(self.config.alive_key(self.host), self.config.announcement(self.host, info),
@@ -130,9 +132,19 @@ class NodeAgent:
         """Refuse to serve a host another live node agent announces (a cloned VM's hostname, an
         agent left running): both would take its chunks, and either's stop would withdraw the
         other's announcement. An announcement a dead agent left lapses within ``ALIVE_TTL_S``:
-        this waits that long (plus one renewal) before it refuses."""
-        deadline = time.monotonic() + HOST_TAKEN_WAIT_S
-        while (other := client.alive(self.host)) is not None:
+        this waits that long (plus one renewal) before it refuses. One whose signed time does not
+        move for two renewals is no live agent's (a stopped one's, re-SET by someone without the
+        secret): this node supersedes it."""
+        started = time.monotonic()
+        deadline = started + HOST_TAKEN_WAIT_S
+        first: Any = None
+        while (other := client.alive(self.host)) is not None and other.get("instance") != self.instance:
+            seen = (other.get("instance"), other.get("at"))
+            first = first or seen
+            if seen == first and time.monotonic() - started >= NOT_RENEWED_S:
+                log.warning("host %s: the announcement of node agent pid %s is not renewed (a stopped "
+                            "agent's, replayed); this node supersedes it", self.host, other.get("pid"))
+                return
             if time.monotonic() >= deadline:
                 raise SpecError(
                     "--host", self.host,
@@ -187,7 +199,7 @@ class NodeAgent:
         from elastic_ops.agent.node_client import NodeClient
         from elastic_ops.agent.span import NodeSpanLauncher
 
-        self._wait_for_the_host_name(NodeClient(self.config, redis=self._redis))
+        self._wait_for_the_host_name(NodeClient(self.config, redis=self._redis, wall_clock=self.wall_clock))
 
         self._local_launcher = warm_launcher(self._launcher, self.warm)
         self._launcher = NodeSpanLauncher(self._local_launcher, NodeClient(self.config, redis=self._redis),

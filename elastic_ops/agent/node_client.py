@@ -10,6 +10,7 @@ travel.
 from __future__ import annotations
 
 import dataclasses
+import math
 import secrets
 import threading
 import time
@@ -17,7 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from elastic_ops.agent.client import POLL_S, drive_chunk, run_request, target_reader
-from elastic_ops.agent.cluster import NodeConfig
+from elastic_ops.agent.cluster import ALIVE_EVERY_S, ANNOUNCEMENT_MAX_AGE_S, CLOCK_SKEW_S, NodeConfig
 from elastic_ops.agent.protocol import (
     PROTOCOL_VERSION,
     AgentProtocolError,
@@ -50,10 +51,12 @@ def without_credentials(store: StoreConfig | None) -> StoreConfig | None:
     return dataclasses.replace(store, s3=s3)
 
 
-def _announcement(config: NodeConfig, host: str, raw: bytes | None) -> dict[str, Any] | None:
-    """The fields of ``host``'s announcement, or ``None`` when there is none or it is not signed
-    with the cluster's secret (a forged one: its address would decide how chunks are run).
-    They end up in tables and pages: only short printable strings and plain numbers are kept."""
+def _announcement(config: NodeConfig, host: str, raw: bytes | None, now: float) -> dict[str, Any] | None:
+    """The fields of ``host``'s announcement, or ``None`` when there is none, it is not signed
+    with the cluster's secret (a forged one: its address would decide how chunks are run), or
+    its signed time ``at`` is more than ANNOUNCEMENT_MAX_AGE_S from ``now`` (a captured one
+    replayed; one from a node that predates the field). They end up in tables and pages: only
+    short printable strings and plain numbers are kept."""
     if raw is None:
         return None
     try:
@@ -61,6 +64,11 @@ def _announcement(config: NodeConfig, host: str, raw: bytes | None) -> dict[str,
     except AgentProtocolError:
         return None
     if not isinstance(info, dict):
+        return None
+    at = info.get("at")
+    if isinstance(at, bool) or not isinstance(at, int | float) or not math.isfinite(at):
+        return None
+    if not -CLOCK_SKEW_S <= now - at <= ANNOUNCEMENT_MAX_AGE_S:
         return None
     return {k: v for k, v in info.items() if _printable(k) and (_printable(v) or _plain_number(v))}
 
@@ -73,8 +81,8 @@ def _plain_number(value: Any) -> bool:
     return value is None or isinstance(value, bool | int | float)
 
 
-def _announced(config: NodeConfig, host: str, raw: bytes | None) -> bool:
-    info = _announcement(config, host, raw)
+def _announced(config: NodeConfig, host: str, raw: bytes | None, now: float) -> bool:
+    info = _announcement(config, host, raw, now)
     return info is not None and info.get("version") == PROTOCOL_VERSION
 
 
@@ -117,7 +125,25 @@ class NodeClient:
             raw = self._redis.get(self.config.alive_key(check_host_name("host", host)))
         except redis_error_types() as exc:
             raise self._unreachable(exc) from None
-        return _announcement(self.config, host, raw)
+        return _announcement(self.config, host, raw, self.wall_clock())
+
+    def _clock_off(self, host: str) -> float | None:
+        """How far ``host``'s genuine (signed) announcement is from this host's clock, when that
+        is why it is not trusted (None: there is none, or it is not signed)."""
+        try:
+            raw = self._redis.get(self.config.alive_key(host))
+        except redis_error_types() as exc:
+            raise self._unreachable(exc) from None
+        if raw is None:
+            return None
+        try:
+            info = self.config.signer().open(self.config.alive_key(host), raw)
+        except AgentProtocolError:
+            return None
+        at = info.get("at") if isinstance(info, dict) else None
+        if isinstance(at, bool) or not isinstance(at, int | float) or not math.isfinite(at):
+            return None
+        return self.wall_clock() - at
 
     def live_hosts(self, hosts: Sequence[str]) -> set[str]:
         """Those of ``hosts`` whose node agent is announced and speaks this protocol version."""
@@ -128,7 +154,8 @@ class NodeClient:
             raws = self._redis.mget([self.config.alive_key(h) for h in hosts])
         except redis_error_types() as exc:
             raise self._unreachable(exc) from None
-        return {h for h, raw in zip(hosts, raws, strict=True) if _announced(self.config, h, raw)}
+        now = self.wall_clock()
+        return {h for h, raw in zip(hosts, raws, strict=True) if _announced(self.config, h, raw, now)}
 
     def announced(self) -> dict[str, dict[str, Any]]:
         """Every node agent announced in this namespace: host → its announcement (pid, protocol
@@ -140,13 +167,13 @@ class NodeClient:
             raws = self._redis.mget(keys) if keys else []
         except redis_error_types() as exc:
             raise self._unreachable(exc) from None
-        out = {}
+        out, now = {}, self.wall_clock()
         for key, raw in zip(keys, raws, strict=True):
             try:  # a key a node agent could not have written (not UTF-8, not a host name): skipped
                 host = check_host_name("host", key.decode()[len(prefix):])
             except (UnicodeDecodeError, SpecError):
                 continue
-            info = _announcement(self.config, host, raw)
+            info = _announcement(self.config, host, raw, now)
             if info is not None:
                 out[host] = info
         return out
@@ -267,6 +294,16 @@ class NodeClient:
 
     def _require_node(self, host: str) -> None:
         info = self.alive(host)
+        if info is None and (off := self._clock_off(host)) is not None:
+            when = f"{abs(off):.0f} s {'ago' if off > 0 else 'in the future'}"
+            raise NodeUnavailableError(
+                f"the node agent of host {host} last announced itself {when} by this host's clock "
+                f"(an announcement is renewed every {ALIVE_EVERY_S:g} s and trusted within "
+                f"{CLOCK_SKEW_S:g} s of skew)",
+                host=host,
+                hint="are the hosts' clocks in sync? If they are, that node agent stopped and its "
+                "announcement is being replayed",
+            )
         if info is None:
             raise NodeUnavailableError(
                 f"no elastic-ops node agent is running for host {host} "

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
+import os
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -72,31 +74,59 @@ REQUIRED_METHODS = ("build_model", "build_optimizer", "train_dataset", "loss")
 def find_trainable_module(entrypoint: str) -> None:
     """Check that the module of ``package.module:Class`` can be found, running none of its
     code nor its packages' (what a long-lived process checks: an import would run the user's
-    import-time code there and keep that module, stale, for every later chunk). The import
-    finders of ``sys.meta_path`` are asked as ``import`` would, parent by parent; that the class
-    exists is checked where the workers import it."""
+    import-time code there and keep that module, stale, for every later chunk). The top-level
+    name is asked of ``sys.meta_path``'s finders, as ``import`` asks them (installed, editable
+    and zipped packages); the names below it are looked up in their package's folders, as the
+    path finder would. That the class exists is checked where the workers import it."""
     if not isinstance(entrypoint, str) or ":" not in entrypoint:
         raise EntrypointError("entrypoint", entrypoint, "must be 'package.module:TrainableClass'")
     module_name = entrypoint.partition(":")[0]
-    if module_name in sys.modules:
-        return
-    path: list[str] | None = None
     parts = module_name.split(".")
-    for k in range(len(parts)):
+    locations: list[str] | None = None
+    for k, part in enumerate(parts):
         name = ".".join(parts[: k + 1])
-        spec = sys.modules[name].__spec__ if name in sys.modules else _find_spec(name, path)
-        if spec is None or (k + 1 < len(parts) and not spec.submodule_search_locations):
-            raise EntrypointError("entrypoint", entrypoint, f"module {module_name!r} cannot be found "
-                                  f"({name!r} is not {'a package' if spec is not None else 'importable'})")
-        path = list(spec.submodule_search_locations or [])
+        if name in sys.modules:
+            found = list(getattr(sys.modules[name], "__path__", None) or []) if k + 1 < len(parts) else []
+            kind = "package" if found or k + 1 == len(parts) else "module"
+        elif locations is None:
+            kind, found = _top_level(name)
+        else:
+            kind, found = _below(part, locations)
+        if kind is None or (k + 1 < len(parts) and kind == "module"):
+            why = "is not importable" if kind is None else "is not a package"
+            raise EntrypointError("entrypoint", entrypoint,
+                                  f"module {module_name!r} cannot be found ({name!r} {why})")
+        locations = found
 
 
-def _find_spec(name: str, path: list[str] | None) -> Any:
+def _top_level(name: str) -> tuple[str | None, list[str]]:
     for finder in sys.meta_path:
-        find = getattr(finder, "find_spec", None)  # a legacy finder may lack it (PEP 451)
-        if find is not None and (spec := find(name, path)) is not None:
-            return spec
-    return None
+        try:
+            spec = finder.find_spec(name, None)
+        except (AttributeError, ImportError, ValueError):  # a legacy finder, or one that refuses
+            continue
+        if spec is not None:
+            where = spec.submodule_search_locations
+            return ("package", list(where)) if where is not None else ("module", [])
+    return None, []
+
+
+def _below(part: str, locations: Sequence[str]) -> tuple[str | None, list[str]]:
+    """Where ``part`` is in the folders of its package: a package (a folder with ``__init__``),
+    a module file, or the portions of a namespace package (folders without one)."""
+    portions = []
+    for loc in locations:
+        base = os.path.join(loc, part)
+        if os.path.isdir(base) and any(os.path.isfile(os.path.join(base, "__init__" + x)) for x in _SUFFIXES):
+            return "package", [base]
+        if any(os.path.isfile(base + x) for x in _SUFFIXES):
+            return "module", []
+        if os.path.isdir(base):
+            portions.append(base)
+    return ("package", portions) if portions else (None, [])
+
+
+_SUFFIXES = tuple(importlib.machinery.all_suffixes())
 
 
 def load_trainable_class(entrypoint: str) -> type[Trainable]:

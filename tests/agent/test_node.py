@@ -172,14 +172,14 @@ def test_forged_announcements_cannot_break_or_dress_up_the_node_list(cluster):
     prefix = config.alive_key("").encode()
     r.set(prefix + b"\xff\xfe", b'{"pid": 1}', ex=60)
     r.set(prefix + b"evil host", b'{"pid": 1}', ex=60)
-    info = {"pid": 7, "addr": "\x1b]0;pwned\x07", "version": PROTOCOL_VERSION}
+    info = {"pid": 7, "addr": "\x1b]0;pwned\x07", "version": PROTOCOL_VERSION, "at": time.time()}
     r.set(config.alive_key("host-x"), config.announcement("host-x", info), ex=60)
     forged = {"host": "host-y", "pid": 9, "version": PROTOCOL_VERSION, "addr": "10.9.9.9"}
     r.set(config.alive_key("host-y"), json.dumps(forged), ex=60)  # without the secret
     client = NodeClient(config)
     nodes = client.announced()
     assert sorted(nodes) == ["host-a", "host-b", "host-x"]
-    assert nodes["host-x"] == {"pid": 7, "version": PROTOCOL_VERSION}  # a control character: dropped
+    assert nodes["host-x"] == {"pid": 7, "version": PROTOCOL_VERSION, "at": info["at"]}
     assert client.alive("host-y") is None and client.live_hosts(["host-y", "host-a"]) == {"host-a"}
 
 
@@ -195,6 +195,44 @@ def test_a_second_node_agent_for_a_host_already_served_refuses_to_start(cluster,
                                         rf"serves \(pid {os.getpid()} announces it"):
         second.serve()
     assert NodeClient(config).alive("host-a")["instance"] == a.instance  # the first one's, untouched
+
+
+def test_a_replayed_announcement_neither_keeps_a_stopped_node_alive_nor_blocks_its_restart(cluster):
+    """Re-SETting a captured announcement every 2 s (no secret needed) kept a stopped node in
+    ``live_hosts`` and made a new ``elastic-ops node --host`` refuse to start (a probe)."""
+    import redis
+
+    config, _, _ = cluster
+    r = redis.Redis.from_url(REDIS_URL)
+    t0 = time.time()
+    info = {"host": "host-r", "pid": 4242, "version": PROTOCOL_VERSION, "instance": "deadbeef", "at": t0}
+    captured = config.announcement("host-r", info)
+    r.set(config.alive_key("host-r"), captured, ex=60)
+    assert NodeClient(config).live_hosts(["host-r"]) == {"host-r"}  # fresh: a live node's
+    later = NodeClient(config, wall_clock=lambda: t0 + 300.0)  # the same bytes, replayed 5 minutes on
+    assert later.live_hosts(["host-r"]) == set() and later.alive("host-r") is None
+    assert "host-r" not in later.announced()
+    early = NodeClient(config, wall_clock=lambda: t0 - 300.0)  # from the future: not trusted either
+    assert early.alive("host-r") is None
+    stop = threading.Event()
+
+    def replay():  # the replayer keeps the key fresh in Redis; its signed time never moves
+        while not stop.is_set():
+            r.set(config.alive_key("host-r"), captured, ex=60)
+            stop.wait(0.5)
+
+    t = threading.Thread(target=replay, daemon=True)
+    t.start()
+    try:  # the restarted node supersedes the replay (serving() raises its start-up refusal)
+        with running_node("host-r", config, warm=False) as node:
+            stop.set()
+            t.join(5)
+            # its next renewal (every 2 s) replaces the last replayed copy
+            wait_for("the node's own announcement", lambda: (NodeClient(config).alive("host-r") or {})
+                     .get("instance") == node.instance, 10)
+    finally:
+        stop.set()
+        r.delete(config.alive_key("host-r"))
 
 
 def test_a_host_without_a_node_agent_is_a_retryable_error_naming_it(cluster, tmp_path):

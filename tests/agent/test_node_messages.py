@@ -29,9 +29,30 @@ def ask(config: NodeConfig, host: str, tmp_path) -> None:
     NodeClient(config, accept_timeout_s=2.0).latest(host, StoreConfig(str(tmp_path / "ckpt")), None)
 
 
+def test_a_node_whose_clock_is_far_off_is_unavailable_saying_so(redis_url, tmp_path):
+    """Its announcements' signed times are 300 s old by the task's clock: not trusted (a replay
+    looks the same), and the task says which it may be rather than "no node agent"."""
+    config = make_config()
+    try:
+        with running_node("host-s", config, warm=False, wall_clock=lambda: time.time() - 300):
+            with pytest.raises(NodeUnavailableError) as info:
+                ask(config, "host-s", tmp_path)
+    finally:
+        drop_namespace(config)
+    err = info.value
+    assert "last announced itself 300 s ago by this host's clock" in str(err) and err.host == "host-s"
+    assert "are the hosts' clocks in sync?" in str(err)
+
+
 @pytest.fixture
-def refused_from_the_future(redis_url, tmp_path, caplog) -> tuple[NodeUnavailableError, str]:
-    """What a task gets from a node whose clock is 300 s behind its own, and the node's log."""
+def refused_from_the_future(redis_url, tmp_path, caplog, monkeypatch) -> tuple[NodeUnavailableError, str]:
+    """What a task gets from a node whose clock is 300 s behind its own, and the node's log,
+    when the task trusts the node's announcement (here: a wider announcement window) and the
+    node refuses the request by its own clock."""
+    from elastic_ops.agent import node_client
+
+    monkeypatch.setattr(node_client, "CLOCK_SKEW_S", 1000.0)
+    monkeypatch.setattr(node_client, "ANNOUNCEMENT_MAX_AGE_S", 1000.0)
     config = make_config()
     try:
         with (

@@ -5,6 +5,7 @@ failed host, so the retry's grant avoids it and the chunk trains on another host
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -54,7 +55,7 @@ def test_a_granted_host_whose_node_does_not_take_the_chunk_is_reported_and_avoid
     pool = airflow_pool(monkeypatch, tmp_path, host="host-a", slots=2)
     pool.add_host("host-b", 2)
     # host-a's node died a moment ago: its announcement has not lapsed yet, nobody takes requests
-    info = {"host": "host-a", "pid": 1, "version": PROTOCOL_VERSION, "chunks": 0}
+    info = {"host": "host-a", "pid": 1, "version": PROTOCOL_VERSION, "chunks": 0, "at": time.time()}
     cluster.redis().set(cluster.alive_key("host-a"), cluster.announcement("host-a", info), ex=60)
     monkeypatch.setattr(node_client, "ACCEPT_TIMEOUT_S", 2.0)
     with running_node("host-b", cluster) as node_b:
