@@ -61,6 +61,8 @@ from elastic_ops.urls import shown_url
 log = logging.getLogger("elastic_ops.node")
 
 REQUEST_MAX_AGE_S = CLOCK_SKEW_S  # a request older than this (by the sender's clock) is refused
+RUNS_BATCH = 512  # run-queue envelopes taken per round trip
+MAX_SESSIONS = 256  # requests served at once (chunks, latest-checkpoint questions, spanned ranks)
 _SESSION_RE = re.compile(r"[0-9a-f]{32}")
 
 
@@ -223,15 +225,16 @@ class NodeAgent:
             while not self._stop.is_set():
                 try:
                     item = self._redis.blpop([runs], timeout=1)
+                    # behind it, more in the same round trip: a queue flooded with junk is
+                    # drained in bulk, and each envelope is checked here, with no thread for one
+                    # that is not genuine
+                    batch = [item[1], *(self._redis.lpop(runs, RUNS_BATCH - 1) or ())] if item else []
                 except redis_error_types() as exc:
                     self._queue_error(runs, exc)
                     self._stop.wait(1.0)
                     continue
-                if item is None:
-                    continue
-                t = threading.Thread(target=self._handle, args=(item[1],), name="request", daemon=True)
-                t.start()
-                self._threads = [x for x in self._threads if x.is_alive()] + [t]
+                for raw in batch:
+                    self._take(raw)
         finally:
             self._shutdown()
 
@@ -291,7 +294,9 @@ class NodeAgent:
         key = self.config.session_key(session, "refused")
         self._redis.set(key, self.signer.seal(key, {"why": why}), ex=SESSION_TTL_S)
 
-    def _handle(self, raw: bytes) -> None:
+    def _take(self, raw: bytes) -> None:
+        """One popped envelope: verified here (a signature, then one claim in Redis), and only a
+        genuine, fresh, first-seen request gets a thread, while fewer than MAX_SESSIONS run."""
         try:
             verified = self._verified(raw)
         except redis_error_types() as exc:
@@ -299,7 +304,18 @@ class NodeAgent:
             return
         if verified is None:
             return
-        session_id, req = verified
+        self._threads = [x for x in self._threads if x.is_alive()]
+        if len(self._threads) >= MAX_SESSIONS:
+            why = f"this node agent serves {MAX_SESSIONS} sessions already"
+            self._refuse("busy", "refused run request %s: %s", verified[0], why)
+            with contextlib.suppress(*redis_error_types()):
+                self._leave_refusal(verified[0], why)
+            return
+        t = threading.Thread(target=self._handle, args=verified, name="request", daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def _handle(self, session_id: str, req: dict[str, Any]) -> None:
         channel = RedisChannel(
             self._redis,
             self.signer,

@@ -111,10 +111,10 @@ class NodeClient:
     def __repr__(self) -> str:
         return f"NodeClient({self.config!r})"
 
-    def _unreachable(self, exc: BaseException) -> AgentLostError:
+    def _unreachable(self, exc: BaseException | str) -> AgentLostError:
         # not the granted host's fault: retryable, and not reported against it
         return AgentLostError(
-            f"the cluster's Redis at {shown_url(self.config.url)} is unreachable: {exc}",
+            f"the cluster's Redis at {shown_url(self.config.url)} failed this session: {exc}",
             hint="check ELASTIC_OPS_NODE_REDIS_URL and the Redis server (a chunk task's retry resumes from "
             "the last committed checkpoint)",
         )

@@ -20,6 +20,7 @@ last write, so an abandoned session leaves nothing behind.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import hmac
 import json
@@ -41,6 +42,7 @@ MIN_SECRET_CHARS = 16
 BEAT_S = 1.0
 PEER_TIMEOUT_S = 10.0
 SESSION_TTL_S = 3600
+READ_BATCH = 512  # envelopes taken from Redis per round trip: junk is drained in bulk
 
 
 class PeerSilentError(EOFError):
@@ -160,6 +162,8 @@ class RedisChannel:
         self.redis_trouble = ""  # why the session ended through Redis, not the peer ('' if it did not)
         self._read_failed = False  # a read from Redis failed since the last envelope came in
         self.dropped = 0  # envelopes that did not verify, or repeated one already taken
+        self._dropped_at_last_in = 0  # ... as many when the last genuine one came
+        self._batch: collections.deque[bytes] = collections.deque()  # taken from Redis, not yet read
         self._last_in = clock()
         self._closed = threading.Event()
         self._peer_closed = False
@@ -218,16 +222,18 @@ class RedisChannel:
                 if self._read_failed:  # Redis was away meanwhile: not the peer's silence
                     self.redis_trouble = f"Redis unreachable while nothing came for {silent:.0f} s"
                     raise PeerSilentError(self.redis_trouble)
+                if (junk := self.dropped - self._dropped_at_last_in) > 0:
+                    # someone without the secret flooded this list: the peer's envelopes may be
+                    # behind the junk, and the host is not to blame
+                    self.redis_trouble = (f"{junk} envelopes that are not the peer's flooded {self.inbox} "
+                                          f"while nothing genuine came for {silent:.0f} s")
+                    raise PeerSilentError(self.redis_trouble)
                 raise PeerSilentError(
                     f"nothing from the peer for {silent:.0f} s (it sends every {self.beat_s:g} s)"
                 )
             wait = 1.0 if deadline is None else min(1.0, deadline - self.clock())
             try:
-                if wait > 0.001:
-                    item = self.redis.blpop([self.inbox], timeout=wait)
-                    raw = item[1] if item is not None else None
-                else:
-                    raw = self.redis.lpop(self.inbox)
+                raw = self._next(wait)
             except redis_error_types():
                 raw = None  # counts as silence: the peer timeout decides
                 self._read_failed = True
@@ -239,6 +245,26 @@ class RedisChannel:
             msg = self._accept(raw)
             if msg is not None:
                 return msg
+
+    def _next(self, wait: float) -> bytes | None:
+        """The next envelope of the inbox: from the batch already taken, else one blocking pop
+        and, behind it, up to READ_BATCH - 1 more in the same round trip (a list flooded with
+        junk is drained in bulk, not one round trip per envelope)."""
+        if self._batch:
+            return self._batch.popleft()
+        if wait > 0.001:
+            item = self.redis.blpop([self.inbox], timeout=wait)
+            if item is None:
+                return None
+            first = item[1]
+        else:
+            first = self.redis.lpop(self.inbox)
+            if first is None:
+                return None
+        more = self.redis.lpop(self.inbox, READ_BATCH - 1)
+        if more:
+            self._batch.extend(more)
+        return first
 
     def _accept(self, raw: bytes) -> dict[str, Any] | None:
         # Anyone who can write to Redis can push onto a session's list, secret or not: what does
@@ -266,6 +292,7 @@ class RedisChannel:
             raise MessageLostError(self.redis_trouble)
         self._seq_in = seq
         self._last_in = self.clock()
+        self._dropped_at_last_in = self.dropped
         self._read_failed = False
         if kind == "beat":
             return None

@@ -352,6 +352,77 @@ def test_forged_and_replayed_messages_inside_a_session_are_dropped_a_lost_one_is
         drop_namespace(config)
 
 
+def test_a_junk_flood_behind_genuine_envelopes_neither_ends_the_session_nor_blames_the_peer(redis_url):
+    """400,000 unsigned envelopes pushed onto a running session's list made the task raise
+    "nothing from the peer for 10 s" and the host be reported (a probe): envelopes were read
+    one round trip each. Now junk is drained in bulk; and when the peer's envelopes do not come
+    through while junk does, Redis (the flood) is blamed, not the peer."""
+    config = make_config()
+    r = config.redis()
+    box = f"{config.namespace}:s:flood"
+    try:
+        a = RedisChannel(r, config.signer(), inbox=f"{box}:in", outbox=box, beat_s=0.5)
+        b = RedisChannel(r, config.signer(), inbox=box, outbox=f"{box}:out", beat_s=100, peer_timeout_s=5)
+        junk = [b"junk-%d" % i for i in range(200_000)]
+        pipe = r.pipeline(transaction=False)
+        for k in range(0, len(junk), 10_000):
+            pipe.rpush(box, *junk[k:k + 10_000])
+        pipe.execute()
+        a.send({"type": "progress", "iteration": 7})  # behind all of it
+        deadline = time.monotonic() + 30
+        got = None
+        while got is None and time.monotonic() < deadline:
+            got = b.read(timeout=1)
+        assert got == {"type": "progress", "iteration": 7} and b.dropped >= 200_000
+        a.close()
+        # the peer is gone and only junk arrives: the session ends, blamed on Redis
+        r.rpush(box, *junk[:1000])
+        with pytest.raises(EOFError):
+            while True:
+                b.read(timeout=1)
+        c = RedisChannel(r, config.signer(), inbox=f"{box}:2", outbox=f"{box}:x", beat_s=100,
+                         peer_timeout_s=1)
+        stop = threading.Event()
+
+        def flood():
+            while not stop.is_set():
+                r.rpush(f"{box}:2", b"junk")
+                stop.wait(0.05)
+
+        t = threading.Thread(target=flood, daemon=True)
+        t.start()
+        try:
+            with pytest.raises(PeerSilentError, match="envelopes that are not the peer's flooded"):
+                while True:
+                    c.read(timeout=1)
+        finally:
+            stop.set()
+            t.join(5)
+        assert "flooded" in c.redis_trouble  # the task reports it as Redis's fault, not the host's
+        for ch in (b, c):
+            ch.close()
+    finally:
+        drop_namespace(config)
+
+
+def test_junk_on_a_nodes_run_queue_gets_no_thread_and_delays_no_genuine_request(cluster, tmp_path):
+    """400,000 envelopes on a host's queue made a genuine request fail after 30 s, the node
+    starting one thread per popped item (a probe)."""
+    config, a, _ = cluster
+    r = config.redis()
+    runs = config.runs_key("host-a")
+    pipe = r.pipeline(transaction=False)
+    for k in range(20):
+        pipe.rpush(runs, *[b"junk-%d" % (k * 10_000 + i) for i in range(10_000)])
+    pipe.execute()
+    threads_before = threading.active_count()
+    # answered behind the junk, within the task's accept timeout (else NodeUnavailableError)
+    client = NodeClient(config, accept_timeout_s=30.0)
+    assert client.latest("host-a", StoreConfig(f"file://{tmp_path}/ckpt"), None) is None
+    assert threading.active_count() <= threads_before + 8  # no thread per junk envelope
+    assert r.llen(runs) == 0
+
+
 class _Flaky:
     """A Redis client that is unreachable while ``down`` (connection refused)."""
 
