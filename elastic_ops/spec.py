@@ -156,7 +156,7 @@ def dot_segment(uri: str) -> str | None:
 
     path = unquote(urlparse(uri).path)
     if any(part in (".", "..") for part in path.split("/")):
-        return "the path may not hold '.' or '..' segments: give the folder's own path"
+        return "a path without '.' or '..' path segments: give the folder's own path"
     return None
 
 

@@ -111,10 +111,10 @@ class NodeClient:
     def __repr__(self) -> str:
         return f"NodeClient({self.config!r})"
 
-    def _unreachable(self, exc: BaseException | str) -> AgentLostError:
+    def _unreachable(self, exc: BaseException | str, what: str = "is unreachable") -> AgentLostError:
         # not the granted host's fault: retryable, and not reported against it
         return AgentLostError(
-            f"the cluster's Redis at {shown_url(self.config.url)} failed this session: {exc}",
+            f"the cluster's Redis at {shown_url(self.config.url)} {what}: {exc}",
             hint="check ELASTIC_OPS_NODE_REDIS_URL and the Redis server (a chunk task's retry resumes from "
             "the last committed checkpoint)",
         )
@@ -234,7 +234,7 @@ class NodeClient:
 
             def lost(why: str) -> BaseException:
                 if channel.redis_trouble:  # Redis was away or lost a message: not the host's fault
-                    return self._unreachable(channel.redis_trouble)
+                    return self._unreachable(channel.redis_trouble, "failed this session")
                 return NodeLostError(
                     f"the node agent of host {host} went away mid-chunk (iterations {start}..{end}): {why}",
                     host=host,
