@@ -198,6 +198,7 @@ class SettingsBody(_Body):
     job_idle_s: StrictFloat | StrictInt | None = None
     cooling_s: StrictFloat | StrictInt | None = None
     failure_threshold: StrictInt | None = None
+    rescale_cost_s: StrictFloat | StrictInt | None = None
 
 
 app = FastAPI(title="elastic_ops pool", description="Resource pool status and runtime control",

@@ -69,7 +69,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--policy")
     p.add_argument("--preemption", choices=["none", "graceful"])
     for name in ("lease-ttl-s", "min-rescale-interval-s", "min-gain", "aging-s", "job-idle-s", "cooling-s",
-                 "plan-interval-s", "plan-refresh-s"):
+                 "plan-interval-s", "plan-refresh-s", "rescale-cost-s"):
         p.add_argument(f"--{name}", type=float)
     p.add_argument("--failure-threshold", type=int)
     p.set_defaults(func=_configure)
@@ -206,6 +206,7 @@ def _configure(args: argparse.Namespace) -> None:
         "failure_threshold",
         "plan_interval_s",
         "plan_refresh_s",
+        "rescale_cost_s",
     )
     changes = {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
     print(json.dumps(_client(args).configure(**changes), sort_keys=True))

@@ -138,8 +138,8 @@ class PoolClient:
     ``url``: an SQLAlchemy URL (``sqlite:////abs/path/pool.db``, ``postgresql+psycopg2://…``);
     the schema is created or migrated on first use. ``settings`` (``policy``, ``preemption``,
     ``lease_ttl_s``, ``min_rescale_interval_s``, ``min_gain``, ``aging_s``, ``job_idle_s``,
-    ``cooling_s``, ``failure_threshold``, ``plan_interval_s``, ``plan_refresh_s``) are stored in
-    the ledger, shared by all clients.
+    ``cooling_s``, ``failure_threshold``, ``plan_interval_s``, ``plan_refresh_s``,
+    ``rescale_cost_s``) are stored in the ledger, shared by all clients.
 
     ``clock``: seconds since the epoch. By default the database's own clock on PostgreSQL, so
     that clients on hosts whose clocks disagree cannot expire each other's leases early (or keep

@@ -548,6 +548,7 @@ class Tx:
             min_rescale_interval_s=cfg["min_rescale_interval_s"],
             min_gain=cfg["min_gain"],
             aging_s=cfg["aging_s"],
+            rescale_cost_s=cfg["rescale_cost_s"],
         )
         return Snapshot(hosts, tuple(jobs), now, config), rows
 

@@ -59,6 +59,7 @@ pool = Table(
     Column("failure_threshold", Integer, nullable=False),
     Column("plan_interval_s", Float, nullable=False, default=0.05, server_default="0.05"),  # v4
     Column("plan_refresh_s", Float, nullable=False, default=5.0, server_default="5.0"),  # v4
+    Column("rescale_cost_s", Float, nullable=False, default=30.0, server_default="30.0"),  # v6
 )
 
 # v4: the planner's state. ``dirty_seq`` counts changes of the pool's inputs; ``planned_seq`` is
@@ -204,6 +205,7 @@ DEFAULTS = {
     "failure_threshold": 3,
     "plan_interval_s": 0.05,
     "plan_refresh_s": 5.0,
+    "rescale_cost_s": 30.0,
 }
 
 
@@ -276,8 +278,14 @@ def _v5(conn: Connection) -> None:
         conn.execute(text(f"ALTER TABLE leases SET (fillfactor = {LEASES_FILLFACTOR})"))
 
 
+def _v6(conn: Connection) -> None:
+    """``rescale_cost_s``: the stall the goodput policy weighs a rescale against."""
+    if "rescale_cost_s" not in {c["name"] for c in inspect(conn).get_columns("pool")}:
+        conn.execute(text("ALTER TABLE pool ADD COLUMN rescale_cost_s FLOAT NOT NULL DEFAULT 30.0"))
+
+
 MIGRATIONS: list[tuple[int, Callable[[Connection], None]]] = [
-    (1, _v1), (2, _v2), (3, _v3), (4, _v4), (5, _v5),
+    (1, _v1), (2, _v2), (3, _v3), (4, _v4), (5, _v5), (6, _v6),
 ]
 LATEST = MIGRATIONS[-1][0]
 

@@ -177,6 +177,28 @@ def test_the_plain_and_vectorised_goodput_give_the_same_targets():
         assert vectorised(snap).targets() == PLAIN["goodput"](snap).targets()
 
 
+def test_the_rescale_cost_is_a_pool_setting_the_plans_use(ledger_url, clock, monkeypatch):
+    from elastic_ops.errors import SpecError
+    from elastic_ops.pool import ledger as ledger_module
+
+    pool = PoolClient(ledger_url, clock=clock, policy="goodput")
+    assert pool.status()["settings"]["rescale_cost_s"] == 30.0
+    assert pool.configure(rescale_cost_s=120)["rescale_cost_s"] == 120
+    for bad in (-1, float("nan"), "30"):
+        with pytest.raises(SpecError, match="rescale_cost_s"):
+            pool.configure(rescale_cost_s=bad)
+    seen = []
+    real = ledger_module.get_policy
+    def spy(name):
+        return lambda snap: seen.append(snap) or real(name)(snap)
+
+    monkeypatch.setattr(ledger_module, "get_policy", spy)
+    pool.add_host("h", 4)
+    pool.submit("a", min_workers=1, max_workers=4)
+    assert isinstance(pool.request("a"), Grant)
+    assert seen and all(s.config.rescale_cost_s == 120 for s in seen)
+
+
 def test_on_the_real_ledger_the_job_that_scales_poorly_ends_with_fewer_workers(ledger_url, clock):
     # two jobs report what they measured with their heartbeats: "linear" runs an iteration in
     # 8/n s, "poor" in 4 + 4/n s. "poor" runs alone first (it grows, measuring each size), then

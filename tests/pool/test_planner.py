@@ -166,7 +166,8 @@ def test_a_ledger_of_schema_3_upgrades_in_place(ledger_url, clock):
         for col in ("obs_workers", "obs_hosts", "obs_batch", "obs_iterations", "obs_seconds", "obs_reports",
                     "obs_first"):
             conn.execute(sa.text(f"ALTER TABLE leases DROP COLUMN {col}"))
-        conn.execute(sa.text("DELETE FROM schema_version WHERE version IN (4, 5)"))
+        conn.execute(sa.text("ALTER TABLE pool DROP COLUMN rescale_cost_s"))
+        conn.execute(sa.text("DELETE FROM schema_version WHERE version IN (4, 5, 6)"))
     engine.dispose()
     pool = PoolClient(ledger_url, clock=clock)
     assert pool.heartbeat("a", g.epoch, workers=4).action == TargetAction.KEEP
@@ -174,6 +175,7 @@ def test_a_ledger_of_schema_3_upgrades_in_place(ledger_url, clock):
     assert isinstance(pool.request("b"), Wait)  # a plan: a shrinks for b
     assert pool.heartbeat("a", g.epoch, workers=4).action == TargetAction.SHRINK
     assert pool.status()["settings"]["plan_interval_s"] == 0.05
+    assert pool.status()["settings"]["rescale_cost_s"] == 30.0  # schema 6
     pool.close()
 
 
@@ -184,7 +186,8 @@ def test_a_ledger_of_schema_4_upgrades_to_in_place_renewals(ledger_url, clock):
         conn.execute(sa.text("CREATE INDEX leases_live_expires ON leases (expires) WHERE ended IS NULL"))
         if conn.dialect.name == "postgresql":
             conn.execute(sa.text("ALTER TABLE leases RESET (fillfactor)"))
-        conn.execute(sa.text("DELETE FROM schema_version WHERE version = 5"))
+        conn.execute(sa.text("ALTER TABLE pool DROP COLUMN rescale_cost_s"))
+        conn.execute(sa.text("DELETE FROM schema_version WHERE version IN (5, 6)"))
     pool = PoolClient(ledger_url, clock=clock)
     clock.advance(5)
     assert pool.heartbeat("a", g.epoch, workers=4).action == TargetAction.KEEP
