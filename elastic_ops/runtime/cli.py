@@ -59,9 +59,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         logger = logging.getLogger("elastic_ops.runtime")
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
-    previous = _stop_on_sigterm()
+    stopping = threading.Event()
+    previous = _stop_on_sigterm(stopping)
     try:
         result = run_job(spec, schedule=schedule, start=start, end=end)
+    except BaseException as exc:
+        if stopped_by_sigterm(exc, stopping):  # whatever a launch under way made of the signal
+            raise SystemExit(128 + signal.SIGTERM) from None
+        raise
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
@@ -88,7 +93,27 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _stop_on_sigterm() -> Any:
+def stopped_by_sigterm(exc: BaseException, stopping: threading.Event) -> bool:
+    """Whether ``exc`` ends a run that SIGTERM stopped: our handler ran (``stopping``), or the
+    signal reached torch's own handler (a launch installs one: it raises ``SignalException``)
+    somewhere in the exception's chain. A SIGTERM during a segment launch surfaced as torch's
+    exception, a fork server's ``FileNotFoundError`` or a worker's error: exit status 1, not 143."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    if stopping.is_set():
+        return True
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, SignalException) and exc.sigval == signal.SIGTERM:
+            return True
+        if isinstance(exc, SystemExit) and exc.code == 128 + signal.SIGTERM:
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _stop_on_sigterm(stopping: threading.Event | None = None) -> Any:
     """SIGTERM (``docker stop``, systemd, ``kill``) ends the run as Ctrl-C does: the workers are
     stopped, a commit under way completes, and the chunk's work directory (its staged states)
     is removed. Python's default action ended the process at once, mid-commit, and left the
@@ -96,6 +121,8 @@ def _stop_on_sigterm() -> Any:
     the handler it replaced (None where signals cannot be set: not the main thread)."""
 
     def stop(signum: int, frame: Any) -> None:
+        if stopping is not None:
+            stopping.set()
         raise SystemExit(128 + signum)
 
     if threading.current_thread() is not threading.main_thread():

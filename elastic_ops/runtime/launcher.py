@@ -66,7 +66,10 @@ def loopback_store(address: str = "127.0.0.1") -> dist.TCPStore:
             master_listen_fd=sock.fileno(),
         )
     except BaseException:
-        sock.close()
+        # the store may have taken (and closed) the descriptor before a SIGTERM's SystemExit:
+        # a second close's EBADF must not replace what is being raised
+        with contextlib.suppress(OSError):
+            sock.close()
         raise
     sock.detach()  # the store closes it
     return store

@@ -245,3 +245,57 @@ def _workers_of(pid: int) -> list[int]:
         except (psutil.Error, OSError):
             continue
     return found
+
+
+def test_a_sigterm_during_a_launch_exits_143_whatever_the_launch_made_of_it(tmp_path, monkeypatch):
+    """SIGTERM while a segment launched exited 1 (5 of 14 runs): torch's own handler raised its
+    SignalException, or the fork server's FileNotFoundError surfaced (a chaos campaign)."""
+    import os
+    import signal
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    spec = write_spec(tmp_path, total_iterations=20)
+    argv = ["run", "--spec", str(spec), "--checkpoint", f"file://{tmp_path}/ckpt", "--quiet"]
+
+    def torch_caught_it(*a, **k):  # torch's handler: its exception, wrapped by the launch
+        try:
+            raise SignalException("Process got signal: 15", sigval=signal.SIGTERM)
+        except SignalException as exc:
+            raise RuntimeError("launch failed") from exc
+
+    def fork_server_lost(*a, **k):  # our handler ran, then a fork server's error came out instead
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+        except SystemExit:
+            raise FileNotFoundError("/tmp/pymp-xyz/listener") from None
+
+    for fake in (torch_caught_it, fork_server_lost):
+        monkeypatch.setattr("elastic_ops.runtime.job.run_job", fake)  # what the command imports
+        with pytest.raises(SystemExit) as info:
+            main(argv)
+        assert info.value.code == 128 + signal.SIGTERM, fake.__name__
+
+    def plain_bug(*a, **k):  # an error of its own is not a SIGTERM
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr("elastic_ops.runtime.job.run_job", plain_bug)
+    with pytest.raises(RuntimeError, match="a bug"):
+        main(argv)
+
+
+def test_the_rendezvous_socket_is_closed_once_when_a_signal_cuts_the_store_start(monkeypatch):
+    """``loopback_store``'s cleanup closed a descriptor the store had already taken and closed:
+    its EBADF replaced the SIGTERM's SystemExit(143)."""
+    import os
+
+    from elastic_ops.runtime import launcher
+
+    def store_took_it(*a, master_listen_fd, **k):
+        os.close(master_listen_fd)
+        raise SystemExit(143)
+
+    monkeypatch.setattr(launcher.dist, "TCPStore", store_took_it)
+    with pytest.raises(SystemExit) as info:
+        launcher.loopback_store()
+    assert info.value.code == 143
