@@ -256,6 +256,16 @@ def _upsert(dialect: str):
     return postgresql.insert if dialect == "postgresql" else sqlite.insert
 
 
+def _coarse(workers: int, hosts: int, iterations: int, seconds: float) -> Measured:
+    """A live lease's measurement rounded: iterations to two significant digits, the step time
+    to three. It changes with every heartbeat, and the plan's fit of it is cached only while it
+    is the same value -- so a job is refitted when it has measured ~10 % more, or its speed
+    moved by ~0.1 %, not at every plan."""
+    digits = max(len(str(iterations)) - 2, 0)
+    kept = max(round(iterations, -digits), 1)
+    return Measured(workers, hosts, kept, kept * float(f"{seconds / iterations:.3g}"))
+
+
 class Tx:
     """One open transaction of the ledger and the operations that run inside it.
 
@@ -785,7 +795,7 @@ class Tx:
         live = select(le.job, le.obs_workers, le.obs_hosts, le.obs_iterations, le.obs_seconds).where(
             le.ended.is_(None), le.obs_batch == 0, le.obs_iterations > 0, le.obs_seconds > 0)
         for r in self.conn.execute(live):
-            m = Measured(r.obs_workers, r.obs_hosts, r.obs_iterations, r.obs_seconds)
+            m = _coarse(r.obs_workers, r.obs_hosts, r.obs_iterations, r.obs_seconds)
             out.setdefault(r.job, []).append(m)
         return out
 
