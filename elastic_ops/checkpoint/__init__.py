@@ -22,6 +22,7 @@ from elastic_ops.checkpoint.local import LocalBackend
 from elastic_ops.checkpoint.manifest import FORMAT_VERSION, FileEntry
 from elastic_ops.checkpoint.store import CheckpointRef, CheckpointStore
 from elastic_ops.errors import SpecError
+from elastic_ops.metrics import NO_METRICS, Metrics
 from elastic_ops.spec import bucket_problem, dot_segment
 
 __all__ = [
@@ -53,6 +54,7 @@ def open_store(
     clock: Callable[[], float] | None = None,
     checksum: Checksum | str = DEFAULT_CHECKSUM,
     create: bool = True,
+    metrics: Metrics = NO_METRICS,
     **backend_options: Any,
 ) -> CheckpointStore:
     """Open the checkpoint store at ``uri``.
@@ -64,6 +66,8 @@ def open_store(
     without one, boto3's standard credential chain and ``AWS_ENDPOINT_URL(_S3)`` apply.
     ``backend_options`` go to :class:`~elastic_ops.checkpoint.s3.S3Backend` (``retry``,
     ``transfer_config``, ``endpoint_url``).
+    ``metrics`` — where the store counts checkpoints ``latest()`` passes over
+    (``checkpoint.passed_over``, tag ``why``: ``damaged`` or ``refused``).
     ``checksum`` — the algorithm new checkpoints record: ``"xxh3-128"`` (default, fast) or
     ``"sha256"`` (cryptographic); checkpoints written with either are verified on load.
     """
@@ -93,4 +97,5 @@ def open_store(
         backend = S3Backend(parsed.netloc, parsed.path.strip("/"), client=s3_client, **backend_options)
     else:
         raise SpecError("checkpoint", uri, _ALLOWED_URI)
-    return CheckpointStore(backend, keep_last=keep_last, keep_every=keep_every, checksum=checksum, **extra)
+    return CheckpointStore(backend, keep_last=keep_last, keep_every=keep_every, checksum=checksum,
+                           metrics=metrics, **extra)

@@ -60,6 +60,7 @@ from elastic_ops.errors import (
     StaleEpochError,
     short_repr,
 )
+from elastic_ops.metrics import NO_METRICS, Metrics
 
 log = logging.getLogger("elastic_ops.checkpoint")
 
@@ -169,6 +170,7 @@ class CheckpointStore:
         keep_every: int | None = None,
         clock: Callable[[], float] = time.time,
         checksum: Checksum | str = DEFAULT_CHECKSUM,
+        metrics: Metrics = NO_METRICS,
     ) -> None:
         if type(keep_last) is not int or keep_last < 1:
             raise SpecError("keep_last", keep_last, "must be an integer >= 1")
@@ -180,6 +182,7 @@ class CheckpointStore:
         self.keep_every = keep_every
         self.checksum = parse_checksum(checksum)
         self._clock = clock
+        self.metrics = metrics  # counts checkpoints latest() passes over (damaged, refused)
         self._lock = threading.Lock()
         self._loaded: tuple[CheckpointRef, Any] | None = None  # what latest() verified and decoded
         # checkpoints latest() passed over although their checksums verify (content the safe
@@ -639,6 +642,7 @@ class CheckpointStore:
         except CheckpointCorruptError as exc:
             if not quiet:
                 log.warning("skipping damaged checkpoint at iteration %d: %s", iteration, exc)
+                self.metrics.incr("checkpoint.passed_over", tags={"why": "damaged"})
             return None
 
     def latest(
@@ -705,6 +709,7 @@ class CheckpointStore:
                     moved_on = True  # removed by retention while read: not damage
                     continue
                 log.warning("skipping damaged checkpoint %s, using an older one: %s", ref.uri, exc)
+                self.metrics.incr("checkpoint.passed_over", tags={"why": "damaged"})
                 continue
             try:
                 if into is not None:
@@ -717,6 +722,7 @@ class CheckpointStore:
                 self.refused.append(ref)
                 log.error("refusing checkpoint %s (its checksums verify, but %s); using an older one",
                           ref.uri, exc)
+                self.metrics.incr("checkpoint.passed_over", tags={"why": "refused"})
                 continue
             if into is not None or not decode:
                 return ref, moved_on

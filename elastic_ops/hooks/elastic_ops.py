@@ -176,4 +176,5 @@ class ElasticOpsHook(BaseHook):
         from elastic_ops.checkpoint import open_store
 
         client = self.s3_client() if uri.startswith("s3://") and self.aws_conn_id else None
-        return open_store(uri, s3_client=client, keep_last=keep_last, keep_every=keep_every)
+        return open_store(uri, s3_client=client, keep_last=keep_last, keep_every=keep_every,
+                          metrics=self.metrics())

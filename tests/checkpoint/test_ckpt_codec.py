@@ -100,9 +100,13 @@ def test_malicious_checkpoint_with_valid_manifest_is_rejected(target: StoreTarge
     # an attacker with write access plants a checkpoint whose manifest and checksums are valid
     _plant(target, exploit.data)
 
-    store = target.open()
+    from tests.recording_metrics import RecordingMetrics
+
+    rec = RecordingMetrics()
+    store = target.open(metrics=rec)
     assert store.latest().iteration == 10, "checksums verify, but it cannot be loaded: passed over"
     assert [r.iteration for r in store.refused] == [20]
+    assert rec.sent == [("incr", "checkpoint.passed_over", 1, {"why": "refused"})]  # loudly: a metric too
     planted = target.open().list()[-1]
     assert planted.iteration == 20
     with pytest.raises(UnsafeCheckpointError) as err:

@@ -97,9 +97,13 @@ def test_damaged_latest_falls_back_to_previous(target: StoreTarget, damage: str,
     else:
         target.write("it-00000020/manifest.json", b"{not json")
 
+    from tests.recording_metrics import RecordingMetrics
+
+    rec = RecordingMetrics()
     with caplog.at_level(logging.WARNING, logger="elastic_ops.checkpoint"):
-        ref = target.open().latest()
+        ref = target.open(metrics=rec).latest()
     assert ref.iteration == 10
+    assert rec.sent == [("incr", "checkpoint.passed_over", 1, {"why": "damaged"})]
     assert target.open().load(ref)["step"] == 1
     assert any("it-00000020" in r.getMessage() for r in caplog.records), "the warning names the checkpoint"
     if damage == "flip_byte":
