@@ -65,12 +65,18 @@ def _announcement(config: NodeConfig, host: str, raw: bytes | None, now: float) 
         return None
     if not isinstance(info, dict):
         return None
-    at = info.get("at")
-    if isinstance(at, bool) or not isinstance(at, int | float) or not math.isfinite(at):
-        return None
-    if not -CLOCK_SKEW_S <= now - at <= ANNOUNCEMENT_MAX_AGE_S:
+    at = _signed_at(info)
+    if at is None or not -CLOCK_SKEW_S <= now - at <= ANNOUNCEMENT_MAX_AGE_S:
         return None
     return {k: v for k, v in info.items() if _printable(k) and (_printable(v) or _plain_number(v))}
+
+
+def _signed_at(info: Any) -> float | None:
+    """The time an opened announcement says it was written (None: it says none usable)."""
+    at = info.get("at") if isinstance(info, dict) else None
+    if isinstance(at, bool) or not isinstance(at, int | float) or not math.isfinite(at):
+        return None
+    return float(at)
 
 
 def _printable(value: Any) -> bool:
@@ -140,10 +146,8 @@ class NodeClient:
             info = self.config.signer().open(self.config.alive_key(host), raw)
         except AgentProtocolError:
             return None
-        at = info.get("at") if isinstance(info, dict) else None
-        if isinstance(at, bool) or not isinstance(at, int | float) or not math.isfinite(at):
-            return None
-        return self.wall_clock() - at
+        at = _signed_at(info)
+        return None if at is None else self.wall_clock() - at
 
     def live_hosts(self, hosts: Sequence[str]) -> set[str]:
         """Those of ``hosts`` whose node agent is announced and speaks this protocol version."""

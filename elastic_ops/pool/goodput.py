@@ -59,7 +59,7 @@ from elastic_ops.pool.scaling import ScalingModel, fit
 from elastic_ops.pool.shares import weighted_fill_array
 
 __all__ = [
-    "MAX_HORIZON_S", "MIN_HORIZON_S", "YOUTH_BONUS", "YOUTH_GPU_S", "goodput_fill", "host_slots", "weight",
+    "MAX_HORIZON_S", "MIN_HORIZON_S", "YOUTH_BONUS", "YOUTH_GPU_S", "goodput_fill", "host_slots",
 ]
 
 YOUTH_GPU_S = 4 * 3600.0  # attained GPU-seconds at which the youth bonus is halved
@@ -76,12 +76,8 @@ def _prior() -> ScalingModel:
     return fit(())
 
 
-def weight(job: Job) -> float:
-    """The job's weight in the objective: priority times the youth factor (module docstring)."""
-    return float(_weights(np.array([job.priority], np.float64), np.array([job.attained], np.float64))[0])
-
-
 def _weights(priority: np.ndarray, attained: np.ndarray) -> np.ndarray:
+    """Priority times the youth factor (module docstring)."""
     return priority * (1.0 + YOUTH_BONUS / (1.0 + np.maximum(attained, 0.0) / YOUTH_GPU_S))
 
 
@@ -144,7 +140,6 @@ class _Curves:
         self.lo, self.sizes = lo, hi - lo + 1
         self.starts = np.concatenate([[0], np.cumsum(self.sizes)[:-1]]).astype(np.int64)
         seg = np.repeat(np.arange(len(rows)), self.sizes)
-        self.seg = seg
         self.offs = np.arange(len(seg)) - self.starts[seg]
         n = (lo[seg] + self.offs).astype(np.float64)
         e = np.maximum(np.minimum(n, explore[seg]), 1.0)

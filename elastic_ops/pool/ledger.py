@@ -55,7 +55,7 @@ from elastic_ops.pool.model import (
     make_job,
     outside,
 )
-from elastic_ops.pool.policies import get_policy
+from elastic_ops.pool.policies import LEARNING, get_policy
 from elastic_ops.pool.scaling import Measured, fit_cached
 
 
@@ -530,8 +530,7 @@ class Tx:
         jobs = []
         unfinished = select(s.jobs).where(s.jobs.c.state != JobState.FINISHED.value)
         rows = {r.name: r for r in self.conn.execute(unfinished)}
-        # only the goodput policy reads what jobs measured: the others pay nothing for it
-        learned = self.measured() if cfg["policy"] == "goodput" else {}
+        learned = self.measured() if cfg["policy"] in LEARNING else {}
         none: frozenset[str] = frozenset()
         for r in rows.values():
             mine = held.get(r.name, ())

@@ -9,7 +9,7 @@ implementations give the same plan, decision for decision.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 from elastic_ops.pool.goodput import goodput_fill
 from elastic_ops.pool.model import (
@@ -345,15 +345,11 @@ class _FreeSlots:
     def _take_packed(self, n: int, avoid: frozenset[str], out: list[Slot]) -> list[Slot]:
         """Best fit: the host with the fewest free slots that holds what is still needed; while
         none does, all of the host with the most free (spare hosts, then names, break ties)."""
-        rank = {h: i for i, h in enumerate(self.hosts)}
         while len(out) < n:
-            need = n - len(out)
-            room = [(self.free_on(h), rank[h], h) for h in self.hosts if h not in avoid and self.free_on(h)]
+            room = [(c, h) for h in self.hosts if h not in avoid and (c := self.free_on(h))]
             if not room:
                 break
-            fits = [r for r in room if r[0] >= need]
-            h = min(fits)[2] if fits else min(room, key=lambda r: (-r[0], r[1]))[2]
-            out.extend(self._take_from(h, need))
+            out.extend(self._take_from(best_fit(room, n - len(out)), n - len(out)))
         return out
 
     def _take_from(self, h: str, n: int) -> list[Slot]:
@@ -369,6 +365,16 @@ class _FreeSlots:
             if h not in avoid:
                 self.outside[avoid] -= k
         return got
+
+
+def best_fit(room: Sequence[tuple[int, str]], need: int) -> str:
+    """The host to take ``need`` more slots from, of ``room`` (free slots, host) in order of
+    preference: the first with the fewest free slots that holds them all, else the first with
+    the most (all of it is taken, and the rest is placed again)."""
+    fits = [k for k, (c, _) in enumerate(room) if c >= need]
+    if fits:
+        return room[min(fits, key=lambda k: (room[k][0], k))][1]
+    return room[min(range(len(room)), key=lambda k: (-room[k][0], k))][1]
 
 
 # Avoid sets whose free count _FreeSlots keeps (each take updates every one): the selectors'

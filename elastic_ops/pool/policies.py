@@ -185,6 +185,25 @@ class _Table:
         self.last_rescale = _array(jobs, get, "last_rescale", np.float64)[order]  # None -> nan
 
 
+class _Picked(Sequence[Job]):
+    """The jobs at positions ``idx`` of ``jobs``, read only if a share rule asks (most never do:
+    a list per freeze round would cost every policy a pass over the admitted jobs)."""
+
+    def __init__(self, jobs: list[Job], idx: np.ndarray) -> None:
+        self._jobs, self._idx = jobs, idx
+
+    def __len__(self) -> int:
+        return len(self._idx)
+
+    def __getitem__(self, k):  # type: ignore[override]
+        if isinstance(k, slice):
+            return [self._jobs[i] for i in self._idx[k].tolist()]
+        return self._jobs[int(self._idx[k])]
+
+    def __iter__(self):
+        return map(self._jobs.__getitem__, self._idx.tolist())
+
+
 def _rank(neg_eff: np.ndarray, waiting: np.ndarray, submitted: np.ndarray, names) -> np.ndarray:
     """Indices in :func:`order_key` order. The numeric keys are sorted by numpy; names only
     break the ties that remain (usually none), so strings are compared only among tied jobs."""
@@ -620,10 +639,8 @@ def _targets(t: _Table, share: ShareFn, held_up, hs: _Hosts, snap: Snapshot, fre
         targets = held_up.copy()  # frozen jobs keep what they hold
         targets[free_idx] = 0
         a = free_idx[admitted]
-        targets[a] = share(
-            mins[admitted], fcaps[admitted], t.prio[a], t.eff[a], cap_left,
-            list(map(t.jobs.__getitem__, a.tolist())), snap,
-        )
+        jobs = _Picked(t.jobs, a)
+        targets[a] = share(mins[admitted], fcaps[admitted], t.prio[a], t.eff[a], cap_left, jobs, snap)
         new = _freeze(t, held_up, targets, is_free, snap)
         if not new or rnd == SETTLE_AFTER:
             break
@@ -1052,6 +1069,9 @@ POLICIES: dict[str, Policy] = {
     name: make_policy(fn, PLAIN[name], GOODPUT_FIRST_FIT if name == "goodput" else None)
     for name, fn in _SHARES.items()
 }
+# The policies that read each job's scaling model and attained service: the ledger and the
+# simulator build them only for these (the others pay nothing for them).
+LEARNING = frozenset({"goodput"})
 # The vectorised path at every size (tests and benchmarks compare it with PLAIN). Not goodput's:
 # its plain form packs new slots on few hosts and moves growing jobs onto fewer (its vectorised
 # form, for large snapshots, shares the same way and places first-fit in host-name order).

@@ -45,7 +45,8 @@ from typing import Any
 
 from elastic_ops.errors import SpecError, UnknownPolicyError
 from elastic_ops.pool.model import Host, Job, PolicyConfig, Preemption, Snapshot
-from elastic_ops.pool.policies import POLICIES, get_policy
+from elastic_ops.pool.plain_policies import best_fit
+from elastic_ops.pool.policies import LEARNING, POLICIES, get_policy
 from elastic_ops.pool.scaling import Measured, ScalingModel, fit
 from elastic_ops.pool.workload import (
     GPUS_PER_NODE,
@@ -341,7 +342,7 @@ class Simulation:
                 self._start_or_rescale(j, _packed(free, min(j.spec.num_replicas, self.cfg.slots)))
 
     def _snapshot(self, active: list[_SimJob]) -> Snapshot:
-        learns = self.policy == "goodput"
+        learns = self.policy in LEARNING
         jobs = tuple(
             Job(
                 name=j.spec.name,
@@ -403,9 +404,7 @@ def _packed(free: dict[str, list[int]], n: int) -> tuple[tuple[str, int], ...]:
     out: list[tuple[str, int]] = []
     while len(out) < n:
         need = n - len(out)
-        room = [(len(v), h) for h, v in free.items() if v]
-        fits = [r for r in room if r[0] >= need]
-        h = min(fits)[1] if fits else min(room, key=lambda r: (-r[0], r[1]))[1]
+        h = best_fit(sorted((len(v), h) for h, v in free.items() if v), need)
         take, free[h] = free[h][:need], free[h][need:]
         out.extend((h, i) for i in take)
     return tuple(out)
