@@ -28,7 +28,7 @@ from typing import BinaryIO, TypeVar
 
 import numpy as np
 
-from elastic_ops.checkpoint.backend import ObjectInfo
+from elastic_ops.checkpoint.backend import Backend, ObjectInfo
 from elastic_ops.checkpoint.checksum import Hasher, hash_stream
 from elastic_ops.errors import StoragePermanentError, StorageTransientError
 
@@ -89,7 +89,7 @@ class _EarlyWriteback:
             self.write(view[start : start + _PIECE])
 
 
-class LocalBackend:
+class LocalBackend(Backend):
     remote = False
 
     def __init__(self, root: str | os.PathLike[str], *, create: bool = True) -> None:

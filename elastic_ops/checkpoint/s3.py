@@ -20,7 +20,7 @@ from boto3.s3.transfer import TransferConfig
 from botocore import exceptions as bce
 from botocore.config import Config
 
-from elastic_ops.checkpoint.backend import ObjectInfo
+from elastic_ops.checkpoint.backend import Backend, ObjectInfo
 from elastic_ops.checkpoint.retry import RetryPolicy, call_with_retry, error_code
 from elastic_ops.errors import CheckpointCorruptError
 
@@ -65,7 +65,7 @@ def make_client(endpoint_url: str | None = None, *, session: Any = None, **kwarg
     return (session or boto3).client("s3", endpoint_url=endpoint_url, config=config, **kwargs)
 
 
-class S3Backend:
+class S3Backend(Backend):
     remote = True
 
     def __init__(

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from elastic_ops.checkpoint.archive import Archive, archive_decoding_works, decode_archive, read_archive
-from elastic_ops.checkpoint.backend import Backend, ObjectInfo
+from elastic_ops.checkpoint.backend import Backend, ObjectInfo, write_file
 from elastic_ops.checkpoint.checksum import DEFAULT_CHECKSUM, Checksum, hash_stream, parse_checksum
 from elastic_ops.checkpoint.codec import (
     check_decodable,
@@ -279,9 +279,8 @@ class CheckpointStore:
         """
         self._check_args(iteration, epoch, spec_hash)
         metrics = check_metrics(metrics)  # before any upload: a bad value leaves nothing behind
-        put_stream = getattr(self.backend, "put_stream", None)
         list_during_upload = False
-        if put_stream is None:
+        if self.backend.remote:
             payload = {STATE_NAME: encode_state(state)}
             upload = self._bytes_uploader(payload)
             list_during_upload = self._list_during_upload(payload)
@@ -291,7 +290,7 @@ class CheckpointStore:
 
             def upload(prefix: str) -> tuple[FileEntry, ...]:
                 name = f"{prefix}/{STATE_NAME}"
-                digest, size = put_stream(name, lambda f: encode_state_into(state, f, algorithm))
+                digest, size = self.backend.put_stream(name, lambda f: encode_state_into(state, f, algorithm))
                 return (FileEntry(name.split("/", 1)[1], algorithm, digest, size),)
 
         return self._commit(
@@ -327,8 +326,7 @@ class CheckpointStore:
         self._check_args(iteration, epoch, spec_hash)
         metrics = check_metrics(metrics)
         check_decodable(path, name=str(path))
-        adopt = getattr(self.backend, "adopt", None)
-        if adopt is None:
+        if self.backend.remote:
             payload = {STATE_NAME: Path(path).read_bytes()}
             upload = self._bytes_uploader(payload)
             list_during_upload = self._list_during_upload(payload)
@@ -338,7 +336,7 @@ class CheckpointStore:
             def upload(prefix: str) -> tuple[FileEntry, ...]:
                 name = f"{prefix}/{STATE_NAME}"
                 hasher = algorithm.hasher()
-                size = adopt(name, path, hasher)
+                size = self.backend.adopt(name, path, hasher)
                 return (FileEntry(name.split("/", 1)[1], algorithm, hasher.hexdigest(), size),)
 
         return self._commit(
@@ -385,7 +383,7 @@ class CheckpointStore:
         upload (many requests, possibly minutes) lists after the upload, as a local store does
         (listing a directory costs less than handing it to a thread).
         """
-        limit = getattr(self.backend, "single_put_limit", None)
+        limit = self.backend.single_put_limit
         return limit is not None and all(len(data) < limit for data in payload.values())
 
     def _bytes_uploader(self, payload: dict[str, bytes]) -> Callable[[str], tuple[FileEntry, ...]]:
@@ -586,13 +584,12 @@ class CheckpointStore:
         directory and not every retained one's (``keep_every`` may keep hundreds). Others are
         listed once, in full.
         """
-        list_dirs = getattr(self.backend, "list_dirs", None)
-        if list_dirs is None:
+        if self.backend.remote:
             by_it = self._scan()
             for iteration in sorted(by_it, reverse=True):
                 yield iteration, by_it[iteration]
             return
-        found = ((int(m.group(1)), name) for name in list_dirs() if (m := _IT_RE.match(name)))
+        found = ((int(m.group(1)), name) for name in self.backend.list_dirs() if (m := _IT_RE.match(name)))
         for iteration, name in sorted(found, reverse=True):
             sizes = self._scan(self.backend.list(f"{name}/")).get(iteration)
             if sizes:  # None: removed by retention since the first listing
@@ -739,7 +736,7 @@ class CheckpointStore:
         """
         data = [k for k in sizes if k != MANIFEST_NAME]
         one_dir = len({k.split("/", 1)[0] for k in data}) == 1
-        if not getattr(self.backend, "remote", True) or MANIFEST_NAME not in sizes or not one_dir:
+        if not self.backend.remote or MANIFEST_NAME not in sizes or not one_dir:
             return {}
         it_dir = iteration_dir(iteration)
         return {k: _pool().submit(self.backend.get, f"{it_dir}/{k}", size_hint=sizes[k]) for k in data}
@@ -783,10 +780,9 @@ class CheckpointStore:
                 archive, got = self._read_archive(key, f.algorithm)
                 if archive is not None:
                     return archive, got
-            read_hashing = getattr(self.backend, "read_hashing", None)
-            if read_hashing is not None:
+            if not self.backend.remote:
                 hasher = f.algorithm.hasher()
-                return read_hashing(key, hasher), hasher.hexdigest()
+                return self.backend.read_hashing(key, hasher), hasher.hexdigest()
         data = pending.result() if pending else self.backend.get(key, size_hint=f.size)
         got = f.algorithm.hexdigest(data) if data is not None else ""
         if data is not None and (len(data) != f.size or got != f.digest):
@@ -801,10 +797,9 @@ class CheckpointStore:
         """The state file at ``key`` read record by record (archive.py), with its digest; (None,
         "") where the backend cannot, this PyTorch does not decode such reads, or the file is
         not laid out as expected (the caller then reads it whole)."""
-        read_stream = getattr(self.backend, "read_stream", None)
-        if read_stream is None or not archive_decoding_works():
+        if self.backend.remote or not archive_decoding_works():
             return None, ""
-        read = read_stream(key, lambda f, size: read_archive(f, size, algorithm))
+        read = self.backend.read_stream(key, lambda f, size: read_archive(f, size, algorithm))
         return read if read is not None else (None, "")
 
     def load(self, ref: CheckpointRef) -> Any:
@@ -845,11 +840,11 @@ class CheckpointStore:
     def _hash_verified(self, ref: CheckpointRef, prefetched: dict[str, Future[bytes | None]]) -> None:
         """Verify every file of ``ref`` by its size and digest, keeping nothing; raises
         :class:`CheckpointCorruptError` on a missing or damaged file."""
-        read_stream = getattr(self.backend, "read_stream", None)
         for f in ref.files:
-            if read_stream is not None and f.name not in prefetched:
+            if not self.backend.remote and f.name not in prefetched:
                 hasher = f.algorithm.hasher()
-                size = read_stream(f"{iteration_dir(ref.iteration)}/{f.name}", hash_stream(hasher))
+                key = f"{iteration_dir(ref.iteration)}/{f.name}"
+                size = self.backend.read_stream(key, hash_stream(hasher))
                 _verify(ref, f, size, hasher.hexdigest())
             else:
                 data, got = self._read_file(ref, f, prefetched.get(f.name), whole=True)
@@ -867,23 +862,16 @@ class CheckpointStore:
         states = [f for f in ref.files if _is_state(f.name)]
         if len(states) != 1:
             raise CheckpointCorruptError(f"{ref.uri} has no single {STATE_NAME}")
-        place = getattr(self.backend, "place", None)
         for f in ref.files:
-            if f is states[0] and place is not None and f.name not in prefetched:
+            if f is states[0] and not self.backend.remote and f.name not in prefetched:
                 hasher = f.algorithm.hasher()
-                size = place(f"{iteration_dir(ref.iteration)}/{f.name}", path, hasher)
+                size = self.backend.place(f"{iteration_dir(ref.iteration)}/{f.name}", path, hasher)
                 _verify_or_remove(ref, f, size, hasher.hexdigest(), path)
                 continue
             data, got = self._read_file(ref, f, prefetched.get(f.name), whole=True)
             _verify(ref, f, None if data is None else len(data), got)
             if f is states[0]:
-                tmp = Path(path).with_name(f".{Path(path).name}.{uuid.uuid4().hex}.tmp")
-                try:
-                    tmp.write_bytes(data)  # type: ignore[arg-type]  # verified: not None
-                    os.replace(tmp, path)
-                except BaseException:
-                    tmp.unlink(missing_ok=True)
-                    raise
+                write_file(path, data)  # type: ignore[arg-type]  # verified: not None
 
     # --- retention -------------------------------------------------------------------------
 
@@ -893,14 +881,13 @@ class CheckpointStore:
     def _sweep_temp(self, floor: int, keep: set[int]) -> None:
         """Local stores: temporary files of killed writers in the iterations below ``floor`` that
         are not kept (listings hide them, so a directory holding only those is never listed)."""
-        sweep = getattr(self.backend, "sweep_temp", None)
-        if sweep is None:
+        if self.backend.remote:
             return
         below = [
             n for n in self.backend.list_dirs()
             if (m := _IT_RE.match(n)) and int(m.group(1)) < floor and int(m.group(1)) not in keep
         ]
-        if below and sweep(below):
+        if below and self.backend.sweep_temp(below):
             log.info("retention: removed temporary files of interrupted saves below iteration %d", floor)
 
     def _retain(self, *, committed: int, objects: list[ObjectInfo] | None) -> None:

@@ -16,7 +16,7 @@ import botocore.exceptions as bce
 import pytest
 
 from elastic_ops.checkpoint import CheckpointStore
-from elastic_ops.checkpoint.backend import ObjectInfo
+from elastic_ops.checkpoint.backend import Backend, ObjectInfo
 from elastic_ops.checkpoint.local import LocalBackend
 from elastic_ops.checkpoint.s3 import S3Backend, make_client
 from elastic_ops.errors import StaleEpochError, StorageTransientError
@@ -26,7 +26,7 @@ from tests.s3_server import S3Endpoint
 WAIT_S = 10.0  # generous: only reached when the behaviour under test is broken
 
 
-class RemoteLike:
+class RemoteLike(Backend):
     """A directory behind the remote-backend interface: one-request puts below ``limit`` bytes.
 
     ``hold_data_put``: the data upload waits until the listing has started (proves overlap).
