@@ -30,7 +30,7 @@ from torch.utils.data import Dataset
 from elastic_ops.errors import SpecError
 from elastic_ops.examples import corpus
 from elastic_ops.examples import params as P
-from elastic_ops.examples._base import Trainable
+from elastic_ops.runtime.trainable import Trainable
 
 
 def _optional_sha(key: str, value: Any) -> str | None:

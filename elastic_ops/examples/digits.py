@@ -26,7 +26,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from elastic_ops.examples import params as P
-from elastic_ops.examples._base import Trainable
+from elastic_ops.runtime.trainable import Trainable
 
 SCHEMA = {
     "lr": (0.002, P.positive_float),

@@ -19,16 +19,6 @@ from sqlalchemy.exc import ArgumentError, DBAPIError
 from elastic_ops.errors import SpecError
 from elastic_ops.urls import scrubbed, shown_url
 
-
-def sqlite_file(url: str) -> str | None:
-    """The file of an ``sqlite:///`` ledger URL; ``None`` for other (or unparsable) URLs."""
-    try:
-        parsed = make_url(url)
-    except ArgumentError:
-        return None
-    return parsed.database if parsed.get_backend_name() == "sqlite" else None
-
-
 _ENCODE_HINT = "percent-encode '@', ':' and '/' in a user name or password (%40, %3A, %2F)"
 NO_LEDGER_HINT = "a ledger is created by its first chunk task, `pool add-host` or `pool configure`"
 

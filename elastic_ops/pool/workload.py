@@ -329,7 +329,8 @@ class Application:
         packed on 4-GPU nodes, or spread as ``spread`` says (GPUs per node)."""
         local = batch / r
         accum = max(1, math.ceil(local / self.max_local))
-        curve = self._spread_curve(spread) if spread is not None else None
+        # GPUs per node in any order: the nodes are alike
+        curve = self._spread_curve(tuple(sorted(spread))) if spread is not None else None
         if curve is not None:
             return accum * self._curve_time(curve, local / accum)
         return accum * self._time_at(r, local / accum)
@@ -405,11 +406,3 @@ def synthetic_workload(
             )
         )
     return out
-
-
-def write_workload(jobs: list[WorkloadJob], path: str | Path) -> None:
-    with Path(path).open("w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["name", "time", "application", "num_replicas", "batch_size"])
-        for j in jobs:
-            w.writerow([j.name, j.submit, j.application, j.num_replicas, j.batch_size])

@@ -111,7 +111,7 @@ def test_step_times_follow_the_measured_spread():
     # placements.csv: "1111,64,0.14134659767150878": 4 nodes x 1 GPU at per-GPU batch 64
     assert app.step_time(4, 4 * 64, (1, 1, 1, 1)) == pytest.approx(0.14134659767150878)
     assert app.step_time(4, 256, (4,)) == app.step_time(4, 256)  # one node: the packed estimate
-    assert app.step_time(4, 256, (1, 3)) == app.step_time(4, 256, (1, 3))  # spelled "13" or "31"
+    assert app.step_time(4, 256, (1, 3)) == app.step_time(4, 256, (3, 1))  # spelled "13" or "31"
     assert app.step_time(5, 320, (1, 1, 1, 1, 1)) == app.step_time(5, 320)  # not measured: packed
     assert app.step_time(16, 1024, (1,) * 16) != app.step_time(16, 1024)  # 16 nodes, scalability.csv
 
