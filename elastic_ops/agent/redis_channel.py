@@ -43,6 +43,7 @@ BEAT_S = 1.0
 PEER_TIMEOUT_S = 10.0
 SESSION_TTL_S = 3600
 READ_BATCH = 512  # envelopes taken from Redis per round trip: junk is drained in bulk
+_ENVELOPE_START = b'{"mac": "'  # how every envelope seal() writes begins
 
 
 class PeerSilentError(EOFError):
@@ -95,6 +96,8 @@ class Signer:
         one, or its MAC does not verify (wrong secret, forged, or moved from another list)."""
         if len(raw) > 2 * MAX_MESSAGE_BYTES:
             raise AgentProtocolError(f"an envelope on {where} exceeds {2 * MAX_MESSAGE_BYTES} bytes")
+        if not raw.startswith(_ENVELOPE_START):  # junk is refused before it costs a JSON parse
+            raise AgentProtocolError(f"a message on {where} is not an envelope")
         env = decode(raw)
         mac, body = env.get("mac"), env.get("body")
         if not isinstance(mac, str) or not isinstance(body, str):
