@@ -19,9 +19,16 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     runtime_cli.add_commands(sub)
     pool_cli.add_commands(sub)
-    agent_cli.add_commands(sub)
+    agent_cli.add_commands(sub, metrics=_airflow_metrics)
     _name_options(parser, {})
     return parser
+
+
+def _airflow_metrics():
+    """A node agent's metrics: Airflow's Stats, as this host's ``[metrics]`` configuration says."""
+    from elastic_ops.hooks.metrics import metrics_from_airflow_config
+
+    return metrics_from_airflow_config()
 
 
 def _name_options(parser: argparse.ArgumentParser, inherited: dict[str, str]) -> None:

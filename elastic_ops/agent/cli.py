@@ -7,14 +7,18 @@ import argparse
 import logging
 import socket
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from elastic_ops.agent.cluster import NAMESPACE_ENV, URL_ENV
 from elastic_ops.agent.protocol import AGENT_SOCKET_ENV
 from elastic_ops.agent.redis_channel import SECRET_ENV
+from elastic_ops.metrics import NO_METRICS, Metrics
 
 
-def add_commands(subparsers: Any) -> None:
+def add_commands(subparsers: Any, metrics: Callable[[], Metrics] = lambda: NO_METRICS) -> None:
+    """The agents' commands; ``metrics()``: where a node agent sends its metrics (the top-level
+    CLI wires in Airflow's Stats, so this package never imports Airflow)."""
     p = subparsers.add_parser(
         "agent",
         help="serve chunk requests from the Airflow tasks on this host (keeps torch and workers warm)",
@@ -61,7 +65,7 @@ def add_commands(subparsers: Any) -> None:
     )
     n.add_argument("--pool-url", default=None, help="SQLAlchemy URL of the pool ledger, for --register-slots")
     n.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-    n.set_defaults(func=cmd_node, flag_aliases={"labels": "--label"})
+    n.set_defaults(func=cmd_node, flag_aliases={"labels": "--label"}, metrics=metrics)
     ls = subparsers.add_parser(
         "nodes",
         help="list the node agents announced in the cluster's Redis",
@@ -148,9 +152,7 @@ def cmd_node(args: argparse.Namespace) -> int:
 
         reachable_redis(config)  # a node that cannot serve must not leave its host in the pool
         register_host(args.host, slots, args.pool_url, labels)
-    from elastic_ops.hooks.metrics import metrics_from_airflow_config
-
-    return main(args.host, config, advertise_addr=args.advertise_addr, metrics=metrics_from_airflow_config())
+    return main(args.host, config, advertise_addr=args.advertise_addr, metrics=args.metrics())
 
 
 def slots_to_register(value: str) -> int:
