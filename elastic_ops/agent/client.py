@@ -9,7 +9,7 @@ import contextlib
 import dataclasses
 import os
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from elastic_ops.agent.channel import Channel, SocketChannel
@@ -28,6 +28,7 @@ from elastic_ops.agent.protocol import (
     trusted_peer,
 )
 from elastic_ops.errors import AgentLostError, SpecError
+from elastic_ops.runtime.allocation import Allocation
 from elastic_ops.runtime.outcome import ChunkResult, Progress
 
 POLL_S = 0.05  # how often the client looks for a new pool target between agent messages (the
@@ -139,27 +140,25 @@ class AgentClient:
         epoch: int,
         host: str,
         store: StoreConfig,
-        wanted: Callable[[], int],
+        target: Callable[[], Allocation],
         warm_start: StoreConfig | None = None,
         on_progress: Callable[[Progress], None] | None = None,
-        on_applied: Callable[[int, int, tuple[int, ...] | None], None] | None = None,
+        on_applied: Callable[[int, Allocation], None] | None = None,
         poll_s: float = POLL_S,
-        slots: Callable[[], Sequence[int]] | None = None,
     ) -> ChunkResult:
         """Run iterations ``[start, end)`` of ``spec`` on the agent; see ``run_chunk`` in the runtime.
 
-        ``wanted()`` is the pool's current target (0 = preempt); it is sent to the agent whenever
-        it changes, with ``slots()`` (called right after it: the GPU slots on this host that come
-        with that target; ``None``: the agent's workers take its visible GPUs in order).
-        ``on_applied(iteration, workers, slots)`` is called when a new worker count, or the same
-        count on other slots (``None`` when the run had no slots), starts at a boundary (the
-        previous segment's workers have exited). Raises :class:`AgentUnavailableError` if
+        ``target()`` is the pool's current target (0 = preempt) with its slots; it is sent to the
+        agent whenever it changes (the slots on ``host``; a bare count: the agent's workers take
+        its visible GPUs in order). ``on_applied(iteration, allocation)`` is called when a new
+        worker count, or the same count on other slots, starts at a boundary (the previous
+        segment's workers have exited). Raises :class:`AgentUnavailableError` if
         no agent accepts the connection (nothing ran; the caller may run the chunk itself), the
         chunk's own ``elastic_ops`` error as the runtime raised it, or :class:`AgentLostError`
         if the agent went away mid-chunk (its workers went with it; not the host's fault).
         """
 
-        current = target_reader(wanted, slots)
+        current = target_reader(target, host)
         sock = self._connect()
         channel = SocketChannel(sock)
         self._running.add(sock)
@@ -175,7 +174,7 @@ class AgentClient:
                 )
 
             return drive_chunk(
-                channel, sent, current, on_progress=on_progress, on_applied=on_applied,
+                channel, host, sent, current, on_progress=on_progress, on_applied=on_applied,
                 poll_s=poll_s, lost=lost, error=self._error,
             )
         finally:
@@ -183,24 +182,13 @@ class AgentClient:
             sock.close()
 
 
-Target = tuple[int, "list[int] | None", "list[list[Any]] | None"]  # workers, slots, spans on the wire
+Target = dict[str, Any]  # an Allocation's wire fields: workers, slots and (spanning) spans
 
 
-def target_reader(
-    wanted: Callable[[], int],
-    slots: Callable[[], Sequence[int]] | None,
-    spans: Callable[[], Sequence[tuple[str, Sequence[int]]]] | None = None,
-) -> Callable[[], Target]:
-    """``() -> (workers, slots, spans)``: the pool's current target as the protocol sends it
-    (``spans``: the other hosts' slots, ``[[host, [slot, ...]], ...]``, or ``None``)."""
-
-    def current() -> Target:
-        workers = int(wanted())
-        here = None if slots is None else [int(s) for s in slots()]
-        there = None if spans is None else [[str(h), [int(s) for s in ss]] for h, ss in spans()]
-        return workers, here, there
-
-    return current
+def target_reader(target: Callable[[], Allocation], host: str, spans: bool = False) -> Callable[[], Target]:
+    """``() -> fields``: the pool's current target as the protocol sends it for ``host``
+    (``spans``: with the other hosts' slots, ``[[host, [slot, ...]], ...]``)."""
+    return lambda: target().to_wire(host, spans=spans)
 
 
 def run_request(
@@ -213,8 +201,8 @@ def run_request(
     store: StoreConfig,
     warm_start: StoreConfig | None,
 ) -> dict[str, Any]:
-    """The ``run`` message (docs: :mod:`elastic_ops.agent.protocol`)."""
-    extra = {} if target[2] is None else {"spans": target[2]}  # only node agents span hosts
+    """The ``run`` message (docs: :mod:`elastic_ops.agent.protocol`); only node agents that lead
+    segments across hosts get ``spans`` in ``target``."""
     return {
         "op": "run",
         "version": PROTOCOL_VERSION,
@@ -223,29 +211,28 @@ def run_request(
         "end": end,
         "epoch": epoch,
         "host": host,
-        "workers": target[0],
-        "slots": target[1],
+        **target,
         "store": store.to_wire(),
         "warm_start": warm_start.to_wire() if warm_start is not None else None,
-        **extra,
     }
 
 
 def drive_chunk(
     channel: Channel,
+    host: str,
     sent: Target,
     current: Callable[[], Target],
     *,
     on_progress: Callable[[Progress], None] | None,
-    on_applied: Callable[..., None] | None,
+    on_applied: Callable[[int, Allocation], None] | None,
     poll_s: float,
     lost: Callable[[str], BaseException],
     error: Callable[[dict[str, Any]], BaseException],
 ) -> ChunkResult:
     """The task's side of a running chunk, once its run request has gone: forward the pool's
     target (``current()``: workers, slots and spans) whenever it changes from ``sent``, hand
-    progress and segment changes to the callbacks (``on_applied(iteration, workers, slots)``, plus
-    the other hosts' slots in use when the agent sends them), return the result or raise the
+    progress and segment changes to the callbacks (``on_applied(iteration, allocation)``: the
+    slots in use on ``host`` and the other hosts), return the result or raise the
     chunk's error (``error(msg)``) or, when the channel ends first, ``lost(why)``.
 
     A target that cannot be sent (the agent has closed its side) is not yet a lost chunk: the
@@ -260,8 +247,7 @@ def drive_chunk(
         now = current()
         if now != sent:
             try:
-                extra = {} if now[2] is None else {"spans": now[2]}
-                channel.send({"op": "target", "workers": now[0], "slots": now[1], **extra})
+                channel.send({"op": "target", **now})
             except OSError as exc:
                 unsent = f"a target could not be sent ({exc})"
             sent = now
@@ -274,10 +260,7 @@ def drive_chunk(
         elif kind == "applied":
             iteration, workers, slots, spans = applied_from_wire(msg)
             if on_applied is not None:
-                if spans is None:
-                    on_applied(iteration, workers, slots)
-                else:
-                    on_applied(iteration, workers, slots, spans)
+                on_applied(iteration, Allocation.split(workers, host, slots, spans))
         elif kind == "result":
             return result_from_wire(msg.get("result"))
         elif kind == "error":

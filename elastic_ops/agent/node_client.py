@@ -35,6 +35,7 @@ from elastic_ops.agent.redis_channel import (
     wrong_type,
 )
 from elastic_ops.errors import AgentLostError, NodeLostError, NodeUnavailableError, SpecError
+from elastic_ops.runtime.allocation import Allocation
 from elastic_ops.runtime.outcome import ChunkResult, Progress
 from elastic_ops.spec import check_host_name
 from elastic_ops.urls import shown_url
@@ -204,13 +205,12 @@ class NodeClient:
         epoch: int,
         host: str,
         store: StoreConfig,
-        wanted: Callable[[], int],
+        target: Callable[[], Allocation],
         warm_start: StoreConfig | None = None,
         on_progress: Callable[[Progress], None] | None = None,
-        on_applied: Callable[..., None] | None = None,
+        on_applied: Callable[[int, Allocation], None] | None = None,
         poll_s: float = POLL_S,
-        slots: Callable[[], Sequence[int]] | None = None,
-        spans: Callable[[], Sequence[tuple[str, Sequence[int]]]] | None = None,
+        spans: bool = False,
     ) -> ChunkResult:
         """Run iterations ``[start, end)`` of ``spec`` on the node agent of ``host``; the arguments
         are those of :meth:`AgentClient.run_chunk`. Raises :class:`NodeUnavailableError` (naming
@@ -218,13 +218,12 @@ class NodeClient:
         :class:`NodeLostError` when the node went silent mid-chunk, the chunk's own error as the
         runtime raised it, or :class:`AgentLostError` when Redis is unreachable or the node agent
         stopped (neither is the host's fault).
-        ``spans()`` (with ``slots``): the slots the same target grants on the other hosts,
-        ``[(host, slots), ...]``; given, a count beyond ``host``'s slots trains one process group
-        across the hosts (the node must have been started with ``--advertise-addr``), and
-        ``on_applied`` gets the other hosts' slots in use as a fourth argument."""
+        ``spans``: the target's slots on the other hosts are sent too; a count beyond ``host``'s
+        slots then trains one process group across the hosts (the node must have been started
+        with ``--advertise-addr``), and ``on_applied`` names the other hosts' slots in use."""
         self._require_node(host)
 
-        current = target_reader(wanted, slots, spans)
+        current = target_reader(target, host, spans)
         sent = current()
         run = run_request(spec, start, end, epoch, host, sent, without_credentials(store),
                           without_credentials(warm_start))
@@ -248,6 +247,7 @@ class NodeClient:
 
             return drive_chunk(
                 channel,
+                host,
                 sent,
                 current,
                 on_progress=on_progress,

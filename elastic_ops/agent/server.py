@@ -26,7 +26,7 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from elastic_ops.agent.channel import Channel, SocketChannel
 from elastic_ops.agent.protocol import (
@@ -46,8 +46,12 @@ from elastic_ops.agent.protocol import (
     trusted_peer,
 )
 from elastic_ops.errors import AgentLostError, SpecError, WorkerLostError
+from elastic_ops.runtime.allocation import Allocation
 from elastic_ops.runtime.outcome import jsonable
 from elastic_ops.spec import check_host_name
+
+if TYPE_CHECKING:
+    from elastic_ops.runtime.launcher import Segment
 
 log = logging.getLogger("elastic_ops.agent")
 
@@ -70,7 +74,7 @@ class AbortableLauncher:
 
     def __init__(self, base: Any) -> None:
         self.base = base
-        self.address = getattr(base, "address", None)  # where other hosts reach it (spanning segments)
+        self.address = base.address  # where other hosts reach it (spanning segments)
         self._lock = threading.Lock()
         self._contexts: list[Any] = []
         self.aborted = False
@@ -95,18 +99,13 @@ class AbortableLauncher:
             _kill(pc)
 
 
-def _kill(pc: Any) -> None:
-    """SIGKILL every worker of ``pc``. Only pids are read (no polling of the processes, which
-    the runner's thread is doing); the runner then sees the failure and closes the context."""
+def _kill(pc: Segment) -> None:
+    """Stop every worker of ``pc`` now (a segment spanning hosts: their nodes stop their ranks
+    too); the runner's thread then sees the failure and closes it."""
     try:
-        pids = list(pc.pids().values())
-    except Exception:  # noqa: BLE001 - a context that never started has no pids
+        pc.abort()
+    except Exception:  # noqa: BLE001 - a segment that never started has no pids
         return
-    if hasattr(pc, "abort_remote"):  # a segment spanning hosts: their nodes stop their ranks too
-        pc.abort_remote()
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGKILL)
 
 
 class ChunkSession:
@@ -134,12 +133,13 @@ class ChunkSession:
         self.launcher = AbortableLauncher(launcher)
         self._last_progress = float("-inf")
         self.request = self._validate(request)
-        self.wanted = self.request["workers"]
-        self.wanted_slots = self.taken_slots = self.request["slots"]
-        self.wanted_spans = self.taken_spans = self.request["spans"]
-        # (workers, slots) of the running segment as last told to the task: none yet, so the
-        # first segment is announced too (the task learns the slots it runs on)
-        self.applied: tuple[int, list[int] | None, list[list[Any]] | None] | None = None
+        r = self.request
+        self.wanted = Allocation.split(r["workers"], r["host"], r["slots"], r["spans"])
+        # a node agent leading segments across hosts: the other hosts' slots are its to use
+        self.span_hosts = r["slots"] is not None and r["spans"] is not None
+        # the running segment as last told to the task: none yet, so the first segment is
+        # announced too (the task learns the slots it runs on)
+        self.applied: Allocation | None = None
 
     @staticmethod
     def _validate(req: dict[str, Any]) -> dict[str, Any]:
@@ -182,36 +182,19 @@ class ChunkSession:
                                 self.request["spec"].name, exc)
                     self.launcher.abort()
 
-    def target(self, iteration: int) -> int:
+    def target(self, iteration: int) -> Allocation:
         with self._lock:
-            self.taken_slots, self.taken_spans = self.wanted_slots, self.wanted_spans
             return self.wanted
 
-    def segment(
-        self, iteration: int, workers: int, slots: tuple[int, ...] | None = None, spans: Any = None
-    ) -> None:
-        """``workers`` start at ``iteration`` on ``slots`` (and ``spans``, other hosts' slots),
-        the previous segment's have exited: tell the task, whose lease keeper then reports count
-        and slots (the slots a shrink or a move gave up are free only now)."""
-        there = None if spans is None else [[h, list(ss)] for h, ss in spans]
-        running = (workers, None if slots is None else list(slots), there)
+    def segment(self, iteration: int, running: Allocation) -> None:
+        """``running.workers`` start at ``iteration`` on its slots (this host's and, spanning,
+        the other hosts'), the previous segment's have exited: tell the task, whose lease keeper
+        then reports count and slots (the slots a shrink or a move gave up are free only now)."""
         with self._lock:
             changed, self.applied = running != self.applied, running
         if changed:
-            extra = {} if there is None else {"spans": there}
-            self.send({"type": "applied", "iteration": iteration, "workers": workers, "slots": running[1],
-                       **extra})
-
-    def slots(self) -> tuple[int, ...]:
-        """The slots that came with the target :meth:`target` last returned (same thread, right
-        after it)."""
-        with self._lock:
-            return self.taken_slots or ()
-
-    def spans(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
-        """The other hosts' slots that came with that same target."""
-        with self._lock:
-            return self.taken_spans or ()
+            self.send({"type": "applied", "iteration": iteration,
+                       **running.to_wire(self.request["host"], spans=self.span_hosts)})
 
     def progress(self, p: Any) -> None:
         now = self.clock()
@@ -242,7 +225,7 @@ class ChunkSession:
                         "spans", spans, "a list in every target if the run request had one, else absent"
                     )
                 with self._lock:
-                    self.wanted, self.wanted_slots, self.wanted_spans = workers, slots, spans
+                    self.wanted = Allocation.split(workers, self.request["host"], slots, spans)
         except EOFError:
             if not self.done.is_set():
                 log.warning(
@@ -295,9 +278,8 @@ class ChunkSession:
                 on_progress=self.progress,
                 host=r["host"],
                 launcher=self.launcher,
-                slots=self.slots if r["slots"] is not None else None,
-                spans=self.spans if r["slots"] is not None and r["spans"] is not None else None,
                 on_segment=self.segment,
+                span_hosts=self.span_hosts,
                 warm_start=warm.uri if warm is not None else None,
                 # only read: a warm start never creates the folder it names
                 warm_start_store=warm.open(create=False) if warm is not None else None,

@@ -135,6 +135,13 @@ class ElasticOpsHook(BaseHook):
 
         return AirflowMetrics()
 
+    def executor(self, log: Any):
+        """Where this task's grants train (:func:`elastic_ops.executors.executor_from_env`): the
+        cluster's node agents, this host's agent, or the task process; ``log``: the task's logger."""
+        from elastic_ops.executors import executor_from_env
+
+        return executor_from_env(self, self.pool, log)
+
     # --- checkpoints -----------------------------------------------------------------------
 
     def s3_client(self):

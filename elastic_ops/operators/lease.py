@@ -1,19 +1,17 @@
 """``LeaseKeeper``: heartbeats a grant in the background and feeds the runner its target.
 
 The chunk runner calls :meth:`LeaseKeeper.target` at every iteration boundary (a little ahead
-of the workers) and gets the pool's latest target (0 = full preemption). The count the
-heartbeats report is what really runs: :meth:`LeaseKeeper.applied` sets it when a segment's
+of the workers) and gets the pool's latest target as one
+:class:`~elastic_ops.runtime.allocation.Allocation`: the count (0 = full preemption) and the
+slots that came with it (``Target.placements``: on a grow the kept slots plus the newly reserved
+ones, on a shrink only the kept ones), so workers run on the GPUs the job was granted. The count
+the heartbeats report is what really runs: :meth:`LeaseKeeper.applied` sets it when a segment's
 workers start, after the previous segment's have exited, so a shrink frees its slots only once
-nothing of this job runs on them any more, and promptly then.
+nothing of this job runs on them any more, and promptly then. The slots a shrink gives up are
+still the job's in the ledger until a heartbeat reports the smaller count, and the new segment
+never uses them: they are the ones the pool hands to the next job.
 
-It also keeps the slots of that target (``Target.placements``: on a grow the kept slots plus the
-newly reserved ones, on a shrink only the kept ones) and hands :meth:`LeaseKeeper.slots`, the
-ones on this task's host, to the runner, so workers run on the GPUs the job was granted.
-The slots a shrink gives up are still the job's in the ledger until a heartbeat reports the
-smaller count, and the new segment never uses them: they are the ones the pool hands to the
-next job.
-
-Once a segment has started on known slots (:meth:`applied` with ``slots``, on a keeper that knows
+Once a segment has started on known slots (:meth:`applied` with placements, on a keeper that knows
 its host), every heartbeat also lists them (``placements=``): the pool then releases at once the
 slots its plan takes away that the running workers do not use (a move off a draining host, or a
 shrink), and keeps the ones they do use even when its target has moved on (a move the runner
@@ -39,6 +37,7 @@ from typing import Any
 from elastic_ops.errors import ElasticOpsError, LeaseExpiredError
 from elastic_ops.metrics import NO_METRICS, Metrics
 from elastic_ops.pool.model import Observation
+from elastic_ops.runtime.allocation import Allocation
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +71,6 @@ class LeaseKeeper:
         self._wanted = workers  # what the pool wants
         self._running = workers  # what the runner runs (reported by heartbeats)
         self._placements = tuple(placements)  # the slots of the pool's latest target
-        self._taken = self._placements  # ...of the target last handed out by target()/wanted()
         self._running_on: tuple[tuple[str, int], ...] | None = None  # the running segment's slots
         self.hosts_used: set[str] = set()  # every host a segment of this chunk ran ranks on
         self._wake = threading.Event()
@@ -96,53 +94,24 @@ class LeaseKeeper:
         self._wake.set()
         self._thread.join(timeout=10)
 
-    def target(self, iteration: int) -> int:
+    def target(self, iteration: int) -> Allocation:
         """The pool's latest target, for boundary ``iteration`` (the runner asks ahead of the
         workers, and says through :meth:`applied` when the count really changes)."""
-        return self.wanted()
+        return self.current()
 
-    def wanted(self) -> int:
-        """The pool's latest target (the agent's client polls it without a boundary in hand)."""
+    def current(self) -> Allocation:
+        """The pool's latest target, count and slots of the same heartbeat (the agents' clients
+        poll it without a boundary in hand)."""
         with self._lock:
-            self._taken = self._placements
-            return self._wanted
+            return Allocation(self._wanted, self._placements)
 
-    def slots(self) -> tuple[int, ...]:
-        """The slots on this task's host of the target that :meth:`target` or :meth:`wanted` last
-        returned: call it right after them, from the same thread, so count and slots come from
-        the same heartbeat."""
-        with self._lock:
-            taken = self._taken
-        return tuple(slot for host, slot in taken if self.host is None or host == self.host)
-
-    def spans(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
-        """The slots on the other hosts of that same target, ``((host, slots), ...)`` in the
-        pool's order (a segment spanning hosts runs its further ranks there)."""
-        with self._lock:
-            taken = self._taken
-        others: dict[str, list[int]] = {}
-        for host, slot in taken:
-            if self.host is not None and host != self.host:
-                others.setdefault(host, []).append(slot)
-        return tuple((h, tuple(s)) for h, s in others.items())
-
-    def applied(
-        self,
-        iteration: int,
-        workers: int,
-        slots: Sequence[int] | None = None,
-        spans: Sequence[tuple[str, Sequence[int]]] | None = None,
-    ) -> None:
-        """``workers`` start at boundary ``iteration`` on ``slots`` of this task's host and
-        ``spans`` of others (the previous segment's workers have exited): report the new count,
-        and the slots as ``placements``, now, so the pool can hand the slots a shrink or a move
-        freed to others. ``slots=None`` (not known) reports the count only, as does a keeper
-        without a host."""
-        placements = None
-        if slots is not None and self.host is not None:
-            placements = tuple((self.host, int(s)) for s in slots) + tuple(
-                (str(h), int(s)) for h, ss in (spans or ()) for s in ss
-            )
+    def applied(self, iteration: int, allocation: Allocation) -> None:
+        """``allocation.workers`` start at boundary ``iteration`` on ``allocation.placements``
+        (the previous segment's workers have exited): report the new count, and the slots as
+        ``placements``, now, so the pool can hand the slots a shrink or a move freed to others.
+        A bare count (no placements) reports the count only, as does a keeper without a host."""
+        workers = allocation.workers
+        placements = allocation.placements if self.host is not None else None
         with self._lock:
             changed = workers != self._running or placements != self._running_on
             self._running, self._running_on = workers, placements

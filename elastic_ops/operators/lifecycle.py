@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
-from airflow.sdk import BaseOperator
+from airflow.sdk import BaseOperator, Context
 
 from elastic_ops.errors import ElasticOpsError, UnknownJobError
 from elastic_ops.hooks.elastic_ops import DEFAULT_CONN_ID
@@ -57,7 +57,7 @@ class ElasticRegisterOperator(JobTaskOperator):
 
     ui_color = "#e8f4d9"
 
-    def execute(self, context: Any) -> dict[str, Any]:
+    def execute(self, context: Context) -> dict[str, Any]:
         spec = self._spec(context)
         if unknown := unknown_conf_keys(context):
             self.log.warning(
@@ -75,7 +75,7 @@ class ElasticRegisterOperator(JobTaskOperator):
         return {"job": spec.name, "spec": spec.to_dict(), "checkpoint": spec.checkpoint_uri()}
 
 
-def unknown_conf_keys(context: Any) -> list[str]:
+def unknown_conf_keys(context: Context) -> list[str]:
     """The keys of the run's conf that are not among the DAG's params (Airflow accepts them
     silently, so ``max_worker`` for ``max_workers`` would train with the default), when the DAG
     declares params at all (without, conf is the DAG author's own business)."""
@@ -93,7 +93,7 @@ class ElasticFinalizeOperator(JobTaskOperator):
         super().__init__(**kwargs)
         self.chunk_task_ids = list(chunk_task_ids)
 
-    def execute(self, context: Any) -> dict[str, Any]:
+    def execute(self, context: Context) -> dict[str, Any]:
         spec = self._spec(context)
         ti = context["ti"]
         pulled = {tid: ti.xcom_pull(task_ids=tid) for tid in self.chunk_task_ids}
@@ -169,7 +169,7 @@ class ElasticEndJobOperator(JobTaskOperator):
         super().__init__(**kwargs)
         self.heartbeat_interval = heartbeat_interval  # the chunks' (their lease keepers renew at it)
 
-    def execute(self, context: Any) -> dict[str, Any]:
+    def execute(self, context: Context) -> dict[str, Any]:
         try:
             job = self._spec(context).name
         except ElasticOpsError as exc:  # register failed on the same spec: no job was registered

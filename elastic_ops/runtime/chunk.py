@@ -2,7 +2,8 @@
 
 ``run_chunk`` restores the latest committed checkpoint, then runs *segments*: one launch of
 ``N`` worker processes that train until the chunk's end or until the target for an iteration
-boundary differs from ``N``, or (given ``slots``) names the same count on other slots: the pool
+boundary differs from ``N``, or (an :class:`~elastic_ops.runtime.allocation.Allocation` with
+slots) names the same count on other slots: the pool
 moved the job, e.g. off a draining host. Between segments the full training state moves through
 a staging file (``torch.save``, loaded with ``weights_only=True``) and the runner relaunches with
 the new count on the new slots; target ``0`` commits a checkpoint and returns ``PREEMPTED``.
@@ -13,11 +14,15 @@ a short time ahead of rank 0 (so the poll never stalls training), commits the
 checkpoints rank 0 leaves at ``checkpoint_interval`` boundaries (in the background, in order)
 and reports progress.
 
-Given ``spans`` (a node agent's runner), a segment may span hosts: the target's count is
+Given ``span_hosts`` (a node agent's runner), a segment may span hosts: the target's count is
 placed on this host's granted slots first (rank 0 always runs here, with the control channel)
-and then on the other hosts' slots in the order the pool listed them; the launcher starts those
-hosts' ranks through their node agents, and the workers form one process group
-(:mod:`elastic_ops.runtime.segment`).
+and then on the other hosts' slots in the order the pool listed them
+(:mod:`elastic_ops.runtime.placement`); the launcher starts those hosts' ranks through their
+node agents, and the workers form one process group (:mod:`elastic_ops.runtime.segment`).
+
+Around the runner: :mod:`~elastic_ops.runtime.commit` commits staged states in order,
+:mod:`~elastic_ops.runtime.verdict` turns a failed segment into the error the chunk ends with,
+:mod:`~elastic_ops.runtime.workdir` keeps the chunk's work directory and sweeps stale ones.
 """
 
 from __future__ import annotations
@@ -27,30 +32,24 @@ import json
 import logging
 import math
 import operator
-import os
-import re
 import shutil
-import signal
-import socket
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from elastic_ops.errors import (
-    AgentLostError,
     CheckpointNotFoundError,
-    NonFiniteLossError,
     SpecError,
     StaleEpochError,
     TrainingError,
-    UserCodeError,
     WorkerLostError,
     short_repr,
 )
+from elastic_ops.runtime.allocation import Allocation
+from elastic_ops.runtime.commit import Committer
 from elastic_ops.runtime.control import ControlChannel, count_of, moved
 from elastic_ops.runtime.launcher import (
     Launcher,
@@ -61,14 +60,16 @@ from elastic_ops.runtime.launcher import (
     start_on,
 )
 from elastic_ops.runtime.outcome import ChunkResult, ChunkStatus, Progress
+from elastic_ops.runtime.placement import Placement, SlotsByBoundary, place, used
 from elastic_ops.runtime.segment import (
-    PG_TIMEOUT_DEFAULT_S,
     PG_TIMEOUT_ENV,
     STALL_ENV,
     pg_timeout,
     stall_timeout,
 )
-from elastic_ops.runtime.state import load_state, param_sha256, save_atomic
+from elastic_ops.runtime.state import save_atomic
+from elastic_ops.runtime.verdict import segment_failure
+from elastic_ops.runtime.workdir import OWNER_FILE, WORKDIR_PREFIX, owner, sweep_stale_workdirs
 from elastic_ops.spec import JobSpec
 
 if TYPE_CHECKING:
@@ -76,8 +77,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("elastic_ops.runtime")
 
-WORKDIR_PREFIX = "elastic-ops-"  # a chunk's own work directory in the temp folder
-OWNER_FILE = "owner.pid"  # in it: the pid of the process running the chunk (stale-directory sweep)
 LOOKAHEAD = 2  # boundaries decided ahead of rank 0, at least
 POLL_S = 0.01  # the controller's poll interval: few wake-ups, whatever the iteration rate
 HORIZON_S = 0.05  # ...and it decides the boundaries expected within this time (>= LOOKAHEAD)
@@ -96,158 +95,32 @@ class _Segment:
     samples: int
 
 
-Spans = tuple[tuple[str, tuple[int, ...]], ...]  # other hosts' granted slots: ((host, slots), ...)
-Placement = tuple[tuple[int, ...], Spans]  # this host's slots, then the other hosts'
-
-
-def place(workers: int, slots: Sequence[int], spans: Spans) -> tuple[int, tuple[RemotePart, ...]]:
-    """Where ``workers`` ranks run: ``(ranks on this host, the other hosts' parts)``. This host's
-    slots come first (rank 0 is here), then each other host's, in order; ranks left over when
-    the slots run out stay on this host (on CPU the slots are bookkeeping; on CUDA the launcher
-    then refuses, naming the slots), and so does rank 0 when this host has no slot (the control
-    channel is here)."""
-    here = max(min(workers, len(slots)), min(workers, 1)) if spans else workers
-    parts, offset = [], here
-    for host, theirs in spans:
-        n = min(workers - offset, len(theirs))
-        if n <= 0:
-            break
-        parts.append(RemotePart(host=host, rank_offset=offset, count=n, slots=tuple(theirs[:n])))
-        offset += n
-    return here + (workers - offset), tuple(parts)
-
-
-def used(workers: int, placement: Placement, host: str) -> set[tuple[str, int]]:
-    """The ``(host, slot)`` pairs ``workers`` ranks use under ``placement``."""
-    slots, spans = placement
-    here, parts = place(workers, slots, spans)
-    return {(host, s) for s in slots[:here]} | {(p.host, s) for p in parts for s in p.slots}
-
-
-class _SlotsByBoundary:
-    """The granted GPU slots (a :data:`Placement`) that came with the target of each decided
-    boundary.
-
-    ``slots()`` is read right after every ``target(i)``, from the same thread, so a segment
-    launched at boundary ``i`` gets the slots of the very pool target that decided its worker
-    count; reading them at launch instead could see a later target (boundaries are decided
-    ahead of rank 0). Only changes are kept: one entry per slot change, not per boundary.
-    """
-
-    def __init__(self) -> None:
-        self._entries: list[tuple[int, Placement]] = []  # (first boundary, placement), ascending
-
-    def note(self, iteration: int, slots: Placement) -> None:
-        # A boundary decided again (a new segment re-decides the ones after its start)
-        # supersedes what was noted for it and every later one.
-        entries = [e for e in self._entries if e[0] < iteration]
-        if not entries or entries[-1][1] != slots:
-            entries.append((iteration, slots))
-        self._entries = entries
-
-    def at(self, iteration: int) -> Placement | None:
-        """The slots in force at ``iteration`` (``None`` if nothing was noted up to it)."""
-        k = max((k for k, e in enumerate(self._entries) if e[0] <= iteration), default=None)
-        if k is None:
-            return None
-        del self._entries[:k]  # segments launch in ascending order: older entries are done
-        return self._entries[0][1]
-
-
-class _Committer:
-    """Commits staged states to the store, in order, off the training path.
-
-    When the store is slower than the checkpoint interval, a staged state that a newer one has
-    overtaken in the queue is dropped instead of committed (its file removed): the queue, and
-    the staged files on disk, stay bounded, and the newest state still goes first to the
-    store. States retention keeps for good (``keep_every``) are always committed.
-    """
-
-    def __init__(self, store: Any, epoch: int, spec_hash: str, keep_every: int | None = None) -> None:
-        self.store, self.epoch, self.spec_hash, self.keep_every = store, epoch, spec_hash, keep_every
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="elastic-ops-commit")
-        self.futures: list[Future] = []
-        self.last_ref: Any = None
-        self.newest = -1  # the newest iteration submitted
-        self.dropped: list[int] = []
-
-    def submit(self, iteration: int, path: str, metrics: dict[str, Any], *, remove: bool) -> Future:
-        self.newest = max(self.newest, iteration)
-        fut = self.pool.submit(self._commit, iteration, path, metrics, remove)
-        self.futures.append(fut)
-        return fut
-
-    def _overtaken(self, iteration: int, remove: bool) -> bool:
-        """A staged state (``remove``: a file of its own) that a newer submission supersedes."""
-        kept = self.keep_every is not None and iteration % self.keep_every == 0
-        return remove and not kept and iteration < self.newest
-
-    def _commit(self, iteration: int, path: str, metrics: dict[str, Any], remove: bool) -> Any:
-        if self._overtaken(iteration, remove):
-            Path(path).unlink(missing_ok=True)
-            if not self.dropped:
-                log.warning(
-                    "the checkpoint store is slower than checkpoint_interval: the state staged at "
-                    "iteration %d is dropped for the newer one at %d (only the newest waiting state "
-                    "is committed)", iteration, self.newest,
-                )
-            self.dropped.append(iteration)
-            return None
-        # the staged file is committed as it is (save_atomic wrote the bytes the store would);
-        # mapped, not read, to hash the model's parameters
-        model = load_state(path, mmap=True)["model"]
-        metrics = {**metrics, "param_sha256": param_sha256(model)}
-        del model  # the mapping goes with it
-        ref = self.store.save_file(
-            iteration, path, epoch=self.epoch, spec_hash=self.spec_hash, metrics=metrics
-        )
-        self.last_ref = ref
-        if remove:
-            Path(path).unlink(missing_ok=True)
-        log.info("committed checkpoint at iteration %d: %s", iteration, ref.uri)
-        return ref
-
-    def check(self) -> None:
-        """Raise the first commit failure (e.g. a stale fencing epoch) now."""
-        for fut in self.futures:
-            if fut.done() and fut.exception() is not None:
-                raise fut.exception()
-
-    def drain(self) -> None:
-        for fut in self.futures:
-            fut.result()
-
-    def close(self) -> None:
-        self.pool.shutdown(wait=True)
-
-
 class _Runner:
     def __init__(
         self,
         spec: JobSpec,
         start: int,
         end: int,
-        target: Callable[[int], int],
+        target: Callable[[int], int | Allocation],
         store: Any,
         epoch: int,
         on_progress: Callable[[Progress], None] | None,
         host: str,
         launcher: Any,
         workdir: Path,
-        slots: Callable[[], Sequence[int]] | None = None,
-        on_segment: Callable[..., None] | None = None,
-        spans: Callable[[], Sequence[tuple[str, Sequence[int]]]] | None = None,
+        on_segment: Callable[[int, Allocation], None] | None = None,
+        span_hosts: bool = False,
     ) -> None:
         self.spec, self.start, self.end = spec, start, end
         self.on_segment = on_segment
-        self.slots_fn, self.spans_fn = slots, spans
-        self.slots = _SlotsByBoundary()
+        self.span_hosts = span_hosts
+        self.slots = SlotsByBoundary()
         self._noted: Placement = ((), ())  # the slots that came with the last target()
         self._stay_warned: Placement | None = None
         self.device = _device(spec)
         self.target_fn, self.store, self.epoch = target, store, epoch
         self.on_progress, self.host, self.launcher, self.workdir = on_progress, host, launcher, workdir
-        self.committer = _Committer(store, epoch, spec.spec_hash(), spec.keep_every)
+        self.committer = Committer(store, epoch, spec.spec_hash(), spec.keep_every)
         self.timeline: list[tuple[int, int, float]] = []
         self._last_log = 0.0
         self._t0 = time.time()
@@ -257,13 +130,11 @@ class _Runner:
     def target(self, iteration: int) -> int:
         """The wanted worker count, clamped to the spec's bounds (0 = preempt); notes the
         granted slots that came with it."""
-        n = _worker_count(self.target_fn(iteration), iteration)
-        if self.slots_fn is not None:
-            spans = self.spans_fn() if self.spans_fn is not None else ()
-            self._noted = (
-                tuple(int(s) for s in self.slots_fn()),
-                tuple((str(h), tuple(int(s) for s in ss)) for h, ss in spans),
-            )
+        value = self.target_fn(iteration)
+        alloc = value if isinstance(value, Allocation) else Allocation(_worker_count(value, iteration))
+        n = _worker_count(alloc.workers, iteration)
+        if alloc.placements is not None:
+            self._noted = (alloc.on(self.host), alloc.elsewhere(self.host) if self.span_hosts else ())
             self.slots.note(iteration, self._noted)
         if n <= 0:
             return 0
@@ -308,7 +179,7 @@ class _Runner:
         launcher has none (the per-host agent, a plain local run)."""
         if not remote:
             return None
-        address = getattr(self.launcher, "address", None)
+        address = self.launcher.address
         if not address:
             raise SpecError(
                 "workers", workers, f"at most the {here} worker(s) this host has slots for",
@@ -394,7 +265,7 @@ class _Runner:
         if errors:
             raise errors[0]
         if result.failures:
-            raise self._failure(segdir, result.failures, _killed_ranks(pc), pc)
+            raise segment_failure(self.host, segdir, result.failures, pc.failure_report())
         if not (segdir / "result.json").exists():
             raise TrainingError(
                 f"the workers exited without handing over their state (iterations {it}..{self.end})",
@@ -502,81 +373,6 @@ class _Runner:
                 eta,
             )
 
-    def _failure(
-        self, segdir: Path, failures: dict[int, Any], killed: dict[int, str], pc: Any = None
-    ) -> Exception:
-        reports = []
-        for path in sorted(segdir.glob("error-*.json")):
-            try:
-                reports.append(json.loads(path.read_text()))
-            except (OSError, ValueError):
-                continue
-        # a segment spanning hosts: what the other hosts' ranks reported, and who killed them
-        reports += list(getattr(pc, "remote_reports", lambda: [])())
-        remote_killed: dict[int, tuple[str, str]] = dict(getattr(pc, "remote_killed", lambda: {})())
-        lost = getattr(pc, "lost_host", lambda: None)()
-        stopped = getattr(pc, "stopped_host", lambda: None)()
-        signals = {rank: f.signal_name() for rank, f in failures.items() if f.exitcode < 0}
-        signals = dict(sorted({**killed, **signals}.items()))
-        # A user's error wins over a dead rank or a silent host: those often follow from it (our
-        # teardown SIGKILLs a rank that ignored its SIGTERM; a spanning host busy past the grace
-        # period counts as lost). A collective failing inside user code because a peer died is
-        # reported as "comm", not "user", by the worker (worker._gloo_transport_error).
-        for kind, cls in (("user", UserCodeError), ("nonfinite", NonFiniteLossError)):
-            found = [r for r in reports if r["kind"] == kind]
-            if found:
-                r = min(found, key=lambda r: r["time"])
-                when = "before training" if r["iteration"] is None else f"at iteration {r['iteration']}"
-                msg = f"rank {r['rank']} {when}: {r['message']}"
-                if r["traceback"]:
-                    msg += "\n" + r["traceback"]
-                return cls(msg)
-        for kind, what, fix in _HOST_FAULTS:  # the host's, reported by the rank that met it
-            found = [r for r in reports if r["kind"] == kind]
-            if found:
-                r = min(found, key=lambda r: r["time"])
-                host = r.get("host") or self.host
-                return WorkerLostError(
-                    f"worker lost on {host}: rank {r['rank']} {what}: {r['message']}",
-                    host=host,
-                    hint=f"{fix}; the retry's grant avoids this host and resumes from the last committed "
-                    "checkpoint",
-                )
-        internal = [r for r in reports if r["kind"] == "internal"]
-        if not signals and not remote_killed and stopped:
-            return AgentLostError(  # an upgrade or restart, not the host failing: not held against it
-                f"the elastic-ops node agent of host {stopped} stopped mid-segment",
-                hint="retry resumes from the last committed checkpoint",
-            )
-        if not signals and (remote_killed or lost):
-            # this host's ranks only lost their peers: the host whose ranks died is the one to blame
-            host, what = lost, f"the node agent of host {lost} went away"
-            if remote_killed:
-                host = next(iter(remote_killed.values()))[0]
-                what = ", ".join(f"rank {r} killed by {s}" for r, (_, s) in sorted(remote_killed.items()))
-            return WorkerLostError(
-                f"worker lost on {host}: {what}", host=host,
-                hint="retry resumes from the last committed checkpoint",
-            )
-        if internal and not signals:
-            r = internal[0]
-            return TrainingError(f"runtime error on rank {r['rank']}: {r['message']}\n{r['traceback']}")
-        what = ", ".join(f"rank {r} killed by {s}" for r, s in signals.items()) or ", ".join(
-            f"rank {r} exited with {f.exitcode}" for r, f in failures.items()
-        )
-        hint = "retry resumes from the last committed checkpoint"
-        comm = sorted((r for r in reports if r["kind"] == "comm"), key=lambda r: r["time"])
-        timed_out = bool(comm) and _TIMED_OUT.search(comm[0]["message"]) is not None
-        if comm and (not signals or timed_out):
-            # no rank died (a peer stopped answering: hung, stopped, or slower than the process
-            # group's timeout), or one that hung was then killed by the teardown (SIGKILL after
-            # ignoring SIGTERM, e.g. a stopped process): say what the collective reported
-            what += f" (rank {comm[0]['rank']}'s collective failed: {comm[0]['message']})"
-            hint = (f"a rank that stops answering for {PG_TIMEOUT_ENV} seconds (default "
-                    f"{PG_TIMEOUT_DEFAULT_S}) fails its peers' collectives, and one that does not "
-                    f"exit on SIGTERM is killed with SIGKILL 30 s later; {hint}")
-        return WorkerLostError(f"worker lost on {self.host}: {what}", host=self.host, hint=hint)
-
     # --- the whole chunk -----------------------------------------------------------------------
 
     def commit_now(self, iteration: int, path: str, metrics: dict[str, Any]) -> Any:
@@ -589,16 +385,14 @@ class _Runner:
         while True:
             if workers == 0:
                 return self._preempted(it, last)
-            placement = self.slots.at(it) if self.slots_fn is not None else None
+            placement = self.slots.at(it)
             self.timeline.append((it, workers, time.time()))
             here, parts = place(workers, *placement) if placement is not None else (workers, ())
             slots = placement[0][:here] if placement is not None else None
             self._span_address(workers, here, parts)  # a refusal is not announced as applied first
             if self.on_segment is not None:
-                if self.spans_fn is None:
-                    self.on_segment(it, workers, slots)
-                else:
-                    self.on_segment(it, workers, slots, tuple((p.host, p.slots) for p in parts))
+                spans = tuple((p.host, p.slots) for p in parts)
+                self.on_segment(it, Allocation.split(workers, self.host, slots, spans))
             log.info(
                 "segment %d: iterations %d..%d with %d worker(s) on %s%s%s",
                 index,
@@ -654,9 +448,6 @@ class _Runner:
         )
 
 
-_TIMED_OUT = re.compile(r"timed out|timing out|timeout", re.IGNORECASE)  # gloo's and NCCL's words
-
-
 def _worker_count(value: Any, iteration: int) -> int:
     """``target(iteration)``'s answer as a worker count: an integer (numpy's too) >= 0. Anything
     else used to be taken through ``int()``: a float truncated, a string parsed, a negative count
@@ -694,14 +485,6 @@ def _device(spec: JobSpec) -> str:
     return spec.device.value
 
 
-# A worker's report kinds that are its host's fault: (kind, what the rank could not do, the fix)
-_HOST_FAULTS = (
-    ("storage", "could not write to its local disk",
-     "free space where the host stages states (the chunk's work directory)"),
-    ("device", "cannot use its GPU",
-     "check the host's GPUs (nvidia-smi: a failed GPU, one busy in exclusive-process mode or held by a "
-     "stray process, a driver older than torch's CUDA)"),
-)
 
 
 def lookahead(chan: ControlChannel, reached: int, since: tuple[int, float]) -> tuple[int, tuple[int, float]]:
@@ -786,7 +569,7 @@ def run_chunk(
     start: int,
     end: int,
     *,
-    target: Callable[[int], int],
+    target: Callable[[int], int | Allocation],
     store: Any = None,
     epoch: int = 0,
     on_progress: Callable[[Progress], None] | None = None,
@@ -795,40 +578,41 @@ def run_chunk(
     launcher: Launcher | None = None,
     workdir: str | Path | None = None,
     warm_start_store: Any = None,
-    slots: Callable[[], Sequence[int]] | None = None,
-    on_segment: Callable[..., None] | None = None,
-    spans: Callable[[], Sequence[tuple[str, Sequence[int]]]] | None = None,
+    on_segment: Callable[[int, Allocation], None] | None = None,
+    span_hosts: bool = False,
     import_entrypoint: bool = True,
 ) -> ChunkResult:
     """Train iterations ``[start, end)`` from the latest committed checkpoint; see the module doc.
 
     ``target(i)`` is called for every boundary ``i`` of the chunk, from a background thread, up
     to ~``HORIZON_S`` (at least ``LOOKAHEAD`` iterations) before ``i`` runs; it must be cheap
-    (cache a pool heartbeat).
+    (cache a pool heartbeat). It returns the worker count (0 preempts), or an
+    :class:`~elastic_ops.runtime.allocation.Allocation`: the count and the ``(host, slot)`` pairs
+    the pool granted with it.
     ``workdir`` holds the staging files (a temporary directory by default, removed afterwards).
     ``import_entrypoint=False``: the Trainable's module is only found here, not imported (a
     long-lived process such as the agent runs no user code; the workers import it).
     ``warm_start_store`` is the already-open store at ``warm_start`` (e.g. built with the caller's
     S3 client and endpoint); without it ``open_store(warm_start)`` and boto3's default chain apply.
-    ``slots()``: the GPU slots the pool granted on this host with the target ``target`` just
-    returned (called right after each ``target(i)``, from the same thread); on CUDA, rank r of
-    a segment launched at boundary ``i`` runs on the r-th slot noted with ``target(i)`` (see
-    :func:`elastic_ops.runtime.launcher.slot_gpus`). ``None``: ranks take the visible GPUs in order.
-    When the slots noted with a boundary's target differ from the running segment's (as a set,
+    The allocation's slots on ``host``: on CUDA, rank r of a segment launched at boundary ``i``
+    runs on the r-th of those ``target(i)`` granted (see
+    :func:`elastic_ops.runtime.launcher.slot_gpus`); a bare count: ranks take the visible GPUs
+    in order. When the slots of a boundary's target differ from the running segment's (as a set,
     the ranks' ones) at the same count, the segment ends there and the same count is relaunched
     on the new slots, on CPU too (there the slots are the pool's bookkeeping; the move costs one
     relaunch). On CUDA, a move that leaves fewer slots on this host than workers (the pool placed
     the job on another host, which the local launcher cannot reach) is not followed: the workers
     stay on their GPUs, with a warning, until the chunk ends.
-    ``on_segment(i, n, slots)`` is called when ``n`` workers are about to start at boundary ``i``
-    on ``slots`` (those noted with ``target(i)``; ``None`` without ``slots``), after the previous
-    segment's workers have exited: the moment a shrink or a move has really given its old slots
-    up, so the caller reports it to the pool then (not when ``target`` announced it).
-    ``spans()`` (with ``slots``; called right after it): the slots the same target grants on
-    other hosts, ``[(host, slots), ...]``. A count beyond this host's slots then spans hosts
-    (:func:`place`): the launcher, which must have an ``address`` the other hosts can reach,
-    starts their ranks (``LaunchRequest.remote``), and ``on_segment`` gets a fourth argument,
-    the other hosts' slots in use, ``((host, slots), ...)``.
+    ``on_segment(i, allocation)`` is called when ``allocation.workers`` are about to start at
+    boundary ``i`` on ``allocation.placements`` (the slots of ``target(i)`` they use; ``None``
+    after a bare count), after the previous segment's workers have exited: the moment a shrink
+    or a move has really given its old slots up, so the caller reports it to the pool then (not
+    when ``target`` announced it).
+    ``span_hosts`` (a node agent leading segments across hosts): the slots the target grants on
+    other hosts count too; a count beyond this host's slots then spans hosts (:func:`place`):
+    the launcher, which must have an ``address`` the other hosts can reach, starts their ranks
+    (``LaunchRequest.remote``), and ``on_segment`` names them. Without it only ``host``'s slots
+    count.
     """
     _check_range(spec, start, end)
     _check_entrypoint(spec, import_entrypoint)
@@ -845,7 +629,7 @@ def run_chunk(
     work = Path(tempfile.mkdtemp(prefix=WORKDIR_PREFIX)) if own_dir else Path(workdir)
     work.mkdir(parents=True, exist_ok=True)
     if own_dir:
-        (work / OWNER_FILE).write_text(_owner())
+        (work / OWNER_FILE).write_text(owner())
     try:
         if epoch > 0:
             # fence before reading: from here on no writer of an older lease (an earlier try
@@ -883,8 +667,7 @@ def run_chunk(
             )
         launcher = launcher or LocalLauncher()
         runner = _Runner(
-            spec, start, end, target, store, epoch, on_progress, host, launcher, work, slots, on_segment,
-            spans,
+            spec, start, end, target, store, epoch, on_progress, host, launcher, work, on_segment, span_hosts,
         )
         it, state_path = 0, None
         if ref is not None:
@@ -900,41 +683,6 @@ def run_chunk(
     finally:
         if own_dir:
             shutil.rmtree(work, ignore_errors=True)
-
-
-def sweep_stale_workdirs(root: str | None = None) -> list[Path]:
-    """Remove the work directories (staged checkpoints, logs) that chunks of processes killed
-    outright left behind: those whose owner process, on this host, is gone. A directory
-    without an owner file, of another host (a temp folder shared between containers), or whose
-    owner lives (or cannot be checked), is left alone."""
-    removed = []
-    for d in Path(root or tempfile.gettempdir()).glob(f"{WORKDIR_PREFIX}*"):
-        try:
-            pid_text, _, host = (d / OWNER_FILE).read_text().partition(" ")
-            pid = int(pid_text)
-        except (OSError, ValueError):
-            continue
-        if host != socket.gethostname() or pid == os.getpid() or _alive(pid):
-            continue
-        shutil.rmtree(d, ignore_errors=True)
-        removed.append(d)
-    if removed:
-        log.info("removed %d work directories of chunks whose processes are gone", len(removed))
-    return removed
-
-
-def _owner() -> str:
-    return f"{os.getpid()} {socket.gethostname()}"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # another user's process: alive as far as we may know
-        return True
-    return True
 
 
 def _warm_state(uri: str | None, store: Any = None) -> dict[str, Any]:
@@ -953,20 +701,3 @@ def _warm_state(uri: str | None, store: Any = None) -> dict[str, Any]:
     return {"model": store.load(ref)["model"], "warm": True}
 
 
-def _killed_ranks(pc: Any) -> dict[int, str]:
-    """Ranks that a signal other than our own teardown's SIGTERM ended.
-
-    ``start_processes`` reports only the first rank it saw fail, and when one worker is
-    SIGKILLed its peers often exit with 1 (their collective broke) before the poll sees the
-    kill; the dead worker is the one the error should name.
-    """
-    processes = getattr(getattr(pc, "_pc", None), "processes", None) or []
-    killed = {}
-    for rank, proc in enumerate(processes):
-        code = proc.exitcode
-        if code is not None and code < 0 and -code != signal.SIGTERM:
-            try:
-                killed[rank] = signal.Signals(-code).name
-            except ValueError:
-                killed[rank] = f"signal {-code}"
-    return killed

@@ -29,6 +29,7 @@ the other hosts' ranks), whose store listens on the address the node agent adver
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.machinery
 import multiprocessing
 import os
@@ -40,10 +41,16 @@ import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch.distributed as dist
-from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, PContext, Std, start_processes
+from torch.distributed.elastic.multiprocessing import (
+    DefaultLogsSpecs,
+    PContext,
+    RunProcsResult,
+    Std,
+    start_processes,
+)
 
 from elastic_ops.runtime.worker import LAUNCHER_PID_ENV, worker_entry
 
@@ -254,7 +261,7 @@ def visible_gpus() -> list[str]:
     return gpus[:count]
 
 
-def start_on(launcher: Launcher, req: LaunchRequest, host: str) -> PContext:
+def start_on(launcher: Launcher, req: LaunchRequest, host: str) -> Segment:
     """``launcher.start(req)`` for ranks on ``host``: a host fault the launcher raises without
     naming a host (no GPU for a granted slot) is ``host``'s, so the chunk task reports that host
     and the retry's grant avoids it (the leader's runner, for a follower's ranks, would otherwise
@@ -273,29 +280,111 @@ def start_on(launcher: Launcher, req: LaunchRequest, host: str) -> PContext:
 PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "elastic_ops.runtime.worker"]
 
 
+@dataclasses.dataclass(frozen=True)
+class FailureReport:
+    """What a failed segment's handle knows beyond its ranks' exit codes (the runner's verdict,
+    :mod:`elastic_ops.runtime.verdict`, reads it)."""
+
+    #: this host's ranks that a signal other than the teardown's SIGTERM ended: rank -> signal name
+    killed: Mapping[int, str] = dataclasses.field(default_factory=dict)
+    #: what the other hosts' ranks reported (a segment spanning hosts)
+    remote_reports: tuple[Mapping[str, Any], ...] = ()
+    #: the other hosts' ranks a signal ended: global rank -> (host, signal name)
+    remote_killed: Mapping[int, tuple[str, str]] = dataclasses.field(default_factory=dict)
+    lost_host: str | None = None  # a host whose node agent went silent
+    stopped_host: str | None = None  # a host whose node agent stopped its ranks (shutting down)
+
+
+class Segment(Protocol):
+    """A started segment, shaped like ``torch.distributed.elastic.multiprocessing.PContext``:
+    ``wait(timeout, period)`` returns ``None`` while the ranks run and their ``RunProcsResult``
+    (per-rank exit codes, failures) once they have all exited or one has failed; ``close()``
+    stops any left; ``abort()`` stops every rank now, the other hosts' too (from another thread:
+    only pids are read here, the runner's thread polls); ``failure_report()`` says more of a
+    failure."""
+
+    def wait(self, timeout: float = -1, period: float = 1) -> RunProcsResult | None: ...
+
+    def pids(self) -> dict[int, int]: ...
+
+    def close(self) -> None: ...
+
+    def abort(self) -> None: ...
+
+    def failure_report(self) -> FailureReport: ...
+
+
 class Launcher(Protocol):
     """Where a segment's workers run (DESIGN.md "Launchers"); the runner needs only this.
 
-    ``start(req)`` starts ``req.workers`` ranks and returns at once with a handle shaped like
-    ``torch.distributed.elastic.multiprocessing.PContext``: ``wait(timeout, period)`` returns
-    ``None`` while they run and their ``RunProcsResult`` (per-rank exit codes, failures) once
-    they have all exited or one has failed; ``close()`` stops any left. :class:`LocalLauncher`
-    (this host) is the one built in; the agent wraps it to abort a chunk whose task went away.
+    ``start(req)`` starts ``req.workers`` ranks and returns at once with their :class:`Segment`.
+    ``address``: where the other hosts reach this one (a node agent started with
+    ``--advertise-addr``), which a segment spanning hosts needs; ``None``: this host only.
+    :class:`LocalLauncher` (this host) is the one built in; the agent wraps it to abort a chunk
+    whose task went away.
     """
 
-    def start(self, req: LaunchRequest) -> PContext: ...
+    address: str | None
+
+    def start(self, req: LaunchRequest) -> Segment: ...
+
+
+class LocalSegment:
+    """The workers :class:`LocalLauncher` started: torch's ``PContext``, as a :class:`Segment`."""
+
+    def __init__(self, pc: PContext) -> None:
+        self.pc = pc
+
+    def wait(self, timeout: float = -1, period: float = 1) -> RunProcsResult | None:
+        return self.pc.wait(timeout=timeout, period=period)
+
+    def pids(self) -> dict[int, int]:
+        return self.pc.pids()
+
+    def close(self) -> None:
+        self.pc.close()
+
+    def abort(self) -> None:
+        for pid in list(self.pc.pids().values()):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+
+    def failure_report(self) -> FailureReport:
+        return FailureReport(killed=signalled_ranks(self.pc))
+
+
+def signalled_ranks(pc: Any) -> dict[int, str]:
+    """Ranks of ``pc`` (torch's ``PContext``) that a signal other than our own teardown's
+    SIGTERM ended.
+
+    ``start_processes`` reports only the first rank it saw fail, and when one worker is
+    SIGKILLed its peers often exit with 1 (their collective broke) before the poll sees the
+    kill; the dead worker is the one the error should name. Torch keeps the processes on its
+    multiprocessing context (``_pc.processes``), not in the result.
+    """
+    processes = getattr(getattr(pc, "_pc", None), "processes", None) or []
+    killed = {}
+    for rank, proc in enumerate(processes):
+        code = proc.exitcode
+        if code is not None and code < 0 and -code != signal.SIGTERM:
+            try:
+                killed[rank] = signal.Signals(-code).name
+            except ValueError:
+                killed[rank] = f"signal {-code}"
+    return killed
 
 
 class LocalLauncher:
     """Starts a segment's workers as processes on this host."""
 
     host = "localhost"
+    address: str | None = None  # this host only
 
     def __init__(self) -> None:
         # Only takes effect if this process has not started a fork server yet.
         multiprocessing.set_forkserver_preload(PRELOAD)
 
-    def start(self, req: LaunchRequest) -> PContext:
+    def start(self, req: LaunchRequest) -> LocalSegment:
         if req.remote:
             from elastic_ops.errors import SpecError
 
@@ -330,14 +419,14 @@ class LocalLauncher:
             saved = _save_handlers()
             try:
                 with _main_not_rerun():
-                    return start_processes(
+                    return LocalSegment(start_processes(
                         name="elastic-ops-worker",
                         entrypoint=worker_entry,
                         args=args,
                         envs=envs,
                         logs_specs=logs,
                         start_method="forkserver",
-                    )
+                    ))
             finally:
                 _restore_handlers(saved)
 

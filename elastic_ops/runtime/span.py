@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from elastic_ops.runtime.launcher import LaunchRequest, RemotePart, start_on
+from elastic_ops.runtime.launcher import FailureReport, LaunchRequest, RemotePart, start_on
 
 GRACE_S = 5.0  # after a failure, how long the leader waits for every host's account of its ranks
 
@@ -135,12 +135,10 @@ class FollowerRanks:
         return self.pc.pids()
 
     def poll(self) -> RemoteExit | None:
-        from elastic_ops.runtime.chunk import _killed_ranks
-
         result = self.pc.wait(0)
         if result is None:
             return None
-        killed = {self.offset + r: sig for r, sig in _killed_ranks(self.pc).items()}
+        killed = {self.offset + r: sig for r, sig in self.pc.failure_report().killed.items()}
         failed = [self.offset + r for r in result.failures if self.offset + r not in killed]
         reports = []
         for path in sorted(self.dir.glob("error-*.json")):
@@ -172,8 +170,8 @@ class _Result:
 
 
 class SpanningContext:
-    """The leader's local ranks plus the other hosts' :class:`RemoteRanks`, shaped like the
-    ``PContext`` the runner waits on (``wait``, ``close``, ``pids``)."""
+    """The leader's local ranks plus the other hosts' :class:`RemoteRanks`, as one
+    :class:`~elastic_ops.runtime.launcher.Segment`."""
 
     def __init__(self, local: Any, remotes: Sequence[RemoteRanks], *, grace_s: float = GRACE_S,
                  clock: Any = time.monotonic) -> None:
@@ -182,7 +180,6 @@ class SpanningContext:
         self._exits: dict[str, RemoteExit] = {}
         self._local_result: Any = None
         self._failed_at: float | None = None
-        self._pc = getattr(local, "_pc", None)  # for the runner's look at its own ranks' signals
 
     def pids(self) -> dict[int, int]:
         return self.local.pids()
@@ -252,11 +249,18 @@ class SpanningContext:
                 remote.close()
         self.local.close()
 
-    def abort_remote(self) -> None:
-        """Stop the other hosts' ranks now (the chunk is being aborted)."""
+    def abort(self) -> None:
+        """Stop every rank now (the chunk is being aborted): the other hosts' nodes stop theirs."""
         for remote in self.remotes:
             with contextlib.suppress(Exception):
                 remote.close()
+        self.local.abort()
+
+    def failure_report(self) -> FailureReport:
+        return FailureReport(
+            killed=self.local.failure_report().killed, remote_reports=tuple(self.remote_reports()),
+            remote_killed=self.remote_killed(), lost_host=self.lost_host(), stopped_host=self.stopped_host(),
+        )
 
 
 class LoopbackSpanLauncher:

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
-from airflow.sdk import BaseSensorOperator
+from airflow.sdk import BaseSensorOperator, Context
 
 from elastic_ops.errors import SpecError, WaitFailedError
 from elastic_ops.hooks.elastic_ops import DEFAULT_CONN_ID, ElasticOpsHook
@@ -61,13 +61,13 @@ class ElasticPoolSensor(BaseSensorOperator):
             raise SpecError("min_workers", self.min_workers, "must be an integer >= 1")
         return value
 
-    def poke(self, context: Any) -> bool:
+    def poke(self, context: Context) -> bool:
         free = free_slots(ElasticOpsHook(self.elastic_ops_conn_id).pool().status(), self.host_selector)
         where = f" on hosts with {self.host_selector}" if self.host_selector else ""
         self.log.info("pool has %d free slots%s; waiting for %d", free, where, self._wanted())
         return free >= self._wanted()
 
-    def execute(self, context: Any) -> Any:
+    def execute(self, context: Context) -> Any:
         if not self.deferrable:
             return super().execute(context)
         if self.poke(context):
@@ -83,7 +83,7 @@ class ElasticPoolSensor(BaseSensorOperator):
             timeout=timeout,
         )
 
-    def execute_complete(self, context: Any, event: dict[str, Any]) -> dict[str, Any]:
+    def execute_complete(self, context: Context, event: dict[str, Any]) -> dict[str, Any]:
         parsed = parse_event(event)
         if isinstance(parsed, TriggerFailure):
             raise WaitFailedError(f"watching the pool failed: {parsed.error_type}: {parsed.error}",

@@ -28,6 +28,7 @@ from elastic_ops.errors import AgentLostError, NodeLostError, NodeUnavailableErr
 from elastic_ops.runtime import ChunkStatus, run_chunk
 from tests.agent.node_helpers import REDIS_URL, SECRET, cli_node, drop_namespace, make_config, running_node
 from tests.conftest import require_service
+from tests.runtime.agent_helpers import as_applied, as_target
 from tests.runtime.builders import make_spec
 
 pytestmark = pytest.mark.timeout(300)
@@ -52,10 +53,12 @@ def store_of(spec) -> StoreConfig:
     return StoreConfig(spec.checkpoint_uri(), keep_last=spec.keep_last, keep_every=spec.keep_every)
 
 
-def run_on(config, host, spec, start=0, end=30, *, wanted=lambda: 1, client=None, **kwargs):
+def run_on(config, host, spec, start=0, end=30, *, wanted=lambda: 1, client=None, on_applied=None, **kwargs):
+    """``wanted()`` workers of ``spec`` on ``host``'s node; ``on_applied(iteration, workers, slots)``."""
     client = client or NodeClient(config, accept_timeout_s=10.0, peer_timeout_s=5.0)
     return client.run_chunk(
-        spec.to_dict(), start, end, epoch=1, host=host, store=store_of(spec), wanted=wanted, **kwargs
+        spec.to_dict(), start, end, epoch=1, host=host, store=store_of(spec), target=as_target(host, wanted),
+        on_applied=as_applied(host, on_applied), **kwargs
     )
 
 

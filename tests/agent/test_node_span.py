@@ -17,15 +17,17 @@ import pytest
 from elastic_ops.agent.cluster import NodeConfig
 from elastic_ops.agent.node import NodeAgent
 from elastic_ops.agent.node_client import NodeClient
-from elastic_ops.agent.protocol import PROTOCOL_VERSION
+from elastic_ops.agent.protocol import PROTOCOL_VERSION, require_spans
 from elastic_ops.agent.server import ChunkSession
 from elastic_ops.agent.span import RanksSession, check_advertise_addr
 from elastic_ops.checkpoint import open_store
 from elastic_ops.errors import NodeUnavailableError, SpecError, WorkerLostError
 from elastic_ops.runtime import run_chunk
+from elastic_ops.runtime.allocation import Allocation
 from tests.agent.node_helpers import drop_namespace, make_config, running_node
 from tests.agent.test_node import store_of
 from tests.conftest import require_service
+from tests.runtime.agent_helpers import as_applied, as_target
 from tests.runtime.builders import make_spec
 
 pytestmark = pytest.mark.timeout(300)
@@ -74,17 +76,18 @@ def run_spanning(config, spec, *, grow_at=8, spans=(("host-b", (0, 1)),), applie
     client = NodeClient(config, accept_timeout_s=10.0, peer_timeout_s=5.0)
     return client.run_chunk(
         spec.to_dict(), 0, 30, epoch=1, host=leader, store=store_of(spec),
-        wanted=lambda: 3 if seen and seen[-1] >= grow_at else 1,
-        slots=lambda: (0,), spans=lambda: spans,
-        on_progress=lambda p: seen.append(p.iteration),
-        on_applied=(lambda *x: applied.append(x)) if applied is not None else None,
+        target=as_target(leader, lambda: 3 if seen and seen[-1] >= grow_at else 1, lambda: (0,),
+                         lambda: spans),
+        spans=True, on_progress=lambda p: seen.append(p.iteration),
+        on_applied=as_applied(leader, (lambda *x: applied.append(x)) if applied is not None else None,
+                              spans=True),
     )
 
 
 def open_when_grown(node: NodeAgent, gate: Path, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if any(isinstance(s, ChunkSession) and s.wanted == 3 for s in list(node.sessions.values())):
+        if any(isinstance(s, ChunkSession) and s.wanted.workers == 3 for s in list(node.sessions.values())):
             break
         time.sleep(0.01)
     gate.touch()
@@ -182,8 +185,8 @@ def test_a_follower_node_killed_outright_fails_the_chunk_naming_its_host(cluster
         def task() -> None:
             try:
                 client.run_chunk(spec.to_dict(), 0, 100_000, epoch=1, host="host-a", store=store_of(spec),
-                                 wanted=lambda: 3, slots=lambda: (0,), spans=lambda: (("host-c", (0, 1)),),
-                                 on_applied=lambda *x: applied.append(x))
+                                 target=lambda: Allocation.split(3, "host-a", (0,), (("host-c", (0, 1)),)),
+                                 spans=True, on_applied=lambda *x: applied.append(x))
             except BaseException as exc:  # checked below
                 errors.append(exc)
 
@@ -202,10 +205,14 @@ def test_a_follower_node_killed_outright_fails_the_chunk_naming_its_host(cluster
 
 def test_malformed_spans_in_a_run_request_are_refused_naming_the_field(cluster, tmp_path):
     config, _, _ = cluster
-    for spans in ((("bad host!", (0,)),), (("host-b", (0, 0)),), (("host-b", (0,)), ("host-b", (1,)))):
+    for spans in ((("bad host!", (0,)),), (("host-b", (0, 0)),)):
         with pytest.raises(SpecError) as err:
             run_spanning(config, make_spec(tmp_path), spans=spans)
         assert err.value.field == "spans", spans
+    # a host named twice: an Allocation cannot say it, a hand-made message can
+    with pytest.raises(SpecError) as err:
+        require_spans({"spans": [["host-b", [0]], ["host-b", [1]]]})
+    assert err.value.field == "spans"
 
 
 def test_a_follower_node_that_stops_mid_segment_is_agent_lost_not_the_hosts_failure(cluster, tmp_path):
@@ -225,8 +232,8 @@ def test_a_follower_node_that_stops_mid_segment_is_agent_lost_not_the_hosts_fail
         def task() -> None:
             try:
                 client.run_chunk(spec.to_dict(), 0, 100_000, epoch=1, host="host-a", store=store_of(spec),
-                                 wanted=lambda: 2, slots=lambda: (0,), spans=lambda: (("host-e", (0,)),),
-                                 on_applied=lambda *x: applied.append(x))
+                                 target=lambda: Allocation.split(2, "host-a", (0,), (("host-e", (0,)),)),
+                                 spans=True, on_applied=lambda *x: applied.append(x))
             except BaseException as exc:  # checked below
                 errors.append(exc)
 

@@ -82,3 +82,32 @@ def run_torchless_task(
     results = [json.loads(x.split(" ", 1)[1]) for x in proc.stdout.splitlines() if x.startswith("RESULT")]
     first, again = results
     return first, again, proc.stdout + proc.stderr
+
+
+def train_with(monkeypatch: pytest.MonkeyPatch, run: Any) -> None:
+    """Chunk tasks train through ``run(request, lease)`` (a stand-in for the runtime) on an
+    in-process executor: the operator, the pool and the store are real."""
+    from elastic_ops.executors.in_process import InProcessExecutor
+    from elastic_ops.hooks.elastic_ops import ElasticOpsHook
+
+    class Scripted(InProcessExecutor):
+        def run(self, request, lease):
+            return run(request, lease)
+
+    monkeypatch.setattr(ElasticOpsHook, "executor", lambda self, log: Scripted(self, log))
+
+
+def chunk_result(
+    status: Any = None, *, start: int = 20, end: int = 40, iteration: int = 40, timeline: Any = (),
+    loss: float | None = None, metrics: dict[str, float] | None = None, samples_per_sec: float = 1.0,
+) -> Any:
+    """A runner's ``ChunkResult`` for chunk ``[start, …)`` that ended at ``iteration``;
+    ``timeline``: its segments ``(iteration, workers, unix_time)``."""
+    from elastic_ops.runtime.outcome import ChunkResult, ChunkStatus
+
+    return ChunkResult(
+        status=status or ChunkStatus.COMPLETED, start=start, end=end, iteration=iteration,
+        checkpoint_uri=None, loss=loss, metrics=dict(metrics or {}),
+        workers_timeline=[tuple(t) for t in timeline], samples_per_sec=samples_per_sec, duration_s=1.0,
+        param_sha256=None,
+    )

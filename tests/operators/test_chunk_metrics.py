@@ -5,17 +5,16 @@ tagged with the job, the DAG and the task."""
 from __future__ import annotations
 
 import time
-from types import SimpleNamespace
 
 import pytest
 from airflow.sdk.exceptions import TaskDeferred
 
 from elastic_ops.errors import WorkerLostError
 from elastic_ops.hooks.elastic_ops import ElasticOpsHook
-from elastic_ops.operators import ElasticChunkOperator
 from elastic_ops.operators.jobs import job_id
+from elastic_ops.runtime.allocation import Allocation
 from elastic_ops.runtime.outcome import ChunkStatus
-from tests.operators.helpers import airflow_pool
+from tests.operators.helpers import airflow_pool, chunk_result, train_with
 from tests.operators.test_chunk_operator import make_chunk, ti_context
 from tests.recording_metrics import RecordingMetrics
 
@@ -38,19 +37,18 @@ def chunk_metrics(rec: RecordingMetrics) -> list[tuple[str, str, float]]:
 def train(status: ChunkStatus, iteration: int, segments: list[tuple[int, int]], during=None):
     """A stand-in for the runtime: runs ``segments`` (start, workers) of chunk [20, 40), reports
     each to the lease keeper as the runner does, and ends at ``iteration``."""
-    def _train(self, spec, state, epoch, host, keeper, hook):
+    def run(request, lease):
         if during is not None:
-            during(hook.pool())
+            during(ElasticOpsHook().pool())
         for start, workers in segments:
-            keeper.applied(start, workers, list(range(workers)))
-        return SimpleNamespace(status=status, iteration=iteration, start=20, samples_per_sec=512.0,
-                               duration_s=1.0, checkpoint_uri=None,
-                               workers_timeline=[[s, w, time.time()] for s, w in segments])
-    return _train
+            lease.applied(start, Allocation.split(workers, request.host, range(workers)))
+        return chunk_result(status, iteration=iteration, samples_per_sec=512.0,
+                            timeline=[(s, w, time.time()) for s, w in segments])
+    return lambda monkeypatch: train_with(monkeypatch, run)
 
 
 def test_a_chunk_reports_its_workers_iterations_throughput_and_wait(rec, monkeypatch):
-    monkeypatch.setattr(ElasticChunkOperator, "_train", train(ChunkStatus.COMPLETED, 40, [(20, 2), (30, 1)]))
+    train(ChunkStatus.COMPLETED, 40, [(20, 2), (30, 1)])(monkeypatch)
     make_chunk(1).execute(ti_context(1, 3))
     sent = chunk_metrics(rec)
     assert [v for k, n, v in sent if n == "chunk.workers"] == [2, 2, 1, 0]  # grant, 2 segments, end
@@ -66,7 +64,7 @@ def test_a_preempted_chunk_counts_the_preemption_and_only_what_it_trained(rec, m
     def urgent(pool):
         pool.submit("urgent", min_workers=2, max_workers=2, priority=9, preemptible=False)
 
-    monkeypatch.setattr(ElasticChunkOperator, "_train", train(ChunkStatus.PREEMPTED, 26, [(20, 2)], urgent))
+    train(ChunkStatus.PREEMPTED, 26, [(20, 2)], urgent)(monkeypatch)
     with pytest.raises(TaskDeferred):  # preempted, then the pool has nothing for it: it waits
         make_chunk(1).execute(ti_context(1, 3))
     sent = chunk_metrics(rec)
@@ -76,10 +74,10 @@ def test_a_preempted_chunk_counts_the_preemption_and_only_what_it_trained(rec, m
 
 
 def test_a_host_that_failed_the_chunk_is_counted_with_its_name(rec, monkeypatch):
-    def lost(self, spec, state, epoch, host, keeper, hook):
+    def lost(request, lease):
         raise WorkerLostError("rank 1 killed by SIGKILL", host="h1")
 
-    monkeypatch.setattr(ElasticChunkOperator, "_train", lost)
+    train_with(monkeypatch, lost)
     with pytest.raises(WorkerLostError):
         make_chunk(1).execute(ti_context(1, 3))
     failures = [(v, tags) for k, n, v, tags in rec.sent if n == "chunk.host_failures"]

@@ -24,12 +24,13 @@ from elastic_ops.errors import (
 )
 from elastic_ops.operators import ElasticChunkOperator, ElasticRegisterOperator
 from elastic_ops.operators.jobs import job_id
+from elastic_ops.operators.results import ChunkTry
 from elastic_ops.pool import PoolClient
 from elastic_ops.runtime.outcome import ChunkStatus
 from elastic_ops.spec import JobSpec
 from elastic_ops.triggers import GrantTrigger
 from elastic_ops.triggers.events import GrantEvent, TriggerFailure
-from tests.operators.helpers import airflow_pool
+from tests.operators.helpers import airflow_pool, chunk_result, train_with
 
 FIELDS = {"entrypoint": "elastic_ops.examples.digits:DigitsMLP", "total_iterations": 40,
           "chunk_iterations": 20, "global_batch": 64, "min_workers": 1, "max_workers": "{{ x }}",
@@ -107,10 +108,7 @@ def test_a_grant_that_comes_within_defer_after_is_trained_without_deferring(pool
 
     monkeypatch.setattr("elastic_ops.operators.chunk._sleep", other_job_ends_during_the_third_poll_interval)
     trained = []
-    monkeypatch.setattr(ElasticChunkOperator, "_train", lambda self, spec, state, epoch, host, keeper, hook:
-                        trained.append(epoch) or SimpleNamespace(
-                            status=ChunkStatus.COMPLETED, workers_timeline=[], iteration=40, start=20,
-                            samples_per_sec=1.0, duration_s=1.0, checkpoint_uri=None))
+    train_with(monkeypatch, lambda request, lease: trained.append(request.epoch) or chunk_result())
     result = make_chunk(1).execute(ti_context(1, 3))  # no TaskDeferred
     assert result["status"] == "completed" and len(trained) == 1
     assert wait_clock.sleeps == [1.0, 1.0, 1.0]  # polled every poll_interval until the grant
@@ -126,15 +124,21 @@ def test_a_longer_wait_defers_after_defer_after_seconds(pool, wait_clock, defer_
 
 
 def test_the_wait_for_a_grant_counts_from_the_deferral(pool, monkeypatch):
-    seen = {}
-    monkeypatch.setattr(ElasticChunkOperator, "_run_granted",
-                        lambda self, ctx, state, grant, hook: seen.update(state))
+    seen = []
+
+    def run_granted(self, ctx, chunk, grant, hook):
+        seen.append(chunk)
+        return chunk.result(status="completed", checkpoint_uri=None, now=time.time())
+
+    monkeypatch.setattr(ElasticChunkOperator, "_run_granted", run_granted)
     t0 = time.time()
-    state = {"waited_s": 1.0, "deferred_at": t0 - 30}
+    op = make_chunk(0)
+    state = chunk_try(op) | {"waited_s": 1.0, "deferred_at": t0 - 30}
     event = GrantEvent(job="j", epoch=1, placements=(("h", 0),), ttl_s=60, state=state, waited_s=0.01)
-    make_chunk(0).execute_granted(context(), event.to_payload())
+    op.execute_granted(context(), event.to_payload())
     # 1 s before + 30 s since the deferral (not the trigger's 0.01 s), measured at the resume
-    assert 31 <= seen["waited_s"] <= 31 + (time.time() - t0) and "deferred_at" not in seen
+    (chunk,) = seen
+    assert 31 <= chunk.waited_s <= 31 + (time.time() - t0) and chunk.deferred_at is None
 
 
 def test_a_range_already_in_the_latest_checkpoint_succeeds_without_a_grant(pool, tmp_path):
@@ -159,10 +163,10 @@ def ti_context(try_number: int, max_tries: int, run_id: str = "run1") -> dict:
     return context(run_id) | {"ti": SimpleNamespace(try_number=try_number, max_tries=max_tries)}
 
 
-def train_raising(exc: BaseException):
-    def _train(self, spec, state, epoch, host, keeper, hook):
+def train_raising(monkeypatch, exc: BaseException) -> None:
+    def run(request, lease):
         raise exc
-    return _train
+    train_with(monkeypatch, run)
 
 
 def job_row(pool: PoolClient, name: str) -> dict:
@@ -174,10 +178,7 @@ def test_a_new_try_takes_over_the_earlier_tries_lease_under_a_new_epoch(pool, mo
     pool.submit(job, min_workers=1, max_workers=2)
     earlier = pool.request(job)  # an earlier try, killed before it released
     epochs = []
-    done = SimpleNamespace(status=ChunkStatus.COMPLETED, workers_timeline=[], iteration=40, start=20,
-                           samples_per_sec=1.0, duration_s=1.0, checkpoint_uri=None)
-    monkeypatch.setattr(ElasticChunkOperator, "_train",
-                        lambda self, spec, state, epoch, host, keeper, hook: epochs.append(epoch) or done)
+    train_with(monkeypatch, lambda request, lease: epochs.append(request.epoch) or chunk_result())
     make_chunk(1).execute(ti_context(1, 3))
     assert epochs == [earlier.epoch + 1]
     with pytest.raises(LeaseExpiredError):  # the earlier try's epoch is dead
@@ -188,12 +189,11 @@ def test_a_chunk_hands_its_slots_to_the_next_chunk_and_the_last_one_ends_the_job
     job = job_id("d", "train", "run1")
     grants = []
 
-    def trained(self, spec, state, epoch, host, keeper, hook):
-        grants.append((epoch, keeper.slots()))
-        return SimpleNamespace(status=ChunkStatus.COMPLETED, workers_timeline=[], iteration=state["end"],
-                               start=state["start"], samples_per_sec=1.0, duration_s=1.0, checkpoint_uri=None)
+    def trained(request, lease):
+        grants.append((request.epoch, lease.current().on(request.host)))
+        return chunk_result(start=request.start, end=request.end, iteration=request.end)
 
-    monkeypatch.setattr(ElasticChunkOperator, "_train", trained)
+    train_with(monkeypatch, trained)
     make_chunk(0).execute(ti_context(1, 3))
     # between the two tasks: the slots stay the job's, parked, and a newcomer waits its turn
     # through the plan rather than taking them because they were momentarily free
@@ -206,7 +206,7 @@ def test_a_chunk_hands_its_slots_to_the_next_chunk_and_the_last_one_ends_the_job
 
 
 def test_a_final_failure_ends_the_job_so_others_get_its_slots_at_once(pool, monkeypatch):
-    monkeypatch.setattr(ElasticChunkOperator, "_train", train_raising(UserCodeError("boom in loss()")))
+    train_raising(monkeypatch, UserCodeError("boom in loss()"))
     with pytest.raises(UserCodeError):
         make_chunk(1).execute(ti_context(1, 3))  # not retryable: final at the first try
     job = job_id("d", "train", "run1")
@@ -216,8 +216,7 @@ def test_a_final_failure_ends_the_job_so_others_get_its_slots_at_once(pool, monk
 
 
 def test_a_retryable_failure_keeps_the_demand_until_the_last_try(pool, monkeypatch):
-    monkeypatch.setattr(ElasticChunkOperator, "_train",
-                        train_raising(WorkerLostError("rank 1 killed by SIGKILL", host="h1")))
+    train_raising(monkeypatch, WorkerLostError("rank 1 killed by SIGKILL", host="h1"))
     job = job_id("d", "train", "run1")
     with pytest.raises(WorkerLostError):
         make_chunk(1).execute(ti_context(1, 3))
@@ -228,7 +227,7 @@ def test_a_retryable_failure_keeps_the_demand_until_the_last_try(pool, monkeypat
 
 
 def test_a_failing_clean_up_does_not_replace_the_training_error(pool, monkeypatch):
-    monkeypatch.setattr(ElasticChunkOperator, "_train", train_raising(UserCodeError("boom in loss()")))
+    train_raising(monkeypatch, UserCodeError("boom in loss()"))
     monkeypatch.setattr(PoolClient, "release", lambda *a, **k: (_ for _ in ()).throw(LedgerBusyError("busy")))
     with pytest.raises(UserCodeError, match="boom in loss"):
         make_chunk(1).execute(ti_context(1, 3))
@@ -239,12 +238,12 @@ def test_on_kill_gives_the_slots_back_ends_the_job_and_does_not_blame_the_host(p
     its planned share for job_idle_s (a probe saw another job wait 600 s for those slots)."""
     op = make_chunk(1)
 
-    def killed_mid_chunk(self, spec, state, epoch, host, keeper, hook):
-        self.on_kill()  # Airflow's SIGTERM handler runs while the chunk trains
+    def killed_mid_chunk(request, lease):
+        op.on_kill()  # Airflow's SIGTERM handler runs while the chunk trains
         assert pool.status()["slots"]["used"] == 0  # released at once, not after the TTL
-        raise WorkerLostError("rank 0 killed by SIGTERM", host=host)  # the workers die with the task
+        raise WorkerLostError("rank 0 killed by SIGTERM", host=request.host)  # the workers die with the task
 
-    monkeypatch.setattr(ElasticChunkOperator, "_train", killed_mid_chunk)
+    train_with(monkeypatch, killed_mid_chunk)
     with pytest.raises(WorkerLostError):
         op.execute(ti_context(1, 3))
     assert not [e for e in pool.events() if e["kind"] == "failure"]
@@ -272,8 +271,7 @@ def test_operator_arguments_are_checked_when_the_dag_is_parsed(kwargs, field):
 
 
 def test_an_agent_that_went_away_is_retried_and_not_held_against_the_host(pool, monkeypatch):
-    monkeypatch.setattr(ElasticChunkOperator, "_train",
-                        train_raising(AgentLostError("the elastic-ops agent stopped mid-chunk")))
+    train_raising(monkeypatch, AgentLostError("the elastic-ops agent stopped mid-chunk"))
     with pytest.raises(AgentLostError) as err:
         make_chunk(1).execute(ti_context(1, 3))
     assert err.value.retryable
@@ -318,10 +316,7 @@ def test_a_grant_that_expired_before_the_task_resumed_is_asked_for_again(pool, m
     # the task resumes after the grant's TTL: a ledger client an hour ahead expires the lease
     PoolClient(pool.url, clock=lambda: time.time() + 3600).status()
     epochs = []
-    done = SimpleNamespace(status=ChunkStatus.COMPLETED, workers_timeline=[], iteration=40, start=20,
-                           samples_per_sec=1.0, duration_s=1.0, checkpoint_uri=None)
-    monkeypatch.setattr(ElasticChunkOperator, "_train",
-                        lambda self, spec, state, epoch, host, keeper, hook: epochs.append(epoch) or done)
+    train_with(monkeypatch, lambda request, lease: epochs.append(request.epoch) or chunk_result())
     event = GrantEvent(trig.job, grant.epoch, grant.placements, grant.ttl_s, trig.state, 0.1)
     make_chunk(1).execute_granted(context(), event.to_payload())
     assert len(epochs) == 1 and epochs[0] > grant.epoch  # a fresh grant, never the dead one
@@ -349,9 +344,7 @@ def test_a_wait_that_failed_for_good_ends_the_job_in_the_pool(pool):
 
 def _stopped_at_a_boundary(iteration: int = 26):
     """What the runner returns when the lease's target went to 0 (preempted, or the lease lost)."""
-    return SimpleNamespace(status=ChunkStatus.PREEMPTED, workers_timeline=[[20, 2, time.time()]],
-                           iteration=iteration, start=20, samples_per_sec=1.0, duration_s=1.0,
-                           checkpoint_uri=None)
+    return chunk_result(ChunkStatus.PREEMPTED, timeline=[(20, 2, time.time())], iteration=iteration)
 
 
 def test_a_chunk_whose_job_ended_while_it_trained_does_not_bring_it_back(pool, monkeypatch):
@@ -360,11 +353,11 @@ def test_a_chunk_whose_job_ended_while_it_trained_does_not_bring_it_back(pool, m
     was granted slots for a run that had ended (a probe)."""
     job = job_id("d", "train", "run1")
 
-    def ended_meanwhile(self, spec, state, epoch, host, keeper, hook):
+    def ended_meanwhile(request, lease):
         pool.finish(job)  # the teardown
         return _stopped_at_a_boundary()
 
-    monkeypatch.setattr(ElasticChunkOperator, "_train", ended_meanwhile)
+    train_with(monkeypatch, ended_meanwhile)
     with pytest.raises(JobEndedError):
         make_chunk(1).execute(ti_context(1, 3))
     assert job_row(pool, job)["state"] == "finished"
@@ -373,14 +366,15 @@ def test_a_chunk_whose_job_ended_while_it_trained_does_not_bring_it_back(pool, m
 
 def test_a_killed_chunk_that_stops_at_a_boundary_does_not_ask_again(pool, monkeypatch):
     job = job_id("d", "train", "run1")
+    op = make_chunk(1)
 
-    def killed(self, spec, state, epoch, host, keeper, hook):
-        self.on_kill()  # Airflow's SIGTERM: the lease goes, the runner stops at its next boundary
+    def killed(request, lease):
+        op.on_kill()  # Airflow's SIGTERM: the lease goes, the runner stops at its next boundary
         return _stopped_at_a_boundary()
 
-    monkeypatch.setattr(ElasticChunkOperator, "_train", killed)
+    train_with(monkeypatch, killed)
     with pytest.raises(LeaseExpiredError, match="stopped at iteration 26: its task is being killed") as err:
-        make_chunk(1).execute(ti_context(1, 3))
+        op.execute(ti_context(1, 3))
     assert err.value.retryable  # a worker's graceful shutdown kills tries too: they are retried
     assert job_row(pool, job)["state"] == "finished"
     assert [e["kind"] for e in pool.events(job=job)].count("grant") == 1
@@ -391,14 +385,12 @@ def test_a_full_preemption_releases_and_waits_again_without_failing(pool, monkey
     job = job_id("d", "train", "run1")
     epochs = []
 
-    def preempted(self, spec, state, epoch, host, keeper, hook):
-        epochs.append(epoch)
+    def preempted(request, lease):
+        epochs.append(request.epoch)
         pool.submit("urgent", min_workers=2, max_workers=2, priority=9, preemptible=False)
-        return SimpleNamespace(status=ChunkStatus.PREEMPTED, workers_timeline=[[20, 2, time.time()]],
-                               iteration=26, start=20, samples_per_sec=1.0, duration_s=1.0,
-                               checkpoint_uri=None)
+        return _stopped_at_a_boundary()
 
-    monkeypatch.setattr(ElasticChunkOperator, "_train", preempted)
+    train_with(monkeypatch, preempted)
     with pytest.raises(TaskDeferred) as deferred:
         make_chunk(1).execute(ti_context(1, 3))
     state = deferred.value.trigger.state
@@ -431,7 +423,7 @@ def test_a_chunk_killed_while_it_waits_in_the_task_neither_trains_nor_defers(
 
     monkeypatch.setattr("elastic_ops.operators.chunk._sleep", killed_during_the_wait)
     trained = []
-    monkeypatch.setattr(ElasticChunkOperator, "_train", lambda *a: trained.append(a))
+    train_with(monkeypatch, lambda *a: trained.append(a))
     with pytest.raises(LeaseExpiredError, match="being killed") as err:
         op.execute(ti_context(1, 3))  # neither a result nor TaskDeferred
     assert err.value.retryable and not trained
@@ -443,25 +435,27 @@ def test_a_chunk_killed_while_it_waits_in_the_task_neither_trains_nor_defers(
         assert pool.request("next").workers == 2  # the killed try holds nothing back
 
 
-def granted(job, grant, spec) -> GrantEvent:
-    """The trigger's event for ``grant`` to chunk 2 (iterations 20..40) of ``spec``."""
-    state = {"spec": spec.to_dict(), "chunk_index": 1, "start": 20, "end": 40, "warm_start": None,
-             "preemptions": 0, "timeline": [], "epochs": [], "hosts": [], "trained": 0, "waited_s": 0.0,
-             "started_at": time.time()}
-    return GrantEvent(job, grant.epoch, grant.placements, grant.ttl_s, state, 0.1)
+def chunk_try(op: ElasticChunkOperator) -> dict:
+    """The state a deferred try of ``op`` (chunk 2: iterations 20..40) carries, as on the wire."""
+    return ChunkTry(spec=op._spec(context()).to_dict(), chunk_index=1, start=20, end=40,
+                    started_at=time.time()).to_dict()
+
+
+def granted(job, grant, op) -> GrantEvent:
+    """The trigger's event for ``grant`` to chunk 2 (iterations 20..40) of ``op``."""
+    return GrantEvent(job, grant.epoch, grant.placements, grant.ttl_s, chunk_try(op), 0.1)
 
 
 def test_a_chunk_killed_before_its_grant_is_trained_gives_the_grant_back(pool, monkeypatch):
     """on_kill between the trigger's grant and the resumed try's start of training."""
     job = job_id("d", "train", "run1")
     op = make_chunk(1)
-    spec = op._spec(context())
     pool.submit(job, min_workers=1, max_workers=2)
     grant = pool.request(job)
     trained = []
-    monkeypatch.setattr(ElasticChunkOperator, "_train", lambda *a: trained.append(a))
+    train_with(monkeypatch, lambda *a: trained.append(a))
     op.on_kill()
-    event = granted(job, grant, spec)
+    event = granted(job, grant, op)
     with pytest.raises(LeaseExpiredError, match="given back untrained"):
         op.execute_granted(ti_context(1, 3), event.to_payload())
     assert not trained and pool.status()["slots"]["used"] == 0
@@ -475,7 +469,6 @@ def test_a_chunk_killed_while_its_grant_is_renewed_gives_it_back_untrained(pool,
 
     job = job_id("d", "train", "run1")
     op = make_chunk(1)
-    spec = op._spec(context())
     pool.submit(job, min_workers=1, max_workers=2)
     grant = pool.request(job)
     real_beat, calls, trained = LeaseKeeper.beat, [], []
@@ -487,8 +480,8 @@ def test_a_chunk_killed_while_its_grant_is_renewed_gives_it_back_untrained(pool,
         return real_beat(self)
 
     monkeypatch.setattr(LeaseKeeper, "beat", beat)
-    monkeypatch.setattr(ElasticChunkOperator, "_train", lambda *a: trained.append(a))
-    event = granted(job, grant, spec)
+    train_with(monkeypatch, lambda *a: trained.append(a))
+    event = granted(job, grant, op)
     with pytest.raises(LeaseExpiredError, match="given back untrained"):
         op.execute_granted(ti_context(1, 3), event.to_payload())
     assert not trained and pool.status()["slots"]["used"] == 0

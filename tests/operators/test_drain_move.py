@@ -15,6 +15,7 @@ import pytest
 from elastic_ops.operators import ElasticChunkOperator
 from elastic_ops.operators.jobs import job_id
 from elastic_ops.pool import PoolClient
+from elastic_ops.runtime.allocation import Allocation
 from elastic_ops.runtime.chunk import run_chunk as real_run_chunk
 from tests.operators.helpers import TINY_FIELDS, airflow_pool
 from tests.operators.test_gpu_slots import held, result
@@ -37,7 +38,8 @@ def drain(pool: PoolClient, keeper) -> None:
     pool.add_host("gpu-b", 2)
     pool.drain_host("gpu-a")
     keeper.beat()
-    assert keeper.wanted() == 2 and keeper.slots() == ()  # same count, none left on gpu-a
+    now = keeper.current()
+    assert now.workers == 2 and now.on("gpu-a") == ()  # same count, none left on gpu-a
 
 
 def execute() -> dict:
@@ -48,20 +50,20 @@ def execute() -> dict:
 def test_the_job_in_the_task_moves_off_a_drained_host_at_its_next_boundary(pool, monkeypatch):
     seen = []
 
-    def run_chunk(spec, start, end, *, target, slots, on_segment, **kwargs):
+    def run_chunk(spec, start, end, *, target, on_segment, **kwargs):
         keeper = target.__self__
 
-        def pool_target(i: int) -> int:  # the host drains once iteration 8 is decided
+        def pool_target(i: int) -> Allocation:  # the host drains once iteration 8 is decided
             if i >= 8 and not pool.status()["hosts"][1:]:
                 drain(pool, keeper)
             return target(i)
 
-        def started(i: int, n: int, on: tuple[int, ...] | None) -> None:
-            on_segment(i, n, on)
+        def started(i: int, running: Allocation) -> None:
+            on_segment(i, running)
             keeper.beat()  # the heartbeat applied() wakes the keeper for, sent here at once
-            seen.append((i, n, on, held(pool, JOB)))
+            seen.append((i, running.workers, running.on("gpu-a"), held(pool, JOB)))
 
-        return real_run_chunk(spec, start, end, target=pool_target, slots=slots, on_segment=started, **kwargs)
+        return real_run_chunk(spec, start, end, target=pool_target, on_segment=started, **kwargs)
 
     monkeypatch.setattr("elastic_ops.runtime.run_chunk", run_chunk)
     out = execute()
@@ -77,14 +79,19 @@ def test_the_job_in_the_task_moves_off_a_drained_host_at_its_next_boundary(pool,
 def test_the_agent_path_reports_the_move_the_same_way(pool, monkeypatch, tmp_path):
     seen = []
 
-    def fake_agent_run(self, spec, start, end, *, wanted, slots, on_applied, **kwargs):
-        keeper = wanted.__self__
-        on_applied(0, wanted(), slots())  # the agent's first 'applied': 2 workers on gpu-a 0, 1
+    def fake_agent_run(self, spec, start, end, *, target, on_applied, **kwargs):
+        keeper = target.__self__
+
+        def here() -> Allocation:  # what the agent on gpu-a runs of the target
+            now = target()
+            return Allocation.split(now.workers, "gpu-a", now.on("gpu-a"))
+
+        on_applied(0, here())  # the agent's first 'applied': 2 workers on gpu-a 0, 1
         keeper.beat()
         seen.append(held(pool, JOB))
         drain(pool, keeper)
         seen.append(held(pool, JOB))  # told to move: the old slots stay the job's until it has
-        on_applied(10, wanted(), slots())  # the agent relaunched at boundary 10 on the new target
+        on_applied(10, here())  # the agent relaunched at boundary 10 on the new target
         keeper.beat()
         seen.append(held(pool, JOB))
         return result(start, end)
@@ -108,11 +115,11 @@ def test_a_keeper_lists_the_running_segment_s_slots_in_every_heartbeat():
 
     keeper = LeaseKeeper(SimpleNamespace(heartbeat=heartbeat), "j", 1, 2, interval_s=1, host="a")
     keeper.beat()  # no segment started yet: the count only
-    keeper.applied(0, 2, (0, 1))
+    keeper.applied(0, Allocation.split(2, "a", (0, 1)))
     keeper.beat()
-    keeper.applied(7, 2, (3, 2))  # a move at the same count
+    keeper.applied(7, Allocation.split(2, "a", (3, 2)))  # a move at the same count
     keeper.beat()
-    keeper.applied(9, 1)  # slots not known: the count only, as before placements
+    keeper.applied(9, Allocation(1))  # slots not known: the count only, as before placements
     keeper.beat()
     assert calls == [
         (2, None),
@@ -121,6 +128,6 @@ def test_a_keeper_lists_the_running_segment_s_slots_in_every_heartbeat():
         (1, None),
     ]
     hostless = LeaseKeeper(SimpleNamespace(heartbeat=heartbeat), "j", 1, 2, interval_s=1)
-    hostless.applied(0, 2, (0, 1))  # slots of which host? count only
+    hostless.applied(0, Allocation.split(2, "a", (0, 1)))  # a keeper that knows no host: count only
     hostless.beat()
     assert calls[-1] == (2, None)

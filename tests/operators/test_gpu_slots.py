@@ -1,7 +1,7 @@
 """``ElasticChunkOperator`` hands the runner the GPU slots its grant (then every heartbeat) names on
 the task's own host, in-process and through the agent: two jobs sharing one 8-GPU host 4/4 must
 not both train on GPUs 0..3. The runner is replaced by a fake that reads those slots the way the
-real one does (right after each ``target(i)``); ``LeaseKeeper.beat`` is called directly, so no
+real one does (in each ``target(i)``'s allocation); ``LeaseKeeper.beat`` is called directly, so no
 test waits for a heartbeat."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from elastic_ops.operators import ElasticChunkOperator
 from elastic_ops.operators.jobs import job_id
 from elastic_ops.operators.lease import LeaseKeeper
 from elastic_ops.pool import PoolClient
+from elastic_ops.runtime.allocation import Allocation
 from elastic_ops.runtime.outcome import ChunkResult, ChunkStatus
 from tests.operators.helpers import TINY_FIELDS, airflow_pool
 
@@ -52,20 +53,22 @@ def held(pool: PoolClient, job: str) -> list[tuple[str, int]]:
     return sorted(tuple(p) for p in row["placements"])
 
 
-def shrink_then_check(pool: PoolClient, keeper: LeaseKeeper, take, slots) -> list[tuple[int, tuple]]:
-    """What the runner sees: the grant's count and slots, then those of a shrink to 2."""
-    seen = [(take(0), slots())]
+def shrink_then_check(pool: PoolClient, keeper: LeaseKeeper, take) -> list[tuple[int, tuple]]:
+    """What the runner sees on gpu-a: the grant's count and slots, then those of a shrink to 2."""
+    first = take(0)
+    seen = [(first.workers, first.on("gpu-a"))]
     pool.set_bounds(JOB, 1, 2)
     keeper.beat()  # the heartbeat that brings the shrink
-    seen.append((take(5), slots()))
+    shrunk = take(5)
+    seen.append((shrunk.workers, shrunk.on("gpu-a")))
     return seen
 
 
 def test_the_runner_in_the_task_gets_the_granted_slots_of_its_host(pool, monkeypatch):
     seen = []
 
-    def fake_run_chunk(spec, start, end, *, target, slots, **kwargs):
-        seen.extend(shrink_then_check(pool, target.__self__, target, slots))
+    def fake_run_chunk(spec, start, end, *, target, **kwargs):
+        seen.extend(shrink_then_check(pool, target.__self__, target))
         return result(start, end)
 
     monkeypatch.setattr("elastic_ops.runtime.run_chunk", fake_run_chunk)
@@ -80,10 +83,10 @@ def test_the_runner_in_the_task_gets_the_granted_slots_of_its_host(pool, monkeyp
 def test_the_agent_path_forwards_the_same_slots(pool, monkeypatch, tmp_path):
     seen = []
 
-    def fake_agent_run(self, spec, start, end, *, wanted, slots, **kwargs):
-        keeper = wanted.__self__
-        seen.extend(shrink_then_check(pool, keeper, lambda i: wanted(), slots))
-        keeper.applied(5, 2)
+    def fake_agent_run(self, spec, start, end, *, target, **kwargs):
+        keeper = target.__self__
+        seen.extend(shrink_then_check(pool, keeper, lambda i: target()))
+        keeper.applied(5, Allocation(2))
         keeper.beat()  # reports the smaller count: the pool frees the slots the shrink gave up
         seen.append(held(pool, JOB))
         return result(start, end)
@@ -99,19 +102,20 @@ def test_the_agent_path_forwards_the_same_slots(pool, monkeypatch, tmp_path):
     assert after == [("gpu-a", s) for s in sorted(s1)]  # the slots it runs on are the ones it keeps
 
 
-def test_the_keeper_returns_only_the_slots_on_its_own_host():
+def test_the_keepers_target_carries_the_slots_of_the_same_heartbeat_host_by_host():
     target = SimpleNamespace(
         action="grow", workers=3, reason="more", placements=(("a", 1), ("b", 0), ("a", 3))
     )
     client = SimpleNamespace(heartbeat=lambda job, epoch, workers: target)
     keeper = LeaseKeeper(client, "j", 1, 1, interval_s=1, placements=[("b", 2), ("a", 0)], host="a")
-    assert keeper.target(0) == 1 and keeper.slots() == (0,)
+    first = keeper.target(0)
+    assert first.workers == 1 and first.on("a") == (0,) and first.elsewhere("a") == (("b", (2,)),)
     keeper.beat()
-    assert keeper.slots() == (0,)  # not taken yet: the runner still runs the old target
-    assert keeper.target(3) == 3 and keeper.slots() == (1, 3)
+    grown = keeper.target(3)
+    assert grown.workers == 3 and grown.on("a") == (1, 3) and grown.elsewhere("a") == (("b", (0,)),)
     target.action, target.workers, target.placements = "preempt", 0, ()
     keeper.beat()
-    assert keeper.wanted() == 0 and keeper.slots() == ()
+    assert keeper.current() == Allocation(0, ())
 
 
 def test_the_keeper_reports_a_shrink_only_when_the_smaller_segment_starts():
@@ -125,8 +129,8 @@ def test_the_keeper_reports_a_shrink_only_when_the_smaller_segment_starts():
     keeper = LeaseKeeper(SimpleNamespace(heartbeat=heartbeat), "j", 1, 4, interval_s=1, host="a")
     target.action, target.workers, target.placements = "shrink", 2, (("a", 0), ("a", 1))
     keeper.beat()
-    assert keeper.target(10) == 2  # decided ahead of the boundary, the old workers still run
+    assert keeper.target(10).workers == 2  # decided ahead of the boundary, the old workers still run
     keeper.beat()
-    keeper.applied(10, 2)  # the 2-worker segment starts: the 4 old workers have exited
+    keeper.applied(10, Allocation(2))  # the 2-worker segment starts: the 4 old workers have exited
     keeper.beat()
     assert reported == [4, 4, 2]

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 from sqlalchemy.exc import OperationalError
 
 from elastic_ops.operators.lease import LeaseKeeper
+from elastic_ops.runtime.allocation import Allocation
 
 
 class Clock:
@@ -36,16 +37,16 @@ def test_a_raw_ledger_error_is_retried_and_silence_past_the_ttl_loses_the_lease(
     outcomes += [dropped, target(2)]
     clock.t += 10
     keeper.beat()  # a raw driver error: logged, not raised (it would end the heartbeat thread)
-    assert keeper.wanted() == 2 and not keeper.lost
+    assert keeper.current().workers == 2 and not keeper.lost
     clock.t += 10
     keeper.beat()  # succeeds: the silence starts again from here
     outcomes += [RuntimeError("bug"), dropped]
     clock.t += 29
     keeper.beat()
-    assert not keeper.lost and keeper.wanted() == 2
+    assert not keeper.lost and keeper.current().workers == 2
     clock.t += 2  # 31 s without a successful heartbeat: the pool has expired the lease
     keeper.beat()
-    assert keeper.lost and keeper.wanted() == 0
+    assert keeper.lost and keeper.current().workers == 0
 
 
 def test_the_heartbeat_thread_survives_errors():
@@ -87,7 +88,7 @@ def test_heartbeats_carry_what_the_runner_measured_at_a_steady_count(tmp_path):
         return pool.heartbeat(job, epoch, **kw)
 
     keeper = LeaseKeeper(SimpleNamespace(heartbeat=heartbeat), "j", g.epoch, 4, interval_s=1, clock=clock)
-    keeper.applied(0, 4, slots=[0, 1, 2, 3])
+    keeper.applied(0, Allocation.split(4, "h", [0, 1, 2, 3]))
 
     def boundary(it: int, workers: int, dt: float) -> None:
         clock.t += dt

@@ -14,6 +14,7 @@ from elastic_ops.agent import node_client
 from elastic_ops.agent.protocol import PROTOCOL_VERSION
 from elastic_ops.errors import NodeUnavailableError
 from elastic_ops.operators import ElasticChunkOperator
+from elastic_ops.runtime.allocation import Allocation
 from tests.agent.node_helpers import REDIS_URL, SECRET, drop_namespace, make_config, running_node
 from tests.operators.helpers import TINY_FIELDS, airflow_pool, run_torchless_task
 
@@ -122,17 +123,10 @@ def test_a_chunk_task_in_a_cluster_never_imports_torch(cluster, monkeypatch, tmp
     assert [e["kind"] for e in pool.events() if e["kind"] in ("grant", "release")] == ["grant", "release"]
 
 
-class FakeKeeper:
-    """The pool's target as a lease keeper holds it: a count and its slots on the keeper's host."""
-
-    def __init__(self, wanted: int, slots_here: int) -> None:
-        self._wanted, self._slots = wanted, tuple(range(slots_here))
-
-    def wanted(self) -> int:
-        return self._wanted
-
-    def slots(self) -> tuple[int, ...]:
-        return self._slots
+def pool_target(wanted: int, slots_here: int) -> Allocation:
+    """The pool's target: ``wanted`` workers, ``slots_here`` of its slots on host "a", the rest on "b"."""
+    there = tuple(range(max(0, wanted - slots_here)))
+    return Allocation.split(wanted, "a", range(slots_here), (("b", there),))
 
 
 @pytest.mark.parametrize(
@@ -146,9 +140,9 @@ class FakeKeeper:
     ],
 )
 def test_a_node_follows_the_target_with_the_slots_on_its_own_host(wanted, here, min_workers, follows):
-    from elastic_ops.operators.chunk import node_target
+    from elastic_ops.executors.node import node_target
 
-    assert node_target(FakeKeeper(wanted, here), min_workers) == follows
+    assert node_target(pool_target(wanted, here), "a", min_workers).workers == follows
 
 
 @pytest.mark.parametrize(
@@ -161,13 +155,13 @@ def test_a_node_follows_the_target_with_the_slots_on_its_own_host(wanted, here, 
     ],
 )
 def test_a_node_that_leads_spanning_groups_follows_the_whole_target(wanted, here, min_workers, follows):
-    from elastic_ops.operators.chunk import node_target
+    from elastic_ops.executors.node import node_target
 
-    assert node_target(FakeKeeper(wanted, here), min_workers, span=True) == follows
+    assert node_target(pool_target(wanted, here), "a", min_workers, span=True).workers == follows
 
 
 def test_the_node_of_the_host_holding_most_of_the_grant_trains_it():
-    from elastic_ops.operators.chunk import busiest_host
+    from elastic_ops.executors.node import busiest_host
 
     assert busiest_host([("a", 0), ("b", 0), ("b", 1)]) == "b"
     assert busiest_host([("a", 0), ("a", 1), ("b", 0), ("b", 1)]) == "a"  # a tie: the first

@@ -3,13 +3,9 @@ once), later chunk tasks train nothing and ask the pool for nothing, finalize ta
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 from elastic_ops.checkpoint import open_store
-from elastic_ops.operators import ElasticChunkOperator
 from elastic_ops.operators.jobs import job_id
-from elastic_ops.runtime.outcome import ChunkStatus
-from tests.operators.helpers import airflow_pool
+from tests.operators.helpers import airflow_pool, chunk_result, train_with
 from tests.operators.test_chunk_operator import context, make_chunk, ti_context
 
 STOP = {"metric": "test_accuracy", "at_least": 0.9}
@@ -17,11 +13,10 @@ JOB = job_id("d", "train", "run1")
 
 
 def trained(accuracy: float):
-    def _train(self, spec, state, epoch, host, keeper, hook):
-        return SimpleNamespace(status=ChunkStatus.COMPLETED, workers_timeline=[], iteration=state["end"],
-                               start=state["start"], samples_per_sec=1.0, duration_s=1.0, checkpoint_uri=None,
-                               loss=0.3, metrics={"test_accuracy": accuracy})
-    return _train
+    def run(request, lease):
+        return chunk_result(start=request.start, end=request.end, iteration=request.end, loss=0.3,
+                            metrics={"test_accuracy": accuracy})
+    return run
 
 
 def job_state(pool) -> str:
@@ -30,7 +25,7 @@ def job_state(pool) -> str:
 
 def test_the_chunk_that_meets_stop_when_ends_the_job_and_frees_its_slots(monkeypatch, tmp_path):
     pool = airflow_pool(monkeypatch, tmp_path)
-    monkeypatch.setattr(ElasticChunkOperator, "_train", trained(0.93))
+    train_with(monkeypatch, trained(0.93))
     out = make_chunk(0, stop_when=STOP).execute(ti_context(1, 3))
     assert out["status"] == "completed"
     assert job_state(pool) == "finished" and pool.status()["slots"]["used"] == 0  # not parked
@@ -38,7 +33,7 @@ def test_the_chunk_that_meets_stop_when_ends_the_job_and_frees_its_slots(monkeyp
 
 def test_a_chunk_that_does_not_meet_it_hands_its_slots_to_the_next(monkeypatch, tmp_path):
     pool = airflow_pool(monkeypatch, tmp_path)
-    monkeypatch.setattr(ElasticChunkOperator, "_train", trained(0.5))
+    train_with(monkeypatch, trained(0.5))
     make_chunk(0, stop_when=STOP).execute(ti_context(1, 3))
     assert job_state(pool) == "parked" and pool.status()["slots"]["used"] == 2
 
@@ -53,12 +48,12 @@ def test_chunks_after_the_stop_train_nothing_and_ask_for_nothing(monkeypatch, tm
     def must_not_train(*args):
         raise AssertionError("a stopped job's chunk trained")
 
-    monkeypatch.setattr(ElasticChunkOperator, "_train", must_not_train)
+    train_with(monkeypatch, must_not_train)
     out = op.execute(context())
     assert out["status"] == "stopped" and out["iterations"] == 0 and out["checkpoint_uri"].endswith("20")
     assert not [e for e in pool.events() if e["kind"] in ("submit", "grant")]
 
     # without stop_when, or below the bound, the same chunk trains from that checkpoint
     for fields in ({}, {"stop_when": {"metric": "test_accuracy", "at_least": 0.95}}):
-        monkeypatch.setattr(ElasticChunkOperator, "_train", trained(0.5))
+        train_with(monkeypatch, trained(0.5))
         assert make_chunk(1, **fields).execute(ti_context(1, 3))["status"] == "completed"

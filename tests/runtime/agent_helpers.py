@@ -57,3 +57,32 @@ def raw_exchange(path: str, data: bytes, timeout: float = 60) -> dict[str, Any]:
 
 def line(msg: dict[str, Any]) -> bytes:
     return json.dumps(msg).encode() + b"\n"
+
+
+def as_target(host: str, wanted: Any, slots: Any = None, spans: Any = None) -> Any:
+    """A client's ``target()`` from a count function and, optionally, ``host``'s slots and the
+    other hosts' (functions, read right after the count, as a lease's answer is one value)."""
+    from elastic_ops.runtime.allocation import Allocation
+
+    def target() -> Allocation:
+        n = wanted()
+        here, there = None if slots is None else slots(), None if spans is None else spans()
+        return Allocation.split(n, host, here, there)
+
+    return target
+
+
+def as_applied(host: str, record: Any, *, spans: bool = False) -> Any:
+    """A client's ``on_applied(iteration, allocation)`` that hands ``record`` the plain values:
+    ``(iteration, workers, host's slots or None[, the other hosts' slots])``."""
+    if record is None:
+        return None
+
+    def applied(iteration: int, allocation: Any) -> None:
+        slots = None if allocation.placements is None else allocation.on(host)
+        if spans:
+            record(iteration, allocation.workers, slots, allocation.elsewhere(host))
+        else:
+            record(iteration, allocation.workers, slots)
+
+    return applied

@@ -32,7 +32,8 @@ from elastic_ops.agent.server import Agent
 from elastic_ops.checkpoint import open_store
 from elastic_ops.errors import AgentLostError, SpecError, UserCodeError, WorkerLostError
 from elastic_ops.runtime import ChunkStatus, run_chunk
-from tests.runtime.agent_helpers import line, raw_exchange, running_agent
+from elastic_ops.runtime.allocation import Allocation
+from tests.runtime.agent_helpers import as_applied, as_target, line, raw_exchange, running_agent
 from tests.runtime.builders import RecordingLauncher, make_spec
 
 pytestmark = pytest.mark.timeout(300)
@@ -55,10 +56,13 @@ def store_of(spec) -> StoreConfig:
     return StoreConfig(spec.checkpoint_uri(), keep_last=spec.keep_last, keep_every=spec.keep_every)
 
 
-def run_on(agent, spec, start: int = 0, end: int = 30, *, host: str = "h1", wanted=lambda: 1, **kwargs):
-    """The chunk ``[start, end)`` of ``spec`` through the agent's client (epoch 1)."""
+def run_on(agent, spec, start: int = 0, end: int = 30, *, host: str = "h1", wanted=lambda: 1, slots=None,
+           on_applied=None, **kwargs):
+    """The chunk ``[start, end)`` of ``spec`` through the agent's client (epoch 1): ``wanted()``
+    workers on ``slots()`` of ``host``; ``on_applied(iteration, workers, slots)``."""
     return AgentClient(agent.path).run_chunk(
-        spec.to_dict(), start, end, epoch=1, host=host, store=store_of(spec), wanted=wanted, **kwargs
+        spec.to_dict(), start, end, epoch=1, host=host, store=store_of(spec),
+        target=as_target(host, wanted, slots), on_applied=as_applied(host, on_applied), **kwargs
     )
 
 
@@ -220,17 +224,18 @@ def test_a_target_the_agent_can_no_longer_take_does_not_lose_its_result():
     done = ChunkResult(status=ChunkStatus.COMPLETED, start=0, end=300, iteration=300, checkpoint_uri=None,
                        loss=0.1, metrics={}, workers_timeline=[(0, 4, 0.0)], samples_per_sec=1.0,
                        duration_s=1.0, param_sha256="ab" * 32)
-    targets = iter([(4, None, None), (3, None, None)])  # the shrink arrives as the chunk ends
-    result = drive_chunk(_ClosedAfterResult(jsonable(done.to_dict())), (4, None, None), lambda: next(targets),
+    four, three = {"workers": 4, "slots": None}, {"workers": 3, "slots": None}
+    targets = iter([four, three])  # the shrink arrives as the chunk ends
+    result = drive_chunk(_ClosedAfterResult(jsonable(done.to_dict())), "h1", four, lambda: next(targets),
                          on_progress=None, on_applied=None, poll_s=0.01,
                          lost=lambda why: AgentLostError(why), error=lambda msg: RuntimeError(msg))
     assert result.status == ChunkStatus.COMPLETED and result.iteration == 300
     # and a channel that ends without a result is still a lost chunk, saying why
     ending = _ClosedAfterResult({})
     ending.messages = [None]
-    targets = iter([(3, None, None)] * 3)
+    targets = iter([three] * 3)
     with pytest.raises(AgentLostError, match="closed the connection; a target could not be sent"):
-        drive_chunk(ending, (4, None, None), lambda: next(targets), on_progress=None, on_applied=None,
+        drive_chunk(ending, "h1", four, lambda: next(targets), on_progress=None, on_applied=None,
                     poll_s=0.01, lost=lambda why: AgentLostError(why), error=lambda msg: RuntimeError(msg))
 
 
@@ -368,7 +373,7 @@ def test_abort_kills_the_workers_of_a_running_chunk_at_once(agent, tmp_path):
     def run() -> None:
         try:
             client.run_chunk(spec.to_dict(), 0, 100_000, epoch=1, host="h1", store=store_of(spec),
-                             wanted=lambda: 2, on_progress=lambda p: seen.append(p.iteration))
+                             target=lambda: Allocation(2), on_progress=lambda p: seen.append(p.iteration))
         except BaseException as exc:  # noqa: BLE001 - what the caller gets is the assertion
             outcome.append(exc)
 
@@ -462,7 +467,7 @@ def test_a_run_request_with_bad_fields_names_the_field(agent, tmp_path):
             epoch=1,
             host="h1",
             store=store_of(spec),
-            wanted=lambda: 1,
+            target=lambda: Allocation(1),
         )
     assert err.value.field == "max_workers"
     # the session ends just after its error is sent (it joins its reader thread first)
@@ -608,6 +613,7 @@ def test_a_chunk_whose_task_cannot_be_reached_has_its_workers_killed(tmp_path):
             pass
 
     class Launcher:
+        address = None
         aborted = 0
 
     spec = make_spec(tmp_path)

@@ -19,9 +19,13 @@ from elastic_ops.errors import (
     WorkerLostError,
 )
 from elastic_ops.runtime import ChunkStatus, Schedule, run_chunk, run_job
-from elastic_ops.runtime.chunk import _killed_ranks, _Runner
+from elastic_ops.runtime.allocation import Allocation
+from elastic_ops.runtime.chunk import _Runner
 from elastic_ops.runtime.control import count_of, moved
 from elastic_ops.runtime.data_order import stream_slice
+from elastic_ops.runtime.launcher import FailureReport
+from elastic_ops.runtime.launcher import signalled_ranks as _killed_ranks
+from elastic_ops.runtime.verdict import segment_failure
 from tests.runtime.builders import RecordingLauncher, final_state, make_spec
 
 pytestmark = pytest.mark.timeout(300)
@@ -198,11 +202,11 @@ def test_a_peers_collective_error_does_not_hide_a_killed_rank_and_a_users_error_
     runner = SimpleNamespace(host="host-a")
     exited = {0: SimpleNamespace(exitcode=1, signal_name=lambda: "")}
     report(0, "comm", "RuntimeError: [gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer")
-    err = _Runner._failure(runner, tmp_path, exited, {1: "SIGKILL"})
+    err = segment_failure(runner.host, tmp_path, exited, FailureReport(killed={1: "SIGKILL"}))
     assert isinstance(err, WorkerLostError) and err.retryable and err.host == "host-a"
     assert "rank 1 killed by SIGKILL" in str(err)
     report(0, "user", "ValueError: rank 0: bad row in shard")  # its error, then our teardown's kill
-    err = _Runner._failure(runner, tmp_path, exited, {1: "SIGKILL"})
+    err = segment_failure(runner.host, tmp_path, exited, FailureReport(killed={1: "SIGKILL"}))
     assert isinstance(err, UserCodeError) and "bad row in shard" in str(err)
 
 
@@ -237,19 +241,19 @@ def test_a_collective_timeout_says_so_instead_of_a_bare_exit_status(tmp_path):
         "traceback": "", "iteration": 3, "rank": 0, "time": 1.0,
     }))
     exited = {0: SimpleNamespace(exitcode=1, signal_name=lambda: "")}
-    err = _Runner._failure(SimpleNamespace(host="host-a"), tmp_path, exited, {})
+    err = segment_failure("host-a", tmp_path, exited, FailureReport(killed={}))
     assert isinstance(err, WorkerLostError) and err.retryable and err.host == "host-a"
     assert "rank 0 exited with 1 (rank 0's collective failed: RuntimeError: [gloo] Timed out" in str(err)
     assert "ELASTIC_OPS_PG_TIMEOUT_S" in str(err)
     # a hung rank (SIGSTOP) is killed by the teardown's SIGKILL: the timeout is still said
-    err = _Runner._failure(SimpleNamespace(host="host-a"), tmp_path, exited, {1: "SIGKILL"})
+    err = segment_failure("host-a", tmp_path, exited, FailureReport(killed={1: "SIGKILL"}))
     assert "rank 1 killed by SIGKILL (rank 0's collective failed: RuntimeError: [gloo] Timed out" in str(err)
     # a rank killed outright is named as before, without its peers' broken connections
     (tmp_path / "error-0.json").write_text(json.dumps({
         "kind": "comm", "message": "RuntimeError: [gloo] Connection reset by peer",
         "traceback": "", "iteration": 3, "rank": 0, "time": 1.0,
     }))
-    err = _Runner._failure(SimpleNamespace(host="host-a"), tmp_path, exited, {1: "SIGKILL"})
+    err = segment_failure("host-a", tmp_path, exited, FailureReport(killed={1: "SIGKILL"}))
     assert "rank 1 killed by SIGKILL" in str(err) and "collective" not in str(err)
 
 
@@ -415,17 +419,14 @@ class _Grant:
     def __init__(self) -> None:
         self.workers = 0
 
-    def target(self, iteration: int) -> int:
-        self.workers = 1 if iteration < 10 else 2
-        return self.workers
-
-    def slots(self) -> tuple[int, ...]:  # the slots of the target just handed out
-        return (5,) if self.workers == 1 else (5, 2)
+    def target(self, iteration: int) -> Allocation:
+        workers = 1 if iteration < 10 else 2
+        return Allocation.split(workers, "localhost", (5,) if workers == 1 else (5, 2))
 
 
 def test_the_granted_slots_reach_every_launch_request(tmp_path):
     grant, launcher = _Grant(), RecordingLauncher()
-    result = run_chunk(make_spec(tmp_path), 0, 30, target=grant.target, slots=grant.slots, launcher=launcher)
+    result = run_chunk(make_spec(tmp_path), 0, 30, target=grant.target, launcher=launcher)
     assert result.status is ChunkStatus.COMPLETED
     assert [(r.workers, r.slots) for r in launcher.requests] == [(1, (5,)), (2, (5, 2))]
     plain = RecordingLauncher()  # without slots (the CLI): no slots in the request, as before
@@ -441,12 +442,9 @@ class _Move:
     def __init__(self) -> None:
         self.at = 0
 
-    def target(self, iteration: int) -> int:
-        self.at = iteration
-        return 2
-
-    def slots(self) -> tuple[int, ...]:
-        return (0, 1) if self.at < 10 else (3, 2) if self.at < 20 else (2, 3)
+    def target(self, iteration: int) -> Allocation:
+        slots = (0, 1) if iteration < 10 else (3, 2) if iteration < 20 else (2, 3)
+        return Allocation.split(2, "localhost", slots)
 
 
 def test_a_same_count_move_relaunches_on_the_new_slots_and_changes_nothing(tmp_path, reference):
@@ -456,9 +454,8 @@ def test_a_same_count_move_relaunches_on_the_new_slots_and_changes_nothing(tmp_p
         0,
         30,
         target=lease.target,
-        slots=lease.slots,
         launcher=launcher,
-        on_segment=lambda i, n, slots: started.append((i, n, slots)),
+        on_segment=lambda i, a: started.append((i, a.workers, a.on("localhost"))),
     )
     assert result.status is ChunkStatus.COMPLETED and result.iteration == 30
     # the move ends the segment at boundary 10; a mere reorder (boundary 20) does not
@@ -476,14 +473,13 @@ def test_a_move_off_this_host_is_followed_on_cpu_and_not_on_cuda(tmp_path):
         make_spec(tmp_path),
         0,
         30,
-        lambda i: 2,
+        lambda i: Allocation.split(2, "h", granted["slots"]),
         None,
         0,
         None,
         "h",
         None,
         tmp_path,
-        slots=lambda: granted["slots"],
     )
     try:
         runner.device = "cpu"
@@ -518,10 +514,10 @@ def test_a_new_count_is_announced_only_after_the_old_workers_exited(tmp_path):
     # The lease reports a shrink when on_segment fires: the slots it gives up must be empty then.
     launcher, calls = _PidsLauncher(), []
 
-    def on_segment(iteration: int, workers: int, slots) -> None:
-        assert slots is None  # no slots= given
+    def on_segment(iteration: int, allocation: Allocation) -> None:
+        assert allocation.placements is None  # a bare count: no slots
         earlier = [pid for pids in launcher.pids for pid in pids]
-        calls.append((iteration, workers, [pid for pid in earlier if psutil.pid_exists(pid)]))
+        calls.append((iteration, allocation.workers, [pid for pid in earlier if psutil.pid_exists(pid)]))
 
     run_chunk(
         make_spec(tmp_path),
@@ -619,7 +615,7 @@ def test_a_granted_slot_the_host_has_no_gpu_for_fails_retryably_naming_the_host(
     monkeypatch.setattr(launcher, "visible_gpus", lambda: ["0", "1"])  # the pool thinks it has 4
     spec = make_spec(tmp_path, device="cuda")
     with pytest.raises(WorkerLostError) as err:
-        run_chunk(spec, 0, 10, target=one_worker, slots=lambda: (3,), host="gpu-7")
+        run_chunk(spec, 0, 10, target=lambda i: Allocation.split(1, "gpu-7", (3,)), host="gpu-7")
     assert err.value.retryable and err.value.host == "gpu-7"  # reported: the retry avoids gpu-7
     assert str(err.value).startswith("gpu-7: no GPU for granted slot(s) [3] on this host: it has 2 GPU(s)")
     assert open_store(spec.checkpoint).latest() is None  # refused before any worker started
@@ -635,7 +631,7 @@ def test_a_worker_whose_gpu_cuda_cannot_use_is_a_worker_lost_on_the_host(tmp_pat
     monkeypatch.setattr(launcher, "visible_gpus", lambda: ["98", "99"])  # no such GPUs
     spec = make_spec(tmp_path, device="cuda", max_workers=2)
     with pytest.raises(WorkerLostError) as err:
-        run_chunk(spec, 0, 10, target=lambda i: workers, slots=lambda: (0, 1), host="gpu-7")
+        run_chunk(spec, 0, 10, target=lambda i: Allocation.split(workers, "gpu-7", (0, 1)), host="gpu-7")
     assert err.value.retryable and err.value.host == "gpu-7"
     text = str(err.value)
     assert "worker lost on gpu-7: rank " in text and " cannot use its GPU: DeviceUnusable: " in text
@@ -663,7 +659,8 @@ def test_device_auto_is_resolved_by_the_chunks_process_and_logged(tmp_path, monk
     monkeypatch.setattr(launcher, "visible_gpus", lambda: ["0"])
     spec = make_spec(tmp_path, device="auto")
     with caplog.at_level("INFO", logger="elastic_ops.runtime"), pytest.raises(WorkerLostError):
-        run_chunk(spec, 0, 10, target=one_worker, slots=lambda: (2,), host="gpu-7")  # no GPU for slot 2
+        # no GPU for slot 2
+        run_chunk(spec, 0, 10, target=lambda i: Allocation.split(1, "gpu-7", (2,)), host="gpu-7")
     assert "segment 0: iterations 0..10 with 1 worker(s) on cuda (device auto), slots [2]" in caplog.text
     assert spec.spec_hash() == make_spec(tmp_path, device="cpu").spec_hash()  # the device is not in it
 

@@ -18,6 +18,7 @@ import torch
 from elastic_ops.checkpoint import open_store
 from elastic_ops.errors import SpecError, WorkerLostError
 from elastic_ops.runtime import ChunkStatus, run_chunk
+from elastic_ops.runtime.allocation import Allocation
 from tests.runtime.builders import RecordingLauncher, final_state, make_spec
 
 DEVICE = os.environ.get("ELASTIC_OPS_TEST_DEVICE", "cuda")
@@ -110,8 +111,9 @@ def test_a_chunk_run_by_the_hosts_agent_trains_on_its_granted_gpu(tmp_path, gpu_
     (tmp_path / "agent").mkdir()
     with running_agent(tmp_path / "agent") as agent:
         result = AgentClient(agent.path).run_chunk(
-            spec.to_dict(), 0, 30, epoch=1, host="gpu-host", store=store, wanted=lambda: 1,
-            slots=lambda: (0,), on_applied=lambda i, n, slots: applied.append((i, n, slots)),
+            spec.to_dict(), 0, 30, epoch=1, host="gpu-host", store=store,
+            target=lambda: Allocation.split(1, "gpu-host", (0,)),
+            on_applied=lambda i, a: applied.append((i, a.workers, a.on("gpu-host"))),
         )
     assert result.status is ChunkStatus.COMPLETED and result.param_sha256 == gpu_runs["bitwise"][0]
     assert applied == [(0, 1, (0,))]
@@ -229,12 +231,14 @@ def test_a_granted_slot_runs_on_its_gpu_and_slots_without_one_are_refused(tmp_pa
     gpus = torch.cuda.device_count()
     launcher = RecordingLauncher()
     spec = make_spec(tmp_path / "ok", device="cuda", max_workers=gpus + 1, virtual_shards=gpus + 1)
-    assert run_chunk(spec, 0, 10, target=one, slots=lambda: (gpus - 1,), launcher=launcher).iteration == 10
+    last = lambda i: Allocation.split(1, "localhost", (gpus - 1,))  # noqa: E731
+    assert run_chunk(spec, 0, 10, target=last, launcher=launcher).iteration == 10
     assert [r.slots for r in launcher.requests] == [(gpus - 1,)]
 
     refused = make_spec(tmp_path / "refused", device="cuda", max_workers=gpus + 1, virtual_shards=gpus + 1)
     with pytest.raises(WorkerLostError, match=rf"no GPU for granted slot\(s\) \[{gpus}\] on this") as err:
-        run_chunk(refused, 0, 10, target=one, slots=lambda: (gpus,), host="gpu-host")  # one past the last
+        # one past the last
+        run_chunk(refused, 0, 10, target=lambda i: Allocation.split(1, "gpu-host", (gpus,)), host="gpu-host")
     assert err.value.retryable and err.value.host == "gpu-host"  # the host's fault: retried elsewhere
     with pytest.raises(SpecError, match=f"needs one GPU per worker; {gpus} visible"):
         run_chunk(refused, 0, 10, target=lambda i: gpus + 1)  # more workers than GPUs

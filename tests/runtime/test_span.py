@@ -9,9 +9,10 @@ import torch
 from elastic_ops.checkpoint import open_store
 from elastic_ops.errors import SpecError, UserCodeError, WorkerLostError
 from elastic_ops.runtime import ChunkStatus, Schedule, run_chunk, run_job
-from elastic_ops.runtime.chunk import place, used
+from elastic_ops.runtime.allocation import Allocation
 from elastic_ops.runtime.data_order import stream_slice
-from elastic_ops.runtime.launcher import LaunchRequest, LocalLauncher, RemotePart, worker_env
+from elastic_ops.runtime.launcher import FailureReport, LaunchRequest, LocalLauncher, RemotePart, worker_env
+from elastic_ops.runtime.placement import place, used
 from elastic_ops.runtime.span import LoopbackSpanLauncher, RemoteExit, SpanningContext
 from tests.runtime.builders import make_spec
 
@@ -33,18 +34,11 @@ def reference(tmp_path_factory) -> str:
 class _Grant:
     """One slot here and two on host-b; the target grows 1 → 3 at 10 and shrinks to 2 at 20."""
 
-    def __init__(self) -> None:
-        self.at = 0
+    def __init__(self, host: str = "localhost") -> None:
+        self.host = host  # the leader's, where rank 0 runs
 
-    def target(self, i: int) -> int:
-        self.at = i
-        return 1 if i < 10 else 3 if i < 20 else 2
-
-    def slots(self) -> tuple[int, ...]:
-        return (4,)
-
-    def spans(self):
-        return (("host-b", (0, 1)),)
+    def target(self, i: int) -> Allocation:
+        return Allocation.split(1 if i < 10 else 3 if i < 20 else 2, self.host, (4,), (("host-b", (0, 1)),))
 
 
 def test_place_puts_rank_0_here_then_fills_the_other_hosts_in_order():
@@ -79,8 +73,8 @@ def test_the_local_launcher_refuses_ranks_on_other_hosts(tmp_path):
 def test_a_grant_across_hosts_trains_one_group_bitwise_equal_to_one_worker(tmp_path, reference):
     grant, launcher, started = _Grant(), LoopbackSpanLauncher(), []
     result = run_chunk(
-        make_spec(tmp_path), 0, 30, target=grant.target, slots=grant.slots, spans=grant.spans,
-        launcher=launcher, on_segment=lambda i, n, slots, spans: started.append((i, n, slots, spans)),
+        make_spec(tmp_path), 0, 30, target=grant.target, span_hosts=True, launcher=launcher,
+        on_segment=lambda i, a: started.append((i, a.workers, a.on("localhost"), a.elsewhere("localhost"))),
     )
     assert result.status is ChunkStatus.COMPLETED and result.iteration == 30
     assert started == [(0, 1, (4,), ()), (10, 3, (4,), (("host-b", (0, 1)),)),
@@ -94,8 +88,7 @@ def test_every_sample_is_used_once_per_epoch_across_hosts(tmp_path):
     record.mkdir()
     spec = make_spec(tmp_path, params={"record_dir": str(record)})
     grant = _Grant()
-    run_chunk(spec, 0, 30, target=grant.target, slots=grant.slots, spans=grant.spans,
-              launcher=LoopbackSpanLauncher())
+    run_chunk(spec, 0, 30, target=grant.target, span_hosts=True, launcher=LoopbackSpanLauncher())
     seen = [int(i) for f in record.iterdir() for line in f.read_text().split("\n") if line
             for i in line.split()]
     assert sorted(seen) == sorted(stream_slice(spec.data_seed, 96, 0, 30 * 12).tolist())
@@ -105,15 +98,15 @@ def test_every_sample_is_used_once_per_epoch_across_hosts(tmp_path):
 def test_a_rank_killed_on_another_host_names_that_host_and_the_rerun_matches(tmp_path, reference):
     params = {"kill_at": 15, "kill_rank": 2, "marker": str(tmp_path / "killed-once")}
     spec = make_spec(tmp_path, params=params)
-    grant = _Grant()
+    grant = _Grant("host-a")
     with pytest.raises(WorkerLostError) as err:
-        run_chunk(spec, 0, 30, target=grant.target, slots=grant.slots, spans=grant.spans,
-                  launcher=LoopbackSpanLauncher(), host="host-a")
+        run_chunk(spec, 0, 30, target=grant.target, span_hosts=True, launcher=LoopbackSpanLauncher(),
+                  host="host-a")
     assert err.value.retryable and err.value.host == "host-b"
     assert "rank 2 killed by SIGKILL" in str(err.value)
     assert open_store(spec.checkpoint).latest().iteration == 10
-    result = run_chunk(spec, 0, 30, target=grant.target, slots=grant.slots, spans=grant.spans,
-                       launcher=LoopbackSpanLauncher(), host="host-a")
+    result = run_chunk(spec, 0, 30, target=grant.target, span_hosts=True, launcher=LoopbackSpanLauncher(),
+                       host="host-a")
     assert result.workers_timeline[0][0] == 10
     assert result.param_sha256 == reference
 
@@ -122,8 +115,7 @@ def test_a_user_error_on_another_host_is_reported_with_its_traceback(tmp_path):
     spec = make_spec(tmp_path, params={"fail_at": 12})
     grant = _Grant()
     with pytest.raises(UserCodeError) as err:
-        run_chunk(spec, 0, 30, target=grant.target, slots=grant.slots, spans=grant.spans,
-                  launcher=LoopbackSpanLauncher())
+        run_chunk(spec, 0, 30, target=grant.target, span_hosts=True, launcher=LoopbackSpanLauncher())
     assert "tiny model refuses this batch" in str(err.value) and "Traceback" in str(err.value)
 
 
@@ -182,10 +174,9 @@ def test_a_ddp_script_spans_hosts_and_trains_the_same_as_on_one_host(tmp_path):
 
     grant = _Grant()
     spanned = script_spec(tmp_path / "span")
-    run_chunk(spanned, 0, 24, target=grant.target, slots=grant.slots, spans=grant.spans,
-              launcher=LoopbackSpanLauncher())
+    run_chunk(spanned, 0, 24, target=grant.target, span_hosts=True, launcher=LoopbackSpanLauncher())
     alone = script_spec(tmp_path / "alone")
-    run_chunk(alone, 0, 24, target=grant.target)
+    run_chunk(alone, 0, 24, target=lambda i: grant.target(i).workers)
     got, want = (open_store(s.checkpoint).load(open_store(s.checkpoint).latest()) for s in (spanned, alone))
     assert got["iteration"] == 24
     for k in want["model"]:
@@ -200,8 +191,9 @@ def test_a_segment_spanning_hosts_over_nccl_is_bitwise_equal_to_one_worker(tmp_p
     the starting state travel over NCCL on the device; the model ends on one CUDA worker's bits."""
     cuda_ref = run_job(make_spec(tmp_path / "one", device="cuda"), schedule=Schedule.constant(1)).param_sha256
     spec = make_spec(tmp_path / "span", device="cuda")
-    result = run_chunk(spec, 0, 30, target=lambda i: 1 if i < 10 else 2, slots=lambda: (0,),
-                       spans=lambda: (("host-b", (1,)),), launcher=LoopbackSpanLauncher())
+    result = run_chunk(spec, 0, 30, target=lambda i: Allocation.split(1 if i < 10 else 2, "localhost", (0,),
+                                                                      (("host-b", (1,)),)),
+                       span_hosts=True, launcher=LoopbackSpanLauncher())
     assert [n for _, n, _ in result.workers_timeline] == [1, 2]
     assert result.param_sha256 == cuda_ref
 
@@ -214,8 +206,8 @@ def test_a_follower_host_without_a_gpu_for_its_granted_slot_is_the_one_named(tmp
     monkeypatch.setattr(launcher, "visible_gpus", lambda: ["0", "1"])  # slot 5 has no GPU
     spec = make_spec(tmp_path, device="cuda", max_workers=2, virtual_shards=2)
     with pytest.raises(WorkerLostError) as err:
-        run_chunk(spec, 0, 10, target=lambda i: 2, slots=lambda: (0,), spans=lambda: (("host-b", (5,)),),
-                  launcher=LoopbackSpanLauncher(), host="host-a")
+        run_chunk(spec, 0, 10, target=lambda i: Allocation.split(2, "host-a", (0,), (("host-b", (5,)),)),
+                  span_hosts=True, launcher=LoopbackSpanLauncher(), host="host-a")
     assert err.value.retryable and err.value.host == "host-b"
     assert str(err.value).startswith("host-b: no GPU for granted slot(s) [5] on this host")
 
@@ -228,10 +220,11 @@ def test_a_follower_here_names_its_host_on_its_ranks_reports(tmp_path):
     from elastic_ops.runtime.span import FollowerRanks
 
     class _Pc:
-        _pc = None
-
         def wait(self, timeout=-1):
             return type("R", (), {"failures": {0: object()}})()
+
+        def failure_report(self):
+            return FailureReport()
 
     launcher = type("L", (), {"start": lambda self, req: _Pc()})()
     req = LaunchRequest(workers=1, script=None, master_addr="127.0.0.1", master_port=1, segment=0,

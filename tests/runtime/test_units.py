@@ -13,7 +13,6 @@ from hypothesis import strategies as st
 
 from elastic_ops.errors import EntrypointError, SpecError, WorkerLostError
 from elastic_ops.runtime import launcher, load_trainable_class, param_sha256
-from elastic_ops.runtime.chunk import _SlotsByBoundary
 from elastic_ops.runtime.consistency import lr_factor, target_factor
 from elastic_ops.runtime.control import ControlChannel
 from elastic_ops.runtime.launcher import (
@@ -24,6 +23,7 @@ from elastic_ops.runtime.launcher import (
     visible_gpus,
     worker_env,
 )
+from elastic_ops.runtime.placement import SlotsByBoundary as _SlotsByBoundary
 from elastic_ops.runtime.state import load_state, save_atomic
 from tests.runtime.builders import TinyMLP
 
@@ -314,7 +314,7 @@ def test_a_slow_store_commits_the_newest_state_and_drops_the_overtaken(tmp_path,
     """Training that stages states faster than the store commits them must not pile them up
     (on disk, in the queue): an overtaken one is dropped, its file removed; the newest, the
     ones retention keeps for good (keep_every) and the chunk's end are committed."""
-    from elastic_ops.runtime.chunk import _Committer
+    from elastic_ops.runtime.commit import Committer as _Committer
 
     store = _SlowStore()
     committer = _Committer(store, epoch=1, spec_hash="h", keep_every=keep_every)
@@ -339,7 +339,7 @@ def test_work_directories_of_processes_gone_are_swept_and_no_others(tmp_path):
     import subprocess
     import sys
 
-    from elastic_ops.runtime.chunk import OWNER_FILE, WORKDIR_PREFIX, sweep_stale_workdirs
+    from elastic_ops.runtime.workdir import OWNER_FILE, WORKDIR_PREFIX, sweep_stale_workdirs
 
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True, check=True).stdout.strip()

@@ -166,12 +166,13 @@ def test_a_chunk_killed_on_its_last_try_leaves_no_job_in_the_plan(migrated_db, t
                              min_workers=1, max_workers=2, chunk_kwargs={"retries": 0}, **TINY)
 
         if __name__ == "__main__":
+            from elastic_ops.executors.in_process import InProcessExecutor
             from elastic_ops.operators.chunk import ElasticChunkOperator
 
             def killed(self, *args, **kwargs):
                 raise SystemExit(-9)
 
-            ElasticChunkOperator._train = killed  # dies while it holds the grant
+            InProcessExecutor.run = killed  # dies while it holds the grant
             ElasticChunkOperator._quietly = lambda self, *a, **k: None  # and cleans nothing up
             POOL.add_host("h1", 2)
             POOL.submit("other", min_workers=1, max_workers=2)

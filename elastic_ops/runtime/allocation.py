@@ -1,0 +1,71 @@
+"""``Allocation``: the pool's target for a chunk as one value — a worker count and the
+``(host, slot)`` pairs it grants — from the lease's heartbeat to the runner (``target(i)``) and,
+as the slots a segment really runs on, back to the heartbeat (``on_segment(i, allocation)``).
+
+One value per call, as ``RendezvousHandler.next_rendezvous()`` returns one ``RendezvousInfo``:
+count and slots always come from the same pool answer. Torch-free: the agents' clients, inside
+light Airflow task processes, read and write it too (:meth:`to_wire`, :meth:`from_wire`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+Slot = tuple[str, int]  # (host, slot index on that host)
+Spans = tuple[tuple[str, tuple[int, ...]], ...]  # other hosts' slots: ((host, slots), ...), in order
+
+
+@dataclasses.dataclass(frozen=True)
+class Allocation:
+    """``workers`` (0: preempt) on ``placements``, in the pool's order; ``placements=None``: the
+    count alone (the caller places nothing: ranks take the visible GPUs in order, and a segment
+    reports no slots)."""
+
+    workers: int
+    placements: tuple[Slot, ...] | None = None
+
+    @classmethod
+    def of(cls, workers: int, placements: Iterable[Sequence[Any]] | None = None) -> Allocation:
+        """From plain values (a pool ``Target``'s, a message's): pairs as ``(str, int)``."""
+        pairs = None if placements is None else tuple((str(h), int(s)) for h, s in placements)
+        return cls(int(workers), pairs)
+
+    @classmethod
+    def split(
+        cls, workers: int, host: str, slots: Sequence[int] | None, spans: Spans | None = None
+    ) -> Allocation:
+        """From ``host``'s slots and the other hosts' (``spans``): :meth:`to_wire`'s inverse."""
+        if slots is None:
+            return cls(int(workers))
+        return cls(int(workers), tuple((host, int(s)) for s in slots)
+                   + tuple((str(h), int(s)) for h, ss in (spans or ()) for s in ss))
+
+    def on(self, host: str) -> tuple[int, ...]:
+        """The slots on ``host``, in order (none when the count alone is known)."""
+        return tuple(s for h, s in self.placements or () if h == host)
+
+    def elsewhere(self, host: str) -> Spans:
+        """The other hosts' slots, ``((host, slots), ...)`` in the pool's order."""
+        others: dict[str, list[int]] = {}
+        for h, s in self.placements or ():
+            if h != host:
+                others.setdefault(h, []).append(s)
+        return tuple((h, tuple(ss)) for h, ss in others.items())
+
+    @property
+    def hosts(self) -> set[str]:
+        return {h for h, _ in self.placements or ()}
+
+    def with_workers(self, workers: int) -> Allocation:
+        return dataclasses.replace(self, workers=int(workers))
+
+    def to_wire(self, host: str, *, spans: bool) -> dict[str, Any]:
+        """The agents' message fields: ``workers``, ``slots`` (``host``'s, or null) and, when
+        ``spans`` (a node that leads segments across hosts), the other hosts' ``spans``."""
+        slots = None if self.placements is None else list(self.on(host))
+        wire: dict[str, Any] = {"workers": self.workers, "slots": slots}
+        if spans:
+            wire["spans"] = [[h, list(ss)] for h, ss in self.elsewhere(host)]
+        return wire
