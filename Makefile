@@ -22,13 +22,13 @@ test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -ra -m "not e2e and not slow" $(PYTEST_ARGS)
 
 demo: $(STAMP)
-	$(BIN)/python -m elastic_ops.demo
+	$(BIN)/python -m devtools.demo
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run_all
 
 lint: $(STAMP)
-	$(BIN)/ruff check elastic_ops tests benchmarks dags plugins examples
+	$(BIN)/ruff check elastic_ops devtools tests benchmarks dags plugins examples
 
 clean:
 	rm -rf $(VENV) .demo .pytest_cache

@@ -35,8 +35,8 @@ from pathlib import Path
 import yaml
 
 from benchmarks._results import write_json
-from elastic_ops.airflow_env import AirflowDeployment
-from elastic_ops.demo import setup_pool
+from devtools.airflow_env import AirflowDeployment
+from devtools.demo import setup_pool
 
 REPO = Path(__file__).resolve().parent.parent
 CHUNKS = 10
@@ -101,7 +101,7 @@ def chunk_breakdown(af: AirflowDeployment, run: str) -> list[dict]:
 
 def preemption_latency(af: AirflowDeployment, pool) -> dict:
     """Low-priority job on both slots; a high-priority job arrives and preempts it."""
-    from elastic_ops.operators.jobs import job_id
+    from elastic_ops.utils.jobs import job_id
 
     low = af.trigger("bench_low", run_id="low")
     low_job = job_id("bench_low", "train", low)

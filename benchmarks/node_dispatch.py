@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._results import write_json
+from elastic_ops.runtime.allocation import Allocation
 
 RESULTS = Path(__file__).resolve().parent / "results" / "node_dispatch.json"
 SPEC_FILE = Path(__file__).resolve().parents[1] / "elastic_ops" / "examples" / "digits-fast.yaml"
@@ -84,15 +85,16 @@ def one_chunk(client: Any, host: str, iterations: int, root: Path) -> dict[str, 
             return 2
         return 1
 
-    def applied(i: int, n: int, slots: Any) -> None:
+    def applied(i: int, running: Allocation) -> None:
         grown.setdefault("first_segment", time.perf_counter())
-        if n == 2:
+        if running.workers == 2:
             grown.setdefault("applied", time.perf_counter())
 
     t0 = time.perf_counter()
     result = client.run_chunk(
         spec.to_dict(), 0, iterations, epoch=1, host=host, store=StoreConfig(spec.checkpoint_uri()),
-        wanted=wanted, on_progress=lambda p: seen.append(p.iteration), on_applied=applied,
+        target=lambda: Allocation(wanted()), on_progress=lambda p: seen.append(p.iteration),
+        on_applied=applied,
     )
     wall = time.perf_counter() - t0
     if result.iteration != iterations or "applied" not in grown:
@@ -118,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     from elastic_ops.agent.client import AgentClient
     from elastic_ops.agent.cluster import NodeConfig
     from elastic_ops.agent.node_client import NodeClient
-    from elastic_ops.agent.protocol import AgentUnavailableError
+    from elastic_ops.errors import AgentUnavailableError
 
     url = os.environ.get("ELASTIC_OPS_NODE_REDIS_URL", "redis://127.0.0.1:6379/0")
     config = NodeConfig(url=url, secret=secrets.token_urlsafe(24), namespace=f"bench-{secrets.token_hex(4)}")

@@ -4,7 +4,7 @@
 
 The digits MLP (``elastic_ops.examples``, global batch 64, fast consistency) trained by
 ``run_chunk`` with N workers on this host's launcher ("one host") and with the same N split
-half here, half on a second "host" (:class:`~elastic_ops.runtime.span.LoopbackSpanLauncher`:
+half here, half on a second "host" (:class:`~devtools.span.LoopbackSpanLauncher`:
 the other host's ranks are started the way a follower node starts them, on this machine, so
 the network is loopback). What differs is what spanning adds to every iteration: rank 0
 broadcasts each boundary's target (the other hosts cannot map the control channel) and the
@@ -33,16 +33,17 @@ RESULTS = Path(__file__).resolve().parent / "results" / "span_overhead.json"
 
 
 def run(spec: Any, workers: int, span: bool) -> float:
+    from devtools.span import LoopbackSpanLauncher
     from elastic_ops.checkpoint import open_store
     from elastic_ops.runtime import run_chunk
-    from elastic_ops.runtime.span import LoopbackSpanLauncher
+    from elastic_ops.runtime.allocation import Allocation
 
     here = workers // 2 if span else workers
-    slots = tuple(range(here))
     others = (("host-b", tuple(range(workers - here))),) if span else ()
+    grant = Allocation.split(workers, "localhost", tuple(range(here)), others)
     result = run_chunk(
-        spec, 0, spec.total_iterations, target=lambda i: workers, store=open_store(spec.checkpoint),
-        slots=lambda: slots, spans=lambda: others, launcher=LoopbackSpanLauncher(),
+        spec, 0, spec.total_iterations, target=lambda i: grant, store=open_store(spec.checkpoint),
+        span_hosts=True, launcher=LoopbackSpanLauncher(),
     )
     if [n for _, n, _ in result.workers_timeline] != [workers]:
         raise RuntimeError(f"expected one segment of {workers} workers, got {result.workers_timeline}")

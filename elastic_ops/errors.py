@@ -113,6 +113,16 @@ class AgentLostError(TrainingError):
     retryable = True
 
 
+class AgentUnavailableError(ElasticOpsError):
+    """No agent answers at the configured socket (not started, gone, or refusing)."""
+
+    retryable = True
+
+
+class AgentProtocolError(ElasticOpsError):
+    """The peer broke the protocol (not JSON, too long, wrong shape). Not retryable."""
+
+
 class PreemptedError(TrainingError):
     """The pool took every worker away. Not a failure: the caller checkpoints and waits again."""
 

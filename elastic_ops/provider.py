@@ -31,6 +31,6 @@ def get_provider_info() -> dict:
                 "hook-class-name": "elastic_ops.hooks.elastic_ops.ElasticOpsHook",
             }
         ],
-        "extra-links": ["elastic_ops.operators.links.PoolPageLink"],
+        "extra-links": ["elastic_ops.links.pool.PoolPageLink"],
         "plugins": [],  # the plugin registers through the airflow.plugins entry point, once
     }

@@ -218,12 +218,14 @@ def _enum(cls: type[enum.Enum], field: str, value: Any) -> Any:
         raise SpecError(field, value, f"must be one of {allowed}") from None
 
 
-def _int(field: str, value: Any, lo: int, hi: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise SpecError(field, value, f"must be an integer >= {lo}" + (f" and <= {hi}" if hi else ""))
-    if value < lo or (hi is not None and value > hi):
+def check_int(field: str, value: Any, lo: int, hi: int | None = None) -> int:
+    """``value`` as an integer in ``[lo, hi]`` (``hi=None``: no upper bound), or
+    :class:`SpecError` naming ``field`` — the one integer check of every layer (spec, pool,
+    wire messages, CLI)."""
+    number = not isinstance(value, bool) and isinstance(value, int)
+    if not number or value < lo or (hi is not None and value > hi):
         rng = f"between {lo} and {hi}" if hi is not None else f">= {lo}"
-        raise SpecError(field, value, f"must be {rng}")
+        raise SpecError(field, value, f"must be an integer {rng}")
     return value
 
 
@@ -289,10 +291,10 @@ class JobSpec:
                 "must be 1-128 characters of letters, digits, '_', '.', '-', starting with a letter or digit",
             )
         self._check_entrypoint()
-        _int("total_iterations", self.total_iterations, 1, MAX_ITERATIONS)
-        _int("global_batch", self.global_batch, 1, MAX_GLOBAL_BATCH)
+        check_int("total_iterations", self.total_iterations, 1, MAX_ITERATIONS)
+        check_int("global_batch", self.global_batch, 1, MAX_GLOBAL_BATCH)
         chunk = self.total_iterations if self.chunk_iterations is None else self.chunk_iterations
-        _int("chunk_iterations", chunk, 1)
+        check_int("chunk_iterations", chunk, 1)
         if chunk > self.total_iterations:
             raise SpecError(
                 "chunk_iterations", chunk, f"must be <= total_iterations ({self.total_iterations})"
@@ -306,13 +308,13 @@ class JobSpec:
                 f"{-(-self.total_iterations // MAX_CHUNKS)}",
             )
         set_("chunk_iterations", chunk)
-        _int("min_workers", self.min_workers, 1, MAX_WORKERS_LIMIT)
-        _int("max_workers", self.max_workers, 1, MAX_WORKERS_LIMIT)
+        check_int("min_workers", self.min_workers, 1, MAX_WORKERS_LIMIT)
+        check_int("max_workers", self.max_workers, 1, MAX_WORKERS_LIMIT)
         if self.min_workers > self.max_workers:
             raise SpecError(
                 "min_workers", self.min_workers, f"must be <= max_workers ({self.max_workers})"
             )
-        _int("priority", self.priority, 1, 1000)
+        check_int("priority", self.priority, 1, 1000)
         if not isinstance(self.preemptible, bool):
             raise SpecError("preemptible", self.preemptible, "must be true or false")
         set_("consistency", _enum(Consistency, "consistency", self.consistency))
@@ -320,7 +322,7 @@ class JobSpec:
         set_("device", _enum(Device, "device", self.device))
         self._check_script_mode()
         self._check_batching()
-        _int("warmup_iterations", self.warmup_iterations, 0, MAX_ITERATIONS)
+        check_int("warmup_iterations", self.warmup_iterations, 0, MAX_ITERATIONS)
         if self.warmup_iterations and self.scaling == Scaling.FIXED:
             raise SpecError("warmup_iterations", self.warmup_iterations,
                             "must be 0 with scaling 'fixed' (it ramps the LR of linear_lr / sqrt_lr)",
@@ -328,13 +330,13 @@ class JobSpec:
         if self.checkpoint is not None:
             check_checkpoint_uri("checkpoint", self.checkpoint)
         interval = chunk if self.checkpoint_interval is None else self.checkpoint_interval
-        _int("checkpoint_interval", interval, 1, MAX_ITERATIONS)
+        check_int("checkpoint_interval", interval, 1, MAX_ITERATIONS)
         set_("checkpoint_interval", interval)
-        _int("keep_last", self.keep_last, 1, MAX_ITERATIONS)
+        check_int("keep_last", self.keep_last, 1, MAX_ITERATIONS)
         if self.keep_every is not None:
-            _int("keep_every", self.keep_every, 1, MAX_ITERATIONS)
-        _int("data_seed", self.data_seed, 0, 2**63 - 1)
-        _int("threads_per_worker", self.threads_per_worker, 1, 256)
+            check_int("keep_every", self.keep_every, 1, MAX_ITERATIONS)
+        check_int("data_seed", self.data_seed, 0, 2**63 - 1)
+        check_int("threads_per_worker", self.threads_per_worker, 1, 256)
         if not isinstance(self.params, Mapping):
             raise SpecError("params", _short(self.params), "must be a mapping of hyperparameters")
         _check_size("params", self.params)
@@ -396,10 +398,10 @@ class JobSpec:
 
     def _check_batching(self) -> None:
         if self.micro_batch is not None:
-            _int("micro_batch", self.micro_batch, 1, MAX_GLOBAL_BATCH)
+            check_int("micro_batch", self.micro_batch, 1, MAX_GLOBAL_BATCH)
         if self.consistency is Consistency.BITWISE:
             shards = self.max_workers if self.virtual_shards is None else self.virtual_shards
-            _int("virtual_shards", shards, 1, MAX_WORKERS_LIMIT)
+            check_int("virtual_shards", shards, 1, MAX_WORKERS_LIMIT)
             if shards < self.max_workers:
                 raise SpecError(
                     "virtual_shards", shards, f"must be >= max_workers ({self.max_workers})",

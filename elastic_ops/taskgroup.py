@@ -23,13 +23,13 @@ from airflow.sdk.definitions._internal.node import validate_group_key
 from elastic_ops.errors import SpecError
 from elastic_ops.hooks.elastic_ops import CHECKPOINT_DIR, DEFAULT_CONN_ID, airflow_home
 from elastic_ops.operators.chunk import WARM_START_PREVIOUS, ElasticChunkOperator
-from elastic_ops.operators.jobs import is_template, safe_name
 from elastic_ops.operators.lifecycle import (
     ElasticEndJobOperator,
     ElasticFinalizeOperator,
     ElasticRegisterOperator,
 )
 from elastic_ops.spec import MAX_CHUNKS, Device, JobSpec, Scaling, check_checkpoint_uri
+from elastic_ops.utils.jobs import is_template, safe_name
 
 # Fields that cannot be templates: they decide the task structure or the training trajectory.
 _STATIC = ("entrypoint", "chunk_iterations", "global_batch", "consistency", "data_seed")

@@ -7,23 +7,20 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-_ADD = {"grant", "grow"}
-_REMOVE = {"shrink", "release", "expiry"}
+from elastic_ops.pool.api import slot_events
 
 
 def held_series(events: Iterable[dict[str, Any]]) -> dict[str, list[tuple[float, int]]]:
     """``job -> [(ts, slots held after the event)]``, from slot-level grant/grow/shrink/release."""
     held: dict[str, set[tuple[str, int]]] = {}
     series: dict[str, list[tuple[float, int]]] = {}
-    for ev in events:
-        job, kind = ev.get("job"), ev.get("kind")
-        if not job or kind not in _ADD | _REMOVE:
-            continue
-        slots = {tuple(s) for s in ev.get("slots") or ()}
-        mine = held.setdefault(job, set())
-        mine |= slots if kind in _ADD else set()
-        mine -= slots if kind in _REMOVE else set()
-        series.setdefault(job, []).append((float(ev["ts"]), len(mine)))
+    for ev in slot_events(events):
+        mine = held.setdefault(ev.job, set())
+        if ev.gives:
+            mine |= set(ev.slots)
+        else:
+            mine -= set(ev.slots)
+        series.setdefault(ev.job, []).append((ev.ts, len(mine)))
     return series
 
 
@@ -51,14 +48,13 @@ def max_concurrent_holders(events: Iterable[dict[str, Any]]) -> int:
     """The most jobs that ever held the same slot at once (must be 1: no double grants)."""
     owner: dict[tuple[str, int], set[str]] = {}
     worst = 0
-    for ev in events:
-        kind, job = ev.get("kind"), ev.get("job")
-        for s in ev.get("slots") or ():
-            holders = owner.setdefault(tuple(s), set())
-            if kind in _ADD:
-                holders.add(job)
-            elif kind in _REMOVE:
-                holders.discard(job)
+    for ev in slot_events(events):
+        for s in ev.slots:
+            holders = owner.setdefault(s, set())
+            if ev.gives:
+                holders.add(ev.job)
+            else:
+                holders.discard(ev.job)
             worst = max(worst, len(holders))
     return worst
 

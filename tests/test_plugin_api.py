@@ -15,7 +15,7 @@ from airflow.api_fastapi.auth.managers.simple.user import SimpleAuthManagerUser
 from airflow.api_fastapi.core_api.security import get_user
 from fastapi.testclient import TestClient
 
-from elastic_ops import plugin_api
+from elastic_ops.plugin import api as plugin_api
 from elastic_ops.pool import PoolClient
 
 # (method, path, json body or None): one of each route, with a valid request

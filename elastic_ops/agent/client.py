@@ -15,8 +15,6 @@ from typing import Any
 from elastic_ops.agent.channel import Channel, SocketChannel
 from elastic_ops.agent.protocol import (
     PROTOCOL_VERSION,
-    AgentProtocolError,
-    AgentUnavailableError,
     MessageReader,
     StoreConfig,
     applied_from_wire,
@@ -27,7 +25,7 @@ from elastic_ops.agent.protocol import (
     peer_uid,
     trusted_peer,
 )
-from elastic_ops.errors import AgentLostError, SpecError
+from elastic_ops.errors import AgentLostError, AgentProtocolError, AgentUnavailableError, SpecError
 from elastic_ops.runtime.allocation import Allocation
 from elastic_ops.runtime.outcome import ChunkResult, Progress
 

@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from elastic_ops.agent.cluster import ALIVE_EVERY_S, ALIVE_TTL_S, CLOCK_SKEW_S, NodeConfig
-from elastic_ops.agent.protocol import PROTOCOL_VERSION, AgentProtocolError, error_to_wire
+from elastic_ops.agent.protocol import PROTOCOL_VERSION, error_to_wire
 from elastic_ops.agent.redis_channel import (
     BEAT_S,
     PEER_TIMEOUT_S,
@@ -53,7 +53,7 @@ from elastic_ops.agent.server import (
 )
 from elastic_ops.agent.span import RanksSession, check_advertise_addr
 from elastic_ops.agent.throttle import ThrottledLog
-from elastic_ops.errors import AgentLostError, SpecError
+from elastic_ops.errors import AgentLostError, AgentProtocolError, SpecError
 from elastic_ops.metrics import NO_METRICS, Metrics
 from elastic_ops.spec import check_host_name
 from elastic_ops.urls import shown_url

@@ -21,7 +21,6 @@ from elastic_ops.agent.client import POLL_S, drive_chunk, run_request, target_re
 from elastic_ops.agent.cluster import ALIVE_EVERY_S, ANNOUNCEMENT_MAX_AGE_S, CLOCK_SKEW_S, NodeConfig
 from elastic_ops.agent.protocol import (
     PROTOCOL_VERSION,
-    AgentProtocolError,
     StoreConfig,
     error_from_wire,
     latest_of,
@@ -34,7 +33,13 @@ from elastic_ops.agent.redis_channel import (
     redis_error_types,
     wrong_type,
 )
-from elastic_ops.errors import AgentLostError, NodeLostError, NodeUnavailableError, SpecError
+from elastic_ops.errors import (
+    AgentLostError,
+    AgentProtocolError,
+    NodeLostError,
+    NodeUnavailableError,
+    SpecError,
+)
 from elastic_ops.runtime.allocation import Allocation
 from elastic_ops.runtime.outcome import ChunkResult, Progress
 from elastic_ops.spec import check_host_name

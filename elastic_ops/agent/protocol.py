@@ -55,10 +55,10 @@ import time
 from typing import Any
 
 from elastic_ops import errors
-from elastic_ops.errors import ElasticOpsError, SpecError
+from elastic_ops.errors import AgentProtocolError, ElasticOpsError, SpecError
 from elastic_ops.runtime.outcome import Progress
 from elastic_ops.runtime.outcome import finite as _finite
-from elastic_ops.spec import MAX_WORKERS_LIMIT, check_checkpoint_uri
+from elastic_ops.spec import MAX_WORKERS_LIMIT, check_checkpoint_uri, check_int
 
 PROTOCOL_VERSION = 1
 AGENT_SOCKET_ENV = "ELASTIC_OPS_AGENT_SOCKET"
@@ -68,16 +68,6 @@ OPS = ("ping", "latest", "run")
 
 # Attributes of elastic_ops errors that travel with them (plain JSON values only).
 ERROR_ATTRS = ("host", "field", "value", "allowed", "epoch", "current", "job", "name")
-
-
-class AgentUnavailableError(ElasticOpsError):
-    """No agent answers at the configured socket (not started, gone, or refusing)."""
-
-    retryable = True
-
-
-class AgentProtocolError(ElasticOpsError):
-    """The peer broke the protocol (not JSON, too long, wrong shape). Not retryable."""
 
 
 class AgentRemoteError(RuntimeError):
@@ -157,11 +147,8 @@ def require_int(
 ) -> int | None:
     """``msg[key]`` as an integer in ``[minimum, maximum]`` (``None`` if ``optional`` and absent);
     errors name ``field`` (default ``key``)."""
-    allowed = f"an integer in [{minimum}, {maximum}]"
-    value = _require(msg, key, (int,), allowed, optional, field)
-    if value is not None and not minimum <= value <= maximum:
-        raise SpecError(field or key, value, allowed)
-    return value
+    value = _require(msg, key, (int,), f"an integer >= {minimum} and <= {maximum}", optional, field)
+    return None if value is None else check_int(field or key, value, minimum, maximum)
 
 
 def require_str(
@@ -357,8 +344,7 @@ def error_from_wire(msg: dict[str, Any]) -> BaseException:
     message, hint and attributes (so retry classification is unchanged), else
     :class:`AgentRemoteError`."""
     name = str(msg.get("class") or "Exception")
-    own = {"AgentProtocolError": AgentProtocolError, "AgentUnavailableError": AgentUnavailableError}
-    cls = own.get(name) or getattr(errors, name, None)
+    cls = getattr(errors, name, None)  # the agent's own errors are in the hierarchy too
     message = str(msg.get("message") or "")
     if not (isinstance(cls, type) and issubclass(cls, ElasticOpsError)):
         return AgentRemoteError(name, message, msg.get("traceback"))

@@ -30,9 +30,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from elastic_ops.agent.protocol import MAX_MESSAGE_BYTES, AgentProtocolError, decode
+from elastic_ops.agent.protocol import MAX_MESSAGE_BYTES, decode
 from elastic_ops.agent.throttle import ThrottledLog
-from elastic_ops.errors import UNSET, SpecError
+from elastic_ops.errors import UNSET, AgentProtocolError, SpecError
 
 log = logging.getLogger("elastic_ops.node")
 _DROPPED = ThrottledLog(log)  # junk anyone with Redis access pushes: counted, logged at a bounded rate

@@ -32,7 +32,6 @@ from elastic_ops.agent.channel import Channel, SocketChannel
 from elastic_ops.agent.protocol import (
     OPS,
     PROTOCOL_VERSION,
-    AgentProtocolError,
     StoreConfig,
     check_socket_path,
     encode,
@@ -45,13 +44,14 @@ from elastic_ops.agent.protocol import (
     require_str,
     trusted_peer,
 )
-from elastic_ops.errors import AgentLostError, SpecError, WorkerLostError
+from elastic_ops.errors import AgentLostError, AgentProtocolError, SpecError, WorkerLostError
 from elastic_ops.runtime.allocation import Allocation
 from elastic_ops.runtime.outcome import jsonable
 from elastic_ops.spec import check_host_name
 
 if TYPE_CHECKING:
-    from elastic_ops.runtime.launcher import Segment
+    from elastic_ops.runtime.launcher import Launcher, LaunchRequest, Segment
+    from elastic_ops.runtime.outcome import Progress
 
 log = logging.getLogger("elastic_ops.agent")
 
@@ -72,14 +72,14 @@ class AbortableLauncher:
     """Wraps the shared launcher for one chunk, so that the chunk's workers can be killed from
     another thread (client gone, agent stopping) while the runner waits on them."""
 
-    def __init__(self, base: Any) -> None:
+    def __init__(self, base: Launcher) -> None:
         self.base = base
         self.address = base.address  # where other hosts reach it (spanning segments)
         self._lock = threading.Lock()
         self._contexts: list[Any] = []
         self.aborted = False
 
-    def start(self, req: Any) -> Any:
+    def start(self, req: LaunchRequest) -> Segment:
         with self._lock:
             if self.aborted:
                 raise WorkerLostError("chunk aborted before its workers started: the task went away")
@@ -115,7 +115,7 @@ class ChunkSession:
         self,
         channel: Channel,
         request: dict[str, Any],
-        launcher: Any,
+        launcher: Launcher,
         progress_every_s: float = PROGRESS_EVERY_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -196,7 +196,7 @@ class ChunkSession:
             self.send({"type": "applied", "iteration": iteration,
                        **running.to_wire(self.request["host"], spans=self.span_hosts)})
 
-    def progress(self, p: Any) -> None:
+    def progress(self, p: Progress) -> None:
         now = self.clock()
         if now - self._last_progress < self.progress_every_s and p.iteration < p.end:
             return

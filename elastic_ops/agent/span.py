@@ -32,17 +32,20 @@ import socket
 import tempfile
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from elastic_ops.agent.protocol import (
     PROTOCOL_VERSION,
-    AgentProtocolError,
     require_int,
     require_slots,
     require_str,
 )
-from elastic_ops.errors import SpecError
+from elastic_ops.errors import AgentProtocolError, SpecError
 from elastic_ops.spec import MAX_WORKERS_LIMIT
+
+if TYPE_CHECKING:
+    from elastic_ops.agent.node_client import NodeClient
+    from elastic_ops.runtime.launcher import Launcher, LaunchRequest, Segment
 
 log = logging.getLogger("elastic_ops.node")
 
@@ -243,10 +246,10 @@ class NodeSpanLauncher:
     """A node agent's launcher: a segment's ranks on this host, and (``LaunchRequest.remote``)
     the other hosts' parts through their node agents."""
 
-    def __init__(self, base: Any, nodes: Any, address: str | None) -> None:
+    def __init__(self, base: Launcher, nodes: NodeClient, address: str | None) -> None:
         self.base, self.nodes, self.address = base, nodes, address
 
-    def start(self, req: Any) -> Any:
+    def start(self, req: LaunchRequest) -> Segment:
         if not req.remote:
             return self.base.start(req)
         from elastic_ops.runtime.span import SpanningContext

@@ -10,20 +10,17 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from elastic_ops.errors import SpecError
+from elastic_ops.spec import check_int
 
 Check = Callable[[str, Any], Any]
 
 
 def positive_int(key: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise SpecError(f"params.{key}", value, "must be an integer >= 1")
-    return value
+    return check_int(f"params.{key}", value, 1)
 
 
 def non_negative_int(key: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise SpecError(f"params.{key}", value, "must be an integer >= 0")
-    return value
+    return check_int(f"params.{key}", value, 0)
 
 
 def positive_float(key: str, value: Any) -> float:

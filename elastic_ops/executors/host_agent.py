@@ -7,7 +7,7 @@ import logging
 from typing import Any
 
 from elastic_ops.agent.client import AgentClient
-from elastic_ops.agent.protocol import AgentUnavailableError
+from elastic_ops.errors import AgentUnavailableError
 from elastic_ops.executors.api import ChunkExecutor, ChunkRequest, LatestCheckpoint, Lease, Stores
 from elastic_ops.executors.in_process import InProcessExecutor
 from elastic_ops.runtime.outcome import ChunkResult

@@ -8,7 +8,7 @@ from elastic_ops.operators.lifecycle import (
     ElasticRegisterOperator,
 )
 from elastic_ops.operators.results import ChunkTaskResult
-from elastic_ops.operators.retry import ElasticRetryPolicy
+from elastic_ops.utils.retry import ElasticRetryPolicy
 
 __all__ = [
     "ChunkTaskResult", "ElasticChunkOperator", "ElasticEndJobOperator", "ElasticFinalizeOperator",

@@ -39,7 +39,15 @@ from elastic_ops.errors import (
 )
 from elastic_ops.executors.api import ChunkExecutor, ChunkRequest
 from elastic_ops.hooks.elastic_ops import DEFAULT_CONN_ID, ElasticOpsHook, default_checkpoint_root
-from elastic_ops.operators.jobs import (
+from elastic_ops.links.pool import PoolPageLink
+from elastic_ops.operators.lease import LeaseKeeper
+from elastic_ops.operators.results import ChunkTaskResult, ChunkTry
+from elastic_ops.pool.client import Grant, Wait
+from elastic_ops.runtime.outcome import ChunkResult, ChunkStatus
+from elastic_ops.spec import JobSpec, check_checkpoint_uri, check_number, stop_metric_missing, stop_reached
+from elastic_ops.triggers.events import GrantEvent, TriggerFailure, parse_event
+from elastic_ops.triggers.pool import GrantTrigger
+from elastic_ops.utils.jobs import (
     check_conn_ids,
     check_seconds,
     chunk_range,
@@ -48,15 +56,7 @@ from elastic_ops.operators.jobs import (
     runtime_spec,
     safe_name,
 )
-from elastic_ops.operators.lease import LeaseKeeper
-from elastic_ops.operators.links import PoolPageLink
-from elastic_ops.operators.results import ChunkTaskResult, ChunkTry
-from elastic_ops.operators.retry import ElasticRetryPolicy, default_to
-from elastic_ops.pool.client import Grant, Wait
-from elastic_ops.runtime.outcome import ChunkResult, ChunkStatus
-from elastic_ops.spec import JobSpec, check_checkpoint_uri, check_number, stop_metric_missing, stop_reached
-from elastic_ops.triggers.events import GrantEvent, TriggerFailure, parse_event
-from elastic_ops.triggers.pool import GrantTrigger
+from elastic_ops.utils.retry import ElasticRetryPolicy, default_to
 
 if TYPE_CHECKING:
     from airflow.sdk import Asset

@@ -177,7 +177,7 @@ class LeaseKeeper:
                     acc[1] -= measured[1].seconds
                     if acc[0] <= 0:
                         del self._measured[measured[0]]
-        action = str(getattr(target.action, "value", target.action))
+        action = str(target.action)  # a TargetAction (a str enum), or its value from the HTTP API
         wanted = 0 if action == "preempt" else int(target.workers)
         placements = () if wanted == 0 else tuple((str(h), int(s)) for h, s in target.placements)
         with self._lock:

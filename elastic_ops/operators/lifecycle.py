@@ -14,10 +14,10 @@ from airflow.sdk import BaseOperator, Context
 from elastic_ops.errors import ElasticOpsError, UnknownJobError
 from elastic_ops.hooks.elastic_ops import DEFAULT_CONN_ID
 from elastic_ops.operators.chunk import ElasticOperatorMixin
-from elastic_ops.operators.jobs import check_conn_ids, check_seconds, register
 from elastic_ops.operators.results import ChunkTaskResult
-from elastic_ops.operators.retry import ElasticRetryPolicy, default_to
 from elastic_ops.spec import stop_reached
+from elastic_ops.utils.jobs import check_conn_ids, check_seconds, register
+from elastic_ops.utils.retry import ElasticRetryPolicy, default_to
 
 MISSED_HEARTBEATS = 3  # a lease not renewed for this many heartbeat intervals has no live holder
 _sleep = time.sleep

@@ -12,19 +12,13 @@ from elastic_ops.errors import SpecError
 from elastic_ops.pool import schema as s
 from elastic_ops.pool.model import HostState, Observation, Preemption, Slot, check_aging
 from elastic_ops.pool.policies import POLICIES
-from elastic_ops.spec import MAX_WORKERS_LIMIT, check_host_name, check_number
+from elastic_ops.spec import MAX_WORKERS_LIMIT, check_host_name, check_int, check_number
 
 MAX_HOST_SLOTS = 1_000_000  # the most slots one host may have
 
 MAX_LEASE_TTL_S = 86_400.0  # a day
 MAX_SETTING = 1e9  # any other setting (seconds or a fraction): past it, arithmetic leaves the finite
 MAX_LOOKBACK_H = 1e6  # ~114 years: more reads the whole log anyway; a huge value would overflow to inf
-
-
-def check_int(field: str, value: Any, lo: int, hi: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise SpecError(field, value, f"must be an integer in [{lo}, {hi}]")
-    return value
 
 
 def check_bounds(min_workers: Any, max_workers: Any) -> None:

@@ -44,6 +44,7 @@ from elastic_ops.metrics import NO_METRICS, Metrics
 from elastic_ops.pool import engine as db
 from elastic_ops.pool import ledger
 from elastic_ops.pool import schema as s
+from elastic_ops.pool.api import SLOT_KINDS, Grant, Target, Wait
 from elastic_ops.pool.checks import (
     MAX_EPOCH,
     MAX_HOST_SLOTS,
@@ -61,12 +62,10 @@ from elastic_ops.pool.checks import (
     check_placements,
 )
 from elastic_ops.pool.engine import NO_LEDGER_HINT, first_line, lock_timeout, make_engine, retryable
-from elastic_ops.pool.ledger import PlannerState, Target, Tx
+from elastic_ops.pool.ledger import PlannerState, Tx
 from elastic_ops.pool.model import HostState, Observation, Slot
 from elastic_ops.pool.scaling import ScalingModel, measured_from_rows
 from elastic_ops.pool.scaling import fit as fit_scaling
-from elastic_ops.pool.usage import ADD as USAGE_ADD
-from elastic_ops.pool.usage import REMOVE as USAGE_REMOVE
 from elastic_ops.pool.usage import usage as usage_of
 from elastic_ops.spec import MAX_WORKERS_LIMIT, check_host_selector, check_number
 from elastic_ops.urls import shown_url
@@ -88,24 +87,6 @@ class Lock(enum.StrEnum):
 
 
 ENV_URL = "ELASTIC_OPS_POOL_URL"
-
-
-@dataclasses.dataclass(frozen=True)
-class Grant:
-    job: str
-    epoch: int
-    placements: tuple[Slot, ...]
-    ttl_s: float
-
-    @property
-    def workers(self) -> int:
-        return len(self.placements)
-
-
-@dataclasses.dataclass(frozen=True)
-class Wait:
-    job: str
-    reason: str
 
 
 def _event_dict(r: Any) -> dict[str, Any]:
@@ -789,7 +770,7 @@ class PoolClient:
             # only the events that give or take slots: targets, submissions and the rest change
             # no holding (and are most of a busy log)
             mine = s.events.c.job == job if job is not None else true()
-            kinds = s.events.c.kind.in_(sorted(USAGE_ADD | USAGE_REMOVE))
+            kinds = s.events.c.kind.in_(sorted(SLOT_KINDS))
             q = select(s.events).where(mine, kinds).order_by(s.events.c.id)
             rows = [_event_dict(r) for r in conn.execute(q)]
             oldest = conn.execute(select(func.min(s.events.c.ts)).where(mine)).scalar()

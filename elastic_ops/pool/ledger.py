@@ -38,6 +38,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 
 from elastic_ops.errors import JobEndedError, LeaseExpiredError, SpecError, UnknownHostError, UnknownJobError
 from elastic_ops.pool import schema as s
+from elastic_ops.pool.api import EventKind, Target
 from elastic_ops.pool.checks import CONFIG_FIELDS, check_host, check_name
 from elastic_ops.pool.engine import FastQuery
 from elastic_ops.pool.model import (
@@ -57,18 +58,6 @@ from elastic_ops.pool.model import (
 )
 from elastic_ops.pool.policies import LEARNING, get_policy
 from elastic_ops.pool.scaling import Measured, fit_cached
-
-
-@dataclasses.dataclass(frozen=True)
-class Target:
-    """What a running job should do at its next boundary. ``workers`` = ``len(placements)``,
-    the slots it holds now (0 for ``preempt``)."""
-
-    job: str
-    workers: int
-    action: TargetAction
-    reason: str
-    placements: tuple[Slot, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -340,7 +329,7 @@ class Tx:
 
     def log_event(
         self,
-        kind: str,
+        kind: EventKind,
         *,
         job: str | None = None,
         host: str | None = None,
@@ -393,7 +382,7 @@ class Tx:
         self.conn.execute(update(s.planner).where(s.planner.c.id == 1).values(next_due=self._due_expr()))
 
     def free_slots(
-        self, job, slots: Sequence[Slot], kind: str, reason: str, *, epoch, workers
+        self, job, slots: Sequence[Slot], kind: EventKind, reason: str, *, epoch, workers
     ) -> list[Slot]:
         """Give ``job``'s ``slots`` back; logs (and returns) those it still held. A heartbeat
         and a plan may free slots of one job at once (PostgreSQL: neither holds a pool lock
@@ -410,7 +399,7 @@ class Tx:
         return gone
 
     def reserve(
-        self, job, epoch, slots: list[Slot], kind: str, d: Decision, *, rescaled: bool = True
+        self, job, epoch, slots: list[Slot], kind: EventKind, d: Decision, *, rescaled: bool = True
     ) -> None:
         self.conn.execute(
             insert(s.allocations),
@@ -483,7 +472,7 @@ class Tx:
             if not ended:
                 continue
             self._keep_measured(lease.job, lease.epoch)
-            self.free_slots(lease.job, self.held_slots(lease.job), "expiry",
+            self.free_slots(lease.job, self.held_slots(lease.job), EventKind.EXPIRY,
                             f"lease expired at {lease.expires:.3f}", epoch=lease.epoch, workers=0)
             changed = True
             self.conn.execute(
@@ -499,7 +488,7 @@ class Tx:
         ).all():
             self.conn.execute(update(s.hosts).where(h.name == row.name).values(state=HostState.UP.value,
                                                                                state_since=self.now))
-            self.log_event("host", host=row.name, reason="cooling over -> up")
+            self.log_event(EventKind.HOST, host=row.name, reason="cooling over -> up")
             changed = True
         return changed
 
@@ -585,7 +574,7 @@ class Tx:
             if row.target != target or row.reason != reason:
                 values.update(target=target, reason=reason)
                 if row.target != target:
-                    self.log_event("target", job=name, workers=target, reason=reason)
+                    self.log_event(EventKind.TARGET, job=name, workers=target, reason=reason)
             if held_by[name]:
                 pp = pr = None  # unchanged: it keeps exactly what it holds
                 if k in changed:
@@ -597,7 +586,7 @@ class Tx:
                         # count as rescaled while it holds both, be frozen on all of them by
                         # min_rescale_interval_s (a job frozen keeps what it holds), and moved back
                         plain_grow = len(d.placements) > len(held_by[name]) and not d.release
-                        self.reserve(name, row.epoch, list(new), "grow", d, rescaled=plain_grow)
+                        self.reserve(name, row.epoch, list(new), EventKind.GROW, d, rescaled=plain_grow)
                     d = within_minimum(d, row.min_workers)
                     pp, pr = _slots_json(d.placements), _slots_json(d.release)
                     if d.reason != reason:
@@ -610,7 +599,7 @@ class Tx:
                 if row.state != state.value:
                     values["state"] = state.value
                     if state == JobState.PREEMPTING:
-                        self.log_event("preempt", job=name, epoch=row.epoch, workers=0, reason=reason)
+                        self.log_event(EventKind.PREEMPT, job=name, epoch=row.epoch, workers=0, reason=reason)
             elif k in changed and row.asked is not None and row.asked >= ask_since:
                 d = plan.decision(k)
                 epoch = row.epoch + 1
@@ -618,7 +607,7 @@ class Tx:
                                                           expires=now + cfg["lease_ttl_s"]))
                 values.update(epoch=epoch, state=JobState.RUNNING.value, asked=None,
                               plan_placements=None, plan_release=None)
-                self.reserve(name, epoch, list(d.placements), "grant", d)
+                self.reserve(name, epoch, list(d.placements), EventKind.GRANT, d)
             if values:
                 self.conn.execute(update(s.jobs).where(s.jobs.c.name == name).values(**values))
         if len(rows) != len(plan.jobs):  # the common case: every job was planned, none idle
@@ -674,14 +663,15 @@ class Tx:
             d = within_minimum(plan.decision(plan.index(job.name)), row.min_workers)
             if d.target == 0 or not d.placements or len(d.release) == len(job.held):
                 why = "preempted" if d.target == 0 or not d.placements else "moved"
-                self.free_slots(job.name, job.held, "release", f"parked, then {why}: {d.reason}",
+                self.free_slots(job.name, job.held, EventKind.RELEASE, f"parked, then {why}: {d.reason}",
                                 epoch=row.epoch, workers=0)
                 self.end_lease(job.name, row.epoch, f"{why} while parked")
                 self._to_waiting(job.name)
                 freed = True
             elif d.release:
-                self.free_slots(job.name, d.release, "shrink", f"parked, released at once: {d.reason}",
-                                epoch=row.epoch, workers=len(d.placements))
+                self.free_slots(job.name, d.release, EventKind.SHRINK,
+                                f"parked, released at once: {d.reason}", epoch=row.epoch,
+                                workers=len(d.placements))
                 freed = True
         return freed
 
@@ -753,11 +743,11 @@ class Tx:
         v = _BeatView.of(head, rows, job, workers, placements)
         freed: list[Slot] = []
         if v.left:
-            freed += self.free_slots(job, v.left, "shrink", "released at boundary: no longer used",
+            freed += self.free_slots(job, v.left, EventKind.SHRINK, "released at boundary: no longer used",
                                      epoch=epoch, workers=workers)
         gone = [sl for sl in v.gone if sl not in freed]
         if gone:
-            freed += self.free_slots(job, gone, "shrink", f"released at boundary: {v.d.reason}",
+            freed += self.free_slots(job, gone, EventKind.SHRINK, f"released at boundary: {v.d.reason}",
                                      epoch=epoch, workers=v.d.target)
         held = v.held
         if freed:  # a shrink reported: a change (the caller waits for a plan that saw it)
@@ -827,7 +817,7 @@ class Tx:
         if changes:
             self.conn.execute(update(s.pool).where(s.pool.c.id == 1).values(**changes))
             self._settings = None
-            self.log_event("config", reason=json.dumps(changes, sort_keys=True))
+            self.log_event(EventKind.CONFIG, reason=json.dumps(changes, sort_keys=True))
         self.mark_dirty()
 
     def add_host(self, name: str, slots: int, labels_json: str) -> None:
@@ -846,14 +836,14 @@ class Tx:
             self.conn.execute(insert(s.hosts).values(name=name, **values))
         else:
             self.conn.execute(update(s.hosts).where(s.hosts.c.name == name).values(**values))
-        self.log_event("host", host=name, workers=slots, reason=f"added: {slots} slots, up")
+        self.log_event(EventKind.HOST, host=name, workers=slots, reason=f"added: {slots} slots, up")
         self.mark_dirty()
 
     def set_host_state(self, name: str, state: HostState) -> None:
         self.host_row(name)
         self.conn.execute(update(s.hosts).where(s.hosts.c.name == name)
                           .values(state=state.value, state_since=self.now, failures=0))
-        self.log_event("host", host=name, reason=f"state -> {state.value}")
+        self.log_event(EventKind.HOST, host=name, reason=f"state -> {state.value}")
         self.mark_dirty()
 
     def check_unpreemptible_min(self, job: str, min_workers: int, preemptible: bool) -> None:
@@ -877,15 +867,15 @@ class Tx:
                 name=job, state=JobState.WAITING.value, submitted=self.now, waiting_since=self.now,
                 epoch=0, avoid_hosts="[]", target=0, reason="submitted", **values,
             ))
-            self.log_event("submit", job=job, reason=f"{described}{on}")
+            self.log_event(EventKind.SUBMIT, job=job, reason=f"{described}{on}")
         else:
             self.check_unpreemptible_min(job, values["min_workers"], values["preemptible"])
             if row.state == JobState.FINISHED.value:  # a rerun (the DAG run was cleared)
                 values.update(state=JobState.WAITING.value, waiting_since=self.now, submitted=self.now,
                               avoid_hosts="[]")
-                self.log_event("submit", job=job, reason=f"registered again: {described}{on}")
+                self.log_event(EventKind.SUBMIT, job=job, reason=f"registered again: {described}{on}")
             elif changed := _changed_demand(row, values):  # the log keeps every job's demand
-                self.log_event("config", job=job, reason=f"submitted again: {changed}")
+                self.log_event(EventKind.CONFIG, job=job, reason=f"submitted again: {changed}")
             self.conn.execute(update(s.jobs).where(s.jobs.c.name == job).values(**values))
         self.mark_dirty()
 
@@ -895,7 +885,7 @@ class Tx:
         if check is not None:
             check(self, row)
         self.conn.execute(update(s.jobs).where(s.jobs.c.name == job).values(**values))
-        self.log_event("config", job=job, reason=reason)
+        self.log_event(EventKind.CONFIG, job=job, reason=reason)
         self.mark_dirty()
 
     def ask(self, job: str, avoid: Sequence[str], new_attempt: bool) -> tuple[Any, int | None]:
@@ -954,7 +944,7 @@ class Tx:
                                                   expires=self.now + ttl))
         self.conn.execute(update(s.allocations).where(s.allocations.c.job == job).values(epoch=epoch))
         self.conn.execute(update(s.jobs).where(s.jobs.c.name == job).values(epoch=epoch, last_seen=self.now))
-        self.log_event("reissue", job=job, epoch=epoch, slots=self.held_slots(job),
+        self.log_event(EventKind.REISSUE, job=job, epoch=epoch, slots=self.held_slots(job),
                        reason=f"new try: epoch {lease.epoch} -> {epoch}, same slots")
         return self.live_lease(job)
 
@@ -969,7 +959,8 @@ class Tx:
         held = self.held_slots(job)
         reason = self.job_row(job).reason
         if held:
-            self.free_slots(job, held, "release", f"stopped at boundary: {reason}", epoch=epoch, workers=0)
+            self.free_slots(job, held, EventKind.RELEASE, f"stopped at boundary: {reason}", epoch=epoch,
+                            workers=0)
         self.end_lease(job, epoch, "preempted")
         self._to_waiting(job, last_seen=self.now)
         self.mark_dirty()
@@ -999,7 +990,7 @@ class Tx:
                           .values(expires=self.now + ttl))
         self.conn.execute(update(s.jobs).where(s.jobs.c.name == job)
                           .values(state=JobState.PARKED.value, last_seen=self.now))
-        self.log_event("park", job=job, epoch=epoch, workers=0,
+        self.log_event(EventKind.PARK, job=job, epoch=epoch, workers=0,
                        reason=f"chunk done; slots kept for the next chunk for {ttl:.0f}s")
         self.mark_dirty()
         return True
@@ -1011,7 +1002,7 @@ class Tx:
         released = live is not None and live.epoch == epoch
         if released:
             why = "finished" if finished else "released"
-            self.free_slots(job, self.held_slots(job), "release", why, epoch=epoch, workers=0)
+            self.free_slots(job, self.held_slots(job), EventKind.RELEASE, why, epoch=epoch, workers=0)
             self.end_lease(job, epoch, why)
         # a late release of a lease already ended does not bring a finished job back: only its
         # next request does (on_kill ends the job, then the dying try releases again)
@@ -1025,7 +1016,7 @@ class Tx:
                 )
             )
             if finished:
-                self.log_event("finish", job=job, epoch=epoch)
+                self.log_event(EventKind.FINISH, job=job, epoch=epoch)
         self.mark_dirty()
         return released
 
@@ -1042,7 +1033,7 @@ class Tx:
             values.update(state=HostState.COOLING.value, state_since=self.now, failures=0)
             reason += f"; cooling for {cfg['cooling_s']:.0f}s"
         self.conn.execute(update(s.hosts).where(s.hosts.c.name == host).values(**values))
-        self.log_event("failure", job=job, host=host, reason=reason)
+        self.log_event(EventKind.FAILURE, job=job, host=host, reason=reason)
         self.mark_dirty()
 
     def prune_events(self, older_than_s: float) -> int:

@@ -13,8 +13,7 @@ import dataclasses
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-ADD = frozenset({"grant", "grow"})
-REMOVE = frozenset({"shrink", "release", "expiry"})
+from elastic_ops.pool.api import slot_events
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,20 +56,17 @@ def usage(events: Iterable[Mapping[str, Any]], since: float, until: float) -> Us
             jobs[job] = jobs.get(job, 0.0) + seconds
             hosts[slot[0]] = hosts.get(slot[0], 0.0) + seconds
 
-    for ev in events:
-        kind, job, t = ev.get("kind"), ev.get("job"), float(ev["ts"])
+    for ev in slot_events(events):
+        job, t = ev.job, ev.ts
         if t > until:
             break
-        if not job or kind not in ADD | REMOVE:
-            continue
-        for host, index in ev.get("slots") or ():
-            slot = (host, int(index))
+        for slot in ev.slots:
             was = held.pop(slot, None)
-            if was is not None and (kind in ADD or was[0] == job):
+            if was is not None and (ev.gives or was[0] == job):
                 count(slot, was[0], was[1], t)
             elif was is not None:  # not this job's slot: leave it with its holder
                 held[slot] = was
-            if kind in ADD:
+            if ev.gives:
                 held[slot] = (job, t)
     for slot, (job, t0) in held.items():
         count(slot, job, t0, until)

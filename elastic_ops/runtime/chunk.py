@@ -102,11 +102,11 @@ class _Runner:
         start: int,
         end: int,
         target: Callable[[int], int | Allocation],
-        store: Any,
+        store: CheckpointStore,
         epoch: int,
         on_progress: Callable[[Progress], None] | None,
         host: str,
-        launcher: Any,
+        launcher: Launcher,
         workdir: Path,
         on_segment: Callable[[int, Allocation], None] | None = None,
         span_hosts: bool = False,
@@ -426,7 +426,8 @@ class _Runner:
         return self._result(ChunkStatus.PREEMPTED, it, ref, last, [])
 
     def _result(
-        self, status: ChunkStatus, it: int, ref: Any, last: _Segment | None, segments: list[_Segment]
+        self, status: ChunkStatus, it: int, ref: CheckpointRef | None, last: _Segment | None,
+        segments: list[_Segment],
     ) -> ChunkResult:
         duration = time.time() - self._t0
         samples = sum(s.samples for s in segments)
@@ -570,14 +571,14 @@ def run_chunk(
     end: int,
     *,
     target: Callable[[int], int | Allocation],
-    store: Any = None,
+    store: CheckpointStore | None = None,
     epoch: int = 0,
     on_progress: Callable[[Progress], None] | None = None,
     host: str = "localhost",
     warm_start: str | None = None,
     launcher: Launcher | None = None,
     workdir: str | Path | None = None,
-    warm_start_store: Any = None,
+    warm_start_store: CheckpointStore | None = None,
     on_segment: Callable[[int, Allocation], None] | None = None,
     span_hosts: bool = False,
     import_entrypoint: bool = True,

@@ -24,11 +24,11 @@ import dataclasses
 import json
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from elastic_ops.runtime.launcher import FailureReport, LaunchRequest, RemotePart, start_on
+from elastic_ops.runtime.launcher import FailureReport, LaunchRequest, RemotePart, Segment, start_on
 
 GRACE_S = 5.0  # after a failure, how long the leader waits for every host's account of its ranks
 
@@ -173,8 +173,8 @@ class SpanningContext:
     """The leader's local ranks plus the other hosts' :class:`RemoteRanks`, as one
     :class:`~elastic_ops.runtime.launcher.Segment`."""
 
-    def __init__(self, local: Any, remotes: Sequence[RemoteRanks], *, grace_s: float = GRACE_S,
-                 clock: Any = time.monotonic) -> None:
+    def __init__(self, local: Segment, remotes: Sequence[RemoteRanks], *, grace_s: float = GRACE_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.local, self.remotes = local, list(remotes)
         self.grace_s, self.clock = grace_s, clock
         self._exits: dict[str, RemoteExit] = {}
@@ -261,33 +261,3 @@ class SpanningContext:
             killed=self.local.failure_report().killed, remote_reports=tuple(self.remote_reports()),
             remote_killed=self.remote_killed(), lost_host=self.lost_host(), stopped_host=self.stopped_host(),
         )
-
-
-class LoopbackSpanLauncher:
-    """Runs every "host" of a spanning segment on this machine: the other hosts' parts are
-    :class:`FollowerRanks` here. For tests and single-machine trials of multi-host layouts; a
-    cluster uses node agents (:mod:`elastic_ops.agent.span`)."""
-
-    address = "127.0.0.1"
-
-    def __init__(self, base: Any = None) -> None:
-        from elastic_ops.runtime.launcher import LocalLauncher
-
-        self.base = base or LocalLauncher()
-        self.hosts_started: list[tuple[str, int, int]] = []  # (host, rank offset, count) per part
-
-    def start(self, req: LaunchRequest) -> Any:
-        leader_cfg = json.loads(Path(req.env["ELASTIC_OPS_SEGMENT"]).read_text())
-        remotes = []
-        try:
-            for g, part in enumerate(req.remote, start=1):
-                directory = Path(leader_cfg["dir"]).parent / f"{Path(leader_cfg['dir']).name}-{part.host}"
-                remotes.append(FollowerRanks(self.base, follower_request(req, part, g, directory),
-                                             leader_cfg, part.host))
-                self.hosts_started.append((part.host, part.rank_offset, part.count))
-            local = self.base.start(dataclasses.replace(req, remote=()))
-        except BaseException:
-            for r in remotes:
-                r.close()
-            raise
-        return SpanningContext(local, remotes)

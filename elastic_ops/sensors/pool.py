@@ -11,11 +11,11 @@ from airflow.sdk import BaseSensorOperator, Context
 
 from elastic_ops.errors import SpecError, WaitFailedError
 from elastic_ops.hooks.elastic_ops import DEFAULT_CONN_ID, ElasticOpsHook
-from elastic_ops.operators.jobs import check_conn_ids, check_seconds, coerce_rendered, is_template
-from elastic_ops.operators.retry import ElasticRetryPolicy, default_to
-from elastic_ops.spec import check_host_selector
+from elastic_ops.spec import check_host_selector, check_int
 from elastic_ops.triggers.events import CapacityEvent, TriggerFailure, parse_event
 from elastic_ops.triggers.pool import PoolCapacityTrigger, free_slots
+from elastic_ops.utils.jobs import check_conn_ids, check_seconds, coerce_rendered, is_template
+from elastic_ops.utils.retry import ElasticRetryPolicy, default_to
 
 
 class ElasticPoolSensor(BaseSensorOperator):
@@ -57,9 +57,9 @@ class ElasticPoolSensor(BaseSensorOperator):
 
     def _wanted(self) -> int:
         value = coerce_rendered({"min_workers": self.min_workers})["min_workers"]
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if isinstance(value, bool) or not isinstance(value, int):  # named as the task was given it
             raise SpecError("min_workers", self.min_workers, "must be an integer >= 1")
-        return value
+        return check_int("min_workers", value, 1)
 
     def poke(self, context: Context) -> bool:
         free = free_slots(ElasticOpsHook(self.elastic_ops_conn_id).pool().status(), self.host_selector)

@@ -20,6 +20,7 @@ from typing import Any
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from elastic_ops.errors import ElasticOpsError, UnknownJobError
+from elastic_ops.pool.api import Grant
 from elastic_ops.triggers.events import CapacityEvent, GrantEvent, TriggerFailure
 from elastic_ops.urls import shown_url
 
@@ -152,13 +153,13 @@ class GrantTrigger(_LedgerTrigger):
                     self.log.warning("pool ledger busy (%s); still waiting", exc)
                     await asyncio.sleep(self.poll_interval)
                     continue
-                if hasattr(outcome, "epoch"):
+                if isinstance(outcome, Grant):
                     waited = time.monotonic() - started
                     self.log.info("job %s granted %d workers (epoch %s) after %.1fs",
                                   self.job, len(outcome.placements), outcome.epoch, waited)
                     yield TriggerEvent(GrantEvent.from_grant(outcome, self.state, waited).to_payload())
                     return
-                self.log.debug("job %s waits: %s", self.job, getattr(outcome, "reason", outcome))
+                self.log.debug("job %s waits: %s", self.job, outcome.reason)
                 await asyncio.sleep(self.poll_interval)
         finally:  # the engine's pooled connections, at once (not at the next GC)
             if client is not None:

@@ -21,10 +21,17 @@ import pytest
 from elastic_ops.agent.cluster import NodeConfig, node_config_from_env
 from elastic_ops.agent.node import NodeAgent
 from elastic_ops.agent.node_client import NodeClient, without_credentials
-from elastic_ops.agent.protocol import PROTOCOL_VERSION, AgentProtocolError, S3Config, StoreConfig
+from elastic_ops.agent.protocol import PROTOCOL_VERSION, S3Config, StoreConfig
 from elastic_ops.agent.redis_channel import MessageLostError, PeerSilentError, RedisChannel, Signer
 from elastic_ops.checkpoint import open_store
-from elastic_ops.errors import AgentLostError, NodeLostError, NodeUnavailableError, SpecError, WorkerLostError
+from elastic_ops.errors import (
+    AgentLostError,
+    AgentProtocolError,
+    NodeLostError,
+    NodeUnavailableError,
+    SpecError,
+    WorkerLostError,
+)
 from elastic_ops.runtime import ChunkStatus, run_chunk
 from tests.agent.node_helpers import REDIS_URL, SECRET, cli_node, drop_namespace, make_config, running_node
 from tests.conftest import require_service

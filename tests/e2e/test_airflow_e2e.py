@@ -20,10 +20,10 @@ import httpx
 import psutil
 import pytest
 
-from elastic_ops.airflow_env import AirflowDeployment
-from elastic_ops.demo import held, reached, setup_pool
-from elastic_ops.operators.jobs import job_id
+from devtools.airflow_env import AirflowDeployment
+from devtools.demo import held, reached, setup_pool
 from elastic_ops.timeline import allocation_sequence, is_subsequence, max_concurrent_holders
+from elastic_ops.utils.jobs import job_id
 from tests.s3_server import s3_endpoint, s3_server  # noqa: F401  (fixtures)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]

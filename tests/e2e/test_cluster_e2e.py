@@ -25,9 +25,9 @@ from pathlib import Path
 
 import pytest
 
-from elastic_ops.airflow_env import AirflowDeployment
-from elastic_ops.demo import setup_pool
-from elastic_ops.operators.jobs import job_id
+from devtools.airflow_env import AirflowDeployment
+from devtools.demo import setup_pool
+from elastic_ops.utils.jobs import job_id
 from tests.agent.node_helpers import REDIS_URL, SECRET, drop_namespace
 from tests.conftest import fresh_database, require_service
 from tests.e2e.test_airflow_e2e import finished_after_one_retry, start_reference, wait_until

@@ -28,8 +28,8 @@ from elastic_ops.errors import (
     WorkerLostError,
 )
 from elastic_ops.operators import ElasticChunkOperator
-from elastic_ops.operators.retry import ElasticRetryPolicy
 from elastic_ops.pool import PoolClient
+from elastic_ops.utils.retry import ElasticRetryPolicy
 from tests.operators.helpers import TINY_FIELDS, airflow_pool, run_torchless_task
 from tests.runtime.agent_helpers import running_agent
 

@@ -11,9 +11,9 @@ from airflow.sdk.exceptions import TaskDeferred
 
 from elastic_ops.errors import WorkerLostError
 from elastic_ops.hooks.elastic_ops import ElasticOpsHook
-from elastic_ops.operators.jobs import job_id
 from elastic_ops.runtime.allocation import Allocation
 from elastic_ops.runtime.outcome import ChunkStatus
+from elastic_ops.utils.jobs import job_id
 from tests.operators.helpers import airflow_pool, chunk_result, train_with
 from tests.operators.test_chunk_operator import make_chunk, ti_context
 from tests.recording_metrics import RecordingMetrics

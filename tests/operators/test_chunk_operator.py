@@ -23,13 +23,13 @@ from elastic_ops.errors import (
     WorkerLostError,
 )
 from elastic_ops.operators import ElasticChunkOperator, ElasticRegisterOperator
-from elastic_ops.operators.jobs import job_id
 from elastic_ops.operators.results import ChunkTry
 from elastic_ops.pool import PoolClient
 from elastic_ops.runtime.outcome import ChunkStatus
 from elastic_ops.spec import JobSpec
 from elastic_ops.triggers import GrantTrigger
 from elastic_ops.triggers.events import GrantEvent, TriggerFailure
+from elastic_ops.utils.jobs import job_id
 from tests.operators.helpers import airflow_pool, chunk_result, train_with
 
 FIELDS = {"entrypoint": "elastic_ops.examples.digits:DigitsMLP", "total_iterations": 40,

@@ -13,10 +13,10 @@ from types import SimpleNamespace
 import pytest
 
 from elastic_ops.operators import ElasticChunkOperator
-from elastic_ops.operators.jobs import job_id
 from elastic_ops.pool import PoolClient
 from elastic_ops.runtime.allocation import Allocation
 from elastic_ops.runtime.chunk import run_chunk as real_run_chunk
+from elastic_ops.utils.jobs import job_id
 from tests.operators.helpers import TINY_FIELDS, airflow_pool
 from tests.operators.test_gpu_slots import held, result
 

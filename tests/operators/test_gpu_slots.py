@@ -11,11 +11,11 @@ from types import SimpleNamespace
 import pytest
 
 from elastic_ops.operators import ElasticChunkOperator
-from elastic_ops.operators.jobs import job_id
 from elastic_ops.operators.lease import LeaseKeeper
 from elastic_ops.pool import PoolClient
 from elastic_ops.runtime.allocation import Allocation
 from elastic_ops.runtime.outcome import ChunkResult, ChunkStatus
+from elastic_ops.utils.jobs import job_id
 from tests.operators.helpers import TINY_FIELDS, airflow_pool
 
 FIELDS = TINY_FIELDS | {"max_workers": 4}

@@ -79,8 +79,8 @@ def test_a_grant_on_a_host_whose_node_went_away_while_deferred_is_asked_for_agai
     the resumed task gives that grant back and asks again (no failure, no try spent)."""
     import time
 
-    from elastic_ops.operators.jobs import chunk_range
     from elastic_ops.triggers.events import GrantEvent
+    from elastic_ops.utils.jobs import chunk_range
 
     pool = airflow_pool(monkeypatch, tmp_path, host="host-a", slots=2)
     pool.add_host("host-b", 2)

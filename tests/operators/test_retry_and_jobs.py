@@ -20,9 +20,9 @@ from elastic_ops.errors import (
     UserCodeError,
     WorkerLostError,
 )
-from elastic_ops.operators.jobs import chunk_range, coerce_rendered, job_id, runtime_spec, safe_name
-from elastic_ops.operators.retry import ElasticRetryPolicy
 from elastic_ops.spec import JobSpec
+from elastic_ops.utils.jobs import chunk_range, coerce_rendered, job_id, runtime_spec, safe_name
+from elastic_ops.utils.retry import ElasticRetryPolicy
 
 FIELDS = {"entrypoint": "elastic_ops.examples.digits:DigitsMLP", "total_iterations": 100,
           "chunk_iterations": 30, "global_batch": 64, "max_workers": 4}

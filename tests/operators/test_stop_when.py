@@ -4,7 +4,7 @@ once), later chunk tasks train nothing and ask the pool for nothing, finalize ta
 from __future__ import annotations
 
 from elastic_ops.checkpoint import open_store
-from elastic_ops.operators.jobs import job_id
+from elastic_ops.utils.jobs import job_id
 from tests.operators.helpers import airflow_pool, chunk_result, train_with
 from tests.operators.test_chunk_operator import context, make_chunk, ti_context
 

@@ -17,8 +17,8 @@ from airflow.api_fastapi.core_api.security import get_user
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.testclient import TestClient
 
-from elastic_ops import plugin_api
 from elastic_ops.errors import ApiAuthError, LedgerUnavailableError, PoolError, SpecError, UnknownJobError
+from elastic_ops.plugin import api as plugin_api
 from elastic_ops.pool import PoolClient
 from elastic_ops.pool import api_client as api_module
 from elastic_ops.pool.api_client import ApiPoolClient

@@ -1,9 +1,9 @@
-"""Replaying the ledger's event log into allocation timelines (shared by several tests)."""
+"""Replaying the ledger's event log into allocation timelines (shared by several tests), through
+the pool's one replay (``elastic_ops.pool.api.slot_events``)."""
 
 from __future__ import annotations
 
-ADD = {"grant", "grow"}
-REMOVE = {"shrink", "release", "expiry"}
+from elastic_ops.pool.api import slot_events
 
 
 def replay(events: list[dict]) -> list[dict[str, int]]:
@@ -13,15 +13,13 @@ def replay(events: list[dict]) -> list[dict[str, int]]:
     """
     owner: dict[tuple[str, int], str] = {}
     timeline = []
-    for e in events:
-        if e["kind"] not in ADD | REMOVE:
-            continue
-        for slot in map(tuple, e["slots"]):
-            if e["kind"] in ADD:
-                assert slot not in owner, f"slot {slot} granted to {e['job']} while held by {owner[slot]}"
-                owner[slot] = e["job"]
+    for e in slot_events(events):
+        for slot in e.slots:
+            if e.gives:
+                assert slot not in owner, f"slot {slot} granted to {e.job} while held by {owner[slot]}"
+                owner[slot] = e.job
             else:
-                assert owner.get(slot) == e["job"], f"{e['job']} released {slot} held by {owner.get(slot)}"
+                assert owner.get(slot) == e.job, f"{e.job} released {slot} held by {owner.get(slot)}"
                 del owner[slot]
         counts: dict[str, int] = {}
         for job in owner.values():
@@ -32,10 +30,10 @@ def replay(events: list[dict]) -> list[dict[str, int]]:
 
 def held_now(events: list[dict]) -> dict[tuple[str, int], str]:
     owner: dict[tuple[str, int], str] = {}
-    for e in events:
-        for slot in map(tuple, e["slots"]):
-            if e["kind"] in ADD:
-                owner[slot] = e["job"]
-            elif e["kind"] in REMOVE:
+    for e in slot_events(events):
+        for slot in e.slots:
+            if e.gives:
+                owner[slot] = e.job
+            else:
                 owner.pop(slot, None)
     return owner

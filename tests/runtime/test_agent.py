@@ -21,8 +21,6 @@ import pytest
 from elastic_ops.agent.client import AgentClient
 from elastic_ops.agent.protocol import (
     MAX_MESSAGE_BYTES,
-    AgentProtocolError,
-    AgentUnavailableError,
     StoreConfig,
     encode,
     error_from_wire,
@@ -30,7 +28,14 @@ from elastic_ops.agent.protocol import (
 )
 from elastic_ops.agent.server import Agent
 from elastic_ops.checkpoint import open_store
-from elastic_ops.errors import AgentLostError, SpecError, UserCodeError, WorkerLostError
+from elastic_ops.errors import (
+    AgentLostError,
+    AgentProtocolError,
+    AgentUnavailableError,
+    SpecError,
+    UserCodeError,
+    WorkerLostError,
+)
 from elastic_ops.runtime import ChunkStatus, run_chunk
 from elastic_ops.runtime.allocation import Allocation
 from tests.runtime.agent_helpers import as_applied, as_target, line, raw_exchange, running_agent

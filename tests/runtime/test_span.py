@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from devtools.span import LoopbackSpanLauncher
 from elastic_ops.checkpoint import open_store
 from elastic_ops.errors import SpecError, UserCodeError, WorkerLostError
 from elastic_ops.runtime import ChunkStatus, Schedule, run_chunk, run_job
@@ -13,7 +14,7 @@ from elastic_ops.runtime.allocation import Allocation
 from elastic_ops.runtime.data_order import stream_slice
 from elastic_ops.runtime.launcher import FailureReport, LaunchRequest, LocalLauncher, RemotePart, worker_env
 from elastic_ops.runtime.placement import place, used
-from elastic_ops.runtime.span import LoopbackSpanLauncher, RemoteExit, SpanningContext
+from elastic_ops.runtime.span import RemoteExit, SpanningContext
 from tests.runtime.builders import make_spec
 
 pytestmark = pytest.mark.timeout(300)

@@ -16,8 +16,8 @@ from elastic_ops.operators import (
     ElasticRegisterOperator,
     ElasticRetryPolicy,
 )
-from elastic_ops.operators.jobs import runtime_spec
 from elastic_ops.taskgroup import elastic_training
+from elastic_ops.utils.jobs import runtime_spec
 
 DIGITS = "elastic_ops.examples.digits:DigitsMLP"
 REPO = Path(__file__).resolve().parents[2]

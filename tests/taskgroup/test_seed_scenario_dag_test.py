@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic_ops.demo import setup_pool
+from devtools.demo import setup_pool
 from elastic_ops.timeline import allocation_sequence, is_subsequence, max_concurrent_holders
 from tests.pool.timeline import replay
 from tests.taskgroup.airflow_home import airflow_env

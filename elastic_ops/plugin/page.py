@@ -61,7 +61,7 @@ def _nodes_section(status: dict[str, Any], view: dict[str, Any] | None) -> str:
 
 def render(status: dict[str, Any], events: list[dict[str, Any]], nodes: dict[str, Any] | None = None) -> str:
     """The page for ``PoolClient.status()``, the newest ``events`` (oldest first) and, in a
-    cluster, the node agents (``plugin_api._node_view()``)."""
+    cluster, the node agents (``api._node_view()``)."""
     return (
         "<!doctype html><html><head><meta charset=\"utf-8\">"
         f'<meta http-equiv="refresh" content="{REFRESH_S}">'

@@ -267,7 +267,7 @@ def node_agents(user: GetUserDep) -> dict[str, Any]:
 @app.get("/ui", response_class=HTMLResponse)
 def status_page(user: GetUserDep) -> HTMLResponse:
     """The status as a page (the "Elastic pool" entry in the Airflow UI's Admin menu)."""
-    from elastic_ops.plugin_page import CSP, render
+    from elastic_ops.plugin.page import CSP, render
 
     _authorize("GET", user)
     page = render(_call("status"), _call("events", last=50), _node_view())

@@ -223,7 +223,7 @@ class AirflowDeployment:
     def wait_agent(self, timeout: float) -> None:
         """Wait until the agent answers a ping (it has imported torch and warmed its fork server)."""
         from elastic_ops.agent.client import AgentClient
-        from elastic_ops.agent.protocol import AgentUnavailableError
+        from elastic_ops.errors import AgentUnavailableError
 
         client = AgentClient(self.agent_socket)
         deadline = time.monotonic() + timeout

@@ -19,7 +19,7 @@ URL_PREFIX = "/elastic-ops"
 
 def _fastapi_apps() -> list[dict]:
     try:
-        from elastic_ops.plugin_api import app
+        from elastic_ops.plugin.api import app
     except ImportError as exc:  # a worker without the api-server extras: no HTTP API there
         log.debug("elastic_ops pool API not available: %s", exc)
         return []

@@ -24,9 +24,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from elastic_ops.airflow_env import AirflowDeployment
-from elastic_ops.operators.jobs import job_id
+from devtools.airflow_env import AirflowDeployment
 from elastic_ops.timeline import allocation_sequence, is_subsequence, max_concurrent_holders, plot
+from elastic_ops.utils.jobs import job_id
 
 REPO = Path(__file__).resolve().parent.parent
 SLOTS = 8

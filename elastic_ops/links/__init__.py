@@ -1,0 +1,1 @@
+"""Operator extra links (the pool page of a task's job)."""
