@@ -23,8 +23,7 @@ from elastic_ops.runtime.allocation import Allocation
 from elastic_ops.runtime.chunk import _Runner
 from elastic_ops.runtime.control import count_of, moved
 from elastic_ops.runtime.data_order import stream_slice
-from elastic_ops.runtime.launcher import FailureReport
-from elastic_ops.runtime.launcher import signalled_ranks as _killed_ranks
+from elastic_ops.runtime.launcher import FailureReport, signalled_ranks
 from elastic_ops.runtime.verdict import segment_failure
 from tests.runtime.builders import RecordingLauncher, final_state, make_spec
 
@@ -182,8 +181,8 @@ def test_the_killed_rank_is_named_even_when_a_peer_exit_was_seen_first():
     # start_processes reports only the first failure it polls; a SIGKILLed worker's peer often
     # exits with 1 first, and our own teardown SIGTERMs the rest.
     procs = [SimpleNamespace(exitcode=1), SimpleNamespace(exitcode=-9), SimpleNamespace(exitcode=-15)]
-    assert _killed_ranks(SimpleNamespace(_pc=SimpleNamespace(processes=procs))) == {1: "SIGKILL"}
-    assert _killed_ranks(SimpleNamespace()) == {}
+    assert signalled_ranks(SimpleNamespace(_pc=SimpleNamespace(processes=procs))) == {1: "SIGKILL"}
+    assert signalled_ranks(SimpleNamespace()) == {}
 
 
 def test_a_peers_collective_error_does_not_hide_a_killed_rank_and_a_users_error_wins(tmp_path):

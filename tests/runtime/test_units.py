@@ -23,7 +23,7 @@ from elastic_ops.runtime.launcher import (
     visible_gpus,
     worker_env,
 )
-from elastic_ops.runtime.placement import SlotsByBoundary as _SlotsByBoundary
+from elastic_ops.runtime.placement import SlotsByBoundary
 from elastic_ops.runtime.state import load_state, save_atomic
 from tests.runtime.builders import TinyMLP
 
@@ -228,7 +228,7 @@ def test_the_parser_agrees_with_torch_cuda_own(monkeypatch, listed):
 
 
 def test_each_boundary_keeps_the_slots_that_came_with_its_target():
-    slots = _SlotsByBoundary()
+    slots = SlotsByBoundary()
     assert slots.at(0) is None
     slots.note(0, (4, 5))
     slots.note(1, (4, 5))  # unchanged: not stored again
@@ -314,10 +314,10 @@ def test_a_slow_store_commits_the_newest_state_and_drops_the_overtaken(tmp_path,
     """Training that stages states faster than the store commits them must not pile them up
     (on disk, in the queue): an overtaken one is dropped, its file removed; the newest, the
     ones retention keeps for good (keep_every) and the chunk's end are committed."""
-    from elastic_ops.runtime.commit import Committer as _Committer
+    from elastic_ops.runtime.commit import Committer
 
     store = _SlowStore()
-    committer = _Committer(store, epoch=1, spec_hash="h", keep_every=keep_every)
+    committer = Committer(store, epoch=1, spec_hash="h", keep_every=keep_every)
     paths = {i: _staged(tmp_path, i) for i in (10, 20, 30, 40)}
     for i in (10, 20, 30, 40):  # 10 is being committed (slowly) while 20..40 are staged
         committer.submit(i, paths[i], {"loss": 0.5}, remove=True)
