@@ -10,7 +10,7 @@ light Airflow task processes, read and write it too (:meth:`to_wire`, :meth:`fro
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 Slot = tuple[str, int]  # (host, slot index on that host)
@@ -25,12 +25,6 @@ class Allocation:
 
     workers: int
     placements: tuple[Slot, ...] | None = None
-
-    @classmethod
-    def of(cls, workers: int, placements: Iterable[Sequence[Any]] | None = None) -> Allocation:
-        """From plain values (a pool ``Target``'s, a message's): pairs as ``(str, int)``."""
-        pairs = None if placements is None else tuple((str(h), int(s)) for h, s in placements)
-        return cls(int(workers), pairs)
 
     @classmethod
     def split(
@@ -53,10 +47,6 @@ class Allocation:
             if h != host:
                 others.setdefault(h, []).append(s)
         return tuple((h, tuple(ss)) for h, ss in others.items())
-
-    @property
-    def hosts(self) -> set[str]:
-        return {h for h, _ in self.placements or ()}
 
     def with_workers(self, workers: int) -> Allocation:
         return dataclasses.replace(self, workers=int(workers))
