@@ -56,6 +56,7 @@ from elastic_ops.runtime.launcher import (
     LaunchRequest,
     LocalLauncher,
     RemotePart,
+    Segment,
     loopback_store,
     start_on,
 )
@@ -246,9 +247,12 @@ class _Runner:
             name="elastic-ops-control",
             daemon=True,
         )
-        pc = start_on(self.launcher, req, self.host)
-        ctl.start()
+        pc: Segment | None = None
         try:
+            # the launch inside the try: a SIGTERM as the controller starts (Thread.start waits,
+            # and a signal's handler runs there) must stop the workers, not leave them running
+            pc = start_on(self.launcher, req, self.host)
+            ctl.start()
             result = None
             while result is None:
                 result = pc.wait(timeout=0.5, period=0.05)
@@ -256,11 +260,13 @@ class _Runner:
                 if errors:
                     raise errors[0]
         except BaseException:
-            pc.close()
+            if pc is not None:
+                pc.close()
             raise
         finally:
             stop.set()
-            ctl.join()
+            if ctl.ident is not None:  # joining a thread never started raises over the error
+                ctl.join()
             del store
         if errors:
             raise errors[0]

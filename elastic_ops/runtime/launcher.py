@@ -38,7 +38,8 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -417,18 +418,42 @@ class LocalLauncher:
         # teardown. One start at a time: _main_not_rerun swaps a process-wide attribute.
         with _START_LOCK:
             saved = _save_handlers()
+            before = set(multiprocessing.active_children())
             try:
-                with _main_not_rerun():
-                    return LocalSegment(start_processes(
-                        name="elastic-ops-worker",
-                        entrypoint=worker_entry,
-                        args=args,
-                        envs=envs,
-                        logs_specs=logs,
-                        start_method="forkserver",
-                    ))
-            finally:
-                _restore_handlers(saved)
+                try:
+                    with _main_not_rerun():
+                        segment = LocalSegment(start_processes(
+                            name="elastic-ops-worker",
+                            entrypoint=worker_entry,
+                            args=args,
+                            envs=envs,
+                            logs_specs=logs,
+                            start_method="forkserver",
+                        ))
+                finally:
+                    _restore_handlers(saved)
+            except BaseException:
+                # A start cut short (a SIGTERM between two ranks' starts, a fork server's
+                # FileNotFoundError) leaves the ranks started so far on no PContext: alive,
+                # non-daemonic, waiting in their rendezvous for ranks that never come, and
+                # multiprocessing's exit handler joins them, so the process hung for the
+                # group's timeout instead of exiting. Stop them before the error goes on.
+                stop_processes(p for p in multiprocessing.active_children() if p not in before)
+                raise
+        return segment
+
+
+def stop_processes(processes: Iterable[multiprocessing.process.BaseProcess], timeout: float = 10.0) -> None:
+    """SIGKILL ``processes`` (workers no segment owns: nothing of theirs can be committed) and
+    reap them, waiting at most ``timeout`` seconds in all."""
+    procs = list(processes)
+    for proc in procs:
+        with contextlib.suppress(ProcessLookupError, ValueError):  # exited; closed
+            proc.kill()
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        with contextlib.suppress(ValueError):
+            proc.join(max(deadline - time.monotonic(), 0.0))
 
 
 @contextlib.contextmanager
