@@ -62,6 +62,7 @@ from elastic_ops.runtime.launcher import (
 )
 from elastic_ops.runtime.outcome import ChunkResult, ChunkStatus, Progress
 from elastic_ops.runtime.placement import Placement, SlotsByBoundary, place, used
+from elastic_ops.runtime.rendezvous import new_key
 from elastic_ops.runtime.segment import (
     PG_TIMEOUT_ENV,
     STALL_ENV,
@@ -238,6 +239,7 @@ class _Runner:
             slots=launch_slots,
             world_size=workers,
             remote=remote,
+            rendezvous_key=new_key(),  # every rank's, this host's and (loopback tests) the others'
         )
         stop = threading.Event()
         errors: list[BaseException] = []
