@@ -69,7 +69,7 @@ class SignedStore(dist.Store):
 
     def __init__(self, store: dist.Store, key: str) -> None:
         super().__init__()
-        self._store = store
+        self._store, self._hex = store, key
         self._key = bytes.fromhex(key)
 
     def __repr__(self) -> str:
@@ -125,6 +125,10 @@ class SignedStore(dist.Store):
 
     def set_timeout(self, timeout: datetime.timedelta) -> None:
         self._store.set_timeout(timeout)
+
+    def clone(self) -> SignedStore:
+        # a connection of its own for another thread (torch's process groups may ask for one)
+        return SignedStore(self._store.clone(), self._hex)
 
 
 def worker_store(timeout: datetime.timedelta) -> SignedStore:

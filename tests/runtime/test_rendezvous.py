@@ -39,6 +39,7 @@ def test_an_outsider_without_the_key_cannot_forge_move_or_replay_a_rendezvous_va
     assert rank1.get("rank0/addr") == b"127.0.0.1:4242"
     assert rank1.multi_get(["rank0/a", "rank0/b"]) == [b"1", b"2"]
     assert repr(rank1) == "SignedStore(***)"  # the key in no repr
+    assert rank1.clone().get("rank0/addr") == b"127.0.0.1:4242"  # its own connection, same key
 
     # It can read (gloo's addresses: not secret; `ss -tln` lists the ports anyway) ...
     genuine = outsider.get("rank0/addr")
