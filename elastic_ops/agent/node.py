@@ -366,7 +366,7 @@ class NodeAgent:
 
     def _run_ranks(self, session_id: str, channel: RedisChannel, req: dict[str, Any]) -> None:
         """This host's part of a segment another host's node leads (:mod:`elastic_ops.agent.span`)."""
-        session = RanksSession(channel, req, self._local_launcher, self.host)
+        session = RanksSession(channel, req, self._local_launcher, self.host, self.signer)
         with self._registered(session_id, session):
             with self._lock:
                 self.ranks_served += 1

@@ -80,6 +80,13 @@ class Signer:
     def _mac(self, where: str, body: bytes) -> str:
         return hmac.new(self._key, where.encode() + b"\n" + body, hashlib.sha256).hexdigest()
 
+    def derive(self, purpose: str, token: str) -> str:
+        """A key for ``purpose`` that only holders of the secret can compute from the public
+        ``token`` (hex): the rendezvous key of a segment spanning hosts, whose token travels in
+        the ``ranks`` request while the key itself never crosses Redis. Its input cannot be an
+        envelope's (those MAC a list name and a JSON object)."""
+        return hmac.new(self._key, f"derive\n{purpose}\n{token}".encode(), hashlib.sha256).hexdigest()
+
     def seal(self, where: str, body: dict[str, Any]) -> bytes:
         """The envelope for ``body`` on the list named ``where``."""
         data = json.dumps(body, separators=(",", ":"), allow_nan=False)

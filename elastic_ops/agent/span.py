@@ -8,7 +8,7 @@ sends a chunk::
     {"op": "ranks", "version": 1, "host": "h2", "segment": {"spec": {...}, "start": 10, "end": 40,
      "workers": 4, "segment": 1}, "master_addr": "10.0.0.1", "master_port": 41234,
      "rank_offset": 2, "count": 2, "group_rank": 1, "slots": [0, 1], "device": "cuda",
-     "threads_per_worker": 1}
+     "threads_per_worker": 1, "rendezvous": "<32 hex digits>"}
 
 The follower starts its ranks (:func:`serve_ranks`), answers ``{"type": "started"}``, and once
 they have all exited ``{"type": "exited", "killed": {rank: signal}, "failed": [rank],
@@ -27,6 +27,8 @@ import dataclasses
 import ipaddress
 import json
 import logging
+import re
+import secrets
 import shutil
 import socket
 import tempfile
@@ -51,10 +53,19 @@ log = logging.getLogger("elastic_ops.node")
 
 RANKS_KEYS = frozenset(
     "op version host segment master_addr master_port rank_offset count group_rank slots device "
-    "threads_per_worker".split()
+    "threads_per_worker rendezvous".split()
 )
 SEGMENT_KEYS = frozenset("spec start end workers segment".split())
 POLL_S = 0.05
+RENDEZVOUS_PURPOSE = "rendezvous"  # Signer.derive's purpose for a segment's rendezvous key
+_TOKEN = re.compile(r"[0-9a-f]{32}")
+
+
+def rendezvous_key(signer: Any, token: str) -> str:
+    """The rendezvous key of the spanning segment that ``token`` names (runtime/rendezvous.py):
+    derived from the cluster's secret, so the same on every host and unknown to whoever reads
+    Redis without the secret."""
+    return signer.derive(RENDEZVOUS_PURPOSE, token)
 
 
 def check_advertise_addr(value: Any, field: str = "--advertise-addr") -> str:
@@ -73,8 +84,11 @@ def check_advertise_addr(value: Any, field: str = "--advertise-addr") -> str:
     return addr
 
 
-def ranks_request(req: Any, part: Any, group_rank: int, leader_cfg: dict[str, Any]) -> dict[str, Any]:
-    """The ``ranks`` message asking ``part.host`` for ``part`` of the leader's launch ``req``."""
+def ranks_request(
+    req: Any, part: Any, group_rank: int, leader_cfg: dict[str, Any], token: str,
+) -> dict[str, Any]:
+    """The ``ranks`` message asking ``part.host`` for ``part`` of the leader's launch ``req``;
+    ``token`` names the segment's rendezvous key (:func:`rendezvous_key`), not the key itself."""
     return {
         "op": "ranks",
         "version": PROTOCOL_VERSION,
@@ -88,6 +102,7 @@ def ranks_request(req: Any, part: Any, group_rank: int, leader_cfg: dict[str, An
         "slots": list(part.slots),
         "device": req.device,
         "threads_per_worker": req.threads_per_worker,
+        "rendezvous": token,
     }
 
 
@@ -126,6 +141,9 @@ def _validate(req: dict[str, Any]) -> dict[str, Any]:
     device = req.get("device")
     if device not in ("cpu", "cuda"):
         raise SpecError("device", device, "'cpu' or 'cuda'")
+    token = req.get("rendezvous")
+    if not isinstance(token, str) or not _TOKEN.fullmatch(token):
+        raise SpecError("rendezvous", token, "the segment's rendezvous token: 32 lowercase hex digits")
     return {
         "spec": spec, "segment": {**seg, "start": start, "end": end, "workers": world,
                                   "segment": require_int(seg, "segment", field="segment.segment",
@@ -133,14 +151,15 @@ def _validate(req: dict[str, Any]) -> dict[str, Any]:
         "master_addr": addr, "master_port": port, "rank_offset": offset, "count": count,
         "group_rank": require_int(req, "group_rank", 1, maximum=MAX_WORKERS_LIMIT), "slots": slots,
         "device": device, "threads_per_worker": require_int(req, "threads_per_worker", 1, maximum=256),
+        "rendezvous": token,
     }
 
 
 class RanksSession:
     """A follower's part of one spanning segment (one ``ranks`` request)."""
 
-    def __init__(self, channel: Any, request: dict[str, Any], launcher: Any, host: str) -> None:
-        self.channel, self.host = channel, host
+    def __init__(self, channel: Any, request: dict[str, Any], launcher: Any, host: str, signer: Any) -> None:
+        self.channel, self.host, self.signer = channel, host, signer
         self.request = _validate(request)
         self.launcher = launcher
         self._ranks: Any = None
@@ -168,6 +187,7 @@ class RanksSession:
                 env={"ELASTIC_OPS_SEGMENT": str(directory / "segment.json")}, device=r["device"],
                 threads_per_worker=r["threads_per_worker"], slots=r["slots"], rank_offset=r["rank_offset"],
                 world_size=r["segment"]["workers"], group_rank=r["group_rank"],
+                rendezvous_key=rendezvous_key(self.signer, r["rendezvous"]),
             )
             cfg = {**r["segment"], "spec": r["segment"]["spec"], "dir": str(directory)}
             ranks = FollowerRanks(self.launcher, launch, cfg, self.host)
@@ -255,10 +275,15 @@ class NodeSpanLauncher:
         from elastic_ops.runtime.span import SpanningContext
 
         leader_cfg = json.loads(Path(req.env["ELASTIC_OPS_SEGMENT"]).read_text())
+        # every host's ranks derive the key from the cluster's secret and this public token: the
+        # runner's own key would have to cross Redis, which anyone with access there can read
+        token = secrets.token_hex(16)
+        req = dataclasses.replace(req, rendezvous_key=rendezvous_key(self.nodes.signer, token))
         remotes: list[RedisRanks] = []
         try:
             for g, part in enumerate(req.remote, start=1):
-                remotes.append(self.nodes.start_ranks(part.host, ranks_request(req, part, g, leader_cfg)))
+                ask = ranks_request(req, part, g, leader_cfg, token)
+                remotes.append(self.nodes.start_ranks(part.host, ask))
             local = self.base.start(dataclasses.replace(req, remote=()))
         except BaseException:
             for r in remotes:

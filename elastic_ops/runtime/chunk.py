@@ -56,11 +56,13 @@ from elastic_ops.runtime.launcher import (
     LaunchRequest,
     LocalLauncher,
     RemotePart,
+    Segment,
     loopback_store,
     start_on,
 )
 from elastic_ops.runtime.outcome import ChunkResult, ChunkStatus, Progress
 from elastic_ops.runtime.placement import Placement, SlotsByBoundary, place, used
+from elastic_ops.runtime.rendezvous import new_key
 from elastic_ops.runtime.segment import (
     PG_TIMEOUT_ENV,
     STALL_ENV,
@@ -237,6 +239,7 @@ class _Runner:
             slots=launch_slots,
             world_size=workers,
             remote=remote,
+            rendezvous_key=new_key(),  # every rank's, this host's and (loopback tests) the others'
         )
         stop = threading.Event()
         errors: list[BaseException] = []
@@ -246,9 +249,12 @@ class _Runner:
             name="elastic-ops-control",
             daemon=True,
         )
-        pc = start_on(self.launcher, req, self.host)
-        ctl.start()
+        pc: Segment | None = None
         try:
+            # the launch inside the try: a SIGTERM as the controller starts (Thread.start waits,
+            # and a signal's handler runs there) must stop the workers, not leave them running
+            pc = start_on(self.launcher, req, self.host)
+            ctl.start()
             result = None
             while result is None:
                 result = pc.wait(timeout=0.5, period=0.05)
@@ -256,11 +262,13 @@ class _Runner:
                 if errors:
                     raise errors[0]
         except BaseException:
-            pc.close()
+            if pc is not None:
+                pc.close()
             raise
         finally:
             stop.set()
-            ctl.join()
+            if ctl.ident is not None:  # joining a thread never started raises over the error
+                ctl.join()
             del store
         if errors:
             raise errors[0]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import multiprocessing
 import os
 import signal
 import sys
@@ -36,6 +37,7 @@ def add_commands(subparsers: Any) -> None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from elastic_ops.runtime.job import Schedule, parse_range, run_job
+    from elastic_ops.runtime.launcher import stop_processes
     from elastic_ops.runtime.outcome import jsonable
     from elastic_ops.spec import JobSpec, stop_reached
 
@@ -65,6 +67,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         result = run_job(spec, schedule=schedule, start=start, end=end)
     except BaseException as exc:
         if stopped_by_sigterm(exc, stopping):  # whatever a launch under way made of the signal
+            # a worker left running (the signal landed where no segment owned it yet) would hold
+            # the exit: multiprocessing's exit handler joins every child, however long it waits
+            stop_processes(multiprocessing.active_children())
             raise SystemExit(128 + signal.SIGTERM) from None
         raise
     finally:

@@ -19,9 +19,10 @@ stops multiprocessing from re-running it in each worker, and a script that calls
 at top level, without an ``if __name__ == "__main__":`` guard, works too.
 
 Rendezvous follows torchelastic's agent-store convention: the runner hosts a ``TCPStore`` per
-segment and sets ``TORCHELASTIC_USE_AGENT_STORE=True``, so a plain
-``dist.init_process_group(backend)`` (``env://``) in a worker or in a user's DDP script
-connects to it as a client. The store listens on loopback only (:func:`loopback_store`),
+segment (``TORCHELASTIC_USE_AGENT_STORE=True``, ``MASTER_ADDR``/``MASTER_PORT``), and the
+workers join it as clients through a store that signs every value with the segment's key
+(:mod:`elastic_ops.runtime.rendezvous`: ``TCPStore`` itself lets anyone who connects read and
+write every key). The store listens on loopback only (:func:`loopback_store`),
 except for a segment that spans hosts (``LaunchRequest.remote``: a node agent's launcher starts
 the other hosts' ranks), whose store listens on the address the node agent advertises.
 """
@@ -38,7 +39,8 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -52,6 +54,7 @@ from torch.distributed.elastic.multiprocessing import (
     start_processes,
 )
 
+from elastic_ops.runtime.rendezvous import KEY_ENV, new_key
 from elastic_ops.runtime.worker import LAUNCHER_PID_ENV, worker_entry
 
 
@@ -115,6 +118,9 @@ class LaunchRequest:
     world_size: int | None = None
     group_rank: int = 0
     remote: tuple[RemotePart, ...] = ()
+    # The key that signs the segment's rendezvous (runtime/rendezvous.py), every rank's; None: the
+    # launcher makes one. In the ranks' environment only: never in argv, a repr or a log.
+    rendezvous_key: str | None = dataclasses.field(default=None, repr=False)
 
     @property
     def world(self) -> int:
@@ -143,6 +149,8 @@ def worker_env(req: LaunchRequest, rank: int, gpus: Sequence[str] = ()) -> dict[
         "ELASTIC_OPS_DEVICE": req.device,
         LAUNCHER_PID_ENV: str(os.getpid()),  # the workers exit if this process dies (worker.py)
     }
+    if req.rendezvous_key is not None:
+        env[KEY_ENV] = req.rendezvous_key
     ifname = os.environ.get("GLOO_SOCKET_IFNAME")
     if world == req.workers:
         # All ranks share this host: gloo on loopback, no hostname resolution (seconds when DNS is slow).
@@ -395,6 +403,8 @@ class LocalLauncher:
                 "this host only",
                 hint="a segment spanning hosts runs on node agents (elastic-ops node --advertise-addr)",
             )
+        if req.rendezvous_key is None:
+            req = dataclasses.replace(req, rendezvous_key=new_key())
         gpus = visible_gpus() if req.device == "cuda" else []
         if req.device == "cuda" and req.slots is not None:
             slot_gpus(req.slots, req.workers, gpus)  # every rank's GPU, checked before any starts
@@ -417,18 +427,42 @@ class LocalLauncher:
         # teardown. One start at a time: _main_not_rerun swaps a process-wide attribute.
         with _START_LOCK:
             saved = _save_handlers()
+            before = set(multiprocessing.active_children())
             try:
-                with _main_not_rerun():
-                    return LocalSegment(start_processes(
-                        name="elastic-ops-worker",
-                        entrypoint=worker_entry,
-                        args=args,
-                        envs=envs,
-                        logs_specs=logs,
-                        start_method="forkserver",
-                    ))
-            finally:
-                _restore_handlers(saved)
+                try:
+                    with _main_not_rerun():
+                        segment = LocalSegment(start_processes(
+                            name="elastic-ops-worker",
+                            entrypoint=worker_entry,
+                            args=args,
+                            envs=envs,
+                            logs_specs=logs,
+                            start_method="forkserver",
+                        ))
+                finally:
+                    _restore_handlers(saved)
+            except BaseException:
+                # A start cut short (a SIGTERM between two ranks' starts, a fork server's
+                # FileNotFoundError) leaves the ranks started so far on no PContext: alive,
+                # non-daemonic, waiting in their rendezvous for ranks that never come, and
+                # multiprocessing's exit handler joins them, so the process hung for the
+                # group's timeout instead of exiting. Stop them before the error goes on.
+                stop_processes(p for p in multiprocessing.active_children() if p not in before)
+                raise
+        return segment
+
+
+def stop_processes(processes: Iterable[multiprocessing.process.BaseProcess], timeout: float = 10.0) -> None:
+    """SIGKILL ``processes`` (workers no segment owns: nothing of theirs can be committed) and
+    reap them, waiting at most ``timeout`` seconds in all."""
+    procs = list(processes)
+    for proc in procs:
+        with contextlib.suppress(ProcessLookupError, ValueError):  # exited; closed
+            proc.kill()
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        with contextlib.suppress(ValueError):
+            proc.join(max(deadline - time.monotonic(), 0.0))
 
 
 @contextlib.contextmanager

@@ -164,7 +164,7 @@ class Segment:
         )
 
     def setup(self, *, always_group: bool = False) -> None:
-        """Threads, determinism and the process group (env:// rendezvous on the runner's store).
+        """Threads, determinism and the process group (a signed rendezvous on the runner's store).
 
         Trainable workers skip the group at one worker (no collective to run); scripts always
         get one, since DDP needs it even alone.
@@ -175,8 +175,14 @@ class Segment:
         if self.device().type == "cuda":
             self._claim_gpu()
         if (self.workers > 1 or always_group) and not dist.is_initialized():
+            from elastic_ops.runtime.rendezvous import worker_store
+
             backend = "nccl" if self.device().type == "cuda" else "gloo"
-            dist.init_process_group(backend, timeout=pg_timeout())
+            timeout = pg_timeout()
+            # the runner's store, every value signed with the segment's key (rendezvous.py): not
+            # a plain env:// join, which anyone who can connect to the store could redirect
+            dist.init_process_group(backend, store=worker_store(timeout), rank=self.rank,
+                                    world_size=self.workers, timeout=timeout)
 
     def _claim_gpu(self) -> None:
         """Make this worker's one visible GPU current and create its context (a tiny allocation):

@@ -23,6 +23,7 @@ from elastic_ops.checkpoint.codec import check_state
 from elastic_ops.runtime.consistency import GradientEngine, lr_factor, target_factor, trainable_params
 from elastic_ops.runtime.data_order import EVALUATE_STREAM, OPTIMIZER_STREAM, batch_size, stream_slice
 from elastic_ops.runtime.model_checks import check_scheduler, metric_values, norm_layer_warning, warn
+from elastic_ops.runtime.rendezvous import RendezvousForgeryError, segment_key
 from elastic_ops.runtime.segment import DeviceUnusable, NonFiniteLoss, Segment, UserFailure, user_code
 from elastic_ops.runtime.state import build_state, restore_rng
 from elastic_ops.runtime.trainable import load_trainable, to_device
@@ -217,6 +218,7 @@ def die_with_launcher(environ: Any = None) -> threading.Thread | None:
 def worker_entry(script: str | None) -> None:
     """What each worker process runs (a picklable function for the fork server)."""
     die_with_launcher()
+    segment_key()  # out of the environment before any user code runs (and any process it starts)
     code = run_script(script) if script else main()
     if code:
         raise SystemExit(code)
@@ -246,24 +248,28 @@ def run_script(path: str) -> int:
                         f"{list(seg.spec.script_args)})", "", script.RUNNING)
         return 1
     except Exception as exc:
-        import torch.distributed as dist
-
         from elastic_ops.runtime import script
 
-        # A collective failing because a peer died is a lost worker, not a bug in the script.
-        kind = (
-            "nonfinite"
-            if isinstance(exc, NonFiniteLoss)
-            else "device"  # ctx = elastic.init(): this worker's GPU is unusable, not the script
-            if isinstance(exc, DeviceUnusable)
-            else "comm"
-            if isinstance(exc, dist.DistError) or _gloo_transport_error(exc)
-            else "user"
-        )
         # the iteration it failed in (None: before ctx.iterations() ran one), not "before training"
-        seg.write_error(kind, f"{type(exc).__name__}: {exc}", traceback.format_exc(), script.RUNNING)
+        seg.write_error(script_error_kind(exc), f"{type(exc).__name__}: {exc}", traceback.format_exc(),
+                        script.RUNNING)
         return 1
     return 0
+
+
+def script_error_kind(exc: BaseException) -> str:
+    """How the runner reads an exception out of a script: a collective failing because a peer
+    died, or a rendezvous someone else wrote to (:class:`RendezvousForgeryError`), is a lost
+    worker (``comm``), not a bug in the script; an unusable GPU is the host's (``device``)."""
+    import torch.distributed as dist
+
+    if isinstance(exc, NonFiniteLoss):
+        return "nonfinite"
+    if isinstance(exc, DeviceUnusable):  # ctx = elastic.init(): this worker's GPU, not the script
+        return "device"
+    if isinstance(exc, (dist.DistError, RendezvousForgeryError)) or _gloo_transport_error(exc):
+        return "comm"
+    return "user"
 
 
 def _gloo_transport_error(exc: BaseException) -> bool:

@@ -146,8 +146,9 @@ def test_advertise_addresses_and_ranks_requests_are_validated():
     good = {"op": "ranks", "version": PROTOCOL_VERSION, "host": "b",
             "segment": {"spec": spec.to_dict(), "start": 0, "end": 30, "workers": 3, "segment": 1},
             "master_addr": "10.0.0.1", "master_port": 29500, "rank_offset": 1, "count": 2,
-            "group_rank": 1, "slots": [0, 1], "device": "cpu", "threads_per_worker": 1}
-    RanksSession(None, good, None, "b")  # valid
+            "group_rank": 1, "slots": [0, 1], "device": "cpu", "threads_per_worker": 1,
+            "rendezvous": "0123456789abcdef" * 2}
+    RanksSession(None, good, None, "b", None)  # valid
     bad = [({"count": 3}, "count"), ({"slots": [0]}, "slots"), ({"master_addr": "evil"}, "master_addr"),
            ({"master_port": 70000}, "master_port"), ({"device": "tpu"}, "device"),
            ({"rank_offset": 0}, "rank_offset"), ({"extra": 1}, "request"),
@@ -156,10 +157,11 @@ def test_advertise_addresses_and_ranks_requests_are_validated():
            ({"slots": [0, 10**18]}, "slots"),
            ({"segment": {**good["segment"], "start": 10**30}}, "segment.start"),
            ({"segment": {**good["segment"], "end": 31}}, "segment.end"),  # past the job's 30
-           ({"segment": {**good["segment"], "segment": 10**30}}, "segment.segment")]
+           ({"segment": {**good["segment"], "segment": 10**30}}, "segment.segment"),
+           ({"rendezvous": None}, "rendezvous"), ({"rendezvous": "ab" * 8}, "rendezvous")]
     for change, field in bad:
         with pytest.raises(SpecError) as err:
-            RanksSession(None, {**good, **change}, None, "b")
+            RanksSession(None, {**good, **change}, None, "b", None)
         assert err.value.field == field, (change, err.value.field)
 
 
@@ -256,3 +258,47 @@ def test_the_node_cli_refuses_an_address_it_cannot_listen_on_before_anything_sta
         assert cli_main(["node", "--host", "h", "--advertise-addr", bad]) != 0
         err = capsys.readouterr().err
         assert f"--advertise-addr='{bad}'" in err and says in err, err
+
+
+def test_a_spanning_segments_rendezvous_key_never_crosses_redis(tmp_path):
+    """The leader's node derives the segment's rendezvous key from the cluster's secret and a
+    fresh token; only the token is in the ranks request, and a follower holding the secret
+    derives the same key (without it, another)."""
+    import dataclasses
+    import json
+
+    from elastic_ops.agent.redis_channel import Signer
+    from elastic_ops.agent.span import NodeSpanLauncher, rendezvous_key
+    from elastic_ops.runtime.launcher import LaunchRequest, RemotePart
+
+    secret = "a-cluster-secret-of-some-length"
+
+    class Nodes:  # the Redis side, recorded: what would be sent
+        signer, asked = Signer(secret), []
+
+        def start_ranks(self, host, msg):
+            self.asked.append(msg)
+            return dataclasses.make_dataclass("Remote", ["host"])(host)
+
+    class Base:  # this host's launcher, recorded
+        def start(self, req):
+            self.req = req
+            return None
+
+    spec = make_spec(tmp_path)
+    cfg = {"spec": spec.to_dict(), "start": 0, "end": 30, "workers": 2, "segment": 0}
+    (tmp_path / "segment.json").write_text(json.dumps(cfg))
+    runners_key = "f" * 64
+    req = LaunchRequest(workers=1, script=None, master_addr="127.0.0.1", master_port=29500, segment=0,
+                        log_dir=tmp_path, env={"ELASTIC_OPS_SEGMENT": str(tmp_path / "segment.json")},
+                        world_size=2, remote=(RemotePart("host-b", 1, 1, (0,)),), rendezvous_key=runners_key)
+    nodes, base = Nodes(), Base()
+    NodeSpanLauncher(base, nodes, "127.0.0.1").start(req)
+    (msg,) = nodes.asked
+    wire = json.dumps(msg)
+    key = base.req.rendezvous_key
+    assert key == rendezvous_key(Signer(secret), msg["rendezvous"]) and key != runners_key
+    assert key not in wire and runners_key not in wire
+    follower = RanksSession(None, msg, None, "host-b", Signer(secret))
+    assert rendezvous_key(follower.signer, follower.request["rendezvous"]) == key
+    assert rendezvous_key(Signer("another-secret-of-some-length"), msg["rendezvous"]) != key

@@ -217,6 +217,14 @@ def test_gloo_transport_errors_raised_in_a_script_are_a_lost_peer():
     assert not _gloo_transport_error(RuntimeError("shape mismatch in my layer"))
 
 
+def test_a_forged_rendezvous_in_a_script_is_a_lost_worker_not_the_scripts_error():
+    from elastic_ops.runtime.rendezvous import RendezvousForgeryError
+    from elastic_ops.runtime.worker import script_error_kind
+
+    assert script_error_kind(RendezvousForgeryError("the rendezvous value at 'k' is not signed")) == "comm"
+    assert script_error_kind(RuntimeError("shape mismatch in my layer")) == "user"
+
+
 def test_a_lone_hung_worker_is_stopped_after_the_stall_timeout(tmp_path, monkeypatch):
     """One worker has no process group, so no collective timed out: a hang in user code (or a
     SIGSTOPped worker) hung run_chunk for ever (a probe: > 45 s). After ELASTIC_OPS_STALL_S

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -299,3 +300,80 @@ def test_the_rendezvous_socket_is_closed_once_when_a_signal_cuts_the_store_start
     with pytest.raises(SystemExit) as info:
         launcher.loopback_store()
     assert info.value.code == 143
+
+
+# Runs `elastic-ops run` with a SIGTERM sent to itself at one point of a segment's launch.
+_SIGTERM_AT = """
+import os, signal, sys, threading, time
+import multiprocessing.context as mpc
+import elastic_ops.runtime.chunk as chunk
+
+point = sys.argv.pop(1)
+started, stores = [], []
+store_start, process_start = chunk.loopback_store, mpc.ForkServerProcess.start
+thread_start = threading.Thread.start
+
+
+def keep(*args):  # the segment's store, to see the rendezvous begin
+    stores.append(store_start(*args))
+    return stores[-1]
+
+
+def term_in_rendezvous():  # once a worker has set its address in the segment's store
+    deadline = time.monotonic() + 60
+    while not stores[-1].list_keys() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def process(self):  # between-workers: the first one is in its rendezvous, the second not started
+    process_start(self)
+    started.append(self)
+    if len(started) == 1:
+        term_in_rendezvous()
+
+
+def thread(self):  # controller: the launch returned, the runner's controller thread starting
+    if self.name == "elastic-ops-control":
+        term_in_rendezvous()
+    thread_start(self)
+
+
+chunk.loopback_store = keep
+if point == "between-workers":
+    mpc.ForkServerProcess.start = process
+else:
+    threading.Thread.start = thread
+from elastic_ops.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", ["between-workers", "controller"])
+def test_a_sigterm_mid_launch_exits_143_and_leaves_no_worker(tmp_path, point):
+    """A SIGTERM between two workers' starts (torch's start loop raised, so the first worker was
+    on no PContext) left that worker running, non-daemonic, in its rendezvous for the rank that
+    never came (ELASTIC_OPS_PG_TIMEOUT_S, 600 s); multiprocessing's exit handler joins such
+    children, so the command hung instead of exiting 143 (a chaos campaign: > 120 s, once; a
+    worker not yet past its own start died instead, on the semaphores its lost PContext had
+    unlinked: the fork server's FileNotFoundError). Same for a SIGTERM as the controller thread
+    started, after the launch returned. The wrapper waits for a worker's first key in the store,
+    so the worker is surely past its start."""
+    import os
+    import signal
+
+    spec = write_spec(tmp_path, total_iterations=200)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SIGTERM_AT, point, "run", "--spec", str(spec), "--checkpoint",
+         f"file://{tmp_path}/ckpt", "--quiet"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    try:
+        _, err = proc.communicate(timeout=90)  # generous: a fork server's start, not the 600 s
+        assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+        assert _workers_of(proc.pid) == []  # stopped before the command exited, not after
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever a failure left behind
+        proc.wait()
