@@ -130,6 +130,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     )
     sim.add_argument("--min-gain", type=float, default=0.0,
                      help="anti-thrashing: least relative change (default: %(default)s)")
+    sim.add_argument(
+        "--adaptive", action="store_true",
+        help="every job scaling: adaptive under goodput (the pool chooses its batch per allocation; "
+        "the other policies run it at its own batch)",
+    )
     sim.add_argument("--json", action="store_true", help="last line: one JSON object")
     # An error about a library parameter names the option it came from: the options' dests are the
     # parameters' names (min_rescale_interval_s, slots_per_host, …, workload, traces, policy), so

@@ -49,17 +49,19 @@ and are not tuned per workload.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 
 import numpy as np
 
-from elastic_ops.pool.model import HostState, Job, Snapshot
-from elastic_ops.pool.scaling import ScalingModel, fit
+from elastic_ops.pool.model import HostState, Job, Plan, Snapshot
+from elastic_ops.pool.scaling import BatchRows, ScalingModel, best_batches, fit
 from elastic_ops.pool.shares import weighted_fill_array
 
 __all__ = [
     "MAX_HORIZON_S", "MIN_HORIZON_S", "YOUTH_BONUS", "YOUTH_GPU_S", "goodput_fill", "host_slots",
+    "with_batches",
 ]
 
 YOUTH_GPU_S = 4 * 3600.0  # attained GPU-seconds at which the youth bonus is halved
@@ -104,6 +106,34 @@ class _Table:
         self.submitted = np.fromiter((j.submitted for j in jobs), np.float64, len(jobs))
         self.per_host = host_slots(snap)
         self.row = {id(j): k for k, j in enumerate(jobs)}
+        self.by_name = {j.name: k for k, j in enumerate(jobs)}
+        self.batching = np.fromiter((j.batching is not None for j in jobs), bool, len(jobs))
+        self.base_batch = np.fromiter((j.batching.base if j.batching else 0 for j in jobs), np.int64,
+                                      len(jobs))
+        # adaptive jobs that measured their gradients: their curves take the best batch
+        chooses = [k for k, j in enumerate(jobs) if j.batching is not None and j.grad is not None]
+        self.adaptive = np.zeros(len(jobs), dtype=bool)
+        self.adaptive[chooses] = True
+        self.any_adaptive = bool(chooses)
+        if chooses:
+            def col(f, default):
+                out = np.full(len(jobs), default, np.float64)
+                out[chooses] = [f(jobs[k]) for k in chooses]
+                return out
+
+            self.sqr = col(lambda j: j.grad.sqr, np.nan)
+            self.var = col(lambda j: j.grad.var, np.nan)
+            self.base = col(lambda j: j.batching.base, 1.0)
+            self.low = col(lambda j: j.batching.lowest, 1.0)
+            self.most = col(lambda j: j.batching.most, 1.0)
+            self.per = col(lambda j: j.batching.per_worker, 1.0)
+            self.per_most = col(lambda j: j.batching.per_worker_most or j.batching.most, 1.0)
+
+    def batch_rows(self, rows: np.ndarray, workers: np.ndarray, hosts: np.ndarray) -> BatchRows:
+        """Jobs ``rows`` (adaptive ones) at ``workers`` over ``hosts``, for best_batches."""
+        return BatchRows(self.params[rows], self.explore[rows], self.sqr[rows], self.var[rows],
+                         self.base[rows], self.low[rows], self.most[rows], self.per[rows],
+                         self.per_most[rows], workers.astype(np.float64), hosts.astype(np.float64))
 
 
 # (snapshot, its _Table) of the last call: the snapshot is kept, so no other takes its id; one
@@ -135,6 +165,11 @@ class _Curves:
         # has a minimum where the ring's cost outgrows the compute it splits
         with np.errstate(divide="ignore", invalid="ignore"):
             peak = np.where(p[:, 5] > 0, np.ceil(np.sqrt(p[:, 1] / p[:, 5])) + per_host, np.inf)
+        if t.any_adaptive:  # a larger batch moves the peak out: compute grows with it
+            top_scale = np.where(t.adaptive[rows], t.most[rows] / t.base[rows], 1.0)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                peak = np.where(p[:, 5] > 0, np.ceil(np.sqrt(p[:, 1] * top_scale / p[:, 5])) + per_host,
+                                np.inf)
         top = np.where(self.uncertain, np.maximum(explore, 1), np.maximum(peak, per_host))
         hi = np.maximum(lo, np.minimum(np.minimum(top, caps), lo + max(spare, 0))).astype(np.int64)
         self.lo, self.sizes = lo, hi - lo + 1
@@ -149,7 +184,11 @@ class _Curves:
         step = q[:, 0] + q[:, 1] / e + local * (q[:, 2] + q[:, 3] * (e - 2))
         step += net * (q[:, 4] + q[:, 5] * (e - 2))
         one = p[:, 0] + p[:, 1]  # the step on one worker
-        self.flat = self.w[seg] * np.where(n == 0, LOG_NONE, np.log(one[seg]) - np.log(step))
+        log_speed = np.log(one[seg]) - np.log(step)
+        if t.any_adaptive and (pts := np.flatnonzero(t.adaptive[rows][seg] & (n > 0))).size:
+            # an adaptive job's speed-up is its goodput at its best batch (best_batches)
+            log_speed[pts] = np.log(best_batches(t.batch_rows(rows[seg[pts]], n[pts], h[pts]))[1])
+        self.flat = self.w[seg] * np.where(n == 0, LOG_NONE, log_speed)
         # packable sizes: more workers than one host holds come in whole hosts (any count up to a
         # host, the minimum and the maximum are allowed): partly used hosts of multi-host jobs are what
         # scatters the jobs after them
@@ -159,6 +198,26 @@ class _Curves:
     def at(self, idx: np.ndarray, workers: np.ndarray) -> np.ndarray:
         """The objective of jobs ``idx`` at ``workers`` (within their ranges)."""
         return self.flat[self.starts[idx] + workers - self.lo[idx]]
+
+
+def with_batches(plan: Plan, snap: Snapshot) -> Plan:
+    """``plan`` with the global batch of every adaptive job that is given workers: the batch of
+    most goodput on its target and the hosts its slots lie on (:func:`best_batches`; its own
+    batch until its gradients are measured)."""
+    if not any(j.batching is not None for j in snap.jobs):
+        return plan
+    t = _table(snap)
+    rows = np.fromiter(map(t.by_name.__getitem__, plan.jobs), np.int64, len(plan.jobs))
+    target = np.asarray(plan.target, dtype=np.int64)
+    batch = np.where((target > 0) & t.batching[rows], t.base_batch[rows], 0).astype(np.int64)
+    choose = np.flatnonzero((target > 0) & t.adaptive[rows])
+    if len(choose):
+        n = target[choose]
+        hosts = np.fromiter((len({h for h, _ in plan.slots.placements(k)}) for k in choose.tolist()),
+                            np.int64, len(choose))
+        hosts = np.clip(hosts, 1, n)  # (a job told to wait for slots still being released holds none yet)
+        batch[choose] = best_batches(t.batch_rows(rows[choose], n, hosts))[0]
+    return dataclasses.replace(plan, batch=tuple(batch.tolist()))
 
 
 def goodput_fill(

@@ -14,7 +14,7 @@ import functools
 from collections.abc import Iterable, Mapping, Sequence
 
 from elastic_ops.errors import SpecError
-from elastic_ops.pool.scaling import ScalingModel
+from elastic_ops.pool.scaling import Batching, GradStats, ScalingModel
 from elastic_ops.spec import check_number
 
 Slot = tuple[str, int]  # (host name, slot index on that host)
@@ -111,7 +111,10 @@ class Job:
     boundary and still holds: a job in the middle of a shrink or a move keeps its other slots
     first and may be moved only off those until it has acted (see plain_policies._may_leave).
     ``scaling``: its fitted step-time model (None: nothing measured, the prior);
-    ``attained``: GPU-seconds it has trained so far. Only the ``goodput`` policy reads them.
+    ``attained``: GPU-seconds it has trained so far. ``batching``: the global batches an
+    adaptive job (``scaling: adaptive``) lets the pool choose from (None: its batch is fixed);
+    ``grad``: its gradient statistics as last measured (None: not measured). Only the
+    ``goodput`` policy reads these four.
     """
 
     name: str
@@ -129,6 +132,8 @@ class Job:
     releasing: frozenset[Slot] = frozenset()
     scaling: ScalingModel | None = None
     attained: float = 0.0
+    batching: Batching | None = None
+    grad: GradStats | None = None
 
 
 def make_job(
@@ -136,6 +141,7 @@ def make_job(
     avoid_hosts: frozenset[str], leave_hosts: frozenset[str], submitted: float,
     waiting_since: float | None, last_rescale: float | None, held: tuple[Slot, ...], epoch: int,
     releasing: frozenset[Slot], scaling: ScalingModel | None = None, attained: float = 0.0,
+    batching: Batching | None = None, grad: GradStats | None = None,
 ) -> Job:
     """The same :class:`Job` as ``Job(...)``, built without the frozen dataclass ``__init__``
     (as :func:`make_decision`): the ledger builds one per job for every plan."""
@@ -144,7 +150,7 @@ def make_job(
         name=name, min_workers=min_workers, max_workers=max_workers, priority=priority,
         preemptible=preemptible, avoid_hosts=avoid_hosts, leave_hosts=leave_hosts, submitted=submitted,
         waiting_since=waiting_since, last_rescale=last_rescale, held=held, epoch=epoch, releasing=releasing,
-        scaling=scaling, attained=attained,
+        scaling=scaling, attained=attained, batching=batching, grad=grad,
     )
     return j
 
@@ -324,7 +330,11 @@ class Plan:
     :attr:`decisions`) builds the :class:`Decision` of a job on demand, so a caller that needs
     a few jobs' slots (the ledger answering one request) or only the jobs whose slots change
     (:meth:`changed`, the simulator) never pays for slot tuples of the others. Two plans are
-    equal when every decision is.
+    equal when every decision is, and so is every batch.
+
+    ``batch``: the global batch the plan chose for each job, in the same order (0: the job's
+    own, fixed or base batch); empty when it chose none (only ``goodput`` chooses, for
+    adaptive jobs: :func:`elastic_ops.pool.goodput.with_batches`).
     """
 
     jobs: tuple[str, ...]
@@ -332,6 +342,11 @@ class Plan:
     action: tuple[TargetAction | None, ...]
     reason: tuple[str, ...]
     slots: PlanSlots
+    batch: tuple[int, ...] = ()
+
+    def batch_of(self, k: int) -> int:
+        """The global batch chosen for the job at position ``k`` (0: its own batch)."""
+        return self.batch[k] if self.batch else 0
 
     @classmethod
     def of(cls, decisions: Sequence[Decision], kept: Sequence[int]) -> Plan:
@@ -388,4 +403,5 @@ class Plan:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Plan):
             return NotImplemented
-        return self.decisions == other.decisions
+        batches = [tuple(map(p.batch_of, range(len(p.jobs)))) for p in (self, other)]
+        return self.decisions == other.decisions and batches[0] == batches[1]

@@ -57,7 +57,7 @@ from operator import attrgetter, itemgetter
 import numpy as np
 
 from elastic_ops.errors import UnknownPolicyError
-from elastic_ops.pool.goodput import goodput_fill
+from elastic_ops.pool.goodput import goodput_fill, with_batches
 from elastic_ops.pool.model import (
     HostState,
     Job,
@@ -1069,6 +1069,15 @@ POLICIES: dict[str, Policy] = {
     name: make_policy(fn, PLAIN[name], GOODPUT_FIRST_FIT if name == "goodput" else None)
     for name, fn in _SHARES.items()
 }
+_goodput_workers = POLICIES["goodput"]
+
+
+def _goodput_policy(snap: Snapshot) -> Plan:
+    """``goodput``: the workers, then the batch of each adaptive job on them."""
+    return with_batches(_goodput_workers(snap), snap)
+
+
+POLICIES["goodput"] = _goodput_policy
 # The policies that read each job's scaling model and attained service: the ledger and the
 # simulator build them only for these (the others pay nothing for them).
 LEARNING = frozenset({"goodput"})

@@ -24,6 +24,17 @@ With ``placement="actual"`` a *move* (same count, other slots) relaunches the wo
 seconds (stalls excluded) per (workers, hosts), as its heartbeats would report them -- and the
 GPU-seconds it has trained. It never reads the traces' step times.
 
+**Adaptive jobs** (``adaptive=True``, under ``goodput``): every job lets the pool choose its
+global batch, from the smallest batch its application's traces measured to the largest, with
+a per-GPU batch the traces measured (no accumulation), and ``max_workers`` tuned at the
+largest batch as :func:`tuned_max_workers` tunes it at the job's own. It trains at its own
+batch until it has measured its gradients; then at the batch each plan chose, changed at an
+iteration boundary without a restart. Its work stays its own: the iterations its own batch
+needs, an iteration at another batch counting for the ratio of the two batches' AdaScale
+gains in the epoch it is in (the traces' ``grad_sqr`` and ``grad_var``); it reports the
+gradient statistics of the batch it runs, as its workers would measure them. The other
+policies do not choose batches: they run the same jobs at their own batch.
+
 Baselines: ``static``: each job gets exactly the GPUs it asked for, strictly first come first
 served (no backfilling), never rescaled; it starts as soon as its GPUs are free (not only at
 ticks), which favours the baseline. ``tiresias``: Tiresias's two-dimensional least attained
@@ -35,6 +46,7 @@ rank lower, placed on as few hosts as they fit; re-decided at the same ticks and
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import json
 import math
@@ -47,7 +59,7 @@ from elastic_ops.errors import SpecError, UnknownPolicyError
 from elastic_ops.pool.model import Host, Job, PolicyConfig, Preemption, Snapshot
 from elastic_ops.pool.plain_policies import best_fit
 from elastic_ops.pool.policies import LEARNING, POLICIES, get_policy
-from elastic_ops.pool.scaling import Measured, ScalingModel, fit
+from elastic_ops.pool.scaling import Batching, GradStats, Measured, ScalingModel, fit
 from elastic_ops.pool.workload import (
     GPUS_PER_NODE,
     MAX_SUBMIT_S,
@@ -106,12 +118,19 @@ class _SimJob:
     waiting_since: float = 0.0  # as the ledger: since submission, or since preempted (set at start)
     spread_aware: bool = True
     slots_per_host: int = GPUS_PER_NODE
-    # what the job measured, per (workers, hosts): [iterations, training seconds]
-    measured: dict[tuple[int, int], list[float]] = dataclasses.field(default_factory=dict)
+    # what the job measured, per (workers, hosts, batch scale): [iterations, training seconds]
+    measured: dict[tuple[int, int, float], list[float]] = dataclasses.field(default_factory=dict)
+    # adaptive (scaling: adaptive): the batches the pool may choose, the one it runs at (0: its
+    # own), and the iterations at its own batch where each epoch ends (its statistics change)
+    batching: Batching | None = None
+    batch: int = 0
+    epoch_its: tuple[float, ...] = ()
+    batch_changes: int = 0
     model: ScalingModel | None = None
     fitted_at: float = -math.inf
     fitted_on: int = 0  # configurations measured at the last fit
-    _rate: float = 0.0
+    _rate: float = 0.0  # iterations at its own batch (their statistical worth) per second
+    _step: float = 0.0  # seconds per iteration at the batch it runs
     _scattered: bool = False
     _hosts: int = 0
 
@@ -121,10 +140,37 @@ class _SimJob:
         self._hosts = len(spread)
         self._scattered = len(spread) > math.ceil(len(held) / self.slots_per_host)
         if not held:
-            self._rate = 0.0
-        else:
-            where = spread if self.spread_aware else None
-            self._rate = 1.0 / self.app.step_time(len(held), self.spec.batch_size, where)
+            self._rate = self._step = 0.0
+            return
+        where = spread if self.spread_aware else None
+        self._step = self.app.step_time(len(held), self.global_batch(), where)
+        self._rate = self._worth() / self._step
+
+    def global_batch(self) -> int:
+        return self.batch or self.spec.batch_size
+
+    def _done(self) -> float:
+        # a job stopped on an epoch's end by rounding may be a hair short of it: count it past
+        return self.iterations - self.remaining + 1e-9 * self.iterations
+
+    def _epoch(self) -> int:
+        done = self._done()
+        return min(bisect.bisect_right(self.epoch_its, done), len(self.epoch_its) - 1)
+
+    def _worth(self) -> float:
+        """What one iteration at the batch it runs is worth in iterations at its own batch:
+        the ratio of their AdaScale gains in the epoch it is in (1 at its own batch)."""
+        if self.batching is None or self.global_batch() == self.spec.batch_size:
+            return 1.0
+        e = self._epoch()
+        return self.app.gain(self.global_batch(), e) / self.app.gain(self.spec.batch_size, e)
+
+    def _to_epoch_end(self) -> float:
+        """Iterations (at its own batch) left in its epoch: at the end its rate changes."""
+        if self.batching is None or self.global_batch() == self.spec.batch_size:
+            return math.inf
+        k = bisect.bisect_right(self.epoch_its, self._done())
+        return self.epoch_its[k] - (self.iterations - self.remaining) if k < len(self.epoch_its) else math.inf
 
     def rate(self) -> float:
         return self._rate
@@ -134,6 +180,27 @@ class _SimJob:
             return math.inf
         return self.penalty + self.remaining / self.rate()
 
+    def time_to_event(self) -> float:
+        """Until it finishes or its rate changes (an epoch ends)."""
+        if not self.held:
+            return math.inf
+        return self.penalty + min(self.remaining, self._to_epoch_end()) / self.rate()
+
+    def grad(self) -> GradStats | None:
+        """Its gradient statistics as its workers would measure them at the batch it runs,
+        the variance that of one batch of its own size (None: not trained yet)."""
+        if self.batching is None or not self.measured:
+            return None
+        sqr, var = self.app.grad_stats(self.global_batch(), self._epoch())
+        return GradStats(max(sqr, 0.0), max(var, 0.0) * self.app.base_batch / self.spec.batch_size)
+
+    def set_batch(self, batch: int) -> None:
+        """Train at global ``batch`` from now: at an iteration boundary, no restart."""
+        if batch != self.batch:
+            self.batch = batch
+            self.batch_changes += 1
+            self.place(self.held)
+
     def advance(self, dt: float) -> None:
         self.gpu_seconds += dt * len(self.held)
         if self._scattered:
@@ -142,16 +209,19 @@ class _SimJob:
             return
         stall = min(self.penalty, dt)
         self.penalty -= stall
-        done = (dt - stall) * self.rate()
-        self.remaining -= done
+        epoch = self._epoch() if self.batching is not None else 0
+        self.remaining -= (dt - stall) * self.rate()
         if dt > stall:
-            acc = self.measured.setdefault((len(self.held), self._hosts), [0.0, 0.0])
-            acc[0] += done
+            scale = self.global_batch() / self.spec.batch_size
+            acc = self.measured.setdefault((len(self.held), self._hosts, scale), [0.0, 0.0])
+            acc[0] += (dt - stall) / self._step
             acc[1] += dt - stall
+        if self.batching is not None and self._epoch() != epoch:
+            self.place(self.held)  # a new epoch: its statistics, so its rate, changed
 
     def attained(self) -> float:
         """GPU-seconds of training, from what it measured."""
-        return sum(n * sec for (n, _), (_, sec) in self.measured.items())
+        return sum(n * sec for (n, _, _), (_, sec) in self.measured.items())
 
     def scaling(self, now: float) -> ScalingModel | None:
         """The model fitted to what it measured: refitted when it measured a new configuration,
@@ -159,8 +229,8 @@ class _SimJob:
         if not self.measured:
             return None
         if len(self.measured) != self.fitted_on or now - self.fitted_at >= REFIT_S:
-            self.model = fit([Measured(n, h, max(1, round(it)), sec)
-                              for (n, h), (it, sec) in self.measured.items() if sec > 0])
+            self.model = fit([Measured(n, h, max(1, round(it)), sec, scale)
+                              for (n, h, scale), (it, sec) in self.measured.items() if sec > 0])
             self.fitted_at, self.fitted_on = now, len(self.measured)
         return self.model
 
@@ -179,8 +249,13 @@ class SimConfig:
     # completions too, not only at ticks. False = the artifact's tick-only re-planning.
     replan_on_events: bool = True
     placement: str = "actual"  # step times for the job's real spread over hosts, or "packed"
+    # every job scaling: adaptive under a policy that chooses batches (goodput): from its own
+    # batch up to the largest its application's traces measured
+    adaptive: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.adaptive, bool):
+            raise SpecError("adaptive", self.adaptive, "must be true or false")
         if self.placement not in PLACEMENTS:
             raise SpecError("placement", self.placement, f"must be one of {', '.join(PLACEMENTS)}")
         if not isinstance(self.slots, int) or self.slots < 1:
@@ -240,6 +315,14 @@ class Simulation:
                 w, app.iterations(w.batch_size), tuned_max_workers(app, w.batch_size, config.slots), app,
                 spread_aware=config.placement == "actual", slots_per_host=config.slots_per_host,
             )
+            if config.adaptive and policy in LEARNING:
+                # from the smallest batch its traces measured to the largest (as the Pollux
+                # artifact's jobs), per worker what the traces measured (no accumulation);
+                # its own batch until its gradients are measured
+                job.batching = Batching(w.batch_size, max(app.validation), max(1, math.ceil(app.min_local)),
+                                        app.base_batch, max(1, math.floor(app.max_local)))
+                job.max_workers = tuned_max_workers(app, job.batching.most, config.slots)
+                job.epoch_its = app.epoch_iterations(w.batch_size)
             job.remaining = job.iterations
             self.jobs.append(job)
         self.now = 0.0
@@ -256,7 +339,7 @@ class Simulation:
                 # arrival (days, years away) would take forever to reach
                 next_tick = self._tick_at_or_after(next_tick, pending[0].spec.submit)
             running = [j for j in arrived if j.finished is None and j.held]
-            t_done = min((self.now + j.time_to_finish() for j in running), default=math.inf)
+            t_done = min((self.now + j.time_to_event() for j in running), default=math.inf)
             t_arr = pending[0].spec.submit if pending else math.inf
             t_next = min(t_done, t_arr, next_tick if self.policy != STATIC else math.inf)
             if t_next == math.inf:  # static: nothing runs and nothing arrives -> stuck
@@ -355,6 +438,8 @@ class Simulation:
                 held=j.held,
                 scaling=j.scaling(self.now) if learns else None,
                 attained=j.attained() if learns else 0.0,
+                batching=j.batching,
+                grad=j.grad(),
             )
             for j in active
         )
@@ -370,6 +455,9 @@ class Simulation:
             for k, placements in plan.slots.changed_placements().items():  # the others keep theirs
                 changed = True
                 self._start_or_rescale(by_name[plan.jobs[k]], placements)
+            for k in range(len(plan.jobs)) if plan.batch else ():
+                if plan.batch_of(k):  # 0: it is given no workers, its batch stays
+                    by_name[plan.jobs[k]].set_batch(plan.batch_of(k))
             if not changed:
                 break
 
@@ -391,6 +479,7 @@ class Simulation:
             "utilization": round(busy / (self.cfg.slots * makespan), 4) if makespan > 0 else 0.0,
             "rescales": sum(j.rescales for j in self.jobs),
             "moves": sum(j.moves for j in self.jobs),
+            "batch_changes": sum(j.batch_changes for j in self.jobs),  # adaptive jobs: no restart
             # GPU time of jobs spread over more hosts than the tightest packing needs
             "scattered": round(sum(j.scattered_gpu_seconds for j in self.jobs) / busy, 4) if busy else 0.0,
             "placement": self.cfg.placement,
@@ -444,6 +533,7 @@ def main_simulate(args) -> int:
         min_rescale_interval_s=args.min_rescale_interval_s,
         min_gain=args.min_gain,
         placement=args.placement,
+        adaptive=args.adaptive,
     )
     try:
         results = _run_policies(args, names, cfg)

@@ -254,6 +254,7 @@ class Application:
                 self.validation[int(batch[1])] = [(float(r["iteration"]), float(r["metric"])) for r in rows]
         if not self.validation:
             raise _trace_error(folder, "has no validation-<batch>.csv")
+        self._folder = folder
         smallest = self.validation[min(self.validation)]
         self.higher_is_better = smallest[-1][1] >= smallest[0][1]
         finals = [v[-1][1] for v in self.validation.values()]
@@ -282,6 +283,61 @@ class Application:
                 return prev_it + frac * (it - prev_it)
             prev_it, prev_m = it, m
         return self.validation[b][-1][0]
+
+    @functools.cached_property
+    def _statistics(self) -> dict[int, list[tuple[float, float, float, float]]]:
+        """Per validation batch, per epoch: (progress at its end, iteration, grad_sqr, grad_var).
+        Progress is counted in iterations at the smallest batch (the traces' unit)."""
+        out = {}
+        columns = ("progress", "iteration", "grad_sqr", "grad_var")
+        for batch in self.validation:
+            rows = _read(self._folder / f"validation-{batch}.csv", columns)
+            out[batch] = [(float(r["progress"]), float(r["iteration"]), float(r["grad_sqr"]),
+                           float(r["grad_var"])) for r in rows]
+        return out
+
+    @property
+    def base_batch(self) -> int:
+        """The batch the traces count progress in (their smallest)."""
+        return min(self.validation)
+
+    @functools.cache  # noqa: B019
+    def epoch_iterations(self, batch: int) -> tuple[float, ...]:
+        """The iteration at global ``batch`` (its nearest measured batch) at which each epoch
+        ends (:attr:`epoch_ends`): where its gradient statistics change."""
+        b = min(self.validation, key=lambda k: (abs(math.log(k / batch)), k))
+        progress = [0.0] + [r[0] for r in self._statistics[b]]
+        its = [0.0] + [r[1] for r in self._statistics[b]]
+        return tuple(_interp(progress, its, p) for p in self.epoch_ends)
+
+    @functools.cached_property
+    def epoch_ends(self) -> list[float]:
+        """The progress at the end of each epoch (the least over the batches measured, as the
+        Pollux artifact counts epochs)."""
+        rows = self._statistics.values()
+        return [min(r[e][0] for r in rows) for e in range(min(map(len, rows)))]
+
+    @functools.cache  # noqa: B019
+    def grad_stats(self, batch: float, epoch: int) -> tuple[float, float]:
+        """(grad_sqr, grad_var) during ``epoch`` at global ``batch``, linear between the two
+        batches measured around it (clamped at the ends); ``grad_var`` is that of one
+        :attr:`base_batch` batch."""
+        batches = sorted(self._statistics)
+        lo = max([b for b in batches if b <= batch] or batches[:1])
+        hi = min([b for b in batches if b >= batch] or batches[-1:])
+        a = self._statistics[lo][min(epoch, len(self._statistics[lo]) - 1)]
+        b = self._statistics[hi][min(epoch, len(self._statistics[hi]) - 1)]
+        if hi == lo:
+            return a[2], a[3]
+        f = (batch - lo) / (hi - lo)
+        return a[2] + f * (b[2] - a[2]), a[3] + f * (b[3] - a[3])
+
+    def gain(self, batch: float, epoch: int) -> float:
+        """Progress per iteration at global ``batch`` during ``epoch``, in iterations at
+        :attr:`base_batch` (the AdaScale gain)."""
+        sqr, var = self.grad_stats(batch, epoch)
+        scale = batch / self.base_batch
+        return (var + sqr) / (var / scale + sqr) if var / scale + sqr > 0 else 1.0
 
     def max_workers(self, batch: int, limit: int) -> int:
         """Most GPUs that keep the per-GPU batch at or above the smallest measured one."""

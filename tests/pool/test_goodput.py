@@ -11,7 +11,7 @@ from elastic_ops.pool import Grant, PoolClient
 from elastic_ops.pool.model import Observation, Snapshot
 from elastic_ops.pool.plain_policies import PLAIN
 from elastic_ops.pool.policies import POLICIES
-from elastic_ops.pool.scaling import ScalingModel
+from elastic_ops.pool.scaling import Batching, GradStats, ScalingModel
 
 from .builders import make_job, make_snapshot
 
@@ -232,3 +232,69 @@ def test_on_the_real_ledger_the_job_that_scales_poorly_ends_with_fewer_workers(l
     final = {j["name"]: j["workers"] for j in pool.status()["jobs"]}
     assert final["poor"] < final["linear"] and sum(final.values()) <= 8, final
     assert pool.scaling("poor").speedup(8) < pool.scaling("linear").speedup(8)
+
+
+# --- adaptive batch -------------------------------------------------------------------------
+
+NOISY = GradStats(sqr=1.0, var=400.0)  # a larger batch averages much noise away
+# certain, with a real fixed cost and ring: on a fixed batch it stops gaining past a few workers
+RING = ScalingModel((0.05, 1.0, 0.05, 0.01, 0.08, 0.02), None, 3, 0.0)
+
+
+def _adaptive(name, submitted=0.0, **kw):
+    kw.setdefault("grad", NOISY)
+    return make_job(name, 1, 16, scaling=RING, submitted=submitted,
+                    batching=Batching(base=64, most=4096, per_worker=2, least=16), **kw)
+
+
+def test_an_adaptive_job_with_a_noisy_gradient_gets_the_workers_a_fixed_batch_would_waste():
+    snap = make_snapshot(hosts=tuple((f"h{i}", 4) for i in range(4)), rescale_cost_s=0.0,
+                         jobs=[_adaptive("adaptive"), make_job("fixed", 1, 16, scaling=RING, submitted=0.0)])
+    plan = GOODPUT(snap)
+    targets = plan.targets()
+    assert targets["adaptive"] > targets["fixed"] and sum(targets.values()) <= 16
+    k = plan.index("adaptive")
+    assert plan.batch_of(k) > 64 * 2  # on its workers a larger batch than its own
+    assert plan.batch_of(plan.index("fixed")) == 0  # a fixed job's batch is its own
+    assert plan == GOODPUT(snap)  # the same plan, batches included, for the same snapshot
+
+
+def test_an_adaptive_job_trains_at_its_own_batch_until_its_gradients_are_measured():
+    snap = make_snapshot(hosts=(("h0", 8),), rescale_cost_s=0.0, jobs=[_adaptive("a", grad=None)])
+    plan = GOODPUT(snap)
+    assert plan.batch_of(plan.index("a")) == 64
+    assert plan.targets() == GOODPUT(make_snapshot(hosts=(("h0", 8),), rescale_cost_s=0.0, jobs=[
+        make_job("a", 1, 16, scaling=RING, submitted=0.0)])).targets()  # and is shared as a fixed one
+
+
+def test_plans_without_adaptive_jobs_choose_no_batch():
+    snap = make_snapshot(hosts=(("h0", 8),), jobs=[make_job("a", 1, 8, scaling=LINEAR)])
+    assert GOODPUT(snap).batch == () and POLICIES["fairshare"](snap).batch == ()
+
+
+@pytest.mark.parametrize("size", [(12, 4, 4), (400, 100, 8)])
+def test_adaptive_batches_stay_within_what_each_job_allows(size):
+    rng = random.Random(size[0])
+    for _ in range(3):
+        base = _random_snapshot(rng, *size)
+        jobs = []
+        for j in base.jobs:
+            if rng.random() < 0.5:
+                lo = rng.choice([8, 32, 128])
+                j = dataclasses.replace(
+                    j, batching=Batching(base=lo * 2, most=lo * 64, per_worker=rng.choice([1, 2]), least=lo,
+                                         per_worker_most=rng.choice([0, 64])),
+                    grad=rng.choice([None, GradStats(1.0, rng.uniform(0, 1e4))]))
+            jobs.append(j)
+        snap = dataclasses.replace(base, jobs=tuple(jobs))
+        plan = GOODPUT(snap)
+        assert plan == GOODPUT(snap)
+        for k, name in enumerate(plan.jobs):
+            j = next(x for x in snap.jobs if x.name == name)
+            b = plan.batch_of(k)
+            if j.batching is None or plan.target[k] == 0:
+                assert b == 0
+            else:
+                assert b == j.batching.base or j.batching.lowest <= b <= j.batching.most, (j, b)
+                if j.grad is None:
+                    assert b == j.batching.base

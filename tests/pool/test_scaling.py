@@ -11,7 +11,17 @@ from hypothesis import strategies as st
 
 from elastic_ops.errors import SpecError
 from elastic_ops.pool import Observation, PoolClient
-from elastic_ops.pool.scaling import PRIOR, Measured, ScalingModel, fit, measured_from_rows
+from elastic_ops.pool.scaling import (
+    PRIOR,
+    Batching,
+    GradStats,
+    Measured,
+    ScalingModel,
+    best_batch,
+    fit,
+    gain,
+    measured_from_rows,
+)
 
 from .builders import grant
 
@@ -140,3 +150,79 @@ def test_the_pool_fits_a_job_from_its_heartbeats(ledger_url, clock):
     with pytest.raises(SpecError, match="batch=-1"):
         pool.scaling("a", batch=-1)
     pool.close()
+
+
+# --- adaptive batch -------------------------------------------------------------------------
+
+
+def test_a_fit_recovers_the_compute_term_from_measurements_at_several_batches():
+    """The compute term grows with the per-worker batch: measurements at several batches fit
+    one curve that predicts batches and counts never measured."""
+    rng = random.Random(3)
+    truth = _truth(fixed=0.05, compute=0.4)
+    configs = [(1, 1, 1.0), (2, 1, 1.0), (4, 1, 2.0), (8, 1, 4.0), (16, 2, 4.0), (16, 2, 8.0), (32, 4, 8.0)]
+    measured = [
+        Measured(n, h, 20, truth.step_s(n, h, c) * 20 * rng.lognormvariate(0.0, 0.03), c)
+        for n, h, c in configs for _ in range(10)
+    ]
+    model = fit(measured)
+    for n, h, c in [*configs, (8, 1, 16.0), (24, 3, 2.0)]:
+        assert model.step_s(n, h, c) == pytest.approx(truth.step_s(n, h, c), rel=0.1)
+
+
+def test_the_gain_is_one_at_the_base_and_grows_towards_the_scale_while_the_gradient_is_noisy():
+    noisy, clean = GradStats(sqr=1.0, var=1000.0), GradStats(sqr=1.0, var=0.01)
+    assert gain(noisy, 1.0) == pytest.approx(1.0) and gain(clean, 1.0) == pytest.approx(1.0)
+    assert 7.0 < gain(noisy, 8.0) <= 8.0  # var >> sqr: almost all of the batch counts
+    assert 1.0 <= gain(clean, 8.0) < 1.02  # no noise to average away: a bigger batch buys nothing
+    assert gain(noisy, 0.5) < 1.0  # a smaller batch makes less progress per iteration
+    assert gain(None, 8.0) == 1.0  # not measured: no batch is worth more than the base
+
+
+@given(st.floats(1e-6, 1e6), st.floats(0, 1e6), st.lists(st.floats(0.01, 100.0), min_size=2, max_size=8))
+def test_the_gain_never_falls_as_the_batch_grows_nor_passes_the_scale(sqr, var, scales):
+    stats = GradStats(sqr, var)
+    gains = [gain(stats, s) for s in sorted(scales)]
+    assert all(a <= b * (1 + 1e-12) for a, b in zip(gains, gains[1:], strict=False))
+    assert all(g <= max(s, 1.0) * (1 + 1e-12) for g, s in zip(gains, sorted(scales), strict=True))
+
+
+def test_best_batch_grows_the_batch_with_the_workers_when_the_gradient_is_noisy():
+    model = _truth(fixed=0.05, compute=1.0)
+    batching = Batching(base=64, most=4096, per_worker=4, least=16)
+    noisy = GradStats(sqr=1.0, var=500.0)
+    chosen = [best_batch(model, noisy, batching, n, max(1, n // 8))[0] for n in (1, 4, 16, 64)]
+    assert chosen == sorted(chosen) and chosen[-1] > 64 * 4  # more workers, a larger batch
+    speed = [best_batch(model, noisy, batching, n, max(1, n // 8))[1] for n in (1, 4, 16, 64)]
+    fixed = [model.speedup(n, max(1, n // 8)) for n in (1, 4, 16, 64)]
+    # the base is always a candidate
+    assert all(s >= f * (1 - 1e-9) for s, f in zip(speed, fixed, strict=True))
+    assert speed[-1] > 2 * fixed[-1]  # ... and on many workers a larger one buys much more
+    # a gradient with no noise to average away: the least batch the workers allow
+    assert best_batch(model, GradStats(1.0, 0.0), batching, 4)[0] == 16
+    # statistics not known yet: the base, whatever the workers
+    assert {best_batch(model, None, batching, n)[0] for n in (1, 8, 64)} == {64}
+
+
+@given(st.integers(1, 64), st.integers(1, 8), st.integers(1, 512), st.integers(1, 8), st.integers(0, 64),
+       st.floats(0.001, 1e4), st.floats(0, 1e4))
+def test_best_batch_stays_within_what_the_job_allows(workers, hosts, base, per, per_most, sqr, var):
+    hosts = min(hosts, workers)
+    per_most = per_most and max(per_most, per)
+    batching = Batching(base=base, most=base * 16, per_worker=per, least=max(1, base // 4),
+                        per_worker_most=per_most)
+    batch, speed = best_batch(_truth(), GradStats(sqr, var), batching, workers, hosts)
+    assert speed > 0
+    if batch != base:  # the base is always allowed; any other batch keeps every bound
+        assert batching.lowest <= batch <= batching.most
+        # the per-worker bounds, as far as the least and the most batch allow them
+        assert batch >= min(workers * per, batching.most) - 1  # (rounded to a whole batch)
+        assert not per_most or batch <= max(workers * per_most, batching.lowest) + 1
+
+
+@pytest.mark.parametrize("bad", [dict(base=0, most=8), dict(base=8, most=4), dict(base=8, most=16, least=9),
+                                 dict(base=8, most=16, per_worker=0),
+                                 dict(base=8, most=16, per_worker=4, per_worker_most=2)])
+def test_a_batching_out_of_order_is_refused(bad):
+    with pytest.raises(ValueError, match="need 1 <= least <= base <= most"):
+        Batching(**bad)

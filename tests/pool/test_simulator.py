@@ -83,6 +83,15 @@ def test_simulate_cli_json_last_line(capsys):
     assert {"avg_jct", "p99_jct", "makespan", "utilization", "rescales"} <= set(last["fairshare"])
 
 
+def test_simulate_cli_adaptive_lets_goodput_choose_the_batches(capsys):
+    argv = ["simulate", "--workload", str(WORKLOAD), "--slots", "16", "--policy", "goodput", "--json"]
+    assert run([*argv, "--adaptive"]) == 0
+    adaptive = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert run(argv) == 0
+    fixed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert adaptive["batch_changes"] > 0 and fixed["batch_changes"] == 0
+
+
 def test_synthetic_workloads_sample_the_philly_trace_reproducibly():
     a = synthetic_workload(TRACES / "philly.csv", TRACES, jobs=20, seed=3)
     assert a == synthetic_workload(TRACES / "philly.csv", TRACES, jobs=20, seed=3)
@@ -211,3 +220,34 @@ def test_tiresias_preempts_the_job_with_the_most_attained_service(monkeypatch):
     long, new = sim.jobs
     assert new.started == pytest.approx(200.0) and r["rescales"] == 0
     assert long.finished > alone.jobs[0].finished  # it waited while the newcomer ran
+
+
+def test_adaptive_jobs_under_goodput_change_their_batch_and_all_finish():
+    cfg = dataclasses.replace(SMALL, adaptive=True)
+    adaptive = simulate(WORKLOAD, "goodput", cfg, TRACES)
+    fixed = simulate(WORKLOAD, "goodput", SMALL, TRACES)
+    assert adaptive["jobs"] == fixed["jobs"] == 8
+    assert adaptive["batch_changes"] > 0 and fixed["batch_changes"] == 0
+    # a policy that does not choose batches runs the same jobs at their own batch
+    assert simulate(WORKLOAD, "fairshare", cfg, TRACES) == simulate(WORKLOAD, "fairshare", SMALL, TRACES)
+
+
+def test_an_adaptive_job_alone_finishes_sooner_than_at_its_fixed_batch():
+    """cifar10 at its users' batch of 2048: early in training small batches make more progress
+    per sample, late large ones keep many GPUs busy (the traces' gradient statistics)."""
+    from elastic_ops.pool.workload import WorkloadJob
+
+    job = [WorkloadJob("cifar10-0", 0.0, "cifar10", 4, 2048)]
+    cfg = SimConfig(slots=16, slots_per_host=4)
+    fixed = simulate(job, "goodput", cfg, TRACES)["avg_jct"]
+    adaptive = simulate(job, "goodput", dataclasses.replace(cfg, adaptive=True), TRACES)
+    assert adaptive["avg_jct"] < fixed and adaptive["batch_changes"] > 0
+
+
+def test_an_iteration_at_its_own_batch_is_worth_one_and_a_larger_one_its_gain():
+    app = load_application(str(TRACES), "cifar10")
+    assert app.gain(128, 0) == 1.0  # the traces count progress in iterations at their smallest batch
+    for epoch in (1, 10, 50):  # (the first epoch's statistics are noisy in the traces)
+        assert app.gain(2048, epoch) >= app.gain(1024, epoch) >= 1.0
+    ends = app.epoch_iterations(2048)
+    assert list(ends) == sorted(ends) and ends[-1] >= app.iterations(2048) * 0.5
