@@ -45,13 +45,15 @@ class Wait:
 @dataclasses.dataclass(frozen=True)
 class Target:
     """What a running job should do at its next boundary. ``workers`` = ``len(placements)``,
-    the slots it holds now (0 for ``preempt``)."""
+    the slots it holds now (0 for ``preempt``). ``batch``: the global batch the plan chose for
+    an adaptive job (0: its own batch)."""
 
     job: str
     workers: int
     action: TargetAction
     reason: str
     placements: tuple[Slot, ...]
+    batch: int = 0
 
 
 class EventKind(enum.StrEnum):

@@ -12,6 +12,7 @@ from elastic_ops.errors import SpecError
 from elastic_ops.pool import schema as s
 from elastic_ops.pool.model import HostState, Observation, Preemption, Slot, check_aging
 from elastic_ops.pool.policies import POLICIES
+from elastic_ops.pool.scaling import Batching
 from elastic_ops.spec import MAX_WORKERS_LIMIT, check_host_name, check_int, check_number
 
 MAX_HOST_SLOTS = 1_000_000  # the most slots one host may have
@@ -84,6 +85,34 @@ def check_observation(value: Any) -> Observation | None:
     check_int("measured.workers", value.workers, 1, MAX_WORKERS_LIMIT)
     check_int("measured.hosts", value.hosts, 1, value.workers)
     check_int("measured.batch", value.batch, 0, 2**31 - 1)
+    if (value.grad_sqr is None) != (value.grad_var is None):
+        raise SpecError("measured.grad_sqr", value.grad_sqr,
+                        "given with measured.grad_var (both gradient statistics, or neither)")
+    if value.grad_sqr is not None:
+        check_number("measured.grad_sqr", value.grad_sqr, minimum=0)
+        check_number("measured.grad_var", value.grad_var, minimum=0)
+    return value
+
+
+def check_batching(value: Any) -> Batching | None:
+    """``submit``'s ``batching``: a :class:`Batching` (or its dict), or None (a fixed batch)."""
+    if value is None:
+        return None
+    if isinstance(value, Mapping):
+        known = {f.name for f in dataclasses.fields(Batching)}
+        if unknown := sorted(set(map(str, value)) - known):
+            raise SpecError("batching", unknown[0], f"an unknown field; known: {', '.join(sorted(known))}")
+        for name, v in value.items():
+            check_int(f"batching.{name}", v, 0, 2**31 - 1)
+        try:
+            value = Batching(**value)
+        except TypeError:
+            raise SpecError("batching", dict(value), "needs base and most") from None
+        except ValueError as exc:
+            raise SpecError("batching", dict(value), str(exc).split(": ", 1)[-1]) from None
+    if not isinstance(value, Batching):
+        raise SpecError("batching", value, "must be a Batching (base, most, per_worker, least, "
+                        "per_worker_most) or None")
     return value
 
 

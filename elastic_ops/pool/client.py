@@ -49,6 +49,7 @@ from elastic_ops.pool.checks import (
     MAX_EPOCH,
     MAX_HOST_SLOTS,
     MAX_LOOKBACK_H,
+    check_batching,
     check_bounds,
     check_config,
     check_epoch,
@@ -64,7 +65,7 @@ from elastic_ops.pool.checks import (
 from elastic_ops.pool.engine import NO_LEDGER_HINT, first_line, lock_timeout, make_engine, retryable
 from elastic_ops.pool.ledger import PlannerState, Tx
 from elastic_ops.pool.model import HostState, Observation, Slot
-from elastic_ops.pool.scaling import ScalingModel, measured_from_rows
+from elastic_ops.pool.scaling import Batching, ScalingModel, measured_from_rows
 from elastic_ops.pool.scaling import fit as fit_scaling
 from elastic_ops.pool.usage import usage as usage_of
 from elastic_ops.spec import MAX_WORKERS_LIMIT, check_host_selector, check_number
@@ -462,18 +463,27 @@ class PoolClient:
         priority: int = 1,
         preemptible: bool = True,
         selector: Mapping[str, str] | None = None,
+        batching: Batching | Mapping[str, int] | None = None,
     ) -> None:
         """Register a job or update its demand (idempotent). A finished job becomes waiting again.
-        ``selector``: labels every host the job runs on must carry (``{"gpu": "h100"}``)."""
+        ``selector``: labels every host the job runs on must carry (``{"gpu": "h100"}``).
+        ``batching``: the global batches an adaptive job (``scaling: adaptive``) lets the pool
+        choose from (:class:`~elastic_ops.pool.scaling.Batching`; None: its batch is fixed):
+        under ``goodput`` its heartbeats' targets carry the batch the plan chose."""
         check_name("job", job)
         check_bounds(min_workers, max_workers)
         check_int("priority", priority, 1, 1000)
         if not isinstance(preemptible, bool):
             raise SpecError("preemptible", preemptible, "must be true or false")
         wanted = check_host_selector("selector", selector)
+        chosen = check_batching(batching)
         values = dict(min_workers=min_workers, max_workers=max_workers, priority=priority,
-                      preemptible=preemptible, selector=json.dumps(wanted, sort_keys=True))
+                      preemptible=preemptible, selector=json.dumps(wanted, sort_keys=True),
+                      batching=None if chosen is None else json.dumps(dataclasses.asdict(chosen),
+                                                                      sort_keys=True))
         described = f"min {min_workers} max {max_workers} priority {priority} preemptible {preemptible}"
+        if chosen is not None:
+            described += f" batch {chosen.lowest}..{chosen.most} (base {chosen.base})"
         on = f" on hosts with {_labels(wanted)}" if wanted else ""
         self._change(lambda tx: tx.submit(job, values, described, on), lock=Lock.NONE)
 
@@ -717,6 +727,9 @@ class PoolClient:
                         "selector": json.loads(r.selector),
                         "placements": [list(p) for p in sorted(held.get(r.name, ()))],
                         "releasing": [list(p) for p in sorted(going.get(r.name, ()))],
+                        # an adaptive job's batches and the batch the plan chose (0: its own)
+                        "batching": None if r.batching is None else json.loads(r.batching),
+                        "batch": r.plan_batch,
                     }
                 )
             total = sum(h["slots"] for h in hosts if h["state"] == HostState.UP.value)

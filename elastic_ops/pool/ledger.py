@@ -28,12 +28,13 @@ No function here commits; the client's ``_tx`` begins, locks, retries and commit
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from sqlalchemy import Connection, bindparam, case, delete, exists, func, insert, or_, select, update
+from sqlalchemy import Connection, Float, bindparam, case, delete, exists, func, insert, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 
 from elastic_ops.errors import JobEndedError, LeaseExpiredError, SpecError, UnknownHostError, UnknownJobError
@@ -57,7 +58,7 @@ from elastic_ops.pool.model import (
     outside,
 )
 from elastic_ops.pool.policies import LEARNING, get_policy
-from elastic_ops.pool.scaling import Measured, fit_cached
+from elastic_ops.pool.scaling import Batching, GradStats, Measured, fit_cached
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +115,7 @@ def within_minimum(d: Decision, min_workers: int) -> Decision:
     )
 
 
-def target_of(job: str, workers: int, d: Decision) -> Target:
+def target_of(job: str, workers: int, d: Decision, batch: int = 0) -> Target:
     n = len(d.placements)
     if d.target == 0 or n == 0:  # nothing usable to run on (e.g. its host drains, others full)
         action = TargetAction.PREEMPT
@@ -124,7 +125,7 @@ def target_of(job: str, workers: int, d: Decision) -> Target:
         action = TargetAction.SHRINK
     else:
         action = TargetAction.KEEP
-    return Target(job, n, action, d.reason, d.placements)
+    return Target(job, n, action, d.reason, d.placements, batch if n else 0)
 
 
 def _slots_json(slots: Sequence[Slot]) -> str:
@@ -133,6 +134,12 @@ def _slots_json(slots: Sequence[Slot]) -> str:
 
 def _slots_of(text: str | None) -> tuple[Slot, ...] | None:
     return None if text is None else tuple((str(h), int(sl)) for h, sl in json.loads(text))
+
+
+@functools.lru_cache(maxsize=4096)
+def _batching(text: str) -> Batching:
+    """A job row's ``batching`` (JSON, written by ``submit``; most adaptive jobs share a few)."""
+    return Batching(**json.loads(text))
 
 
 _FAR = 1e300  # no lease and no cooling host: time alone changes nothing
@@ -212,7 +219,7 @@ def quick_beat(
     release = set(d.release)
     if any(((r.host, r.slot) in release) != (r.releasing is not None) for r in v.mine):
         return None
-    return target_of(job, workers, d), plan_is_due(head, now, wall)
+    return target_of(job, workers, d, head.plan_batch), plan_is_due(head, now, wall)
 
 
 def renew_values(job: str, epoch: int, now: float | None, ttl: float | None,
@@ -222,7 +229,8 @@ def renew_values(job: str, epoch: int, now: float | None, ttl: float | None,
                               "b_expires": None if ttl is None or now is None else now + ttl}
     if measured is not None:
         values.update(b_w=measured.workers, b_h=measured.hosts, b_b=measured.batch,
-                      b_i=measured.iterations, b_s=measured.seconds)
+                      b_i=measured.iterations, b_s=measured.seconds, b_gs=measured.grad_sqr,
+                      b_gv=measured.grad_var)
     return values
 
 
@@ -519,7 +527,10 @@ class Tx:
         jobs = []
         unfinished = select(s.jobs).where(s.jobs.c.state != JobState.FINISHED.value)
         rows = {r.name: r for r in self.conn.execute(unfinished)}
-        learned = self.measured() if cfg["policy"] in LEARNING else {}
+        learns = cfg["policy"] in LEARNING
+        batchings = {r.name: _batching(r.batching) for r in rows.values() if r.batching is not None}
+        learned = self.measured({n: b.base for n, b in batchings.items()}) if learns else {}
+        grads = self.gradients() if learns and batchings else {}
         none: frozenset[str] = frozenset()
         for r in rows.values():
             mine = held.get(r.name, ())
@@ -540,6 +551,7 @@ class Tx:
                 frozenset(going) if going else none,
                 fit_cached(tuple(measured)) if measured else None,
                 sum(m.workers * m.seconds for m in measured) if measured else 0.0,
+                batchings.get(r.name), grads.get(r.name),
             ))
         config = PolicyConfig(
             preemption=Preemption(cfg["preemption"]),
@@ -571,6 +583,8 @@ class Tx:
         for k, (name, target, reason) in enumerate(zip(plan.jobs, plan.target, plan.reason, strict=True)):
             row = rows[name]
             values: dict[str, Any] = {}
+            if row.plan_batch != plan.batch_of(k):
+                values["plan_batch"] = plan.batch_of(k)
             if row.target != target or row.reason != reason:
                 values.update(target=target, reason=reason)
                 if row.target != target:
@@ -760,7 +774,7 @@ class Tx:
         self._mark_releasing(v.mine, set(d.release))
         if head.state == JobState.PARKED.value:  # it runs workers: not parked any more
             self.conn.execute(update(s.jobs).where(s.jobs.c.name == job).values(state=JobState.RUNNING.value))
-        return Beat(target_of(job, workers, d), None, False, plan_due)
+        return Beat(target_of(job, workers, d, head.plan_batch), None, False, plan_due)
 
     def _mark_releasing(self, rows: Sequence[Any], release: set[Slot]) -> None:
         """Remember which slots this heartbeat told the job to give up (and forget the rest)."""
@@ -773,20 +787,47 @@ class Tx:
                     .values(releasing=self.now if told else None)
                 )
 
-    def measured(self) -> dict[str, list[Measured]]:
-        """What every job measured at its fixed batch, per configuration: the kept rows and
-        what live leases have measured so far (two reads, whatever the number of jobs)."""
+    def measured(self, bases: Mapping[str, int]) -> dict[str, list[Measured]]:
+        """What every job measured, per configuration: the kept rows and what live leases have
+        measured so far (two reads, whatever the number of jobs). A job with a base batch in
+        ``bases`` (an adaptive one) at every batch it ran, as a scale of its base (batch 0: its
+        base); the others at their fixed batch only."""
         o, le = s.observations.c, s.leases.c
         out: dict[str, list[Measured]] = {}
-        for r in self.conn.execute(select(o.job, o.workers, o.hosts, o.iterations, o.seconds)
-                                   .where(o.batch == 0, o.iterations > 0, o.seconds > 0)):
-            out.setdefault(r.job, []).append(Measured(r.workers, r.hosts, r.iterations, r.seconds))
-        live = select(le.job, le.obs_workers, le.obs_hosts, le.obs_iterations, le.obs_seconds).where(
-            le.ended.is_(None), le.obs_batch == 0, le.obs_iterations > 0, le.obs_seconds > 0)
+
+        def scale(job: str, batch: int) -> float | None:
+            base = bases.get(job)
+            if base is None:
+                return 1.0 if batch == 0 else None
+            return batch / base if batch else 1.0
+
+        for r in self.conn.execute(select(o.job, o.workers, o.hosts, o.batch, o.iterations, o.seconds)
+                                   .where(o.iterations > 0, o.seconds > 0)):
+            if (c := scale(r.job, r.batch)) is not None:
+                out.setdefault(r.job, []).append(Measured(r.workers, r.hosts, r.iterations, r.seconds, c))
+        live = select(le.job, le.obs_workers, le.obs_hosts, le.obs_batch, le.obs_iterations,
+                      le.obs_seconds).where(le.ended.is_(None), le.obs_iterations > 0, le.obs_seconds > 0)
         for r in self.conn.execute(live):
-            m = _coarse(r.obs_workers, r.obs_hosts, r.obs_iterations, r.obs_seconds)
-            out.setdefault(r.job, []).append(m)
+            if (c := scale(r.job, r.obs_batch)) is not None:
+                m = _coarse(r.obs_workers, r.obs_hosts, r.obs_iterations, r.obs_seconds)
+                out.setdefault(r.job, []).append(dataclasses.replace(m, scale=c))
         return out
+
+    def gradients(self) -> dict[str, GradStats]:
+        """Each unfinished job's gradient statistics, as its latest lease that reported any
+        measured them (kept across chunks: a new chunk's lease has measured nothing yet)."""
+        le, j = s.leases.c, s.jobs.c
+        rows = self.conn.execute(
+            select(le.job, le.epoch, le.obs_grad_sqr, le.obs_grad_var)
+            .join(s.jobs, j.name == le.job)
+            .where(le.obs_grad_sqr.is_not(None), le.obs_grad_var.is_not(None),
+                   j.state != JobState.FINISHED.value, j.batching.is_not(None))
+        )
+        latest: dict[str, tuple[int, GradStats]] = {}
+        for r in rows:
+            if r.job not in latest or r.epoch > latest[r.job][0]:
+                latest[r.job] = (r.epoch, GradStats(float(r.obs_grad_sqr), float(r.obs_grad_var)))
+        return {job: g for job, (_, g) in latest.items()}
 
     def observations(self, job: str) -> list[dict[str, Any]]:
         """What ``job``'s heartbeats measured, summed per (workers, hosts, batch): the kept rows
@@ -1055,7 +1096,7 @@ class Tx:
 def _changed_demand(row: Any, values: dict[str, Any]) -> str:
     """What a submit changes of a job's demand, as ``"max 8 -> 2, priority 1 -> 7"`` ('' if nothing)."""
     parts = []
-    for key in ("min_workers", "max_workers", "priority", "preemptible", "selector"):
+    for key in ("min_workers", "max_workers", "priority", "preemptible", "selector", "batching"):
         old, new = getattr(row, key), values[key]
         if key == "preemptible":
             old = bool(old)
@@ -1081,6 +1122,9 @@ def _renewals(now: Any, expires: Any) -> tuple[Any, Any]:
         obs_iterations=case((same, le.obs_iterations), else_=0) + bindparam("b_i"),
         obs_seconds=case((same, le.obs_seconds), else_=0.0) + bindparam("b_s"),
         obs_reports=case((same, le.obs_reports), else_=0) + 1,
+        # the latest the workers measured (an adaptive job's; NULL keeps what was there)
+        obs_grad_sqr=func.coalesce(bindparam("b_gs", type_=Float), le.obs_grad_sqr),
+        obs_grad_var=func.coalesce(bindparam("b_gv", type_=Float), le.obs_grad_var),
     )
     return renew, renew_measured
 
@@ -1095,7 +1139,7 @@ def _head(extra: Sequence[Any] = (), renewed: Any = None) -> Any:
         .outerjoin(s.allocations, a.job == j.name)
     )
     cols = [
-        j.state, j.target, j.reason, j.min_workers, j.plan_placements, j.plan_release,
+        j.state, j.target, j.reason, j.min_workers, j.plan_placements, j.plan_release, j.plan_batch,
         pl.dirty_seq, pl.planned_seq, pl.planned_at, pl.next_due, pl.planned_now,
         p.plan_interval_s, p.plan_refresh_s, p.lease_ttl_s,
         le.ended, le.expires, le.obs_workers, le.obs_hosts, le.obs_batch, le.obs_reports,

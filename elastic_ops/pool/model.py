@@ -162,13 +162,17 @@ class Observation:
     ``iterations`` completed in ``seconds`` of training (start-up and checkpoint stalls
     excluded) at ``workers`` ranks spread over ``hosts`` hosts, global batch ``batch`` (0: the
     job's fixed batch). The ledger sums them per (workers, hosts, batch): what the pool learns
-    of how the job scales."""
+    of how the job scales. ``grad_sqr`` and ``grad_var`` (an adaptive job's, both or neither):
+    its gradient statistics as its workers last measured them (:class:`GradStats`; the
+    variance that of one batch of the job's base size); the ledger keeps the latest."""
 
     iterations: int
     seconds: float
     workers: int
     hosts: int = 1
     batch: int = 0
+    grad_sqr: float | None = None
+    grad_var: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)

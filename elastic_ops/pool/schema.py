@@ -115,6 +115,11 @@ jobs = Table(
     Column("plan_placements", Text),
     Column("plan_release", Text),
     Column("asked", Float),
+    # v7: an adaptive job's batches (JSON {"base", "most", "per_worker", "least",
+    # "per_worker_most"}; NULL: its batch is fixed), and the global batch the plan chose for it
+    # (0: its own)
+    Column("batching", Text),
+    Column("plan_batch", Integer, nullable=False, default=0, server_default="0"),
 )
 
 leases = Table(
@@ -136,6 +141,9 @@ leases = Table(
     Column("obs_seconds", Float, nullable=False, default=0.0, server_default="0"),
     Column("obs_reports", BigInteger, nullable=False, default=0, server_default="0"),
     Column("obs_first", Float),
+    # v7: the gradient statistics the holder's workers last measured (adaptive batch)
+    Column("obs_grad_sqr", Float),
+    Column("obs_grad_var", Float),
     PrimaryKeyConstraint("job", "epoch"),
 )
 # the planner and every heartbeat look for overdue live leases: an index of the live ones, not a
@@ -284,8 +292,20 @@ def _v6(conn: Connection) -> None:
         conn.execute(text("ALTER TABLE pool ADD COLUMN rescale_cost_s FLOAT NOT NULL DEFAULT 30.0"))
 
 
+def _v7(conn: Connection) -> None:
+    """Adaptive batch: a job's batches and the plan's choice; a lease's gradient statistics."""
+    names = {c["name"] for c in inspect(conn).get_columns("jobs")}
+    for col, kind in (("batching", "TEXT"), ("plan_batch", "INTEGER NOT NULL DEFAULT 0")):
+        if col not in names:
+            conn.execute(text(f"ALTER TABLE jobs ADD COLUMN {col} {kind}"))
+    names = {c["name"] for c in inspect(conn).get_columns("leases")}
+    for col in ("obs_grad_sqr", "obs_grad_var"):
+        if col not in names:
+            conn.execute(text(f"ALTER TABLE leases ADD COLUMN {col} FLOAT"))
+
+
 MIGRATIONS: list[tuple[int, Callable[[Connection], None]]] = [
-    (1, _v1), (2, _v2), (3, _v3), (4, _v4), (5, _v5), (6, _v6),
+    (1, _v1), (2, _v2), (3, _v3), (4, _v4), (5, _v5), (6, _v6), (7, _v7),
 ]
 LATEST = MIGRATIONS[-1][0]
 

@@ -298,3 +298,71 @@ def test_adaptive_batches_stay_within_what_each_job_allows(size):
                 assert b == j.batching.base or j.batching.lowest <= b <= j.batching.most, (j, b)
                 if j.grad is None:
                     assert b == j.batching.base
+
+
+def test_on_the_real_ledger_an_adaptive_jobs_heartbeats_carry_the_batch_the_plan_chose(ledger_url, clock):
+    """An adaptive job reports its gradient statistics with its measurements; its targets carry
+    the batch of most goodput on its workers (its own until the statistics are known, kept
+    across chunks), a fixed job's none. Its step: 0.5 s + 4 s per 64 samples over n workers."""
+    pool = PoolClient(ledger_url, clock=clock, policy="goodput", rescale_cost_s=0.0)
+    for i in range(4):
+        pool.add_host(f"h{i}", 4)
+    pool.submit("adaptive", min_workers=1, max_workers=16,
+                batching={"base": 64, "most": 4096, "per_worker": 2, "least": 16})
+    pool.submit("fixed", min_workers=1, max_workers=16)
+    leases = {name: pool.request(name) for name in ("adaptive", "fixed")}
+    assert all(isinstance(g, Grant) for g in leases.values())
+    now = {name: (g.workers, 0) for name, g in leases.items()}  # (workers, batch) each runs
+    seen = []
+    for r in range(8):
+        clock.advance(60)
+        for name, g in leases.items():
+            n, batch = now[name]
+            local = (batch or 64) / n
+            iters = max(1, round(60 / (0.5 + 4.0 * local / 64)))
+            grads = dict(grad_sqr=1.0, grad_var=400.0) if name == "adaptive" and r >= 1 else {}
+            measured = Observation(iters, 60.0, n, min(n, 1 + (n - 1) // 4), batch, **grads)
+            t = pool.heartbeat(name, g.epoch, workers=n, measured=measured)
+            now[name] = (t.workers, t.batch)
+            seen.append((name, r, t.batch))
+        pool.plan()
+    assert {b for name, _, b in seen if name == "fixed"} == {0}
+    first = [b for name, r, b in seen if name == "adaptive" and r <= 1]
+    assert first[0] == 64  # no statistics yet: its own batch
+    assert now["adaptive"][1] > 64 * 2  # a noisy gradient on many workers: a larger batch
+    assert now["adaptive"][1] <= 4096
+    # a new chunk (a new lease) keeps what the job measured: the plan does not forget its batch
+    pool.release("adaptive", leases["adaptive"].epoch, handover=True)
+    again = pool.request("adaptive", new_attempt=True)
+    assert isinstance(again, Grant)
+    t = pool.heartbeat("adaptive", again.epoch, workers=again.workers)
+    assert t.batch > 64 * 2
+
+
+@pytest.mark.parametrize("bad, says", [
+    ({"base": 64}, "needs base and most"),
+    ({"base": 64, "most": 32}, "need 1 <= least <= base <= most"),
+    ({"base": 64, "most": 128, "size": 3}, "an unknown field"),
+    ({"base": "64", "most": 128}, "batching.base"),
+    ("64..128", "must be a Batching"),
+])
+def test_a_bad_batching_is_refused_naming_it(tmp_path, bad, says):
+    from elastic_ops.errors import SpecError
+
+    pool = PoolClient(f"sqlite:///{tmp_path}/l.db")
+    with pytest.raises(SpecError, match=says):
+        pool.submit("a", min_workers=1, max_workers=4, batching=bad)
+
+
+def test_gradient_statistics_come_in_pairs_of_finite_numbers(tmp_path, clock):
+    from elastic_ops.errors import SpecError
+
+    pool = PoolClient(f"sqlite:///{tmp_path}/l.db", clock=clock)
+    pool.add_host("h", 4)
+    pool.submit("a", min_workers=1, max_workers=4)
+    g = pool.request("a")
+    for bad, says in [(dict(grad_sqr=1.0), "both gradient statistics"),
+                      (dict(grad_sqr=1.0, grad_var=float("nan")), "measured.grad_var"),
+                      (dict(grad_sqr=-1.0, grad_var=1.0), "measured.grad_sqr")]:
+        with pytest.raises(SpecError, match=says):
+            pool.heartbeat("a", g.epoch, workers=g.workers, measured=Observation(10, 1.0, g.workers, **bad))
