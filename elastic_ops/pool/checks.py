@@ -64,21 +64,27 @@ MAX_MEASURED_ITERATIONS = 10**12
 MAX_MEASURED_SECONDS = 1e9
 
 
+def _built(field: str, value: Mapping[str, Any], cls: type, needs: str) -> Any:
+    """``cls(**value)`` for a dict a caller passed instead of the value: unknown keys and
+    missing ones are a SpecError naming ``field``."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    if unknown := sorted(set(map(str, value)) - known):
+        raise SpecError(field, unknown[0], f"an unknown field; known: {', '.join(sorted(known))}")
+    try:
+        return cls(**value)
+    except TypeError:
+        raise SpecError(field, dict(value), f"needs {needs}") from None
+
+
 def check_observation(value: Any) -> Observation | None:
     """A heartbeat's ``measured``: an :class:`Observation` (or its dict), each field in range."""
     if value is None:
         return None
     if isinstance(value, Mapping):
-        known = {f.name for f in dataclasses.fields(Observation)}
-        if unknown := sorted(set(map(str, value)) - known):
-            raise SpecError("measured", unknown[0], f"an unknown field; known: {', '.join(sorted(known))}")
-        try:
-            value = Observation(**value)
-        except TypeError:
-            raise SpecError("measured", dict(value), "needs iterations, seconds and workers") from None
+        value = _built("measured", value, Observation, "iterations, seconds and workers")
     if not isinstance(value, Observation):
         raise SpecError("measured", value, "must be an Observation (iterations, seconds, workers, hosts, "
-                        "batch)")
+                        "batch, grad_sqr, grad_var)")
     check_int("measured.iterations", value.iterations, 0, MAX_MEASURED_ITERATIONS)
     check_number("measured.seconds", value.seconds, minimum=0, maximum=MAX_MEASURED_SECONDS,
                  unit=" of seconds")
@@ -99,20 +105,19 @@ def check_batching(value: Any) -> Batching | None:
     if value is None:
         return None
     if isinstance(value, Mapping):
-        known = {f.name for f in dataclasses.fields(Batching)}
-        if unknown := sorted(set(map(str, value)) - known):
-            raise SpecError("batching", unknown[0], f"an unknown field; known: {', '.join(sorted(known))}")
-        for name, v in value.items():
+        for name, v in value.items():  # before Batching compares them
             check_int(f"batching.{name}", v, 0, 2**31 - 1)
         try:
-            value = Batching(**value)
-        except TypeError:
-            raise SpecError("batching", dict(value), "needs base and most") from None
+            value = _built("batching", value, Batching, "base and most")
         except ValueError as exc:
+            if isinstance(exc, SpecError):
+                raise
             raise SpecError("batching", dict(value), str(exc).split(": ", 1)[-1]) from None
     if not isinstance(value, Batching):
         raise SpecError("batching", value, "must be a Batching (base, most, per_worker, least, "
                         "per_worker_most) or None")
+    for f in dataclasses.fields(Batching):
+        check_int(f"batching.{f.name}", getattr(value, f.name), 0, 2**31 - 1)
     return value
 
 

@@ -201,6 +201,24 @@ def test_a_ledger_of_schema_4_upgrades_to_in_place_renewals(ledger_url, clock):
     pool.close()
 
 
+def test_a_ledger_of_schema_6_upgrades_to_adaptive_batches_in_place(ledger_url, clock):
+    g, engine = _a_ledger_holding_one_lease(ledger_url, clock)
+    with engine.begin() as conn:  # back to what schema 6 had: no batching, no gradient statistics
+        for table, col in (("jobs", "batching"), ("jobs", "plan_batch"), ("leases", "obs_grad_sqr"),
+                           ("leases", "obs_grad_var")):
+            conn.execute(sa.text(f"ALTER TABLE {table} DROP COLUMN {col}"))
+        conn.execute(sa.text("DELETE FROM schema_version WHERE version = 7"))
+    pool = PoolClient(ledger_url, clock=clock)
+    clock.advance(5)
+    beat = Observation(iterations=5, seconds=1.0, workers=4, grad_sqr=1.0, grad_var=2.0)
+    t = pool.heartbeat("a", g.epoch, workers=4, measured=beat)  # the lease held across the upgrade
+    assert t.action == TargetAction.KEEP and t.batch == 0
+    pool.submit("b", min_workers=1, max_workers=2, batching={"base": 8, "most": 64})
+    assert next(j for j in pool.status()["jobs"] if j["name"] == "b")["batching"]["most"] == 64
+    engine.dispose()
+    pool.close()
+
+
 @pytest.mark.postgres
 def test_a_heartbeat_on_a_session_without_its_prepared_statement_still_renews(pg_url, clock):
     """Behind a transaction-mode pooler (PgBouncer) a transaction may run on a server session
