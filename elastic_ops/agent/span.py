@@ -47,6 +47,7 @@ from elastic_ops.spec import MAX_WORKERS_LIMIT
 
 if TYPE_CHECKING:
     from elastic_ops.agent.node_client import NodeClient
+    from elastic_ops.agent.redis_channel import Signer
     from elastic_ops.runtime.launcher import Launcher, LaunchRequest, Segment
 
 log = logging.getLogger("elastic_ops.node")
@@ -61,7 +62,7 @@ RENDEZVOUS_PURPOSE = "rendezvous"  # Signer.derive's purpose for a segment's ren
 _TOKEN = re.compile(r"[0-9a-f]{32}")
 
 
-def rendezvous_key(signer: Any, token: str) -> str:
+def rendezvous_key(signer: Signer, token: str) -> str:
     """The rendezvous key of the spanning segment that ``token`` names (runtime/rendezvous.py):
     derived from the cluster's secret, so the same on every host and unknown to whoever reads
     Redis without the secret."""
@@ -158,7 +159,9 @@ def _validate(req: dict[str, Any]) -> dict[str, Any]:
 class RanksSession:
     """A follower's part of one spanning segment (one ``ranks`` request)."""
 
-    def __init__(self, channel: Any, request: dict[str, Any], launcher: Any, host: str, signer: Any) -> None:
+    def __init__(
+        self, channel: Any, request: dict[str, Any], launcher: Any, host: str, signer: Signer,
+    ) -> None:
         self.channel, self.host, self.signer = channel, host, signer
         self.request = _validate(request)
         self.launcher = launcher
