@@ -106,15 +106,18 @@ class _Table:
         self.submitted = np.fromiter((j.submitted for j in jobs), np.float64, len(jobs))
         self.per_host = host_slots(snap)
         self.row = {id(j): k for k, j in enumerate(jobs)}
-        self.by_name = {j.name: k for k, j in enumerate(jobs)}
-        self.batching = np.fromiter((j.batching is not None for j in jobs), bool, len(jobs))
-        self.base_batch = np.fromiter((j.batching.base if j.batching else 0 for j in jobs), np.int64,
-                                      len(jobs))
-        # adaptive jobs that measured their gradients: their curves take the best batch
-        chooses = [k for k, j in enumerate(jobs) if j.batching is not None and j.grad is not None]
+        # adaptive jobs (one pass; most snapshots have none), and those that measured their
+        # gradients: their curves take the best batch
+        batched = [k for k, j in enumerate(jobs) if j.batching is not None]
+        chooses = [k for k in batched if jobs[k].grad is not None]
+        self.any_batching = bool(batched)
+        self.any_adaptive = bool(chooses)
         self.adaptive = np.zeros(len(jobs), dtype=bool)
         self.adaptive[chooses] = True
-        self.any_adaptive = bool(chooses)
+        if batched:
+            self.by_name = {j.name: k for k, j in enumerate(jobs)}
+            self.base_batch = np.zeros(len(jobs), np.int64)
+            self.base_batch[batched] = [jobs[k].batching.base for k in batched]
         if chooses:
             def col(f, default):
                 out = np.full(len(jobs), default, np.float64)
@@ -204,12 +207,12 @@ def with_batches(plan: Plan, snap: Snapshot) -> Plan:
     """``plan`` with the global batch of every adaptive job that is given workers: the batch of
     most goodput on its target and the hosts its slots lie on (:func:`best_batches`; its own
     batch until its gradients are measured)."""
-    if not any(j.batching is not None for j in snap.jobs):
-        return plan
     t = _table(snap)
+    if not t.any_batching:
+        return plan
     rows = np.fromiter(map(t.by_name.__getitem__, plan.jobs), np.int64, len(plan.jobs))
     target = np.asarray(plan.target, dtype=np.int64)
-    batch = np.where((target > 0) & t.batching[rows], t.base_batch[rows], 0).astype(np.int64)
+    batch = np.where(target > 0, t.base_batch[rows], 0).astype(np.int64)
     choose = np.flatnonzero((target > 0) & t.adaptive[rows])
     if len(choose):
         n = target[choose]
