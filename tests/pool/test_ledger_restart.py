@@ -39,7 +39,7 @@ from tests.runtime.builders import make_spec
 
 from .timeline import held_now, replay
 
-pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # its own PostgreSQL: not the "postgres" mark
 
 PG_BIN = sorted(glob.glob("/usr/lib/postgresql/*/bin"))
 
