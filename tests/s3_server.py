@@ -19,6 +19,8 @@ Extras that a plain moto server lacks:
 * Fault injection at the HTTP level, against the real endpoint: ``server.inject(count, status=503,
   code="SlowDown")`` answers the next ``count`` matching requests with that S3 error;
   ``kind="drop"`` closes the connection without an answer (a dropped connection);
+  ``kind="hold"`` keeps the request, its body unread (a large body's sender is stuck mid-send),
+  sets the rule's ``arrived`` and drops the connection once ``release`` is set (at most 120 s);
   ``method=`` / ``path_contains=`` restrict which requests are hit. ``server.requests`` logs
   ``(method, path, query, status)`` of every request.
 * Mutating requests (PUT, POST, DELETE) are served one at a time. Moto checks
@@ -53,9 +55,11 @@ class Fault:
     remaining: int
     status: int = 503
     code: str = "SlowDown"
-    kind: str = "error"  # "error" | "drop" | "lost_reply" (done, then answered with the error)
+    kind: str = "error"  # "error" | "drop" | "hold" | "lost_reply" (done, then answered with the error)
     method: str | None = None
     path_contains: str | None = None
+    arrived: threading.Event = dataclasses.field(default_factory=threading.Event)  # a "hold" caught one
+    release: threading.Event = dataclasses.field(default_factory=threading.Event)  # ... let it go
 
     def matches(self, method: str, path: str) -> bool:
         return (
@@ -113,13 +117,17 @@ class _FaultApp:
             fault = next((f for f in self.server.faults if f.matches(method, path)), None)
             if fault is not None:
                 fault.remaining -= 1
-                label = "fault:drop" if fault.kind == "drop" else f"fault:{fault.status}:{fault.code}"
+                label = f"fault:{fault.kind}" if fault.kind in ("drop", "hold") else \
+                    f"fault:{fault.status}:{fault.code}"
                 self.server.requests.append((method, path, query, label))
         if fault is not None:
             if fault.kind == "lost_reply":  # the store does the request; its reply never arrives
                 with self.server.write_lock:
                     list(self.app(environ, lambda *_args, **_kw: None))
-            if fault.kind == "drop":
+            if fault.kind == "hold":
+                fault.arrived.set()
+                fault.release.wait(120)
+            if fault.kind in ("drop", "hold"):
                 sock = environ.get("werkzeug.socket")
                 if sock is not None:
                     sock.shutdown(socket.SHUT_RDWR)
@@ -217,8 +225,8 @@ class S3Server:
         path_contains: str | None = None,
     ) -> Fault:
         """Fail the next ``count`` matching requests. Returns the rule (``.remaining`` counts down)."""
-        if kind not in ("error", "drop", "lost_reply"):
-            raise ValueError(f"kind={kind!r}: must be 'error', 'drop' or 'lost_reply'")
+        if kind not in ("error", "drop", "hold", "lost_reply"):
+            raise ValueError(f"kind={kind!r}: must be 'error', 'drop', 'hold' or 'lost_reply'")
         fault = Fault(count, status, code, kind, method, path_contains)
         with self.fault_lock:
             self.faults.append(fault)
@@ -226,6 +234,8 @@ class S3Server:
 
     def clear_faults(self) -> None:
         with self.fault_lock:
+            for fault in self.faults:
+                fault.release.set()  # no held request outlives its test
             self.faults.clear()
 
 

@@ -567,7 +567,10 @@ class PoolClient:
         None: the full path (``Tx.heartbeat``) does it, and reports errors as it does."""
         if not isinstance(self._inline_head, tuple) or not isinstance(self._inline_head[0], db.FastQuery):
             return None
-        held = self._held_connection()
+        try:
+            held = self._held_connection()
+        except DBAPIError:  # the server is away (restarting): the full path tries and says so
+            return None
         if held.in_transaction():
             return None
         now = None if self.clock is None else float(self.clock())
