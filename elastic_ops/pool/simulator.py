@@ -197,8 +197,8 @@ class _SimJob:
     def set_batch(self, batch: int) -> None:
         """Train at global ``batch`` from now: at an iteration boundary, no restart."""
         if batch != self.batch:
+            self.batch_changes += batch != self.global_batch()  # (0 and its own are one batch)
             self.batch = batch
-            self.batch_changes += 1
             self.place(self.held)
 
     def advance(self, dt: float) -> None:
