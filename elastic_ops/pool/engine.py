@@ -12,9 +12,10 @@ from collections.abc import Mapping
 from importlib.util import find_spec
 from typing import Any
 
-from sqlalchemy import create_engine, event, func
-from sqlalchemy.engine import Engine, make_url
+from sqlalchemy import Select, create_engine, event, func
+from sqlalchemy.engine import URL, Connection, Dialect, Engine, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError
+from sqlalchemy.sql.expression import ColumnElement
 
 from elastic_ops.errors import SpecError
 from elastic_ops.urls import scrubbed, shown_url
@@ -92,7 +93,7 @@ PG_LOCK_TIMEOUT_S = 30  # waiting for the pool's lock longer than this: LedgerBu
 PG_IDLE_IN_TX_S = 15  # the server ends a transaction left idle this long (its client hung or stopped)
 
 
-def _postgres_engine(parsed: Any) -> Engine:
+def _postgres_engine(parsed: URL) -> Engine:
     """READ COMMITTED whatever the server's default: every transaction first takes the pool row's
     lock, and under REPEATABLE READ its snapshot would predate the lock wait (it planned from
     stale rows: a raw IntegrityError on the allocation key). A client that stops inside a
@@ -129,20 +130,20 @@ INLINE_SETTINGS = "elastic_ops_inline_settings"
 SESSION_SETTINGS: weakref.WeakKeyDictionary[Engine, dict[str, int]] = weakref.WeakKeyDictionary()
 
 
-def _set_session(conn: Any, settings: dict[str, int]) -> float:
+def _set_session(conn: Connection, settings: dict[str, int]) -> float:
     parts = [f"set_config('{name}', '{ms}', true)" for name, ms in settings.items()]
     clock = "extract(epoch from clock_timestamp())"
     row = conn.exec_driver_sql("SELECT " + ", ".join([*parts, clock])).first()
     return float(row[-1])
 
 
-def begin_settings(conn: Any, engine: Engine) -> float:
+def begin_settings(conn: Connection, engine: Engine) -> float:
     """On a connection of an INLINE_SETTINGS engine, a transaction's first statement: set
     ``engine``'s session settings for it; returns the database's clock."""
     return _set_session(conn, SESSION_SETTINGS.get(engine, {}))
 
 
-def inline_settings(engine: Engine) -> list[Any]:
+def inline_settings(engine: Engine) -> list[ColumnElement[Any]]:
     """Columns that set ``engine``'s per-transaction settings and read the database's clock
     (its last column): for the first statement of a transaction begun with INLINE_SETTINGS."""
     settings = SESSION_SETTINGS.get(engine, {})
@@ -162,7 +163,7 @@ class FastQuery:
     execute (the heartbeat is the ledger's hottest call). Driver errors become SQLAlchemy's, as
     ``Connection.execute`` makes them (a dropped connection is invalidated and says so)."""
 
-    def __init__(self, stmt: Any, dialect: Any) -> None:
+    def __init__(self, stmt: Select[Any], dialect: Dialect) -> None:
         self._compiled = stmt.compile(dialect=dialect)
         self.sql = self._compiled.string
         names = [c.key or f"col{i}" for i, c in enumerate(stmt.selected_columns)]
@@ -219,7 +220,7 @@ class FastQuery:
         finally:
             cursor.close()
 
-    def run(self, conn: Any, params: dict[str, Any]) -> list[Any]:
+    def run(self, conn: Connection, params: dict[str, Any]) -> list[Any]:
         values = self._compiled.construct_params(params)
         dbapi = conn.connection.driver_connection
         cursor = None
@@ -237,7 +238,9 @@ class FastQuery:
         return [self._row(*r) for r in rows]
 
 
-def fast_queries(stmts: Any, dialect: Any) -> Any:
+def fast_queries(
+    stmts: tuple[Select[Any], ...], dialect: Dialect,
+) -> tuple[Select[Any], ...] | tuple[FastQuery, ...]:
     """``stmts`` as :class:`FastQuery` where the dialect's DBAPI takes named parameters."""
     if dialect.paramstyle not in ("pyformat", "named") or dialect.positional:
         return stmts

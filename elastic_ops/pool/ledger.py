@@ -36,6 +36,7 @@ from typing import Any
 
 from sqlalchemy import Connection, Float, bindparam, case, delete, exists, func, insert, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.sql.expression import CTE, ColumnElement, Select, Update
 
 from elastic_ops.errors import JobEndedError, LeaseExpiredError, SpecError, UnknownHostError, UnknownJobError
 from elastic_ops.pool import schema as s
@@ -1105,7 +1106,7 @@ def _changed_demand(row: Any, values: dict[str, Any]) -> str:
     return ", ".join(parts)
 
 
-def _renewals(now: Any, expires: Any) -> tuple[Any, Any]:
+def _renewals(now: ColumnElement[Any], expires: ColumnElement[Any]) -> tuple[Update, Update]:
     """The lease renewal without and with a measurement: the expiry moves to ``expires`` if the
     lease is live at ``now``; a measurement in the configuration the lease has measured in is
     added, one in another replaces it (its sums were kept first)."""
@@ -1129,7 +1130,7 @@ def _renewals(now: Any, expires: Any) -> tuple[Any, Any]:
     return renew, renew_measured
 
 
-def _head(extra: Sequence[Any] = (), renewed: Any = None) -> Any:
+def _head(extra: Sequence[ColumnElement[Any]] = (), renewed: CTE | None = None) -> Select[Any]:
     """The heartbeat's read: the job's decision, its lease, the planner's state and the job's
     slots (one row per slot; one row of NULLs when it holds none), and ``renewed``'s job."""
     j, le, p, pl, a = s.jobs.c, s.leases.c, s.pool.c, s.planner.c, s.allocations.c
@@ -1157,7 +1158,9 @@ _HEAD = _head()
 _RENEW, _RENEW_MEASURED = _renewals(bindparam("b_now"), bindparam("b_expires"))
 
 
-def heartbeat_statements(inline: Sequence[Any], clock: bool) -> tuple[Any, Any]:
+def heartbeat_statements(
+    inline: Sequence[ColumnElement[Any]], clock: bool,
+) -> tuple[Select[Any], Select[Any]]:
     """PostgreSQL: the heartbeat as one statement, without and with a measurement: the renewal
     a data-modifying CTE (``renewed``) of the read, with ``inline`` columns in the select list
     (``engine.inline_settings``: the session settings, and the clock as ``db_now``). ``clock``:
