@@ -127,12 +127,20 @@ class GradStats:
                 raise ValueError(f"{name}={v!r}: need a finite number >= 0")
 
 
+def adascale_gain(sqr, var, scale):
+    """The AdaScale gain ``(var + sqr) / (var / scale + sqr)`` (module docstring), element-wise
+    over numbers or arrays; 1 where nothing was measured (``sqr + var <= 0``)."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out = np.where(sqr + var > 0, (var + sqr) / (var / scale + sqr), 1.0)
+    return float(out) if np.ndim(out) == 0 else out
+
+
 def gain(stats: GradStats | None, scale: float | np.ndarray) -> float | np.ndarray:
     """Progress of one iteration at ``scale`` times the base batch, in base-batch iterations
     (module docstring). Unknown statistics, or none measured: 1 (no batch is worth more)."""
-    if stats is None or stats.var + stats.sqr <= 0:
+    if stats is None:
         return np.ones_like(scale) if isinstance(scale, np.ndarray) else 1.0
-    return (stats.var + stats.sqr) / (stats.var / scale + stats.sqr)
+    return adascale_gain(stats.sqr, stats.var, scale)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,13 +167,6 @@ class Batching:
     @property
     def lowest(self) -> int:
         return self.least or self.base
-
-    def candidates(self, workers: int) -> np.ndarray:
-        """The scales (batch / base) :func:`best_batch` weighs on ``workers``, ascending."""
-        return scale_grid(np.array([self.lowest / self.base]), np.array([self.most / self.base]),
-                          np.array([workers * self.per_worker / self.base]),
-                          np.array([workers * (self.per_worker_most or self.most) / self.base]))[0]
-
 
 def scale_grid(low: np.ndarray, top: np.ndarray, floor: np.ndarray, ceiling: np.ndarray) -> np.ndarray:
     """The scales an adaptive job's batch is chosen from, one ascending row per entry of
@@ -311,7 +312,7 @@ def best_batches(r: BatchRows) -> tuple[np.ndarray, np.ndarray]:
     scales = np.where(known[:, None], scales, 1.0)  # unknown: what a batch buys is not known
     step = rest[:, None] + p[:, 1, None] * scales / n[:, None]
     sqr, var = np.where(known, r.sqr, 1.0)[:, None], np.where(known, r.var, 0.0)[:, None]
-    good = (var + sqr) / (var / scales + sqr) / step
+    good = adascale_gain(sqr, var, scales) / step
     k = np.argmax(good, axis=1)  # ties: the smaller batch (scales ascend; argmax takes the first)
     pick = np.arange(len(k))
     batch = np.rint(scales[pick, k] * r.base).astype(np.int64)

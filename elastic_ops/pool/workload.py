@@ -35,6 +35,7 @@ import re
 from pathlib import Path
 
 from elastic_ops.errors import SpecError
+from elastic_ops.pool.scaling import adascale_gain
 
 GPUS_PER_NODE = 4
 TRACES_ENV = "ELASTIC_OPS_TRACES"
@@ -336,8 +337,7 @@ class Application:
         """Progress per iteration at global ``batch`` during ``epoch``, in iterations at
         :attr:`base_batch` (the AdaScale gain)."""
         sqr, var = self.grad_stats(batch, epoch)
-        scale = batch / self.base_batch
-        return (var + sqr) / (var / scale + sqr) if var / scale + sqr > 0 else 1.0
+        return adascale_gain(sqr, var, batch / self.base_batch)
 
     def max_workers(self, batch: int, limit: int) -> int:
         """Most GPUs that keep the per-GPU batch at or above the smallest measured one."""
