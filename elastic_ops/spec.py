@@ -182,6 +182,7 @@ def bucket_problem(name: str) -> str | None:
 MAX_WORKERS_LIMIT = 4096
 MAX_ITERATIONS = 10**9
 MAX_GLOBAL_BATCH = 2**31 - 1
+MAX_ADAPTIVE_BATCH = 2**30 - 1  # what a boundary's decision carries (runtime/control.py)
 MAX_CHUNKS = 1000  # one Airflow task each
 
 
@@ -197,11 +198,15 @@ class Consistency(enum.StrEnum):
 
 
 class Scaling(enum.StrEnum):
-    """How the batch reacts to the worker count. ``fixed`` (default) keeps the global batch."""
+    """How the batch reacts to the worker count. ``fixed`` (default) keeps the global batch;
+    ``linear_lr`` / ``sqrt_lr`` grow it with the workers; ``adaptive`` lets the pool choose it
+    per allocation, from ``global_batch`` to ``max_global_batch``, the learning rate following
+    the AdaScale gain (docs/runtime.md, "Adaptive batch")."""
 
     FIXED = "fixed"
     LINEAR_LR = "linear_lr"
     SQRT_LR = "sqrt_lr"
+    ADAPTIVE = "adaptive"
 
 
 class Device(enum.StrEnum):
@@ -270,6 +275,7 @@ class JobSpec:
     virtual_shards: int | None = None
     micro_batch: int | None = None
     scaling: Scaling = Scaling.FIXED
+    max_global_batch: int | None = None  # scaling adaptive: the largest batch the pool may choose
     warmup_iterations: int = 0
     checkpoint: str | None = None
     checkpoint_interval: int | None = None
@@ -323,10 +329,11 @@ class JobSpec:
         self._check_script_mode()
         self._check_batching()
         check_int("warmup_iterations", self.warmup_iterations, 0, MAX_ITERATIONS)
-        if self.warmup_iterations and self.scaling == Scaling.FIXED:
+        if self.warmup_iterations and self.scaling in (Scaling.FIXED, Scaling.ADAPTIVE):
             raise SpecError("warmup_iterations", self.warmup_iterations,
-                            "must be 0 with scaling 'fixed' (it ramps the LR of linear_lr / sqrt_lr)",
-                            hint="set scaling, or use an LR scheduler (build_scheduler) for a warmup")
+                            f"must be 0 with scaling {self.scaling.value!r} (it ramps the LR of linear_lr / "
+                            "sqrt_lr)",
+                            hint="use an LR scheduler (build_scheduler) for a warmup")
         if self.checkpoint is not None:
             check_checkpoint_uri("checkpoint", self.checkpoint)
         interval = chunk if self.checkpoint_interval is None else self.checkpoint_interval
@@ -415,21 +422,23 @@ class JobSpec:
                     hint="bitwise mode splits every batch into equal, fixed virtual shards",
                 )
             object.__setattr__(self, "virtual_shards", shards)
-            if self.scaling is not Scaling.FIXED:
+            if self.scaling in (Scaling.LINEAR_LR, Scaling.SQRT_LR):
                 raise SpecError(
-                    "scaling", self.scaling.value, "must be 'fixed' when consistency is 'bitwise'",
+                    "scaling", self.scaling.value,
+                    "must be 'fixed' or 'adaptive' when consistency is 'bitwise'",
                     hint="a batch that grows with the workers cannot be identical to a 1-worker run",
                 )
         elif self.virtual_shards is not None:
             raise SpecError("virtual_shards", self.virtual_shards, "only applies to consistency 'bitwise'")
-        if self.scaling is not Scaling.FIXED and self.global_batch % self.min_workers:
+        self._check_adaptive()
+        if self.scaling in (Scaling.LINEAR_LR, Scaling.SQRT_LR) and self.global_batch % self.min_workers:
             raise SpecError(
                 "global_batch",
                 self.global_batch,
                 f"must be divisible by min_workers ({self.min_workers}) with scaling "
                 f"{self.scaling.value!r} (the per-worker batch is global_batch / min_workers)",
             )
-        if self.global_batch < self.max_workers and self.scaling is Scaling.FIXED:
+        if self.global_batch < self.max_workers and self.scaling in (Scaling.FIXED, Scaling.ADAPTIVE):
             raise SpecError(
                 "global_batch",
                 self.global_batch,
@@ -437,7 +446,33 @@ class JobSpec:
                 hint=f"or lower max_workers to at most {self.global_batch}",
             )
 
+    def _check_adaptive(self) -> None:
+        if self.scaling is not Scaling.ADAPTIVE:
+            if self.max_global_batch is not None:
+                raise SpecError("max_global_batch", self.max_global_batch, "only with scaling 'adaptive'",
+                                hint="it bounds the batch the pool chooses for an adaptive job")
+            return
+        most = self.max_global_batch
+        if most is None:  # each worker at most the base batch
+            most = min(self.global_batch * self.max_workers, MAX_ADAPTIVE_BATCH)
+        check_int("max_global_batch", most, 1, MAX_ADAPTIVE_BATCH)
+        if most < self.global_batch:
+            raise SpecError("max_global_batch", most, f"must be >= global_batch ({self.global_batch})",
+                            hint="global_batch is the smallest batch an adaptive job trains at")
+        object.__setattr__(self, "max_global_batch", most)
+
     # --- derived values -----------------------------------------------------------------
+
+    def step_batch(self, chosen: int) -> int:
+        """The global batch an iteration trains at when the pool chose ``chosen`` (0: none):
+        an adaptive job's choice within ``[global_batch, max_global_batch]``, in whole virtual
+        shards in bitwise mode; every other job's ``global_batch``."""
+        if self.scaling is not Scaling.ADAPTIVE or chosen <= self.global_batch:
+            return self.global_batch
+        batch = min(int(chosen), int(self.max_global_batch or self.global_batch))
+        if self.consistency is Consistency.BITWISE:
+            batch -= batch % int(self.virtual_shards or 1)
+        return max(batch, self.global_batch)
 
     @property
     def num_chunks(self) -> int:
@@ -467,8 +502,10 @@ class JobSpec:
             "entrypoint", "global_batch", "consistency", "virtual_shards", "micro_batch",
             "scaling", "warmup_iterations", "data_seed", "params", "total_iterations",
         )
-        if self.scaling != Scaling.FIXED:  # the batch and the LR grow from min_workers' (fixed: no
-            keys += ("min_workers",)       # hash change, so existing checkpoints still resume)
+        if self.scaling in (Scaling.LINEAR_LR, Scaling.SQRT_LR):  # the batch and the LR grow from
+            keys += ("min_workers",)  # min_workers' (fixed: no hash change, existing checkpoints resume)
+        if self.scaling is Scaling.ADAPTIVE:
+            keys += ("max_global_batch",)
         if self.script_args:  # likewise only when given
             keys += ("script_args",)
         return {k: _plain(getattr(self, k)) for k in keys}

@@ -47,7 +47,7 @@ from elastic_ops.agent.protocol import (
 from elastic_ops.errors import AgentLostError, AgentProtocolError, SpecError, WorkerLostError
 from elastic_ops.runtime.allocation import Allocation
 from elastic_ops.runtime.outcome import jsonable
-from elastic_ops.spec import check_host_name
+from elastic_ops.spec import MAX_ADAPTIVE_BATCH, check_host_name
 
 if TYPE_CHECKING:
     from elastic_ops.runtime.launcher import Launcher, LaunchRequest, Segment
@@ -224,8 +224,10 @@ class ChunkSession:
                     raise SpecError(
                         "spans", spans, "a list in every target if the run request had one, else absent"
                     )
+                # an adaptive job's batch (absent: its own)
+                batch = require_int(msg, "batch", optional=True, maximum=MAX_ADAPTIVE_BATCH) or 0
                 with self._lock:
-                    self.wanted = Allocation.split(workers, self.request["host"], slots, spans)
+                    self.wanted = Allocation.split(workers, self.request["host"], slots, spans, batch)
         except EOFError:
             if not self.done.is_set():
                 log.warning(

@@ -18,8 +18,10 @@ shrink), and keeps the ones they do use even when its target has moved on (a mov
 could not follow keeps the old slots this job's, so no other job is handed a busy GPU).
 
 Every heartbeat also carries what the runner measured since the last one (:meth:`progressed`:
-iterations and seconds at a steady worker count, and over how many hosts), which the pool keeps
-per configuration (``PoolClient.observations``).
+optimizer steps and seconds at a steady worker count, over how many hosts and, for an adaptive
+job, at which global batch, with its latest gradient statistics), which the pool keeps per
+configuration (``PoolClient.observations``). The pool's target carries the batch it chose for
+an adaptive job (``Target.batch``): :meth:`target` hands it to the runner with the count.
 
 A heartbeat that fails (a busy or unreachable ledger, any error) is retried at the next beat;
 once no heartbeat has succeeded for the lease's TTL the pool has expired the lease, and the
@@ -38,6 +40,7 @@ from elastic_ops.errors import ElasticOpsError, LeaseExpiredError
 from elastic_ops.metrics import NO_METRICS, Metrics
 from elastic_ops.pool.model import Observation
 from elastic_ops.runtime.allocation import Allocation
+from elastic_ops.runtime.outcome import Progress
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +74,7 @@ class LeaseKeeper:
         self._wanted = workers  # what the pool wants
         self._running = workers  # what the runner runs (reported by heartbeats)
         self._placements = tuple(placements)  # the slots of the pool's latest target
+        self._batch = 0  # the batch of the pool's latest target (an adaptive job's; 0: its own)
         self._running_on: tuple[tuple[str, int], ...] | None = None  # the running segment's slots
         self.hosts_used: set[str] = set()  # every host a segment of this chunk ran ranks on
         self._wake = threading.Event()
@@ -81,9 +85,10 @@ class LeaseKeeper:
         self.ttl_s = ttl_s  # None: never lost by silence (only by the pool saying so)
         self.clock = clock
         self._last_ok = clock()  # the grant itself renewed the lease
-        # what the runner measured, not yet sent: (workers, hosts) -> [iterations, seconds]
-        self._at: tuple[int, int, float] | None = None  # the last boundary: iteration, workers, time
-        self._measured: dict[tuple[int, int], list[float]] = {}
+        # what the runner measured, not yet sent: (workers, hosts, batch) -> [steps, seconds]
+        self._at: tuple[int, int, int, float] | None = None  # the last boundary: steps, workers, batch, time
+        self._measured: dict[tuple[int, int, int], list[float]] = {}
+        self._grad: tuple[float, float] | None = None  # the latest gradient statistics, not yet sent
 
     def start(self) -> LeaseKeeper:
         self._thread.start()
@@ -103,7 +108,7 @@ class LeaseKeeper:
         """The pool's latest target, count and slots of the same heartbeat (the agents' clients
         poll it without a boundary in hand)."""
         with self._lock:
-            return Allocation(self._wanted, self._placements)
+            return Allocation(self._wanted, self._placements, self._batch)
 
     def applied(self, iteration: int, allocation: Allocation) -> None:
         """``allocation.workers`` start at boundary ``iteration`` on ``allocation.placements``
@@ -123,28 +128,38 @@ class LeaseKeeper:
             log.info("job %s: %d workers from iteration %d%s", self.job, workers, iteration, where)
             self._wake.set()
 
-    def progressed(self, p: Any) -> None:
-        """The runner reached a boundary (its ``Progress``: ``iteration``, ``workers``): the
-        iterations since the previous one at the same worker count, timed here, go to the pool
-        with the next heartbeat (how fast the job runs at that size). A change of count starts
-        timing afresh, so a relaunch's start-up is not counted as training."""
+    def progressed(self, p: Progress) -> None:
+        """The runner reached a boundary (its ``Progress``): the optimizer steps since the
+        previous one at the same worker count and batch, timed here, go to the pool with the
+        next heartbeat (how fast the job runs in that configuration), and so do an adaptive
+        job's gradient statistics. A change of count or batch starts timing afresh, so a
+        relaunch's start-up is not counted as training."""
         now = self.clock()
+        steps = int(p.iteration if p.steps is None else p.steps)
+        batch = int(p.batch or 0)
         with self._lock:
-            last, self._at = self._at, (int(p.iteration), int(p.workers), now)
-            if last is None or last[1] != p.workers or p.iteration <= last[0] or p.workers < 1:
+            if p.grad_sqr is not None and p.grad_var is not None:
+                self._grad = (float(p.grad_sqr), float(p.grad_var))
+            last, self._at = self._at, (steps, int(p.workers), batch, now)
+            if last is None or last[1:3] != (p.workers, batch) or steps <= last[0] or p.workers < 1:
                 return
             hosts = len({h for h, _ in self._running_on}) if self._running_on else 1
-            acc = self._measured.setdefault((int(p.workers), max(1, min(hosts, int(p.workers)))), [0, 0.0])
-            acc[0] += int(p.iteration) - last[0]
-            acc[1] += now - last[2]
+            key = (int(p.workers), max(1, min(hosts, int(p.workers))), batch)
+            acc = self._measured.setdefault(key, [0, 0.0])
+            acc[0] += steps - last[0]
+            acc[1] += now - last[3]
 
-    def _progress(self) -> tuple[tuple[int, int], Observation] | None:
-        """One configuration's measurements to send (the others wait for the next beats)."""
+    def _progress(self) -> tuple[tuple[int, int, int] | None, Observation] | None:
+        """One configuration's measurements to send (the others wait for the next beats), with
+        the latest gradient statistics; or the statistics alone at a configuration's rate of
+        nothing yet (None: nothing new)."""
         with self._lock:
+            grad = self._grad
+            stats = {} if grad is None else {"grad_sqr": grad[0], "grad_var": grad[1]}
             for key, (its, secs) in self._measured.items():
                 if its > 0 and secs > 0:
                     return key, Observation(iterations=int(its), seconds=float(secs), workers=key[0],
-                                            hosts=key[1])
+                                            hosts=key[1], batch=key[2], **stats)
         return None
 
     def beat(self) -> None:
@@ -171,6 +186,9 @@ class LeaseKeeper:
         self._last_ok = self.clock()
         if measured is not None:  # sent: what was measured since goes with a later beat
             with self._lock:
+                if measured[1].grad_sqr is not None and self._grad == (measured[1].grad_sqr,
+                                                                       measured[1].grad_var):
+                    self._grad = None
                 acc = self._measured.get(measured[0])
                 if acc is not None:
                     acc[0] -= measured[1].iterations
@@ -180,11 +198,14 @@ class LeaseKeeper:
         action = str(target.action)  # a TargetAction (a str enum), or its value from the HTTP API
         wanted = 0 if action == "preempt" else int(target.workers)
         placements = () if wanted == 0 else tuple((str(h), int(s)) for h, s in target.placements)
+        batch = int(target.batch)
         with self._lock:
             if wanted != self._wanted:
                 self.reasons.append(f"{action} to {wanted}: {target.reason}")
                 log.info("job %s: pool target %s -> %d workers (%s)", self.job, action, wanted, target.reason)
-            self._wanted, self._placements = wanted, placements
+            if batch != self._batch:
+                log.info("job %s: pool batch -> %s", self.job, batch or "the job's own")
+            self._wanted, self._placements, self._batch = wanted, placements, batch
 
     def _lose(self, why: str) -> None:
         log.warning("job %s: lease lost (%s); stopping at the next boundary", self.job, why)

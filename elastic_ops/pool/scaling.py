@@ -62,6 +62,8 @@ from typing import Any
 import numpy as np
 from scipy.optimize import nnls
 
+from elastic_ops.adascale import adascale_gain
+
 __all__ = [
     "PRIOR", "BatchRows", "Batching", "GradStats", "Measured", "ScalingModel", "best_batch", "best_batches",
     "fit", "fit_cached", "gain", "measured_from_rows",
@@ -125,14 +127,6 @@ class GradStats:
             v = getattr(self, name)
             if not (isinstance(v, int | float) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"{name}={v!r}: need a finite number >= 0")
-
-
-def adascale_gain(sqr, var, scale):
-    """The AdaScale gain ``(var + sqr) / (var / scale + sqr)`` (module docstring), element-wise
-    over numbers or arrays; 1 where nothing was measured (``sqr + var <= 0``)."""
-    with np.errstate(divide="ignore", invalid="ignore"):
-        out = np.where(sqr + var > 0, (var + sqr) / (var / scale + sqr), 1.0)
-    return float(out) if np.ndim(out) == 0 else out
 
 
 def gain(stats: GradStats | None, scale: float | np.ndarray) -> float | np.ndarray:

@@ -21,20 +21,23 @@ Spans = tuple[tuple[str, tuple[int, ...]], ...]  # other hosts' slots: ((host, s
 class Allocation:
     """``workers`` (0: preempt) on ``placements``, in the pool's order; ``placements=None``: the
     count alone (the caller places nothing: ranks take the visible GPUs in order, and a segment
-    reports no slots)."""
+    reports no slots). ``batch``: the global batch the pool chose for an adaptive job
+    (``scaling: adaptive``; 0: the job's own), followed at iteration boundaries without a
+    relaunch."""
 
     workers: int
     placements: tuple[Slot, ...] | None = None
+    batch: int = 0
 
     @classmethod
     def split(
-        cls, workers: int, host: str, slots: Sequence[int] | None, spans: Spans | None = None
+        cls, workers: int, host: str, slots: Sequence[int] | None, spans: Spans | None = None, batch: int = 0
     ) -> Allocation:
         """From ``host``'s slots and the other hosts' (``spans``): :meth:`to_wire`'s inverse."""
         if slots is None:
-            return cls(int(workers))
+            return cls(int(workers), batch=int(batch))
         return cls(int(workers), tuple((host, int(s)) for s in slots)
-                   + tuple((str(h), int(s)) for h, ss in (spans or ()) for s in ss))
+                   + tuple((str(h), int(s)) for h, ss in (spans or ()) for s in ss), int(batch))
 
     def on(self, host: str) -> tuple[int, ...]:
         """The slots on ``host``, in order (none when the count alone is known)."""
@@ -52,10 +55,13 @@ class Allocation:
         return dataclasses.replace(self, workers=int(workers))
 
     def to_wire(self, host: str, *, spans: bool) -> dict[str, Any]:
-        """The agents' message fields: ``workers``, ``slots`` (``host``'s, or null) and, when
-        ``spans`` (a node that leads segments across hosts), the other hosts' ``spans``."""
+        """The agents' message fields: ``workers``, ``slots`` (``host``'s, or null), ``batch``
+        when one was chosen and, when ``spans`` (a node that leads segments across hosts), the
+        other hosts' ``spans``."""
         slots = None if self.placements is None else list(self.on(host))
         wire: dict[str, Any] = {"workers": self.workers, "slots": slots}
+        if self.batch:
+            wire["batch"] = self.batch
         if spans:
             wire["spans"] = [[h, list(ss)] for h, ss in self.elsewhere(host)]
         return wire

@@ -50,7 +50,7 @@ from elastic_ops.errors import (
 )
 from elastic_ops.runtime.allocation import Allocation
 from elastic_ops.runtime.commit import Committer
-from elastic_ops.runtime.control import ControlChannel, count_of, moved
+from elastic_ops.runtime.control import ControlChannel, count_of, moved, with_batch
 from elastic_ops.runtime.launcher import (
     Launcher,
     LaunchRequest,
@@ -72,7 +72,7 @@ from elastic_ops.runtime.segment import (
 from elastic_ops.runtime.state import save_atomic
 from elastic_ops.runtime.verdict import segment_failure
 from elastic_ops.runtime.workdir import OWNER_FILE, WORKDIR_PREFIX, owner, sweep_stale_workdirs
-from elastic_ops.spec import JobSpec
+from elastic_ops.spec import JobSpec, Scaling
 
 if TYPE_CHECKING:
     from elastic_ops.checkpoint.store import CheckpointRef, CheckpointStore
@@ -95,6 +95,7 @@ class _Segment:
     evaluation: dict[str, float]
     train_seconds: float
     samples: int
+    steps: int
 
 
 class _Runner:
@@ -124,6 +125,12 @@ class _Runner:
         self.on_progress, self.host, self.launcher, self.workdir = on_progress, host, launcher, workdir
         self.committer = Committer(store, epoch, spec.spec_hash(), spec.keep_every)
         self.timeline: list[tuple[int, int, float]] = []
+        self._batch = 0  # the batch of the latest target (an adaptive job's; 0: its own)
+        self._steps = 0  # optimizer steps of the chunk's finished segments
+        # boundaries decided ahead of rank 0, at least: more than an adaptive job's step may cross
+        # (its gain is at most its largest batch over its base), so the next is always decided
+        most = spec.max_global_batch or spec.global_batch
+        self.min_ahead = LOOKAHEAD + math.ceil(most / spec.global_batch)
         self._last_log = 0.0
         self._t0 = time.time()
         # a lone worker has no collective to time out: the longest it may take between two boundaries
@@ -138,6 +145,7 @@ class _Runner:
         if alloc.placements is not None:
             self._noted = (alloc.on(self.host), alloc.elsewhere(self.host) if self.span_hosts else ())
             self.slots.note(iteration, self._noted)
+        self._batch = self.spec.step_batch(alloc.batch) if alloc.batch > self.spec.global_batch else 0
         if n <= 0:
             return 0
         return max(self.spec.min_workers, min(self.spec.max_workers, n))
@@ -145,11 +153,12 @@ class _Runner:
     def decide(self, iteration: int, workers: int, slots: Placement | None) -> int:
         """What the control channel gets for boundary ``iteration`` of a segment running
         ``workers`` on ``slots``: the target's count, or :func:`moved` of it when the pool wants
-        the same count on other slots (the workers end the segment there and are relaunched)."""
+        the same count on other slots (the workers end the segment there and are relaunched);
+        with the batch the target chose (an adaptive job follows it without a relaunch)."""
         n = self.target(iteration)
         if n != workers or slots is None or not self._moves(n, slots, self._noted):
-            return n
-        return moved(n)
+            return with_batch(n, self._batch)
+        return with_batch(moved(n), self._batch)
 
     def _moves(self, n: int, old: Placement, new: Placement) -> bool:
         # Only the slots the ranks use count, as a set: a reordered grant is not worth a relaunch.
@@ -205,8 +214,11 @@ class _Runner:
         segdir.mkdir(parents=True)
         length = self.end - it + 1
         chan = ControlChannel(segdir, length, create=True)
-        chan.decide(0, workers)
-        for j in range(1, LOOKAHEAD + 1):
+        if self.spec.scaling is Scaling.ADAPTIVE:
+            self.target(it)  # the batch of the target at ``it`` (deciding ahead moved it on)
+        first_batch = self._batch
+        chan.decide(0, with_batch(workers, first_batch))
+        for j in range(1, self.min_ahead + 1):
             if not chan.decided(j):
                 chan.decide(j, self.decide(it + j, workers, placement))
         launch_slots = placement[0] if placement is not None else None
@@ -224,6 +236,7 @@ class _Runner:
             "state_path": state_path,
             "span": bool(remote),
             "leader": True,
+            "batch": first_batch,
         }
         (segdir / "segment.json").write_text(json.dumps(cfg))
         req = LaunchRequest(
@@ -288,6 +301,7 @@ class _Runner:
             evaluation=info["evaluation"],
             train_seconds=info["train_seconds"],
             samples=info["samples"],
+            steps=int(info.get("steps", 0)),
         )
 
     def _control(
@@ -321,7 +335,7 @@ class _Runner:
                     ahead, rate_from = lookahead(chan, reached, rate_from or (0, row0[1]))
                 seen = max(seen, reached)
                 base = max(reached, 0)
-                for j in range(base + 1, min(base + ahead, chan.length - 2) + 1):
+                for j in range(base + 1, min(base + max(ahead, self.min_ahead), chan.length - 2) + 1):
                     if chan.decided(j):
                         continue
                     chan.decide(j, self.decide(start + j, workers, slots))
@@ -363,8 +377,10 @@ class _Runner:
         rate = (cursor - row0[2]) / elapsed
         its = j / elapsed
         eta = (self.end - it) / its if its > 0 else math.inf
+        steps, sqr, var, batch = chan.measured(j)
         prog = Progress(
-            iteration=it, end=self.end, loss=loss, workers=workers, samples_per_sec=rate, eta_s=eta
+            iteration=it, end=self.end, loss=loss, workers=workers, samples_per_sec=rate, eta_s=eta,
+            steps=self._steps + steps, batch=batch or None, grad_sqr=sqr, grad_var=var,
         )
         if self.on_progress is not None:
             self.on_progress(prog)
@@ -413,6 +429,7 @@ class _Runner:
             )
             last = self.run_segment(index, it, workers, state_path, placement, (here, parts))
             segments.append(last)
+            self._steps += last.steps
             index += 1
             it, state_path, workers = last.iteration, last.state_path, last.next_workers
             if it >= self.end:

@@ -16,7 +16,9 @@ the gradient over micro-batches, each scaled by its share of the global batch, a
 worker count, so results agree within floating-point tolerance only.
 
 Both keep the loss as one extra element at the end of the flat gradient buffer, so the global
-loss travels with the gradients and costs no extra collective; before it, one flag per
+loss travels with the gradients and costs no extra collective; before it, one element for the
+gradient noise measurement (``measure``: an adaptive job's, see :func:`noise_estimate`) and,
+before that, one flag per
 parameter says whether autograd gave it a gradient (a hook adds it to a set; the flags are
 written once per iteration). Summed with the gradients, the flags tell which parameters no
 worker's loss used in this iteration: their ``p.grad`` is ``None``, as in a plain loop and
@@ -39,8 +41,8 @@ from elastic_ops.runtime.data_order import even_split, iteration_seed, shards_of
 
 
 class FlatGrads:
-    """``rows`` flat buffers of ``numel + len(params) + 1`` elements (gradients, used flags,
-    loss); ``bind(r)`` points every ``p.grad`` at row r.
+    """``rows`` flat buffers of ``numel + len(params) + 2`` elements (gradients, used flags,
+    noise measurement, loss); ``bind(r)`` points every ``p.grad`` at row r.
 
     Autograd accumulates into an existing ``.grad`` in place, so backward writes straight into
     the buffer that is then communicated (as DDP's ``gradient_as_bucket_view`` does).
@@ -49,7 +51,7 @@ class FlatGrads:
     def __init__(self, params: list[torch.nn.Parameter], rows: int, device: torch.device) -> None:
         self.params = params
         self.numel = sum(p.numel() for p in params)
-        self.width = self.numel + len(params) + 1
+        self.width = self.numel + len(params) + 2
         self.buf = torch.zeros(rows, self.width, device=device, dtype=params[0].dtype)
         self._views = [self.row_views(self.buf[r]) for r in range(rows)]
         self._seen: set[int] = set()  # parameters autograd reached since the last record_used
@@ -127,6 +129,24 @@ def trainable_params(model: torch.nn.Module) -> list[torch.nn.Parameter]:
 _split = functools.lru_cache(maxsize=256)(lambda total, parts: tuple(even_split(total, parts)))
 
 
+def noise_estimate(small: float, big: float, batch: int, parts: int) -> tuple[float, float] | None:
+    """Unbiased estimates ``(sqr, var)`` of the true gradient's squared norm and of the
+    per-sample gradient variance (trace of the covariance), from one iteration: ``big`` the
+    squared norm of its gradient over all ``batch`` samples, ``small`` the sum over its
+    ``parts`` (workers, shards or halves, sizes ``b_i``) of ``b_i`` times the squared norm of
+    each part's gradient. As ``E|g_b|^2 = sqr + var / b`` for a mean over ``b`` samples,
+    ``E[small] = batch * sqr + parts * var`` and ``E[batch * big] = batch * sqr + var``
+    (McCandlish et al. 2018, appendix A, for parts of any sizes). None with fewer than 2 parts."""
+    if parts < 2 or batch < 2:
+        return None
+    var = (small - batch * big) / (parts - 1)
+    return big - var / batch, var
+
+
+def _sqnorm(v: torch.Tensor) -> float:
+    return float(torch.dot(v, v))
+
+
 def _chunks(indices: torch.Tensor, size: int | None) -> list[torch.Tensor]:
     if not size or len(indices) <= size:
         return [indices]
@@ -150,8 +170,12 @@ class GradientEngine:
         data_seed: int,
         device: torch.device,
         guard: Callable[[], Any] = contextlib.nullcontext,
+        measure: bool = False,
     ) -> None:
         self.guard = guard  # wraps user code (loss, fetch, backward) so its errors are attributed
+        # measure the gradient noise (an adaptive job): ``noise`` after each step, the same on
+        # every rank (computed from reduced values only)
+        self.measure, self.noise = measure, None
         self.mode, self.rank, self.workers = mode, rank, workers
         self.loss_fn, self.fetch = loss_fn, fetch
         self.micro_batch, self.data_seed, self.device = micro_batch, data_seed, device
@@ -205,16 +229,31 @@ class GradientEngine:
 
     def _fast(self, iteration: int, batch: torch.Tensor) -> float:
         lo, hi = _split(len(batch), self.workers)[self.rank]
+        total = len(batch)
         buf = self.grads.buf[0]
         buf.zero_()
         self.grads.bind(0)
         self._seed(iteration_seed(self.data_seed, iteration, self.rank))
+        grads = buf[: self.grads.numel]
         if hi > lo:
             with self.guard():
-                self._accumulate(batch[lo:hi], len(batch), buf[-1])
+                if self.measure and self.workers == 1 and hi - lo >= 2:
+                    # alone: the two halves of the batch are the parts the noise is measured from
+                    mid = (lo + hi) // 2
+                    self._accumulate(batch[lo:mid], total, buf[-1])
+                    first = grads.clone()
+                    self._accumulate(batch[mid:hi], total, buf[-1])
+                    buf[-2] = (_sqnorm(first) / (mid - lo) + _sqnorm(grads - first) / (hi - mid)) * total**2
+                else:
+                    self._accumulate(batch[lo:hi], total, buf[-1])
+                    if self.measure:  # this worker's part: b_i |g_i|^2, its gradient scaled by b_i / B
+                        buf[-2] = _sqnorm(grads) * total**2 / (hi - lo)
         self.grads.record_used(buf)
         if self.workers > 1:
             dist.all_reduce(buf)
+        if self.measure:
+            parts = 2 if self.workers == 1 else min(self.workers, total)
+            self.noise = noise_estimate(float(buf[-2]), _sqnorm(grads), total, parts)
         self.grads.give_grads(buf)
         return buf[-1].item()
 
@@ -239,6 +278,10 @@ class GradientEngine:
                 out.copy_(rows[r][j])
             else:
                 out.add_(rows[r][j])
+        if self.measure:  # the shards are the parts: each row is its gradient scaled by size / B
+            n, total = self.grads.numel, len(batch)
+            small = sum(_sqnorm(rows[r][j][:n]) for r, j in self.row_owner) * total**2 / max(size, 1)
+            self.noise = noise_estimate(small, _sqnorm(out[:n]), total, self.shards)
         self.grads.give_grads(out, self._out_views)
         return out[-1].item()
 

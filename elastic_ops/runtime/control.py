@@ -10,10 +10,13 @@ them for the cost of a memory load. Each value is written once, before anybody r
 Layout (``int64``): ``[0]`` = last boundary rank 0 reached (relative to the segment start,
 ``-1`` before the first), ``[1]`` reserved, ``[2 + j]`` = target for boundary ``start + j``: a
 worker count (``0`` = preempt), or :func:`moved` of one (the same count on other slots: a
-relaunch). Workers end the segment at any value other than their own count and hand it back as
-``next_workers``; the runner reads the count with :func:`count_of`.
-A second ``float64`` array holds one row ``(loss, unix_time, cursor)`` per boundary; rank 0
-writes the row before publishing the boundary in ``[0]``.
+relaunch), with an adaptive job's global batch in the bits above (:func:`with_batch`; 0: its
+own). Workers end the segment at any decision that does not :func:`continues` their count and
+hand it back as ``next_workers``; the runner reads the count with :func:`count_of`; a new
+batch alone is followed from that boundary on, in the same segment.
+A second ``float64`` array holds one row ``ROW`` per boundary; rank 0 writes the rows before
+publishing the boundary in ``[0]`` (an adaptive job's step may cross several boundaries: it
+writes a row for each).
 """
 
 from __future__ import annotations
@@ -26,6 +29,10 @@ import numpy as np
 UNDECIDED = -1
 _HEADER = 2
 MOVED = 1 << 32  # above any worker count (MAX_WORKERS_LIMIT): "same count, relaunch on new slots"
+_BATCH_SHIFT = 33  # an adaptive job's batch, above the moved bit (MAX_GLOBAL_BATCH < 2**30)
+_SEGMENT_BITS = (1 << _BATCH_SHIFT) - 1  # count and moved: what ends a segment when it changes
+# (loss, unix time, cursor, optimizer steps in the segment, gradient sqr, gradient var, batch)
+ROW = ("loss", "time", "cursor", "steps", "grad_sqr", "grad_var", "batch")
 
 
 def moved(workers: int) -> int:
@@ -33,9 +40,24 @@ def moved(workers: int) -> int:
     return MOVED + workers
 
 
+def with_batch(value: int, batch: int) -> int:
+    """Decision ``value`` with global batch ``batch`` (0: the job's own)."""
+    return (value & _SEGMENT_BITS) | (int(batch) << _BATCH_SHIFT)
+
+
 def count_of(value: int) -> int:
     """The worker count of a decision (plain or :func:`moved`)."""
-    return value - MOVED if value >= MOVED else value
+    return value & (MOVED - 1)
+
+
+def batch_of(value: int) -> int:
+    """The global batch a decision carries (0: the job's own)."""
+    return value >> _BATCH_SHIFT
+
+
+def continues(value: int, workers: int) -> bool:
+    """Whether a segment of ``workers`` goes on at decision ``value`` (its batch may change)."""
+    return value >= 0 and value & _SEGMENT_BITS == workers
 
 
 class ControlChannel:
@@ -44,7 +66,8 @@ class ControlChannel:
         mode = "w+" if create else "r+"
         self.length = length  # number of boundaries: iterations in the segment + 1
         self.ctl = np.memmap(directory / "control.i64", dtype=np.int64, mode=mode, shape=(_HEADER + length,))
-        self.prog = np.memmap(directory / "progress.f64", dtype=np.float64, mode=mode, shape=(length, 3))
+        self.prog = np.memmap(directory / "progress.f64", dtype=np.float64, mode=mode,
+                              shape=(length, len(ROW)))
         if create:
             self.ctl[:] = UNDECIDED
             self.prog[:] = np.nan
@@ -69,8 +92,15 @@ class ControlChannel:
         return int(self.ctl[_HEADER + j])
 
     def row(self, j: int) -> tuple[float, float, int]:
-        loss, t, cursor = self.prog[j]
+        loss, t, cursor = self.prog[j, :3]
         return float(loss), float(t), int(cursor)
+
+    def measured(self, j: int) -> tuple[int, float | None, float | None, int]:
+        """Boundary ``j``'s optimizer steps in the segment, gradient statistics (None: none
+        measured) and batch (0: the job's own)."""
+        steps, sqr, var, batch = self.prog[j, 3:]
+        finite = np.isfinite(sqr) and np.isfinite(var)
+        return int(steps), float(sqr) if finite else None, float(var) if finite else None, int(batch)
 
     # --- worker side ---------------------------------------------------------------------
 
@@ -86,6 +116,10 @@ class ControlChannel:
             value = int(self.ctl[_HEADER + j])
         return value
 
-    def publish(self, j: int, loss: float, cursor: int) -> None:
-        self.prog[j] = (loss, time.time(), cursor)
+    def publish(self, j: int, loss: float, cursor: int, *, since: int | None = None, steps: int | None = None,
+                grad: tuple[float, float] | None = None, batch: int = 0) -> None:
+        """Boundaries ``since..j`` reached (default: ``j`` alone), all with the same row."""
+        sqr, var = grad if grad is not None else (np.nan, np.nan)
+        first = j if since is None else since
+        self.prog[first : j + 1] = (loss, time.time(), cursor, j if steps is None else steps, sqr, var, batch)
         self.ctl[0] = j

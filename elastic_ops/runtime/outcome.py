@@ -27,7 +27,11 @@ class ChunkStatus(enum.StrEnum):
 
 @dataclasses.dataclass(frozen=True)
 class Progress:
-    """One iteration's report. Through the agent a non-finite number arrives as ``None``."""
+    """One iteration's report. Through the agent a non-finite number arrives as ``None``.
+    ``steps``: optimizer steps taken since the chunk started (an adaptive job's step may
+    advance ``iteration`` by more than one; None: one per iteration); ``batch`` the global
+    batch they ran at and ``grad_sqr`` / ``grad_var`` the gradient statistics its workers
+    measured (an adaptive job's; None otherwise)."""
 
     iteration: int
     end: int
@@ -35,6 +39,10 @@ class Progress:
     workers: int
     samples_per_sec: float | None
     eta_s: float | None
+    steps: int | None = None
+    batch: int | None = None
+    grad_sqr: float | None = None
+    grad_var: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)

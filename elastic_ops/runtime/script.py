@@ -141,6 +141,7 @@ class ScriptContext:
                 evaluation={},
                 train_seconds=time.time() - t0,
                 samples=self.cursor - c0,
+                steps=self.iteration - seg.start,
             )
 
     def commit(self, iteration: int, loss: float | torch.Tensor | None = None) -> None:

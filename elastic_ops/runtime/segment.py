@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from elastic_ops.errors import SpecError
-from elastic_ops.runtime.control import ControlChannel
+from elastic_ops.runtime.control import ControlChannel, continues, with_batch
 from elastic_ops.spec import JobSpec
 
 ENV_VAR = "ELASTIC_OPS_SEGMENT"
@@ -130,6 +130,7 @@ class Segment:
     local_rank: int
     channel: ControlChannel | None  # None on the hosts of a spanning segment other than the leader
     span: bool = False
+    batch: int = 0  # the global batch the runner chose for the first iteration (adaptive; 0: own)
     _pending: Any = None  # spanning: (tensor, work) of the next boundary's broadcast decision
 
     @classmethod
@@ -153,6 +154,7 @@ class Segment:
             local_rank=int(os.environ.get("LOCAL_RANK", "0")),
             channel=ControlChannel(cfg["dir"], length, create=False) if cfg.get("leader", True) else None,
             span=bool(cfg.get("span", False)),
+            batch=int(cfg.get("batch", 0)),
         )
 
     # --- setup ---------------------------------------------------------------------------
@@ -233,7 +235,9 @@ class Segment:
     # --- boundaries ----------------------------------------------------------------------
 
     def target(self, iteration: int) -> int:
-        """The worker count wanted at boundary ``iteration`` (same value on every rank).
+        """The decision at boundary ``iteration`` (same value on every rank): the worker count
+        wanted, :func:`~elastic_ops.runtime.control.continues` tells whether this segment goes
+        on, :func:`~elastic_ops.runtime.control.batch_of` its batch.
 
         Spanning hosts, the broadcast of boundary ``i + 1``'s decision starts at boundary ``i``
         (asynchronously: it travels while iteration ``i`` computes), whenever ``i`` goes on at
@@ -243,29 +247,40 @@ class Segment:
         if self.span:
             return self._spanning_target(iteration)
         if iteration == self.start:
-            return self.workers
+            return with_batch(self.workers, self.batch)
         return self.channel.target(iteration - self.start)
 
     def _spanning_target(self, iteration: int) -> int:
         if iteration == self.start:
-            value = self.workers
+            value = with_batch(self.workers, self.batch)
         else:
             decided, work = self._pending
             work.wait()
             value = int(decided.item())
         self._pending = None
-        if value == self.workers and iteration + 1 < self.end:
+        # an adaptive step may cross boundaries: the next read gets the decision of the one after
+        # this, which every rank reads alike
+        if continues(value, self.workers) and iteration + 1 < self.end:
             ahead = self.channel.target(iteration + 1 - self.start) if self.rank == 0 else 0
             decided = torch.tensor([ahead], dtype=torch.int64, device=self._comm_device())
             self._pending = (decided, dist.broadcast(decided, 0, async_op=True))
         return value
 
-    def checkpoint_due(self, iteration: int) -> bool:
-        return self.start < iteration < self.end and iteration % int(self.spec.checkpoint_interval) == 0
+    def checkpoint_due(self, iteration: int, since: int | None = None) -> bool:
+        """Whether a checkpoint is due at boundary ``iteration``: a multiple of the interval in
+        ``since..iteration`` (default: ``iteration`` alone; an adaptive step crosses several)."""
+        every = int(self.spec.checkpoint_interval)
+        first = iteration if since is None else since
+        return self.start < iteration < self.end and iteration // every > (first - 1) // every
 
-    def publish(self, iteration: int, loss: float, cursor: int) -> None:
+    def publish(self, iteration: int, loss: float, cursor: int, *, since: int | None = None,
+                steps: int | None = None,
+                grad: tuple[float, float] | None = None, batch: int = 0) -> None:
+        """Rank 0: boundaries ``since..iteration`` reached (see ``ControlChannel.publish``)."""
         if self.rank == 0:
-            self.channel.publish(iteration - self.start, loss, cursor)
+            first = None if since is None else max(since, self.start) - self.start
+            self.channel.publish(iteration - self.start, loss, cursor, since=first, steps=steps, grad=grad,
+                                 batch=batch)
 
     def write_checkpoint(self, iteration: int, state: dict[str, Any]) -> None:
         _stage(state, self.dir / f"ckpt-{iteration}.pt")

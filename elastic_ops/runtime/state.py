@@ -4,7 +4,8 @@ A state is a nested dict of tensors, numbers, strings, lists and dicts only, so 
 with ``torch.load(..., weights_only=True)`` (no code execution) and fits the checkpoint store:
 
 ``format, iteration, cursor, model, optimizer, scheduler, rng{torch, numpy, python},
-metrics{loss: [[it, loss]...], eval: [[it, {...}]...]}, lr_ramp{from, to, start}``.
+metrics{loss: [[it, loss]...], eval: [[it, {...}]...]}, lr_ramp{from, to, start}`` and, for an
+adaptive job, ``adaptive{base, carry, sqr_sum, var_sum, weight, batches}`` (runtime/adaptive.py).
 """
 
 from __future__ import annotations
@@ -49,7 +50,9 @@ def build_state(
     scheduler: Any,
     metrics: dict[str, Any],
     lr_ramp: dict[str, float] | None = None,
+    adaptive: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    extra = {"adaptive": adaptive} if adaptive is not None else {}
     return {
         "format": FORMAT,
         "iteration": int(iteration),
@@ -63,6 +66,7 @@ def build_state(
             "eval": list(metrics.get("eval", [])),
         },
         "lr_ramp": dict(lr_ramp or {}),
+        **extra,
     }
 
 

@@ -20,7 +20,9 @@ from typing import Any
 import torch
 
 from elastic_ops.checkpoint.codec import check_state
+from elastic_ops.runtime.adaptive import AdaptiveBatch, lr_power
 from elastic_ops.runtime.consistency import GradientEngine, lr_factor, target_factor, trainable_params
+from elastic_ops.runtime.control import batch_of, continues
 from elastic_ops.runtime.data_order import EVALUATE_STREAM, OPTIMIZER_STREAM, batch_size, stream_slice
 from elastic_ops.runtime.model_checks import check_scheduler, metric_values, norm_layer_warning, warn
 from elastic_ops.runtime.rendezvous import RendezvousForgeryError, segment_key
@@ -49,7 +51,9 @@ class TrainableWorker:
             trainable_params(self.model)  # one dtype, at least one: the user's model to change
         self.iteration, self.cursor = seg.start, 0
         self.metrics: dict[str, list] = {"loss": [], "eval": []}
-        self.scaled = spec.scaling.value != "fixed"
+        self.scaled = spec.scaling.value in ("linear_lr", "sqrt_lr")
+        self.adaptive = AdaptiveBatch(spec.global_batch) if spec.scaling.value == "adaptive" else None
+        self.gain_power = lr_power(self.optimizer)
         self.lr_ramp: dict[str, float] = {}
         self._restore(seg.load_state())
         if seg.rank == 0:  # what the user's optimizer and scheduler keep must load safely: say so now
@@ -72,6 +76,7 @@ class TrainableWorker:
             data_seed=spec.data_seed,
             device=self.device,
             guard=user_code,
+            measure=self.adaptive is not None,
         )
 
     def _restore(self, state: dict[str, Any] | None) -> None:
@@ -87,6 +92,8 @@ class TrainableWorker:
         self.iteration, self.cursor = int(state["iteration"]), int(state["cursor"])
         self.metrics = {"loss": list(state["metrics"]["loss"]), "eval": list(state["metrics"]["eval"])}
         self.lr_ramp = dict(state.get("lr_ramp") or {})
+        if self.adaptive is not None:
+            self.adaptive = AdaptiveBatch.restore(self.seg.spec.global_batch, state.get("adaptive"))
         restore_rng(state["rng"])
 
     def _ramp_to(self, workers: int) -> None:
@@ -113,10 +120,22 @@ class TrainableWorker:
             scheduler=self.scheduler,
             metrics=self.metrics,
             lr_ramp=self.lr_ramp,
+            adaptive=self.adaptive.state() if self.adaptive is not None else None,
         )
 
-    def _optimizer_step(self) -> None:
+    def _publish(self, it: int, since: int, loss: float, steps: int, batch: int) -> None:
+        """Boundaries ``since..it`` reached (an adaptive step may cross several)."""
+        grad = self.adaptive.stats() if self.adaptive is not None else None
+        self.seg.publish(it, loss, self.cursor, since=since, steps=steps, grad=grad,
+                         batch=batch if self.adaptive is not None else 0)
+
+    def _optimizer_step(self, gain: float = 1.0, steps: int = 1) -> None:
+        """The optimizer's step, the learning rate times the scaling mode's factor and an
+        adaptive job's ``gain`` (its square root for Adam-like optimizers:
+        :func:`~elastic_ops.runtime.adaptive.lr_power`); the scheduler's ``steps`` steps (the
+        iterations it advanced)."""
         factor = lr_factor(self.lr_ramp, self.iteration, self.seg.spec.warmup_iterations)
+        factor *= gain**self.gain_power
         groups = self.optimizer.param_groups
         base = [g["lr"] for g in groups]
         if factor != 1.0:
@@ -130,34 +149,46 @@ class TrainableWorker:
                 g["lr"] = lr
         if self.scheduler is not None:
             with user_code():
-                self.scheduler.step()
+                for _ in range(steps):
+                    self.scheduler.step()
 
     def run(self) -> None:
         seg, spec = self.seg, self.seg.spec
         loss, next_workers = math.nan, seg.workers
         t0, c0 = time.time(), self.cursor
+        last, steps, batch = seg.start - 1, 0, 0  # the last boundary published; steps run; batch run
         while True:
             it = self.iteration
             if it >= seg.end:
                 break
             next_workers = seg.target(it)
-            if next_workers != seg.workers:
+            if not continues(next_workers, seg.workers):
                 break
-            if seg.rank == 0 and seg.checkpoint_due(it):
+            if seg.rank == 0 and seg.checkpoint_due(it, since=last + 1):
                 seg.write_checkpoint(it, self.state())
-            seg.publish(it, loss, self.cursor)
+            self._publish(it, last + 1, loss, steps, batch)
+            last = it
             global CURRENT_ITERATION
             CURRENT_ITERATION = it
-            b = batch_size(spec.global_batch, spec.min_workers, seg.workers, self.scaled)
+            gain = 1.0
+            if self.adaptive is not None:
+                b, gain = self.adaptive.plan(it, spec.step_batch(batch_of(next_workers)), seg.end)
+            else:
+                b = batch_size(spec.global_batch, spec.min_workers, seg.workers, self.scaled)
             loss = self.engine.step(it, stream_slice(spec.data_seed, self.num_samples, self.cursor, b))
             if not math.isfinite(loss):
                 raise NonFiniteLoss(f"loss is {loss} at iteration {it}")
             self.engine.seed_shared(it, OPTIMIZER_STREAM)  # replicas that draw alike stay alike
-            self._optimizer_step()
+            advance = 1
+            if self.adaptive is not None:
+                self.adaptive.measured(self.engine.noise)
+                advance = self.adaptive.advance(gain)
+            self._optimizer_step(gain, advance)
             self.metrics["loss"].append([it, loss])
             self.cursor += b
-            self.iteration = it + 1
-        seg.publish(self.iteration, loss, self.cursor)
+            self.iteration = it + advance
+            steps, batch = steps + 1, b
+        self._publish(self.iteration, last + 1, loss, steps, batch)
         train_s = time.time() - t0
         if seg.rank != 0:
             return
@@ -179,6 +210,7 @@ class TrainableWorker:
             evaluation=evaluation,
             train_seconds=train_s,
             samples=self.cursor - c0,
+            steps=steps,
         )
 
 

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from elastic_ops.errors import SpecError
-from elastic_ops.spec import JobSpec, check_checkpoint_uri, check_number
+from elastic_ops.spec import JobSpec, Scaling, check_checkpoint_uri, check_number
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.\-]+")
 _INT_FIELDS = {
@@ -123,4 +123,15 @@ def register(client: Any, spec: JobSpec) -> None:
     client.submit(
         spec.name, min_workers=spec.min_workers, max_workers=spec.max_workers,
         priority=spec.priority, preemptible=spec.preemptible, selector=spec.host_selector,
+        batching=batching_of(spec),
     )
+
+
+def batching_of(spec: JobSpec) -> dict[str, int] | None:
+    """The batches an adaptive job lets the pool choose from (``PoolClient.submit``'s
+    ``batching``; None: a fixed batch): ``global_batch`` to ``max_global_batch`` (the runtime
+    rounds a bitwise job's down to whole virtual shards: ``JobSpec.step_batch``)."""
+    if spec.scaling is not Scaling.ADAPTIVE:
+        return None
+    return {"base": spec.global_batch, "most": int(spec.max_global_batch or spec.global_batch),
+            "per_worker": 1}

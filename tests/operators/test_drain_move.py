@@ -14,6 +14,7 @@ import pytest
 
 from elastic_ops.operators import ElasticChunkOperator
 from elastic_ops.pool import PoolClient
+from elastic_ops.pool.api import Target, TargetAction
 from elastic_ops.runtime.allocation import Allocation
 from elastic_ops.runtime.chunk import run_chunk as real_run_chunk
 from elastic_ops.utils.jobs import job_id
@@ -105,7 +106,7 @@ def test_the_agent_path_reports_the_move_the_same_way(pool, monkeypatch, tmp_pat
 
 def test_a_keeper_lists_the_running_segment_s_slots_in_every_heartbeat():
     calls = []
-    target = SimpleNamespace(action="keep", workers=2, reason="", placements=(("a", 0), ("a", 1)))
+    target = Target("j", 2, TargetAction.KEEP, "", (("a", 0), ("a", 1)))
 
     def heartbeat(job, epoch, workers, **kwargs):
         calls.append((workers, kwargs.get("placements")))

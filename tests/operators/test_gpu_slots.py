@@ -13,6 +13,7 @@ import pytest
 from elastic_ops.operators import ElasticChunkOperator
 from elastic_ops.operators.lease import LeaseKeeper
 from elastic_ops.pool import PoolClient
+from elastic_ops.pool.api import Target, TargetAction
 from elastic_ops.runtime.allocation import Allocation
 from elastic_ops.runtime.outcome import ChunkResult, ChunkStatus
 from elastic_ops.utils.jobs import job_id
@@ -103,31 +104,27 @@ def test_the_agent_path_forwards_the_same_slots(pool, monkeypatch, tmp_path):
 
 
 def test_the_keepers_target_carries_the_slots_of_the_same_heartbeat_host_by_host():
-    target = SimpleNamespace(
-        action="grow", workers=3, reason="more", placements=(("a", 1), ("b", 0), ("a", 3))
-    )
-    client = SimpleNamespace(heartbeat=lambda job, epoch, workers: target)
+    targets = [Target("j", 3, TargetAction.GROW, "more", (("a", 1), ("b", 0), ("a", 3)))]
+    client = SimpleNamespace(heartbeat=lambda job, epoch, workers: targets[-1])
     keeper = LeaseKeeper(client, "j", 1, 1, interval_s=1, placements=[("b", 2), ("a", 0)], host="a")
     first = keeper.target(0)
     assert first.workers == 1 and first.on("a") == (0,) and first.elsewhere("a") == (("b", (2,)),)
     keeper.beat()
     grown = keeper.target(3)
     assert grown.workers == 3 and grown.on("a") == (1, 3) and grown.elsewhere("a") == (("b", (0,)),)
-    target.action, target.workers, target.placements = "preempt", 0, ()
+    targets.append(Target("j", 0, TargetAction.PREEMPT, "", ()))
     keeper.beat()
     assert keeper.current() == Allocation(0, ())
 
 
 def test_the_keeper_reports_a_shrink_only_when_the_smaller_segment_starts():
     reported = []
-    target = SimpleNamespace(action="keep", workers=4, reason="", placements=(("a", s) for s in range(4)))
 
     def heartbeat(job, epoch, workers):
         reported.append(workers)
-        return target
+        return Target("j", 2, TargetAction.SHRINK, "", (("a", 0), ("a", 1)))
 
     keeper = LeaseKeeper(SimpleNamespace(heartbeat=heartbeat), "j", 1, 4, interval_s=1, host="a")
-    target.action, target.workers, target.placements = "shrink", 2, (("a", 0), ("a", 1))
     keeper.beat()
     assert keeper.target(10).workers == 2  # decided ahead of the boundary, the old workers still run
     keeper.beat()

@@ -8,7 +8,9 @@ from types import SimpleNamespace
 from sqlalchemy.exc import OperationalError
 
 from elastic_ops.operators.lease import LeaseKeeper
+from elastic_ops.pool.api import Target, TargetAction
 from elastic_ops.runtime.allocation import Allocation
+from elastic_ops.runtime.outcome import Progress
 
 
 class Clock:
@@ -19,8 +21,8 @@ class Clock:
         return self.t
 
 
-def target(workers: int) -> SimpleNamespace:
-    return SimpleNamespace(action="keep", workers=workers, reason="steady", placements=[("a", 0)] * workers)
+def target(workers: int) -> Target:
+    return Target("j", workers, TargetAction.KEEP, "steady", (("a", 0),) * workers)
 
 
 def test_a_raw_ledger_error_is_retried_and_silence_past_the_ttl_loses_the_lease():
@@ -92,7 +94,7 @@ def test_heartbeats_carry_what_the_runner_measured_at_a_steady_count(tmp_path):
 
     def boundary(it: int, workers: int, dt: float) -> None:
         clock.t += dt
-        keeper.progressed(SimpleNamespace(iteration=it, workers=workers))
+        keeper.progressed(Progress(it, 100, None, workers, None, None))
 
     boundary(0, 4, 0)
     for it in range(1, 11):
@@ -108,3 +110,34 @@ def test_heartbeats_carry_what_the_runner_measured_at_a_steady_count(tmp_path):
     assert obs == {4: (10, 5.0), 2: (4, 4.0)}
     keeper.beat()  # nothing new measured: nothing sent
     assert sum(o["reports"] for o in pool.observations("j")) == 2
+
+
+def test_an_adaptive_jobs_steps_batch_and_gradients_reach_the_pool_and_its_batch_comes_back(tmp_path):
+    """A ``scaling: adaptive`` spec registers the batches it allows; its boundaries' optimizer
+    steps (fewer than its iterations: a step at a larger batch advances the counter by its
+    gain) are measured per (workers, hosts, batch), its gradient statistics go with them, and
+    once the plan knows them the target's batch reaches the runner through the keeper."""
+    from elastic_ops.pool import PoolClient
+    from elastic_ops.utils.jobs import register
+    from tests.runtime.builders import make_spec
+
+    clock = Clock()
+    spec = make_spec(tmp_path, name="adaptive", scaling="adaptive", max_global_batch=96, max_workers=8,
+                     virtual_shards=8, global_batch=16)
+    pool = PoolClient(f"sqlite:///{tmp_path / 'pool.db'}", policy="goodput", rescale_cost_s=0.0)
+    pool.add_host("a", 8)
+    register(pool, spec)
+    g = pool.request("adaptive")
+    keeper = LeaseKeeper(pool, "adaptive", g.epoch, g.workers, interval_s=1, clock=clock)
+    keeper.beat()
+    assert keeper.current().batch in (0, 16)  # nothing measured: its own batch
+    noisy = dict(grad_sqr=0.01, grad_var=5.0)  # a noise scale far above its batch
+    for step in range(20):
+        clock.t += 0.5
+        keeper.progressed(Progress(2 * step, 100, None, g.workers, None, None, steps=step, batch=16, **noisy))
+    keeper.beat()
+    (row,) = pool.observations("adaptive")
+    assert (row["batch"], row["iterations"], row["seconds"]) == (16, 19, 9.5)  # steps, not iterations
+    pool.plan()
+    keeper.beat()
+    assert keeper.current().batch > 16

@@ -37,7 +37,8 @@ class TinyMLP(Trainable):
     Test hooks (params): ``record_dir`` writes every sample id a rank trains on;
     ``fail_at`` raises a user error at that iteration's loss (``exit_at``: calls
     ``sys.exit(exit_code)``); ``nan_at`` returns NaN there;
-    ``kill_rank``/``kill_at`` SIGKILL that rank once (a marker file makes it one-shot);
+    ``kill_rank``/``kill_at`` SIGKILL that rank once (a marker file makes it one-shot; ``kill_from``:
+    at the first iteration at or past it, for an adaptive job's counter, which skips some);
     ``hold_at`` waits there until the file ``hold_file`` exists (a test's gate, at most 120 s);
     ``sleep_s`` slows every loss call (the runner then decides few boundaries ahead);
     ``double_head`` makes the last layer float64 (parameters of two dtypes); ``numpy_scheduler``
@@ -91,7 +92,9 @@ class TinyMLP(Trainable):
             with open(Path(p["record_dir"]) / f"rank{rank}-pid{os.getpid()}.txt", "a") as fh:
                 fh.write(" ".join(str(int(i)) for i in ids) + "\n")
         kill = p.get("kill_at") is not None and os.environ["RANK"] == str(p["kill_rank"])
-        if kill and self._at(p["kill_at"]):
+        if p.get("kill_from") is not None and os.environ["RANK"] == str(p["kill_rank"]):
+            kill = kill or _current_iteration() >= int(p["kill_from"])
+        if kill and (p.get("kill_at") is None or self._at(p["kill_at"])):
             marker = Path(p["marker"])
             if not marker.exists():
                 marker.write_text("killed")

@@ -381,7 +381,7 @@ def test_the_runner_decides_ahead_at_rank_0s_recent_rate_not_its_mean_since_the_
     chan = ControlChannel(tmp_path, 40, create=True)
     times = [0.0, 1.0] + [1.0 + 0.003 * k for k in range(1, 38)]  # 1 s, then 3 ms per iteration
     for j, t in enumerate(times):
-        chan.prog[j] = (0.5, t, 12 * j)
+        chan.prog[j, :3] = (0.5, t, 12 * j)
     ahead, since = lookahead(chan, 5, (0, times[0]))
     assert ahead == LOOKAHEAD and since == (5, times[5])  # the warm-up is all it has seen yet
     ahead, since = lookahead(chan, 10, since)
