@@ -32,12 +32,16 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from elastic_ops.errors import ElasticOpsError, LeaseExpiredError
 from elastic_ops.metrics import NO_METRICS, Metrics
 from elastic_ops.pool.model import Observation
 from elastic_ops.runtime.allocation import Allocation
+
+if TYPE_CHECKING:
+    from elastic_ops.pool.client import PoolClient
+    from elastic_ops.runtime.outcome import Progress
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +52,7 @@ class LeaseKeeper:
 
     def __init__(
         self,
-        client: Any,
+        client: PoolClient,
         job: str,
         epoch: int,
         workers: int,
@@ -123,7 +127,7 @@ class LeaseKeeper:
             log.info("job %s: %d workers from iteration %d%s", self.job, workers, iteration, where)
             self._wake.set()
 
-    def progressed(self, p: Any) -> None:
+    def progressed(self, p: Progress) -> None:
         """The runner reached a boundary (its ``Progress``: ``iteration``, ``workers``): the
         iterations since the previous one at the same worker count, timed here, go to the pool
         with the next heartbeat (how fast the job runs at that size). A change of count starts
