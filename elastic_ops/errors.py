@@ -8,7 +8,6 @@ normal retry with backoff. Messages carry the values involved and a hint.
 from __future__ import annotations
 
 import reprlib
-from typing import Any
 
 
 class ElasticOpsError(Exception):
@@ -34,7 +33,7 @@ UNSET = _Unset()
 """The value of a :class:`SpecError` about a setting that was not given at all."""
 
 
-def short_repr(value: Any, limit: int = 300) -> str:
+def short_repr(value: object, limit: int = 300) -> str:
     """``repr(value)`` cut to ``limit`` characters for a message. Bounded in depth and width as
     it is built, so a value that nests or repeats itself enormously (a YAML alias bomb, a 1 MB
     string sent over HTTP) costs nothing to quote and is not echoed back whole."""

@@ -43,7 +43,7 @@ _LABEL_KEY_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-/]{0,62}")
 MAX_SELECTOR_LABELS = 16
 
 
-def check_host_selector(field: str, value: Any) -> dict[str, str]:
+def check_host_selector(field: str, value: object) -> dict[str, str]:
     """Host labels a job's hosts must all carry (``{"gpu": "h100"}``): keys of letters, digits,
     ``_ . - /`` (up to 63), printable string values (up to 253), at most 16 pairs."""
     if value is None:
@@ -66,7 +66,7 @@ def check_host_selector(field: str, value: Any) -> dict[str, str]:
 STOP_BOUNDS = ("at_least", "at_most")
 
 
-def check_stop_when(field: str, value: Any) -> dict[str, Any] | None:
+def check_stop_when(field: str, value: object) -> dict[str, Any] | None:
     """``{"metric": NAME, "at_least": X}`` or ``{"metric": NAME, "at_most": X}`` (or None): stop
     the job at the first chunk end whose metrics (its ``loss`` or an evaluation metric) meet it."""
     if value is None:
@@ -110,7 +110,7 @@ def stop_metric_missing(stop_when: Mapping[str, Any] | None, metrics: Mapping[st
             "the job stops early only where a chunk end reports it (evaluate() gives all but loss)")
 
 
-def check_host_name(field: str, value: Any) -> str:
+def check_host_name(field: str, value: object) -> str:
     """A host name as hostnames go (the pool prints it as ``host:slot`` in events and placements;
     node agents are found by it)."""
     if not isinstance(value, str) or not _HOST_RE.fullmatch(value):
@@ -120,22 +120,23 @@ def check_host_name(field: str, value: Any) -> str:
     return value
 
 def check_number(
-    field: str, value: Any, *, minimum: float, exclusive: bool = False, unit: str = "",
+    field: str, value: object, *, minimum: float, exclusive: bool = False, unit: str = "",
     maximum: float | None = None,
 ) -> float:
     """``value`` as a finite number >= ``minimum`` (> when ``exclusive``) and <= ``maximum``, or
     :class:`SpecError` naming ``field`` (NaN and inf compare false both ways, so they are refused
     explicitly)."""
-    number = not isinstance(value, bool) and isinstance(value, int | float)
-    low = not number or not math.isfinite(value) or value < minimum or (exclusive and value == minimum)
-    if low or (maximum is not None and value > maximum):
+    if (
+        isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value)
+        or value < minimum or (exclusive and value == minimum) or (maximum is not None and value > maximum)
+    ):
         op = ">" if exclusive else ">="
         most = "" if maximum is None else f" and <= {maximum:g}"
         raise SpecError(field, value, f"must be a finite number{unit} {op} {minimum:g}{most}")
     return value
 
 
-def check_checkpoint_uri(field: str, value: Any) -> str:
+def check_checkpoint_uri(field: str, value: object) -> str:
     """``value`` as a checkpoint store URI, or :class:`SpecError` naming ``field``."""
     shown = shown_url(value) if isinstance(value, str) else value  # s3://KEY:SECRET@… is refused, unechoed
     if not isinstance(value, str) or not _URI_RE.fullmatch(value):
@@ -215,7 +216,7 @@ class Device(enum.StrEnum):
     AUTO = "auto"
 
 
-def _enum(cls: type[enum.Enum], field: str, value: Any) -> Any:
+def _enum(cls: type[enum.Enum], field: str, value: object) -> Any:
     try:
         return cls(value)
     except ValueError:
@@ -223,12 +224,11 @@ def _enum(cls: type[enum.Enum], field: str, value: Any) -> Any:
         raise SpecError(field, value, f"must be one of {allowed}") from None
 
 
-def check_int(field: str, value: Any, lo: int, hi: int | None = None) -> int:
+def check_int(field: str, value: object, lo: int, hi: int | None = None) -> int:
     """``value`` as an integer in ``[lo, hi]`` (``hi=None``: no upper bound), or
     :class:`SpecError` naming ``field`` — the one integer check of every layer (spec, pool,
     wire messages, CLI)."""
-    number = not isinstance(value, bool) and isinstance(value, int)
-    if not number or value < lo or (hi is not None and value > hi):
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo or (hi is not None and value > hi):
         rng = f"between {lo} and {hi}" if hi is not None else f">= {lo}"
         raise SpecError(field, value, f"must be an integer {rng}")
     return value
@@ -562,7 +562,7 @@ class JobSpec:
         return cls.from_dict(data or {})
 
 
-def _short(value: Any, limit: int = 200) -> str:
+def _short(value: object, limit: int = 200) -> str:
     """``repr(value)`` cut to ``limit`` characters (see :func:`elastic_ops.errors.short_repr`)."""
     return short_repr(value, limit)
 
@@ -599,7 +599,7 @@ def _check_keys(field: str, mapping: Mapping) -> None:
         )
 
 
-def _check_size(field: str, value: Any) -> None:
+def _check_size(field: str, value: object) -> None:
     """Refuse a value that would expand past ``MAX_PARAMS_NODES`` values, nest deeper than
     ``MAX_PARAMS_DEPTH`` or contain itself, counting shared parts once per use without
     expanding them (a few lines of YAML anchors can otherwise describe billions of values), or
@@ -607,7 +607,7 @@ def _check_size(field: str, value: Any) -> None:
     sizes: dict[int, int] = {}
     open_: set[int] = set()
 
-    def size(v: Any, depth: int) -> int:
+    def size(v: object, depth: int) -> int:
         if not isinstance(v, Mapping | list | tuple):
             return 1
         key = id(v)
@@ -665,7 +665,7 @@ def _unique_key_loader():
 _FLOAT_RE = re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9][0-9_]*)[eE][-+]?[0-9]+$")
 
 
-def _plain(value: Any) -> Any:
+def _plain(value: object) -> Any:
     if isinstance(value, enum.Enum):
         return value.value
     if isinstance(value, Mapping):

@@ -124,7 +124,7 @@ def validate_fields(fields: dict[str, Any], num_chunks: int | None) -> tuple[Job
     return spec, num_chunks
 
 
-def _check_warm_start(value: Any) -> None:
+def _check_warm_start(value: object) -> None:
     if value is None or value == WARM_START_PREVIOUS:
         return
     allowed = f"must be a checkpoint URI (as the spec's checkpoint) or {WARM_START_PREVIOUS!r}"

@@ -8,7 +8,6 @@ import logging
 import socket
 import sys
 from collections.abc import Callable
-from typing import Any
 
 from elastic_ops.agent.cluster import NAMESPACE_ENV, URL_ENV
 from elastic_ops.agent.protocol import AGENT_SOCKET_ENV
@@ -16,7 +15,10 @@ from elastic_ops.agent.redis_channel import SECRET_ENV
 from elastic_ops.metrics import NO_METRICS, Metrics
 
 
-def add_commands(subparsers: Any, metrics: Callable[[], Metrics] = lambda: NO_METRICS) -> None:
+def add_commands(
+    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
+    metrics: Callable[[], Metrics] = lambda: NO_METRICS,
+) -> None:
     """The agents' commands; ``metrics()``: where a node agent sends its metrics (the top-level
     CLI wires in Airflow's Stats, so this package never imports Airflow)."""
     p = subparsers.add_parser(

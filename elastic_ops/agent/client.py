@@ -38,7 +38,7 @@ def progress_from_wire(msg: dict[str, Any]) -> Progress:
     return Progress(**{f.name: msg.get(f.name) for f in dataclasses.fields(Progress)})
 
 
-def result_from_wire(d: Any) -> ChunkResult:
+def result_from_wire(d: object) -> ChunkResult:
     """The runtime's ``ChunkResult`` from the agent's ``result`` message."""
     if not isinstance(d, dict):
         raise AgentProtocolError(f"a result must be an object, got {type(d).__name__}")

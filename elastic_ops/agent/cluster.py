@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+from collections.abc import Mapping
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
@@ -119,7 +120,7 @@ def _check_options(url: str) -> None:
             ) from None
 
 
-def node_config_from_env(environ: Any = None) -> NodeConfig | None:
+def node_config_from_env(environ: Mapping[str, str] | None = None) -> NodeConfig | None:
     """The cluster settings if ``ELASTIC_OPS_NODE_REDIS_URL`` is set (then the secret must be
     too), else ``None``: chunks run on this host."""
     env = os.environ if environ is None else environ

@@ -77,7 +77,7 @@ def _announcement(config: NodeConfig, host: str, raw: bytes | None, now: float) 
     return {k: v for k, v in info.items() if _printable(k) and (_printable(v) or _plain_number(v))}
 
 
-def _signed_at(info: Any) -> float | None:
+def _signed_at(info: object) -> float | None:
     """The time an opened announcement says it was written (None: it says none usable)."""
     at = info.get("at") if isinstance(info, dict) else None
     if isinstance(at, bool) or not isinstance(at, int | float) or not math.isfinite(at):
@@ -85,11 +85,11 @@ def _signed_at(info: Any) -> float | None:
     return float(at)
 
 
-def _printable(value: Any) -> bool:
+def _printable(value: object) -> bool:
     return isinstance(value, str) and len(value) <= 255 and value.isprintable()
 
 
-def _plain_number(value: Any) -> bool:
+def _plain_number(value: object) -> bool:
     return value is None or isinstance(value, bool | int | float)
 
 

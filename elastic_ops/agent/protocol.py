@@ -52,6 +52,7 @@ import select
 import socket
 import struct
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from elastic_ops import errors
@@ -89,7 +90,7 @@ class AgentRemoteError(RuntimeError):
 # --- configuration ---------------------------------------------------------------------------
 
 
-def check_socket_path(value: Any, field: str = AGENT_SOCKET_ENV) -> str:
+def check_socket_path(value: object, field: str = AGENT_SOCKET_ENV) -> str:
     """``value`` as a Unix socket path, or :class:`SpecError` naming ``field``."""
     allowed = f"an absolute path of at most {MAX_SOCKET_PATH} bytes"
     if not isinstance(value, str) or not value.startswith("/") or "\0" in value:
@@ -114,7 +115,7 @@ def trusted_peer(uid: int | None) -> bool:
     return uid is None or uid in (os.getuid(), 0)
 
 
-def agent_socket_from_env(environ: Any = None) -> str | None:
+def agent_socket_from_env(environ: Mapping[str, str] | None = None) -> str | None:
     """The agent socket configured for this host (``ELASTIC_OPS_AGENT_SOCKET``), or ``None``.
 
     Unset or empty means "no agent": chunks run in the task process. A set value must be a valid
@@ -243,7 +244,7 @@ class S3Config:
         return {k: getattr(self, k) for k in self.FIELDS if getattr(self, k) is not None}
 
     @classmethod
-    def from_wire(cls, value: Any) -> S3Config:
+    def from_wire(cls, value: object) -> S3Config:
         if not isinstance(value, dict):
             raise SpecError("store.s3", type(value).__name__, f"an object with keys {', '.join(cls.FIELDS)}")
         unknown = sorted(set(value) - set(cls.FIELDS))
@@ -285,7 +286,7 @@ class StoreConfig:
         }
 
     @classmethod
-    def from_wire(cls, value: Any, field: str = "store") -> StoreConfig:
+    def from_wire(cls, value: object, field: str = "store") -> StoreConfig:
         if not isinstance(value, dict):
             raise SpecError(field, type(value).__name__, "an object with uri, keep_last, keep_every, s3")
         unknown = sorted(set(value) - {"uri", "keep_last", "keep_every", "s3"})
@@ -313,7 +314,7 @@ class StoreConfig:
 # --- errors on the wire ----------------------------------------------------------------------
 
 
-def _plain(value: Any) -> Any:
+def _plain(value: object) -> Any:
     """``value`` if JSON can carry it as is, else its ``repr``."""
     if value is None or isinstance(value, (bool, int, str)):
         return value
@@ -372,7 +373,7 @@ def encode(msg: dict[str, Any]) -> bytes:
     return data
 
 
-def progress_to_wire(p: Any) -> dict[str, Any]:
+def progress_to_wire(p: Progress) -> dict[str, Any]:
     """A runtime ``Progress`` as a ``progress`` message (``client.progress_from_wire`` reverses it)."""
     return {"type": "progress", **{f.name: _finite(getattr(p, f.name)) for f in dataclasses.fields(Progress)}}
 

@@ -52,6 +52,7 @@ from elastic_ops.spec import MAX_ADAPTIVE_BATCH, check_host_name
 if TYPE_CHECKING:
     from elastic_ops.runtime.launcher import Launcher, LaunchRequest, Segment
     from elastic_ops.runtime.outcome import Progress
+    from elastic_ops.spec import JobSpec
 
 log = logging.getLogger("elastic_ops.agent")
 
@@ -267,7 +268,7 @@ class ChunkSession:
             self.channel.close()  # wakes the reader; what was sent is still delivered
             reader.join(timeout=10)
 
-    def _run(self, run_chunk: Callable[..., Any], spec: Any, r: dict[str, Any]) -> None:
+    def _run(self, run_chunk: Callable[..., Any], spec: JobSpec, r: dict[str, Any]) -> None:
         try:
             warm = r["warm_start"]
             result = run_chunk(
@@ -349,7 +350,7 @@ def latest_reply(req: dict[str, Any]) -> dict[str, Any]:
             "metrics": dict(ref.metrics) if ref else None}
 
 
-def warm_launcher(launcher: Any = None, warm: bool = True) -> Any:
+def warm_launcher(launcher: Launcher | None = None, warm: bool = True) -> Launcher:
     """Import the runtime (torch) and start the fork server with its preload, once; returns the
     launcher every chunk of this process shares (``launcher`` if given, else a ``LocalLauncher``)."""
     t0 = time.monotonic()

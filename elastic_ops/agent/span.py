@@ -46,9 +46,12 @@ from elastic_ops.errors import AgentProtocolError, SpecError
 from elastic_ops.spec import MAX_WORKERS_LIMIT
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from elastic_ops.agent.node_client import NodeClient
-    from elastic_ops.agent.redis_channel import Signer
-    from elastic_ops.runtime.launcher import Launcher, LaunchRequest, Segment
+    from elastic_ops.agent.redis_channel import RedisChannel, Signer
+    from elastic_ops.runtime.launcher import Launcher, LaunchRequest, RemotePart, Segment
+    from elastic_ops.runtime.span import FollowerRanks
 
 log = logging.getLogger("elastic_ops.node")
 
@@ -69,7 +72,7 @@ def rendezvous_key(signer: Signer, token: str) -> str:
     return signer.derive(RENDEZVOUS_PURPOSE, token)
 
 
-def check_advertise_addr(value: Any, field: str = "--advertise-addr") -> str:
+def check_advertise_addr(value: str, field: str = "--advertise-addr") -> str:
     """``value`` as an IP address of this host that can be listened on, or :class:`SpecError`."""
     allowed = "an IPv4 or IPv6 address of this host that the other hosts' node agents can reach"
     try:
@@ -86,7 +89,7 @@ def check_advertise_addr(value: Any, field: str = "--advertise-addr") -> str:
 
 
 def ranks_request(
-    req: Any, part: Any, group_rank: int, leader_cfg: dict[str, Any], token: str,
+    req: LaunchRequest, part: RemotePart, group_rank: int, leader_cfg: dict[str, Any], token: str,
 ) -> dict[str, Any]:
     """The ``ranks`` message asking ``part.host`` for ``part`` of the leader's launch ``req``;
     ``token`` names the segment's rendezvous key (:func:`rendezvous_key`), not the key itself."""
@@ -160,7 +163,7 @@ class RanksSession:
     """A follower's part of one spanning segment (one ``ranks`` request)."""
 
     def __init__(
-        self, channel: Any, request: dict[str, Any], launcher: Any, host: str, signer: Signer,
+        self, channel: RedisChannel, request: dict[str, Any], launcher: Launcher, host: str, signer: Signer,
     ) -> None:
         self.channel, self.host, self.signer = channel, host, signer
         self.request = _validate(request)
@@ -210,7 +213,7 @@ class RanksSession:
         finally:
             shutil.rmtree(directory, ignore_errors=True)
 
-    def _follow(self, ranks: Any, poll_s: float) -> None:
+    def _follow(self, ranks: FollowerRanks, poll_s: float) -> None:
         while True:
             ended = ranks.poll()
             if ended is not None:
@@ -231,7 +234,7 @@ class RanksSession:
 class RedisRanks:
     """The leader's view of another host's ranks, through that host's node agent."""
 
-    def __init__(self, host: str, channel: Any, close: Any) -> None:
+    def __init__(self, host: str, channel: RedisChannel, close: Callable[[RedisChannel], None]) -> None:
         self.host, self.channel, self._close = host, channel, close
         self.ended: Any = None
 

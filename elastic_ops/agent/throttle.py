@@ -6,7 +6,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 EVERY_S = 60.0
 BURST = 20
@@ -24,7 +23,7 @@ class ThrottledLog:
         self._window = float("-inf")
         self._logged = self._held = 0
 
-    def warning(self, message: str, *args: Any) -> None:
+    def warning(self, message: str, *args: object) -> None:
         with self._lock:
             now = self.clock()
             if now - self._window >= self.every_s:

@@ -6,7 +6,7 @@ Never imports Airflow. See docs/checkpoint.md.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Unpack
 from urllib.parse import unquote, urlparse
 
 from elastic_ops.checkpoint.backend import Backend, ObjectInfo
@@ -24,6 +24,11 @@ from elastic_ops.checkpoint.store import CheckpointRef, CheckpointStore
 from elastic_ops.errors import SpecError
 from elastic_ops.metrics import NO_METRICS, Metrics
 from elastic_ops.spec import bucket_problem, dot_segment
+
+if TYPE_CHECKING:
+    from botocore.client import BaseClient
+
+    from elastic_ops.checkpoint.s3 import S3Options
 
 __all__ = [
     "FORMAT_VERSION",
@@ -48,14 +53,14 @@ _ALLOWED_URI = "must be 'file:///absolute/path' or 's3://bucket/prefix'"
 def open_store(
     uri: str,
     *,
-    s3_client: Any = None,
+    s3_client: BaseClient | None = None,
     keep_last: int = 3,
     keep_every: int | None = None,
     clock: Callable[[], float] | None = None,
     checksum: Checksum | str = DEFAULT_CHECKSUM,
     create: bool = True,
     metrics: Metrics = NO_METRICS,
-    **backend_options: Any,
+    **backend_options: Unpack[S3Options],
 ) -> CheckpointStore:
     """Open the checkpoint store at ``uri``.
 

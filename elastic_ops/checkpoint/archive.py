@@ -247,7 +247,7 @@ class _ArchiveRecords:
         except KeyError:
             raise RuntimeError(f"the archive has no record {name!r}") from None
 
-    def get_storage_from_record(self, name: str, nbytes: int, _storage_type: Any) -> torch.Tensor:
+    def get_storage_from_record(self, name: str, nbytes: int, _storage_type: object) -> torch.Tensor:
         storage = self._storages.get(name)
         if storage is None or storage.numel() != nbytes:
             found = "none" if storage is None else f"{storage.numel()} bytes"

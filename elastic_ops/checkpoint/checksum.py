@@ -21,15 +21,18 @@ import enum
 import hashlib
 import re
 from collections.abc import Callable
-from typing import Any, BinaryIO, Protocol
+from typing import TYPE_CHECKING, BinaryIO, Protocol
 
 import xxhash
 
 from elastic_ops.errors import SpecError
 
+if TYPE_CHECKING:
+    from typing_extensions import Buffer  # collections.abc.Buffer from Python 3.12
+
 
 class Hasher(Protocol):
-    def update(self, data: Any, /) -> None: ...
+    def update(self, data: Buffer, /) -> None: ...
 
     def hexdigest(self) -> str: ...
 
@@ -44,7 +47,7 @@ class Checksum(enum.StrEnum):
             return hashlib.sha256()
         return xxhash.xxh3_128()
 
-    def hexdigest(self, data: Any) -> str:
+    def hexdigest(self, data: Buffer) -> str:
         """The digest of ``data`` (any buffer: bytes, bytearray, memoryview)."""
         h = self.hasher()
         h.update(data)

@@ -20,13 +20,17 @@ import pickle
 import random
 import zipfile
 from collections.abc import Mapping
-from typing import Any, BinaryIO
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
 import torch
 
 from elastic_ops.checkpoint.checksum import Checksum
 from elastic_ops.errors import CheckpointCorruptError, InvalidStateError, UnsafeCheckpointError
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer  # collections.abc.Buffer from Python 3.12
 
 _LEAF_TYPES = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device)
 _LEAF_SET = frozenset(_LEAF_TYPES)
@@ -37,7 +41,7 @@ _ALLOWED = (
 )
 
 
-def check_state(state: Any, path: str = "") -> None:
+def check_state(state: object, path: str = "") -> None:
     """Raise :class:`InvalidStateError` naming the first value ``torch.load`` would refuse."""
     bad = _first_invalid(state)
     if bad is not None:
@@ -45,7 +49,7 @@ def check_state(state: Any, path: str = "") -> None:
         raise InvalidStateError(path + where, value, _ALLOWED)
 
 
-def _first_invalid(value: Any) -> tuple[str, object] | None:
+def _first_invalid(value: object) -> tuple[str, object] | None:
     """(path, value) of the first value the safe loader would refuse, or ``None``.
 
     Runs on every save over every node of the state (a Python RNG state alone is 625 ints), so
@@ -66,7 +70,7 @@ def _first_invalid(value: Any) -> tuple[str, object] | None:
             if bad is not None:
                 return f"[{key!r}]{bad[0]}", bad[1]
         return None
-    if t in (list, tuple, torch.Size):
+    if t in (list, tuple, torch.Size) and isinstance(value, list | tuple):  # the same test, narrowed
         for i, item in enumerate(value):
             bad = _first_invalid(item)
             if bad is not None:
@@ -75,7 +79,7 @@ def _first_invalid(value: Any) -> tuple[str, object] | None:
     return "", value  # a foreign object, or a list/tuple subclass (a namedtuple)
 
 
-def encode_state(state: Any) -> bytes:
+def encode_state(state: object) -> bytes:
     """Serialise ``state`` (checked first) with ``torch.save``."""
     check_state(state)
     buf = io.BytesIO()
@@ -100,7 +104,7 @@ class _HashingWriter(io.RawIOBase):
     def writable(self) -> bool:
         return True
 
-    def write(self, data: Any) -> int:
+    def write(self, data: Buffer) -> int:
         view = memoryview(data).cast("B")
         n = len(view)
         for start in range(0, n, _PIECE):
@@ -120,7 +124,7 @@ class _HashingWriter(io.RawIOBase):
 _PIECE = 1 << 20
 
 
-def encode_state_into(state: Any, out: BinaryIO, algorithm: Checksum) -> tuple[str, int]:
+def encode_state_into(state: object, out: BinaryIO, algorithm: Checksum) -> tuple[str, int]:
     """Serialise ``state`` into ``out``; returns its (``algorithm`` digest, size).
 
     The caller has run :func:`check_state` (before creating anything to write into). The digest
@@ -144,7 +148,7 @@ class _BufferReader(io.RawIOBase):
     anything that is not ``bytes``). Wrapped in ``io.BufferedReader``, so the unpickler's many
     small reads are served in C; tensor data is copied once, straight into its storage."""
 
-    def __init__(self, data: Any) -> None:
+    def __init__(self, data: Buffer) -> None:
         self._view = memoryview(data).cast("B")
         self._pos = 0
 
@@ -162,7 +166,7 @@ class _BufferReader(io.RawIOBase):
         self._pos = max(0, base + offset)
         return self._pos
 
-    def readinto(self, buffer: Any) -> int:
+    def readinto(self, buffer: Buffer) -> int:
         out = memoryview(buffer).cast("B")
         n = max(0, min(len(out), len(self._view) - self._pos))
         out[:n] = self._view[self._pos : self._pos + n]
@@ -237,7 +241,9 @@ class decode_errors:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, typ: Any, exc: BaseException | None, tb: Any) -> bool:
+    def __exit__(
+        self, typ: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None,
+    ) -> bool:
         if exc is None or not isinstance(exc, Exception):
             return False
         if isinstance(exc, pickle.UnpicklingError):

@@ -108,7 +108,7 @@ def check_metrics(metrics: Mapping[str, Any] | None) -> dict[str, Any]:
         raise CheckpointError(f"invalid metrics={metrics!r}: must be JSON-serialisable ({exc})") from None
 
 
-def _json_default(value: Any) -> Any:
+def _json_default(value: object) -> Any:
     if hasattr(value, "item"):  # a 0-d tensor or numpy scalar
         return value.item()
     raise TypeError(f"{type(value).__name__} is not JSON-serialisable")

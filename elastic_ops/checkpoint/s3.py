@@ -13,7 +13,8 @@
 from __future__ import annotations
 
 import io
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypedDict, TypeVar
 
 import boto3
 from boto3.s3.transfer import TransferConfig
@@ -24,13 +25,18 @@ from elastic_ops.checkpoint.backend import Backend, ObjectInfo
 from elastic_ops.checkpoint.retry import RetryPolicy, call_with_retry, error_code
 from elastic_ops.errors import CheckpointCorruptError
 
+if TYPE_CHECKING:
+    from botocore.client import BaseClient
+
+T = TypeVar("T")
+
 MiB = 1024 * 1024
 DEFAULT_TRANSFER = TransferConfig(
     multipart_threshold=64 * MiB, multipart_chunksize=16 * MiB, max_concurrency=8, use_threads=True
 )
 
 
-def client_config(**overrides: Any) -> Config:
+def client_config(**overrides: object) -> Config:
     """The botocore settings the store relies on, for any S3 client it is handed.
 
     - botocore's own retries are off: :func:`call_with_retry` is the one retry loop.
@@ -54,7 +60,9 @@ def client_config(**overrides: Any) -> Config:
     )
 
 
-def make_client(endpoint_url: str | None = None, *, session: Any = None, **kwargs: Any) -> Any:
+def make_client(
+    endpoint_url: str | None = None, *, session: boto3.session.Session | None = None, **kwargs: object,
+) -> BaseClient:
     """A boto3 S3 client configured for the store (:func:`client_config`), from ``session`` or
     boto3's standard credential chain; path-style addressing when ``endpoint_url`` is given."""
     config = client_config(
@@ -65,6 +73,14 @@ def make_client(endpoint_url: str | None = None, *, session: Any = None, **kwarg
     return (session or boto3).client("s3", endpoint_url=endpoint_url, config=config, **kwargs)
 
 
+class S3Options(TypedDict, total=False):
+    """The settings :func:`~elastic_ops.checkpoint.open_store` passes on to :class:`S3Backend`."""
+
+    endpoint_url: str | None
+    retry: RetryPolicy | None
+    transfer_config: TransferConfig | None
+
+
 class S3Backend(Backend):
     remote = True
 
@@ -73,7 +89,7 @@ class S3Backend(Backend):
         bucket: str,
         prefix: str = "",
         *,
-        client: Any = None,
+        client: BaseClient | None = None,
         endpoint_url: str | None = None,
         retry: RetryPolicy | None = None,
         transfer_config: TransferConfig | None = None,
@@ -93,7 +109,7 @@ class S3Backend(Backend):
     def _key(self, key: str) -> str:
         return f"{self.prefix}/{key}" if self.prefix else key
 
-    def _call(self, verb: str, key: str, fn: Any) -> Any:
+    def _call(self, verb: str, key: str, fn: Callable[[], T]) -> T:
         return call_with_retry(fn, f"{verb} {self.uri}/{key}", self.retry)
 
     def put(self, key: str, data: bytes) -> None:
@@ -224,6 +240,6 @@ class S3Backend(Backend):
             self._call("delete", f"{keys[i]} (+{len(batch) - 1} more)", attempt)
 
 
-def _timestamp(value: Any) -> float | None:
+def _timestamp(value: object) -> float | None:
     """A listing's ``LastModified`` (a datetime) as seconds since the epoch."""
     return value.timestamp() if hasattr(value, "timestamp") else None

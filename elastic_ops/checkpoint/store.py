@@ -114,7 +114,9 @@ def _verify(ref: CheckpointRef, f: FileEntry, size: int | None, got: str) -> Non
         )
 
 
-def _verify_or_remove(ref: CheckpointRef, f: FileEntry, size: int | None, got: str, path: Any) -> None:
+def _verify_or_remove(
+    ref: CheckpointRef, f: FileEntry, size: int | None, got: str, path: str | os.PathLike[str],
+) -> None:
     try:
         _verify(ref, f, size, got)
     except CheckpointCorruptError:
@@ -262,7 +264,7 @@ class CheckpointStore:
     def save(
         self,
         iteration: int,
-        state: Any,
+        state: object,
         *,
         epoch: int,
         spec_hash: str,
@@ -347,7 +349,7 @@ class CheckpointStore:
     def save_async(
         self,
         iteration: int,
-        state: Any,
+        state: object,
         *,
         epoch: int,
         spec_hash: str,
@@ -402,7 +404,7 @@ class CheckpointStore:
 
         return upload
 
-    def _submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future[Any]:
+    def _submit(self, fn: Callable[..., Any], *args: object, **kwargs: object) -> Future[Any]:
         """Run ``fn`` on the store's one background thread (FIFO: work runs in call order)."""
         with self._lock:
             if self._executor is None or self._executor_pid != os.getpid():  # none, or a fork's copy

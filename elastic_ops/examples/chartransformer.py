@@ -19,7 +19,6 @@ Parameters (``JobSpec.params``): ``context`` (64), ``stride`` (32), ``d_model`` 
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +32,7 @@ from elastic_ops.examples import params as P
 from elastic_ops.runtime.trainable import Trainable
 
 
-def _optional_sha(key: str, value: Any) -> str | None:
+def _optional_sha(key: str, value: object) -> str | None:
     if value is None:
         return None
     if not isinstance(value, str) or len(value) != 64 or not all(c in "0123456789abcdef" for c in value):
@@ -129,7 +128,7 @@ class CharLM(nn.Module):
 class CharTransformer(Trainable):
     """Next-character prediction on stdlib source; reports validation loss and bits per char."""
 
-    def __init__(self, **params: Any) -> None:
+    def __init__(self, **params: object) -> None:
         p = P.parse(params, SCHEMA)
         if p["d_model"] % p["heads"]:
             raise SpecError("params.heads", p["heads"], f"must divide params.d_model ({p['d_model']})")

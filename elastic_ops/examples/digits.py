@@ -89,7 +89,7 @@ def _device_of(model: nn.Module) -> torch.device:
 class DigitsMLP(Trainable):
     """Classifies 8x8 digit images with a ReLU MLP trained by AdamW on cross-entropy."""
 
-    def __init__(self, **params: Any) -> None:
+    def __init__(self, **params: object) -> None:
         super().__init__(**P.parse(params, SCHEMA))
 
     def _split(self) -> dict[str, np.ndarray]:

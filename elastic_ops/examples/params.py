@@ -15,33 +15,33 @@ from elastic_ops.spec import check_int
 Check = Callable[[str, Any], Any]
 
 
-def positive_int(key: str, value: Any) -> int:
+def positive_int(key: str, value: object) -> int:
     return check_int(f"params.{key}", value, 1)
 
 
-def non_negative_int(key: str, value: Any) -> int:
+def non_negative_int(key: str, value: object) -> int:
     return check_int(f"params.{key}", value, 0)
 
 
-def positive_float(key: str, value: Any) -> float:
+def positive_float(key: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
         raise SpecError(f"params.{key}", value, "must be a number > 0")
     return float(value)
 
 
-def non_negative_float(key: str, value: Any) -> float:
+def non_negative_float(key: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
         raise SpecError(f"params.{key}", value, "must be a number >= 0")
     return float(value)
 
 
-def fraction(key: str, value: Any) -> float:
+def fraction(key: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < 1:
         raise SpecError(f"params.{key}", value, "must be a number strictly between 0 and 1")
     return float(value)
 
 
-def probability(key: str, value: Any) -> float:
+def probability(key: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < 1:
         raise SpecError(f"params.{key}", value, "must be a number >= 0 and < 1")
     return float(value)

@@ -5,7 +5,10 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from elastic_ops.runtime.outcome import Progress
 
 
 def format_eta(seconds: float | None) -> str:
@@ -21,11 +24,11 @@ def format_eta(seconds: float | None) -> str:
 
 def progress_logger(
     log: logging.Logger, job: str, *, every_s: float = 2.0, clock: Callable[[], float] = time.monotonic
-) -> Callable[[Any], None]:
+) -> Callable[[Progress], None]:
     """An ``on_progress`` callback that logs at most every ``every_s`` seconds (and the last one)."""
     last = [float("-inf")]
 
-    def on_progress(p: Any) -> None:
+    def on_progress(p: Progress) -> None:
         now = clock()
         if now - last[0] < every_s and p.iteration < p.end:
             return

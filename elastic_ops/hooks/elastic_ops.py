@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 from airflow.sdk import BaseHook
 from airflow.sdk.exceptions import AirflowNotFoundException
 
 from elastic_ops.errors import SpecError
+
+if TYPE_CHECKING:
+    from airflow.sdk import Connection
 
 DEFAULT_CONN_ID = "elastic_ops_pool_default"
 CONN_TYPE = "elastic_ops_pool"
@@ -47,7 +50,7 @@ def default_checkpoint_root() -> str:
     return f"file://{airflow_home() / CHECKPOINT_DIR}"
 
 
-def url_from_connection(conn: Any) -> str:
+def url_from_connection(conn: Connection) -> str:
     """A SQLAlchemy URL from an ``elastic_ops_pool`` connection (``extra.url`` wins)."""
     extra = conn.extra_dejson or {}
     if extra.get("url"):

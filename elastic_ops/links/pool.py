@@ -4,15 +4,19 @@ workers, target and the other jobs sharing the pool are."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from airflow.sdk import BaseOperatorLink
+
+if TYPE_CHECKING:
+    from airflow.sdk import BaseOperator
+    from airflow.sdk.types import TaskInstanceKey
 
 
 class PoolPageLink(BaseOperatorLink):
     name = "Elastic pool"
 
-    def get_link(self, operator: Any, *, ti_key: Any) -> str:
+    def get_link(self, operator: BaseOperator, *, ti_key: TaskInstanceKey) -> str:
         from airflow.sdk.configuration import conf
 
         base = (conf.get("api", "base_url", fallback="") or "").rstrip("/")

@@ -197,7 +197,7 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
         return self._ending_job_if_final(context, self._resumed, context, event)
 
     def _ending_job_if_final(self, context: Context, step: Callable[..., dict[str, Any]],
-                             *args: Any) -> dict[str, Any]:
+                             *args: object) -> dict[str, Any]:
         """Run ``step``; a failure outside any grant (while deferred, or before asking) that ends
         the task for good ends the job in the pool too, so its demand stops holding slots back."""
         try:
@@ -491,7 +491,7 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
         self._quietly("release the lease", self._release, running.client, running.job, running.epoch,
                       finished=True)
 
-    def _quietly(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+    def _quietly(self, what: str, fn: Callable[..., Any], *args: object, **kwargs: object) -> None:
         """Clean-up that must not replace the error being raised (the pool's own safety net,
         the lease TTL, still returns the slots)."""
         try:

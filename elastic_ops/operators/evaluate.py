@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from botocore.client import BaseClient
 
 
 def evaluate_checkpoint(root_uri: str, entrypoint: str, params: dict[str, Any] | None = None,
-                        *, s3_client: Any = None) -> dict[str, float]:
+                        *, s3_client: BaseClient | None = None) -> dict[str, float]:
     """Load the newest verified checkpoint under ``root_uri`` and run the Trainable's evaluate."""
     from elastic_ops.checkpoint import open_store
     from elastic_ops.errors import CheckpointNotFoundError

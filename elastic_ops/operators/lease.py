@@ -34,13 +34,16 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from elastic_ops.errors import ElasticOpsError, LeaseExpiredError
 from elastic_ops.metrics import NO_METRICS, Metrics
 from elastic_ops.pool.model import Observation
 from elastic_ops.runtime.allocation import Allocation
 from elastic_ops.runtime.outcome import Progress
+
+if TYPE_CHECKING:
+    from elastic_ops.pool.client import PoolClient
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +54,7 @@ class LeaseKeeper:
 
     def __init__(
         self,
-        client: Any,
+        client: PoolClient,
         job: str,
         epoch: int,
         workers: int,
@@ -151,8 +154,7 @@ class LeaseKeeper:
 
     def _progress(self) -> tuple[tuple[int, int, int] | None, Observation] | None:
         """One configuration's measurements to send (the others wait for the next beats), with
-        the latest gradient statistics; or the statistics alone at a configuration's rate of
-        nothing yet (None: nothing new)."""
+        the latest gradient statistics (None: nothing new measured)."""
         with self._lock:
             grad = self._grad
             stats = {} if grad is None else {"grad_sqr": grad[0], "grad_var": grad[1]}

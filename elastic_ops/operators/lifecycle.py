@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseOperator, Context
 
@@ -18,6 +18,10 @@ from elastic_ops.operators.results import ChunkTaskResult
 from elastic_ops.spec import stop_reached
 from elastic_ops.utils.jobs import check_conn_ids, check_seconds, register
 from elastic_ops.utils.retry import ElasticRetryPolicy, default_to
+
+if TYPE_CHECKING:
+    from elastic_ops.hooks.elastic_ops import ElasticOpsHook
+    from elastic_ops.pool import PoolClient
 
 MISSED_HEARTBEATS = 3  # a lease not renewed for this many heartbeat intervals has no live holder
 _sleep = time.sleep
@@ -145,7 +149,7 @@ class ElasticFinalizeOperator(JobTaskOperator):
         self.log.info("job %s finished: model %s, metrics %s", spec.name, ref.uri, summary["metrics"])
         return summary
 
-    def _finish_in_pool(self, hook: Any, job: str) -> None:
+    def _finish_in_pool(self, hook: ElasticOpsHook, job: str) -> None:
         """The last chunk released with ``finished=True``; this covers a last chunk that had no
         work (already done) and so held no lease."""
         hook.pool().finish(job)
@@ -188,7 +192,7 @@ class ElasticEndJobOperator(JobTaskOperator):
                              "cleared without the tasks after it): ended it", job)
         return {"job": job, "ended": ended}
 
-    def _wait_for_a_quiet_lease(self, client: Any, job: str) -> None:
+    def _wait_for_a_quiet_lease(self, client: PoolClient, job: str) -> None:
         """Airflow runs this once the chunk tasks are *marked* done: for a run marked failed,
         before the chunk's process has stopped (its workers train on until its on_kill or its
         death). Ending the job then would give the slots to another job while those workers

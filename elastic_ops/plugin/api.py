@@ -205,7 +205,7 @@ app = FastAPI(title="elastic_ops pool", description="Resource pool status and ru
               docs_url=None, redoc_url=None, openapi_url=None)
 
 
-def _json_safe(value: Any) -> Any:
+def _json_safe(value: object) -> Any:
     """``value`` with every non-finite float as its text: JSON has none, and a body may hold one
     (``NaN``, ``Infinity`` and ``1e400`` parse)."""
     if isinstance(value, float) and not math.isfinite(value):

@@ -11,7 +11,7 @@ the environment only, never from the command line, which ``ps`` shows; never log
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, unquote, urlsplit
 
 import httpx
@@ -25,6 +25,9 @@ from elastic_ops.errors import (
     UnknownJobError,
 )
 from elastic_ops.urls import shown_url
+
+if TYPE_CHECKING:
+    from elastic_ops.pool.model import HostState
 
 ENV_API_URL = "ELASTIC_OPS_API_URL"
 ENV_API_TOKEN = "ELASTIC_OPS_API_TOKEN"
@@ -102,7 +105,7 @@ class ApiPoolClient:
             raise LedgerUnavailableError(f"api-server {self.url} unreachable: {type(exc).__name__}: {exc}",
                                          hint="check the URL and that the api-server is up") from None
 
-    def _call(self, method: str, path: str, *, json: Any = None, params: dict | None = None) -> Any:
+    def _call(self, method: str, path: str, *, json: object = None, params: dict | None = None) -> Any:
         headers = {"Authorization": f"Bearer {self._bearer()}"}
         r = self._send(method, f"{self.url}{PREFIX}{path}", json=json, params=params, headers=headers)
         no_route = PoolError(f"the api-server at {self.url} has no {PREFIX}{path} route",
@@ -169,13 +172,13 @@ class ApiPoolClient:
     def drain_host(self, name: str) -> None:
         self.set_host_state(name, "draining")
 
-    def set_host_state(self, name: str, state: Any) -> None:
+    def set_host_state(self, name: str, state: HostState | str) -> None:
         self._call("POST", f"/hosts/{_q(name)}/state", json={"state": str(getattr(state, "value", state))})
 
     def add_host(self, name: str, slots: int, labels: dict[str, str] | None = None) -> None:
         self._call("PUT", f"/hosts/{_q(name)}", json={"slots": slots, "labels": dict(labels or {})})
 
-    def configure(self, **settings: Any) -> dict[str, Any]:
+    def configure(self, **settings: object) -> dict[str, Any]:
         return self._call("PATCH", "/settings", json=settings)
 
     def prune_events(self, older_than_s: float) -> int:

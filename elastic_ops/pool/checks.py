@@ -22,14 +22,14 @@ MAX_SETTING = 1e9  # any other setting (seconds or a fraction): past it, arithme
 MAX_LOOKBACK_H = 1e6  # ~114 years: more reads the whole log anyway; a huge value would overflow to inf
 
 
-def check_bounds(min_workers: Any, max_workers: Any) -> None:
-    check_int("min_workers", min_workers, 1, MAX_WORKERS_LIMIT)
-    check_int("max_workers", max_workers, 1, MAX_WORKERS_LIMIT)
-    if min_workers > max_workers:
+def check_bounds(min_workers: object, max_workers: object) -> None:
+    low = check_int("min_workers", min_workers, 1, MAX_WORKERS_LIMIT)
+    high = check_int("max_workers", max_workers, 1, MAX_WORKERS_LIMIT)
+    if low > high:
         raise SpecError("min_workers", min_workers, f"must be <= max_workers ({max_workers})")
 
 
-def check_name(field: str, value: Any) -> str:
+def check_name(field: str, value: object) -> str:
     """A job's name: printable (no control characters), no surrounding spaces, 1-255 characters
     (the Airflow layer's are ``<dag>.<group>.<run_id>``, sanitised)."""
     if (
@@ -43,17 +43,17 @@ def check_name(field: str, value: Any) -> str:
 MAX_EPOCH = 2**63 - 1  # the ledger's integers
 
 
-def check_epoch(value: Any) -> int:
+def check_epoch(value: object) -> int:
     return check_int("epoch", value, 0, MAX_EPOCH)
 
 
-def check_flag(field: str, value: Any) -> bool:
+def check_flag(field: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise SpecError(field, value, "must be true or false")
     return value
 
 
-def check_hosts(field: str, value: Any) -> list[str]:
+def check_hosts(field: str, value: object) -> list[str]:
     """A collection of host names (a string is one name, not a collection of letters)."""
     if isinstance(value, str | bytes | Mapping) or not isinstance(value, Iterable):
         raise SpecError(field, value, "must be a list of host names")
@@ -76,7 +76,7 @@ def _built(field: str, value: Mapping[str, Any], cls: type, needs: str) -> Any:
         raise SpecError(field, dict(value), f"needs {needs}") from None
 
 
-def check_observation(value: Any) -> Observation | None:
+def check_observation(value: object) -> Observation | None:
     """A heartbeat's ``measured``: an :class:`Observation` (or its dict), each field in range."""
     if value is None:
         return None
@@ -100,7 +100,7 @@ def check_observation(value: Any) -> Observation | None:
     return value
 
 
-def check_batching(value: Any) -> Batching | None:
+def check_batching(value: object) -> Batching | None:
     """``submit``'s ``batching``: a :class:`Batching` (or its dict), or None (a fixed batch)."""
     if value is None:
         return None
@@ -112,7 +112,8 @@ def check_batching(value: Any) -> Batching | None:
         except ValueError as exc:
             if isinstance(exc, SpecError):
                 raise
-            raise SpecError("batching", dict(value), str(exc).split(": ", 1)[-1]) from None
+            given = dict(value) if isinstance(value, Mapping) else value  # a mapping here, narrowed
+            raise SpecError("batching", given, str(exc).split(": ", 1)[-1]) from None
     if not isinstance(value, Batching):
         raise SpecError("batching", value, "must be a Batching (base, most, per_worker, least, "
                         "per_worker_most) or None")
@@ -121,7 +122,7 @@ def check_batching(value: Any) -> Batching | None:
     return value
 
 
-def check_placements(value: Any) -> list[Slot] | None:
+def check_placements(value: object) -> list[Slot] | None:
     """``[(host, slot), ...]``: the slots a job says it still uses. A malformed entry would match
     none of its slots, so that every slot the plan takes looked given up while still in use."""
     if value is None:
@@ -140,11 +141,13 @@ def check_placements(value: Any) -> list[Slot] | None:
 check_host = check_host_name
 
 
-def check_host_state(value: Any) -> HostState:
-    try:
-        return HostState(value)
-    except ValueError:
-        raise SpecError("state", value, "must be one of 'up', 'draining', 'down', 'cooling'") from None
+def check_host_state(value: object) -> HostState:
+    if isinstance(value, str):  # any other value is no state either
+        try:
+            return HostState(value)
+        except ValueError:
+            pass
+    raise SpecError("state", value, "must be one of 'up', 'draining', 'down', 'cooling'")
 
 
 CONFIG_FIELDS = tuple(k for k in s.DEFAULTS)

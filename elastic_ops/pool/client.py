@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
-from sqlalchemy import Connection, func, inspect, select, true
+from sqlalchemy import Connection, Row, func, inspect, select, true
 from sqlalchemy.exc import DatabaseError, DBAPIError, OperationalError, ProgrammingError
 from tenacity import (
     Retrying,
@@ -90,7 +90,7 @@ class Lock(enum.StrEnum):
 ENV_URL = "ELASTIC_OPS_POOL_URL"
 
 
-def _event_dict(r: Any) -> dict[str, Any]:
+def _event_dict(r: Row[Any]) -> dict[str, Any]:
     return {
         "id": r.id,
         "ts": r.ts,
@@ -108,7 +108,7 @@ def _labels(labels: Mapping[str, str]) -> str:
     return ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
 
 
-def _raise_if_error(result: Any) -> Any:
+def _raise_if_error(result: T | LeaseExpiredError) -> T:
     if isinstance(result, LeaseExpiredError):
         raise result
     return result
@@ -146,7 +146,7 @@ class PoolClient:
         metrics: Metrics = NO_METRICS,
         create: bool = True,
         wait_for_plan: bool = True,
-        **settings: Any,
+        **settings: object,
     ) -> None:
         url = url or os.environ.get(ENV_URL)
         if not url:
@@ -428,7 +428,7 @@ class PoolClient:
 
     # --- settings and hosts --------------------------------------------------------------
 
-    def configure(self, **settings: Any) -> dict[str, Any]:
+    def configure(self, **settings: object) -> dict[str, Any]:
         """Change pool-wide settings (policy, preemption, TTL, anti-thrashing, aging, the
         planner's pace) and re-plan."""
         changes = check_config(settings)

@@ -36,6 +36,7 @@ from typing import Any
 
 from sqlalchemy import Connection, Float, bindparam, case, delete, exists, func, insert, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import Row
 from sqlalchemy.sql.expression import CTE, ColumnElement, Select, Update
 
 from elastic_ops.errors import JobEndedError, LeaseExpiredError, SpecError, UnknownHostError, UnknownJobError
@@ -453,7 +454,7 @@ class Tx:
                   "reports": o.reports + ex.reports, "last_ts": ex.last_ts},
         ))
 
-    def _to_waiting(self, job: str, **extra: Any) -> None:
+    def _to_waiting(self, job: str, **extra: object) -> None:
         self.conn.execute(
             update(s.jobs).where(s.jobs.c.name == job).values(
                 state=JobState.WAITING.value, waiting_since=self.now, plan_placements=None,
@@ -977,7 +978,7 @@ class Tx:
         keep = [sl for sl in _slots_of(row.plan_placements) or () if sl in set(held)]
         return lease, tuple(keep) if keep else held, row.reason, self.settings["lease_ttl_s"]
 
-    def _reissue(self, job: str, lease: Any, current_epoch: int) -> Any:
+    def _reissue(self, job: str, lease: Row[Any], current_epoch: int) -> Any:
         """End ``lease`` and give its slots to a new lease of the next epoch."""
         epoch = current_epoch + 1
         ttl = self.settings["lease_ttl_s"]
@@ -1037,7 +1038,7 @@ class Tx:
         self.mark_dirty()
         return True
 
-    def _give_back(self, row: Any, epoch: int, finished: bool) -> bool:
+    def _give_back(self, row: Row[Any], epoch: int, finished: bool) -> bool:
         """``PoolClient.release`` inside its transaction (the ledger synced)."""
         job = row.name
         live = self.live_lease(job)
@@ -1094,7 +1095,7 @@ class Tx:
         return int(gone.rowcount or 0)
 
 
-def _changed_demand(row: Any, values: dict[str, Any]) -> str:
+def _changed_demand(row: Row[Any], values: dict[str, Any]) -> str:
     """What a submit changes of a job's demand, as ``"max 8 -> 2, priority 1 -> 7"`` ('' if nothing)."""
     parts = []
     for key in ("min_workers", "max_workers", "priority", "preemptible", "selector", "batching"):

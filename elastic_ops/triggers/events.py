@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from elastic_ops.pool.api import Grant
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,7 +38,7 @@ class GrantEvent:
         }
 
     @classmethod
-    def from_grant(cls, grant: Any, state: dict[str, Any], waited_s: float = 0.0) -> GrantEvent:
+    def from_grant(cls, grant: Grant, state: dict[str, Any], waited_s: float = 0.0) -> GrantEvent:
         return cls(
             job=grant.job, epoch=int(grant.epoch),
             placements=tuple((str(h), int(s)) for h, s in grant.placements),

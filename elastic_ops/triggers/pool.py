@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
@@ -23,6 +23,10 @@ from elastic_ops.errors import ElasticOpsError, UnknownJobError
 from elastic_ops.pool.api import Grant
 from elastic_ops.triggers.events import CapacityEvent, GrantEvent, TriggerFailure
 from elastic_ops.urls import shown_url
+
+if TYPE_CHECKING:
+    from elastic_ops.pool import PoolClient
+    from elastic_ops.pool.api import Wait
 
 _MODULE = "elastic_ops.triggers.pool"
 
@@ -41,7 +45,7 @@ async def _pool_client(ledger_url: str):
     return await asyncio.to_thread(_open_ledger, ledger_url)
 
 
-def _close_quietly(client: Any) -> None:
+def _close_quietly(client: PoolClient) -> None:
     try:
         client.close()
     except Exception:  # noqa: BLE001 - closing must not replace the event or the cancellation
@@ -109,7 +113,7 @@ class GrantTrigger(_LedgerTrigger):
             },
         )
 
-    def _request_once(self, client: Any) -> Any:
+    def _request_once(self, client: PoolClient) -> Grant | Wait:
         return client.request(self.job, avoid_hosts=tuple(self.avoid_hosts))
 
     async def on_kill(self) -> None:

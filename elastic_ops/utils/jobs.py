@@ -11,10 +11,13 @@ import hashlib
 import math
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from elastic_ops.errors import SpecError
 from elastic_ops.spec import JobSpec, Scaling, check_checkpoint_uri, check_number
+
+if TYPE_CHECKING:
+    from elastic_ops.pool import PoolClient
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.\-]+")
 _INT_FIELDS = {
@@ -41,7 +44,7 @@ def job_id(dag_id: str, group_id: str, run_id: str) -> str:
     return safe_name(f"{dag_id}.{group_id}.{run_id}")
 
 
-def is_template(value: Any) -> bool:
+def is_template(value: object) -> bool:
     return isinstance(value, str) and ("{{" in value or "{%" in value)
 
 
@@ -97,7 +100,7 @@ def runtime_spec(
     return JobSpec.from_dict(data)
 
 
-def check_conn_ids(elastic_ops_conn_id: Any, aws_conn_id: Any = None) -> None:
+def check_conn_ids(elastic_ops_conn_id: object, aws_conn_id: object = None) -> None:
     """The connection ids an operator is given (not templated: checked when the DAG is parsed)."""
     if not isinstance(elastic_ops_conn_id, str) or not elastic_ops_conn_id.strip():
         raise SpecError("elastic_ops_conn_id", elastic_ops_conn_id, "must be a non-empty connection id")
@@ -105,7 +108,7 @@ def check_conn_ids(elastic_ops_conn_id: Any, aws_conn_id: Any = None) -> None:
         raise SpecError("aws_conn_id", aws_conn_id, "must be a non-empty connection id, or None")
 
 
-def check_seconds(field: str, value: Any) -> None:
+def check_seconds(field: str, value: object) -> None:
     """An interval an operator or sensor waits (not templated: checked when the DAG is parsed)."""
     check_number(field, value, minimum=0, exclusive=True, unit=" of seconds")
 
@@ -118,7 +121,7 @@ def chunk_range(spec: JobSpec, index: int) -> tuple[int, int]:
     return spec.total_iterations, spec.total_iterations
 
 
-def register(client: Any, spec: JobSpec) -> None:
+def register(client: PoolClient, spec: JobSpec) -> None:
     """Register (or update) ``spec``'s demand with the pool."""
     client.submit(
         spec.name, min_workers=spec.min_workers, max_workers=spec.max_workers,

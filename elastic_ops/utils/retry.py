@@ -33,7 +33,7 @@ class ElasticRetryPolicy(RetryPolicy):
         return cls()
 
 
-def default_to(kwargs: dict[str, Any], **defaults: Any) -> None:
+def default_to(kwargs: dict[str, Any], **defaults: object) -> None:
     """Set each of ``defaults`` in an operator's ``kwargs`` unless the DAG author gave it, in the
     call or in ``default_args`` (Airflow hands those to ``__init__`` as ``default_args`` and
     applies them only to arguments the call lacks: a plain ``setdefault`` overrode them)."""
