@@ -8,6 +8,7 @@ import sys
 BENCHMARKS = (
     ["benchmarks.runtime_overhead"],
     ["benchmarks.consistency_modes"],
+    ["benchmarks.adaptive_digits"],
     ["benchmarks.checkpoint_io"],
     ["benchmarks.fence_cost"],
     ["benchmarks.handover"],
