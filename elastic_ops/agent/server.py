@@ -58,7 +58,14 @@ log = logging.getLogger("elastic_ops.agent")
 
 MAX_CONNECTIONS = 256  # open at once (a thread each): chunks, pings and latest questions
 PROGRESS_EVERY_S = 0.5  # progress messages per chunk, at most (the last iteration always goes)
-RUN_KEYS = frozenset("op version spec start end epoch host workers slots spans store warm_start".split())
+RUN_KEYS = frozenset(
+    "op version spec start end epoch host workers slots spans batch store warm_start".split()
+)
+
+
+def _batch(msg: dict[str, Any]) -> int:
+    """An adaptive job's batch in a run or target message (absent: its own, 0)."""
+    return require_int(msg, "batch", optional=True, maximum=MAX_ADAPTIVE_BATCH) or 0
 
 
 class _ChildThreadWarning(logging.Filter):
@@ -135,7 +142,7 @@ class ChunkSession:
         self._last_progress = float("-inf")
         self.request = self._validate(request)
         r = self.request
-        self.wanted = Allocation.split(r["workers"], r["host"], r["slots"], r["spans"])
+        self.wanted = Allocation.split(r["workers"], r["host"], r["slots"], r["spans"], r["batch"])
         # a node agent leading segments across hosts: the other hosts' slots are its to use
         self.span_hosts = r["slots"] is not None and r["spans"] is not None
         # the running segment as last told to the task: none yet, so the first segment is
@@ -164,6 +171,7 @@ class ChunkSession:
             "workers": require_int(req, "workers"),
             "slots": require_slots(req),
             "spans": require_spans(req),
+            "batch": _batch(req),
             "store": StoreConfig.from_wire(req.get("store")),
             "warm_start": StoreConfig.from_wire(warm, "warm_start") if warm is not None else None,
         }
@@ -225,10 +233,8 @@ class ChunkSession:
                     raise SpecError(
                         "spans", spans, "a list in every target if the run request had one, else absent"
                     )
-                # an adaptive job's batch (absent: its own)
-                batch = require_int(msg, "batch", optional=True, maximum=MAX_ADAPTIVE_BATCH) or 0
                 with self._lock:
-                    self.wanted = Allocation.split(workers, self.request["host"], slots, spans, batch)
+                    self.wanted = Allocation.split(workers, self.request["host"], slots, spans, _batch(msg))
         except EOFError:
             if not self.done.is_set():
                 log.warning(

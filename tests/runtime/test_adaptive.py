@@ -144,3 +144,20 @@ def test_the_counter_never_passes_the_chunks_end_and_the_state_round_trips():
             it += a.advance(g)
             assert it <= end
             assert AdaptiveBatch.restore(8, a.state()) == a
+
+
+def test_through_the_per_host_agent_the_batch_goes_out_and_the_statistics_come_back(tmp_path):
+    from elastic_ops.agent.client import AgentClient
+    from elastic_ops.agent.protocol import StoreConfig
+    from tests.runtime.agent_helpers import running_agent
+
+    spec = adaptive_spec(tmp_path)
+    progress = []
+    with running_agent(tmp_path / "agent") as agent:
+        result = AgentClient(agent.path).run_chunk(
+            spec.to_dict(), 0, 30, epoch=1, host="h1", store=StoreConfig(spec.checkpoint_uri()),
+            target=lambda: Allocation(2, batch=48), on_progress=progress.append,
+        )
+    assert result.iteration == 30 and [n for _, n, _ in result.workers_timeline] == [2]
+    assert {p.batch for p in progress if p.batch} >= {48}  # the pool's batch reached the workers
+    assert any(p.grad_var for p in progress) and progress[-1].steps < 30
