@@ -504,8 +504,6 @@ class JobSpec:
         )
         if self.scaling in (Scaling.LINEAR_LR, Scaling.SQRT_LR):  # the batch and the LR grow from
             keys += ("min_workers",)  # min_workers' (fixed: no hash change, existing checkpoints resume)
-        if self.scaling is Scaling.ADAPTIVE:
-            keys += ("max_global_batch",)
         if self.script_args:  # likewise only when given
             keys += ("script_args",)
         return {k: _plain(getattr(self, k)) for k in keys}

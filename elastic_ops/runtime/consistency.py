@@ -143,10 +143,6 @@ def noise_estimate(small: float, big: float, batch: int, parts: int) -> tuple[fl
     return big - var / batch, var
 
 
-def _sqnorm(v: torch.Tensor) -> float:
-    return float(torch.dot(v, v))
-
-
 def _chunks(indices: torch.Tensor, size: int | None) -> list[torch.Tensor]:
     if not size or len(indices) <= size:
         return [indices]
@@ -243,19 +239,22 @@ class GradientEngine:
                     self._accumulate(batch[lo:mid], total, buf[-1])
                     first = grads.clone()
                     self._accumulate(batch[mid:hi], total, buf[-1])
-                    buf[-2] = (_sqnorm(first) / (mid - lo) + _sqnorm(grads - first) / (hi - mid)) * total**2
+                    second = grads - first
+                    buf[-2] = (first.dot(first) / (mid - lo) + second.dot(second) / (hi - mid)) * total**2
                 else:
                     self._accumulate(batch[lo:hi], total, buf[-1])
                     if self.measure:  # this worker's part: b_i |g_i|^2, its gradient scaled by b_i / B
-                        buf[-2] = _sqnorm(grads) * total**2 / (hi - lo)
+                        buf[-2] = grads.dot(grads) * (total**2 / (hi - lo))
         self.grads.record_used(buf)
         if self.workers > 1:
             dist.all_reduce(buf)
-        if self.measure:
-            parts = 2 if self.workers == 1 else min(self.workers, total)
-            self.noise = noise_estimate(float(buf[-2]), _sqnorm(grads), total, parts)
         self.grads.give_grads(buf)
-        return buf[-1].item()
+        if not self.measure:
+            return buf[-1].item()
+        small, big, loss = torch.stack([buf[-2], grads.dot(grads), buf[-1]]).tolist()  # one device sync
+        parts = 2 if self.workers == 1 else min(self.workers, total)
+        self.noise = noise_estimate(small, big, total, parts)
+        return loss
 
     def _bitwise(self, iteration: int, batch: torch.Tensor) -> float:
         size = len(batch) // self.shards
@@ -278,12 +277,15 @@ class GradientEngine:
                 out.copy_(rows[r][j])
             else:
                 out.add_(rows[r][j])
-        if self.measure:  # the shards are the parts: each row is its gradient scaled by size / B
-            n, total = self.grads.numel, len(batch)
-            small = sum(_sqnorm(rows[r][j][:n]) for r, j in self.row_owner) * total**2 / max(size, 1)
-            self.noise = noise_estimate(small, _sqnorm(out[:n]), total, self.shards)
         self.grads.give_grads(out, self._out_views)
-        return out[-1].item()
+        if not self.measure:
+            return out[-1].item()
+        # the shards are the parts: each row is its gradient scaled by size / B (one device sync)
+        n, total = self.grads.numel, len(batch)
+        norms = torch.stack([rows[r][j][:n].dot(rows[r][j][:n]) for r, j in self.row_owner])
+        small, big, loss = torch.stack([norms.sum(), out[:n].dot(out[:n]), out[-1]]).tolist()
+        self.noise = noise_estimate(small * total**2 / max(size, 1), big, total, self.shards)
+        return loss
 
 
 def lr_factor(ramp: dict[str, float], iteration: int, warmup: int) -> float:
