@@ -21,7 +21,7 @@ from elastic_ops.errors import SpecError
 if TYPE_CHECKING:
     from elastic_ops.spec import JobSpec
 
-EXAMPLES: tuple[str, ...] = ("digits", "digits-fast", "chartransformer")
+EXAMPLES: tuple[str, ...] = ("digits", "digits-fast", "digits-adaptive", "chartransformer")
 _HERE = Path(__file__).resolve().parent
 
 
