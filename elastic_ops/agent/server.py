@@ -651,7 +651,7 @@ class Agent(Drainable):
                     self.sessions.pop(n, None)
 
 
-def install_stop_signals(server: Any) -> None:
+def install_stop_signals(server: Drainable) -> None:
     """In the main thread: SIGTERM drains ``server`` (a termination notice; a second SIGTERM stops
     it at once), SIGINT and SIGHUP stop it at once."""
     if threading.current_thread() is not threading.main_thread():
