@@ -154,7 +154,7 @@ def test_a_drained_node_ends_its_chunk_as_a_preemption_and_the_task_continues_on
     monkeypatch.setenv("ELASTIC_OPS_NODE_NAMESPACE", config.namespace)
     pool = airflow_pool(monkeypatch, tmp_path, host="host-a", slots=2)
     pool.add_host("host-b", 2)
-    fields = {**TINY_FIELDS, "total_iterations": 400, "chunk_iterations": 400, "params": {"sleep_s": 0.01}}
+    fields = {**TINY_FIELDS, "total_iterations": 600, "chunk_iterations": 600, "params": {"sleep_s": 0.01}}
     op = ElasticChunkOperator(task_id="chunk_0", spec_fields=fields, chunk_index=0, group_id="train")
     context = {"dag": SimpleNamespace(dag_id="d"), "run_id": "run1"}
     try:
@@ -169,13 +169,13 @@ def test_a_drained_node_ends_its_chunk_as_a_preemption_and_the_task_continues_on
             NodeClient(config).drain("host-a", grace_s=60)
             thread.join(120)
             assert node_b.accepted == 1
-        assert out["status"] == "completed" and out["iterations"] == 400 and out["preemptions"] == 1
+        assert out["status"] == "completed" and out["iterations"] == 600 and out["preemptions"] == 1
         assert out["trained_on"] == ["host-a", "host-b"]
         assert not [e for e in pool.events() if e["kind"] == "failure"]  # a preemption, not a failure
         assert {h["name"]: h["state"] for h in pool.status()["hosts"]}["host-a"] == "draining"
         spec = make_spec(tmp_path / "ref", **{k: v for k, v in fields.items() if k not in (
             "chunk_iterations", "priority")})
-        assert out["param_sha256"] == run_chunk(spec, 0, 400, target=lambda i: 1).param_sha256
+        assert out["param_sha256"] == run_chunk(spec, 0, 600, target=lambda i: 1).param_sha256
     finally:
         drop_namespace(config)
 
