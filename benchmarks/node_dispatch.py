@@ -67,6 +67,27 @@ def process(args: list[str], env: dict[str, str], ready: Callable[[], bool]) -> 
         proc.wait(60)
 
 
+def bench_cluster() -> tuple[Any, dict[str, str]]:
+    """A namespace of its own on the local Redis (``ELASTIC_OPS_NODE_REDIS_URL``), and the
+    environment of the agent processes started in it (this checkout on their ``PYTHONPATH``)."""
+    from elastic_ops.agent.cluster import NodeConfig
+
+    url = os.environ.get("ELASTIC_OPS_NODE_REDIS_URL", "redis://127.0.0.1:6379/0")
+    config = NodeConfig(url=url, secret=secrets.token_urlsafe(24), namespace=f"bench-{secrets.token_hex(4)}")
+    repo = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])),
+               ELASTIC_OPS_NODE_REDIS_URL=config.url, ELASTIC_OPS_NODE_SECRET=config.secret,
+               ELASTIC_OPS_NODE_NAMESPACE=config.namespace)
+    return config, env
+
+
+def drop_namespace(config: Any) -> None:
+    r = config.redis()
+    keys = list(r.scan_iter(f"{config.namespace}:*"))
+    if keys:
+        r.delete(*keys)
+
+
 def one_chunk(client: Any, host: str, iterations: int, root: Path) -> dict[str, float]:
     from elastic_ops.agent.protocol import StoreConfig
     from elastic_ops.spec import JobSpec
@@ -118,17 +139,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--iterations must be > {GROW_AT + 20} (the grow happens at {GROW_AT})")
 
     from elastic_ops.agent.client import AgentClient
-    from elastic_ops.agent.cluster import NodeConfig
     from elastic_ops.agent.node_client import NodeClient
     from elastic_ops.errors import AgentUnavailableError
 
-    url = os.environ.get("ELASTIC_OPS_NODE_REDIS_URL", "redis://127.0.0.1:6379/0")
-    config = NodeConfig(url=url, secret=secrets.token_urlsafe(24), namespace=f"bench-{secrets.token_hex(4)}")
+    config, env = bench_cluster()
     root = Path(tempfile.mkdtemp(prefix="node-dispatch-"))
-    repo = str(Path(__file__).resolve().parents[1])
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])),
-               ELASTIC_OPS_NODE_REDIS_URL=config.url, ELASTIC_OPS_NODE_SECRET=config.secret,
-               ELASTIC_OPS_NODE_NAMESPACE=config.namespace)
     sock = str(root / "agent.sock")
     node_client = NodeClient(config)
 
@@ -154,10 +169,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"round {r} {name}: chunk {m['chunk_s']:.2f} s, start {m['start_s']:.3f} s, "
                           f"rescale {m['rescale_s']:.3f} s", flush=True)
     finally:
-        r = config.redis()
-        keys = list(r.scan_iter(f"{config.namespace}:*"))
-        if keys:
-            r.delete(*keys)
+        drop_namespace(config)
 
     med = {name: {k: statistics.median(m[k] for m in ms) for k in METRICS}
            for name, ms in runs.items()}

@@ -19,6 +19,7 @@ BENCHMARKS = (
     ["benchmarks.airflow_overhead", "--iterations", "400"],
     ["benchmarks.node_dispatch", "--repeats", "9"],
     ["benchmarks.span_overhead", "--repeats", "5"],
+    ["benchmarks.drain_notice"],
 )
 
 

@@ -26,10 +26,12 @@ def add_commands(
         help="serve chunk requests from the Airflow tasks on this host (keeps torch and workers warm)",
         description="Run the per-host elastic-ops agent: it imports torch once, keeps the workers' fork "
         "server warm, and runs the chunks that tasks send it over a Unix socket (mode 0600). Point the "
-        f"tasks at it with {AGENT_SOCKET_ENV}=PATH. Stops on SIGTERM/SIGINT, killing the workers of "
-        "running chunks.",
+        f"tasks at it with {AGENT_SOCKET_ENV}=PATH. SIGTERM drains it (running chunks commit at their "
+        "next iteration boundary and end as preempted, within --grace; what is left is killed), SIGINT "
+        "stops it at once, killing the workers of running chunks.",
     )
     p.add_argument("--socket", required=True, help="Unix socket path to listen on (absolute)")
+    _drain_arguments(p, "the agent serving --socket")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     p.set_defaults(func=cmd_agent)
     n = subparsers.add_parser(
@@ -39,8 +41,11 @@ def add_commands(
         "warm, announces the host in Redis and runs the chunks that Airflow tasks on any machine send for "
         f"it. Settings come from the environment, never the command line: {URL_ENV} (the cluster's Redis, "
         f"e.g. redis://:password@redis-host:6379/0), {SECRET_ENV} (the secret the tasks share, at least 16 "
-        f"characters) and optionally {NAMESPACE_ENV}. Stops on SIGTERM/SIGINT, killing the workers of "
-        "running chunks.",
+        f"characters) and optionally {NAMESPACE_ENV}. SIGTERM (a termination notice) drains it: no new "
+        "chunks, the host drained in the pool (with --pool-url or $ELASTIC_OPS_POOL_URL), running chunks "
+        "commit at their next iteration boundary and end as preempted (their tasks resume on another host), "
+        "within --grace; what is left is killed. SIGINT stops it at once, killing the workers of running "
+        "chunks.",
     )
     n.add_argument(
         "--host",
@@ -65,7 +70,10 @@ def add_commands(
         "chunks whose grant spans hosts (one process group; the rendezvous store listens on it); without "
         "it, a chunk trains with this host's slots only",
     )
-    n.add_argument("--pool-url", default=None, help="SQLAlchemy URL of the pool ledger, for --register-slots")
+    n.add_argument("--pool-url", default=None,
+                   help="SQLAlchemy URL of the pool ledger (default $ELASTIC_OPS_POOL_URL), for "
+                   "--register-slots and for draining the host in the pool on a drain")
+    _drain_arguments(n, "the node agent running for --host")
     n.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     n.set_defaults(func=cmd_node, flag_aliases={"labels": "--label"}, metrics=metrics)
     ls = subparsers.add_parser(
@@ -81,6 +89,25 @@ def add_commands(
                     help="Airflow's api-server (its /elastic-ops/nodes route); token from "
                     "$ELASTIC_OPS_API_TOKEN, or $ELASTIC_OPS_API_USER and $ELASTIC_OPS_API_PASSWORD")
     ls.set_defaults(func=cmd_nodes)
+
+
+def _drain_arguments(p: argparse.ArgumentParser, whose: str) -> None:
+    p.add_argument(
+        "--grace", default=None, metavar="SECONDS",
+        help="how long a drain (SIGTERM, --drain) waits for running chunks to commit at their next iteration "
+        "boundary before it kills them (0..3600; default 30; 0: kill at once)",
+    )
+    p.add_argument(
+        "--drain", action="store_true",
+        help=f"drain {whose} instead of serving: it takes no new chunks, its running chunks commit and end "
+        "as preempted within --grace (default: its own), then it exits; returns once it has taken the drain",
+    )
+
+
+def _grace(args: argparse.Namespace) -> float | None:
+    from elastic_ops.agent.server import check_grace
+
+    return None if args.grace is None else check_grace("--grace", args.grace)
 
 
 def _cluster_config():
@@ -133,6 +160,9 @@ def cmd_node(args: argparse.Namespace) -> int:
     from elastic_ops.spec import check_host_name
 
     check_host_name("--host", args.host)
+    grace = _grace(args)
+    if args.drain:
+        return drain_node(args, grace)
     if args.label and args.register_slots is None:
         raise SpecError(
             "--label", args.label, "only with --register-slots (labels of a host the node adds to the pool)",
@@ -154,7 +184,29 @@ def cmd_node(args: argparse.Namespace) -> int:
 
         reachable_redis(config)  # a node that cannot serve must not leave its host in the pool
         register_host(args.host, slots, args.pool_url, labels)
-    return main(args.host, config, advertise_addr=args.advertise_addr, metrics=args.metrics())
+    import os
+
+    from elastic_ops.agent.server import DRAIN_GRACE_S
+    from elastic_ops.pool.client import ENV_URL
+
+    return main(args.host, config, advertise_addr=args.advertise_addr, metrics=args.metrics(),
+                grace_s=DRAIN_GRACE_S if grace is None else grace,
+                pool_url=args.pool_url or os.environ.get(ENV_URL) or None)
+
+
+def drain_node(args: argparse.Namespace, grace: float | None) -> int:
+    """``elastic-ops node --host H --drain``: a sealed drain request to H's running node agent."""
+    from elastic_ops.agent.node_client import NodeClient
+    from elastic_ops.errors import SpecError
+
+    for flag, given in (("--register-slots", args.register_slots), ("--label", args.label),
+                        ("--advertise-addr", args.advertise_addr)):
+        if given:
+            raise SpecError(flag, given, "not with --drain (it sends a drain to the running node agent)")
+    info = NodeClient(_cluster_config()).drain(args.host, grace)
+    print(f"node agent of host {args.host} (pid {info.get('pid')}) is draining: its {info.get('chunks', 0)} "
+          "running chunk(s) commit at their next iteration boundary and end as preempted, then it exits")
+    return 0
 
 
 def slots_to_register(value: str) -> int:
@@ -202,7 +254,16 @@ def _log_to_stderr(level: str) -> None:
 
 
 def cmd_agent(args: argparse.Namespace) -> int:
-    from elastic_ops.agent.server import main
+    from elastic_ops.agent.server import DRAIN_GRACE_S, main
 
+    grace = _grace(args)
+    if args.drain:
+        from elastic_ops.agent.client import AgentClient
+
+        reply = AgentClient(args.socket).drain(grace)
+        print(f"agent at {args.socket} (pid {reply.get('pid')}) is draining: its {reply.get('chunks', 0)} "
+              f"running chunk(s) commit at their next iteration boundary and end as preempted (grace "
+              f"{reply.get('grace_s'):g} s), then it exits")
+        return 0
     _log_to_stderr(args.log_level)
-    return main(args.socket)
+    return main(args.socket, DRAIN_GRACE_S if grace is None else grace)

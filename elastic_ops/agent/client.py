@@ -123,6 +123,11 @@ class AgentClient:
         """The agent's ``pong`` (pid, protocol version, chunks running); raises if none answers."""
         return self._call({"op": "ping"}, "pong")
 
+    def drain(self, grace_s: float | None = None) -> dict[str, Any]:
+        """Drain the agent (as SIGTERM does): its running chunks commit at their next boundary and
+        end within ``grace_s`` (None: the agent's own ``--grace``), then it stops. Its answer."""
+        return self._call({"op": "drain", "grace_s": grace_s}, "draining")
+
     def latest(self, store: StoreConfig, spec_hash: str | None) -> tuple[int, str, dict[str, Any]] | None:
         """``(iteration, uri, metrics)`` of the latest committed checkpoint of ``spec_hash`` in
         ``store``."""

@@ -12,8 +12,14 @@ outcome streamed out), over a :class:`RedisChannel` instead of a Unix socket.
 
 If the task goes silent (its process or host died, or it was killed) the node kills that chunk's
 workers after the channel's peer timeout, so nothing past the last committed checkpoint is
-committed. On SIGTERM/SIGINT the node withdraws its announcement first (no new chunks come), kills
-the workers of running chunks (their tasks get the retryable ``AgentLostError``) and exits.
+committed. On SIGINT (or a second SIGTERM) the node withdraws its announcement first (no new
+chunks come), kills the workers of running chunks (their tasks get the retryable
+``AgentLostError``) and exits. SIGTERM (a spot instance's termination notice) or a sealed
+``drain`` request (``elastic-ops node --drain``) *drains* it instead: the announcement is
+withdrawn, the host is drained in the pool when the node has a pool URL (no new grants), every
+running chunk commits at its next iteration boundary and ends ``preempted`` (its task gives the
+lease back and resumes from that checkpoint on another host: a preemption, not a failure), and
+what has not ended within the grace is killed as on a stop.
 
 Metrics (``node.*``, tagged with the host; docs/airflow.md "Metrics") go to the ``metrics`` it is
 given: the CLI passes Airflow's Stats set up from the host's ``[metrics]`` configuration.
@@ -27,7 +33,6 @@ import math
 import os
 import re
 import secrets
-import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -45,9 +50,14 @@ from elastic_ops.agent.redis_channel import (
     wrong_type,
 )
 from elastic_ops.agent.server import (
+    DRAIN_GRACE_S,
     PROGRESS_EVERY_S,
     ChunkSession,
+    Drain,
+    Drainable,
+    check_grace,
     end_sessions,
+    install_stop_signals,
     latest_reply,
     warm_launcher,
 )
@@ -71,8 +81,9 @@ HOST_TAKEN_WAIT_S = ALIVE_TTL_S + ALIVE_EVERY_S
 NOT_RENEWED_S = 2 * ALIVE_EVERY_S + 1.0  # an announcement unchanged this long is renewed by no one
 
 
-class NodeAgent:
-    """The server. :meth:`serve` runs until :meth:`stop` or SIGTERM/SIGINT."""
+class NodeAgent(Drainable):
+    """The server. :meth:`serve` runs until :meth:`stop`, SIGINT, or SIGTERM or :meth:`drain`
+    (which drain it first)."""
 
     def __init__(
         self,
@@ -88,8 +99,12 @@ class NodeAgent:
         wall_clock: Callable[[], float] = time.time,
         advertise_addr: str | None = None,
         metrics: Metrics = NO_METRICS,
+        grace_s: float = DRAIN_GRACE_S,
+        pool_url: str | None = None,
     ) -> None:
         self.host = check_host_name("--host", host)
+        self.grace_s = check_grace("--grace", grace_s)  # what a drain gives running chunks (SIGTERM's)
+        self.pool_url = pool_url  # set: a drain drains the host in this pool ledger too
         self.metrics, self._tags = metrics, {"host": self.host}
         self._refusals = ThrottledLog(log)  # every refusal is counted; the log gets a bounded share
         self._blocked = ThrottledLog(log)  # the queue's key of the wrong type, tried every second
@@ -100,7 +115,9 @@ class NodeAgent:
         self._launcher, self.warm = launcher, warm
         self.progress_every_s, self.peer_timeout_s, self.beat_s = progress_every_s, peer_timeout_s, beat_s
         self.request_max_age_s, self.wall_clock = request_max_age_s, wall_clock
-        self._stop = threading.Event()
+        self._stop = threading.Event()  # stop now: kill the running chunks' workers
+        self._leaving = threading.Event()  # take no more requests (a stop or a drain)
+        self._drain: Drain | None = None  # set by a drain (SIGTERM, --drain): its grace
         self._lock = threading.Lock()
         self.sessions: dict[str, Any] = {}  # ChunkSession or RanksSession (both abort())
         self.accepted = 0  # chunks taken since the start
@@ -188,7 +205,7 @@ class NodeAgent:
         self._refusals.warning(message, *args)
 
     def _keep_announcing(self) -> None:
-        while not self._stop.wait(ALIVE_EVERY_S):
+        while not self._leaving.wait(ALIVE_EVERY_S):
             try:
                 self._announce()
             except redis_error_types() as exc:
@@ -206,9 +223,7 @@ class NodeAgent:
         self._local_launcher = warm_launcher(self._launcher, self.warm)
         self._launcher = NodeSpanLauncher(self._local_launcher, NodeClient(self.config, redis=self._redis),
                                           self.address)
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-                signal.signal(sig, lambda *_: self._stop.set())
+        install_stop_signals(self)
         self._announce()
         self._announcer = threading.Thread(target=self._keep_announcing, name="announce", daemon=True)
         self._announcer.start()
@@ -222,7 +237,7 @@ class NodeAgent:
         self.ready.set()
         runs = self.config.runs_key(self.host)
         try:
-            while not self._stop.is_set():
+            while not self._leaving.is_set():
                 try:
                     item = self._redis.blpop([runs], timeout=1)
                     # behind it, more in the same round trip: a queue flooded with junk is
@@ -231,31 +246,53 @@ class NodeAgent:
                     batch = [item[1], *(self._redis.lpop(runs, RUNS_BATCH - 1) or ())] if item else []
                 except redis_error_types() as exc:
                     self._queue_error(runs, exc)
-                    self._stop.wait(1.0)
+                    self._leaving.wait(1.0)
                     continue
                 for raw in batch:
                     self._take(raw)
         finally:
             self._shutdown()
 
-    def stop(self) -> None:
-        self._stop.set()
-
     def _shutdown(self) -> None:
-        self._stop.set()
+        self._leaving.set()
         if self._announcer is not None:
             self._announcer.join(timeout=10)  # no renewal may land after the withdrawal below
         with contextlib.suppress(*redis_error_types()):
             self._redis.delete(self.config.alive_key(self.host))  # first: no task routes here any more
+        if self._drain is not None and not self._stop.is_set():
+            self._drain.wait(self._lock, self.sessions, self._stop, meanwhile=self._drain_host)
+        self._stop.set()
         end_sessions(self._lock, self.sessions, self._threads)
         self._send_gauges()
         log.info("elastic-ops node agent for host %s stopped", self.host)
 
+    def _drain_host(self) -> None:
+        """Drain this host in the pool (no new grants) when the node has a pool URL; a ledger
+        that cannot be reached does not hold the drain up (its tasks avoid a host whose node is
+        not announced anyway)."""
+        if not self.pool_url:
+            return
+        from elastic_ops.pool import PoolClient
+
+        try:
+            client = PoolClient(self.pool_url)
+            try:
+                client.drain_host(self.host)
+            finally:
+                client.close()
+        except Exception as exc:  # noqa: BLE001 - the chunks' drain goes on
+            log.warning("could not drain host %s in the pool (%s: %s); its tasks avoid it while no node "
+                        "agent announces it", self.host, type(exc).__name__, exc)
+            return
+        log.info("host %s drained in the pool: no new grants (`elastic-ops pool set-host-state %s up` "
+                 "undoes it)", self.host, self.host)
+
     # --- one request -----------------------------------------------------------------------------
 
-    def _verified(self, raw: bytes) -> tuple[str, dict[str, Any]] | None:
-        """``(session, run request)`` of a genuine, fresh, first-seen envelope, else ``None``
-        (logged: an unverified sender gets no answer)."""
+    def _verified(self, raw: bytes) -> tuple[str, str, dict[str, Any]] | None:
+        """``(kind, session, request)`` of a genuine, fresh, first-seen envelope (``kind``: a
+        ``run`` request or a ``drain``), else ``None`` (logged: an unverified sender gets no
+        answer)."""
         runs = self.config.runs_key(self.host)
         try:
             body = self.signer.open(runs, raw)
@@ -263,7 +300,8 @@ class NodeAgent:
             self._refuse("unverified", "refused a run request: %s", exc)
             return None
         session, issued, msg = body.get("session"), body.get("issued"), body.get("msg")
-        if body.get("kind") != "run" or not isinstance(session, str) or not _SESSION_RE.fullmatch(session):
+        kind = body.get("kind")
+        if kind not in ("run", "drain") or not isinstance(session, str) or not _SESSION_RE.fullmatch(session):
             self._refuse("malformed", "refused a run request: malformed envelope (kind %r)", body.get("kind"))
             return None
         if isinstance(issued, bool) or not isinstance(issued, int | float) or not isinstance(msg, dict):
@@ -286,7 +324,7 @@ class NodeAgent:
         ):
             self._refuse("replay", "refused run request %s: already taken (a replay)", session)
             return None
-        return session, msg
+        return kind, session, msg
 
     def _leave_refusal(self, session: str, why: str) -> None:
         """Say why a genuine request was refused where its task looks when no node answers it
@@ -304,14 +342,22 @@ class NodeAgent:
             return
         if verified is None:
             return
+        kind, session, msg = verified
+        if kind == "drain":
+            try:
+                grace = msg.get("grace_s")
+                self.drain(None if grace is None else check_grace("grace_s", grace))
+            except SpecError as exc:
+                self._refuse("invalid", "refused drain request %s: %s", session, exc)
+            return
         self._threads = [x for x in self._threads if x.is_alive()]
         if len(self._threads) >= MAX_SESSIONS:
             why = f"this node agent serves {MAX_SESSIONS} sessions already"
-            self._refuse("busy", "refused run request %s: %s", verified[0], why)
+            self._refuse("busy", "refused run request %s: %s", session, why)
             with contextlib.suppress(*redis_error_types()):
-                self._leave_refusal(verified[0], why)
+                self._leave_refusal(session, why)
             return
-        t = threading.Thread(target=self._handle, args=verified, name="request", daemon=True)
+        t = threading.Thread(target=self._handle, args=(session, msg), name="request", daemon=True)
         t.start()
         self._threads.append(t)
 
@@ -379,11 +425,12 @@ class NodeAgent:
         is already stopping: then :class:`AgentLostError`, which the requester gets."""
         with self._lock:
             self.sessions[session_id] = session
-            stopping = self._stop.is_set()
+            stopping = self._leaving.is_set()
         try:
             if stopping:
                 raise AgentLostError(
-                    f"the elastic-ops node agent of host {self.host} is stopping",
+                    f"the elastic-ops node agent of host {self.host} is "
+                    + ("draining" if self.draining else "stopping"),
                     hint="retry resumes from the last committed checkpoint",
                 )
             self._send_gauges()
@@ -443,8 +490,10 @@ def register_host(
 
 
 def main(
-    host: str, config: NodeConfig, advertise_addr: str | None = None, metrics: Metrics = NO_METRICS
+    host: str, config: NodeConfig, advertise_addr: str | None = None, metrics: Metrics = NO_METRICS,
+    grace_s: float = DRAIN_GRACE_S, pool_url: str | None = None,
 ) -> int:
     """Run a node agent in this process (the CLI's ``elastic-ops node``)."""
-    NodeAgent(host, config, advertise_addr=advertise_addr, metrics=metrics).serve()
+    NodeAgent(host, config, advertise_addr=advertise_addr, metrics=metrics, grace_s=grace_s,
+              pool_url=pool_url).serve()
     return 0

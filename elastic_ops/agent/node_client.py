@@ -299,6 +299,36 @@ class NodeClient:
             raise AgentProtocolError(f"expected 'latest' from the node agent, got {reply.get('type')!r}")
         return latest_of(reply)
 
+    def drain(self, host: str, grace_s: float | None = None) -> dict[str, Any]:
+        """Drain ``host``'s node agent (``elastic-ops node --drain``, as its SIGTERM does): its
+        running chunks commit at their next boundary and end within ``grace_s`` (None: the
+        node's own ``--grace``), then it stops. Returns its announcement, once the node has
+        withdrawn it (it took the drain); :class:`NodeUnavailableError` if none takes it."""
+        if grace_s is not None:
+            from elastic_ops.agent.server import check_grace
+
+            grace_s = check_grace("--grace", grace_s)
+        self._require_node(host)
+        info = self.alive(host) or {}
+        runs = self.config.runs_key(host)
+        envelope = self.signer.seal(runs, {"seq": 1, "kind": "drain", "session": secrets.token_hex(16),
+                                           "issued": self.wall_clock(), "msg": {"grace_s": grace_s}})
+        try:
+            self._redis.rpush(runs, envelope)
+        except redis_error_types() as exc:
+            raise (self._blocked(host, runs) if wrong_type(exc) else self._unreachable(exc)) from None
+        deadline, taken = time.monotonic() + self.accept_timeout_s, False
+        while self.alive(host) is not None:
+            if time.monotonic() >= deadline:
+                if taken or self._withdraw(runs, envelope):
+                    raise NodeUnavailableError(
+                        f"the node agent of host {host} did not {'act on' if taken else 'take'} the drain "
+                        f"in time" + (" (it refused it? see its log)" if taken else ""), host=host)
+                # taken: it withdraws its announcement next
+                deadline, taken = time.monotonic() + ALIVE_EVERY_S * 5, True
+            time.sleep(POLL_S)
+        return info
+
     # --- sessions --------------------------------------------------------------------------------
 
     def _require_node(self, host: str) -> None:

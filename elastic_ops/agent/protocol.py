@@ -65,7 +65,7 @@ PROTOCOL_VERSION = 1
 AGENT_SOCKET_ENV = "ELASTIC_OPS_AGENT_SOCKET"
 MAX_MESSAGE_BYTES = 1 << 20  # one line; a spec with large params still fits
 MAX_SOCKET_PATH = 107  # sun_path is 108 bytes on Linux, NUL included
-OPS = ("ping", "latest", "run")
+OPS = ("ping", "latest", "run", "drain")
 
 # Attributes of elastic_ops errors that travel with them (plain JSON values only).
 ERROR_ATTRS = ("host", "field", "value", "allowed", "epoch", "current", "job", "name")

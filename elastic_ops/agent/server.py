@@ -9,14 +9,18 @@ target changes, result or typed error go back as JSON lines (:mod:`elastic_ops.a
 
 If the task goes away (its process died or was killed: the connection closes), the agent kills
 that chunk's workers at once; the runner then fails the segment, so nothing past the last
-committed checkpoint is committed and that checkpoint stays intact. On SIGTERM/SIGINT the agent
-does the same for every chunk, removes its socket and exits.
+committed checkpoint is committed and that checkpoint stays intact. On SIGINT (or a second
+SIGTERM) the agent does the same for every chunk, removes its socket and exits. SIGTERM (a spot
+instance's termination notice) or a ``drain`` request first *drains*: no new chunk is taken, and
+every running chunk commits at its next iteration boundary and ends ``preempted`` (its task asks
+the pool again and resumes from that checkpoint); what has not ended within the grace is killed.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import signal
 import socket
@@ -66,6 +70,24 @@ RUN_KEYS = frozenset(
 def _batch(msg: dict[str, Any]) -> int:
     """An adaptive job's batch in a run or target message (absent: its own, 0)."""
     return require_int(msg, "batch", optional=True, maximum=MAX_ADAPTIVE_BATCH) or 0
+DRAIN_GRACE_S = 30.0  # a drain's default wait for running chunks to commit and end
+MAX_DRAIN_GRACE_S = 3600.0
+
+
+def check_grace(field: str, value: object) -> float:
+    """A drain's grace in seconds (a number, or its text on a command line), or :class:`SpecError`
+    naming ``field``: finite, from 0 (kill at once, as before drains) to an hour."""
+    number: object = value
+    if isinstance(value, str):
+        try:
+            number = float(value.strip())
+        except ValueError:
+            number = value
+    allowed = f"a number of seconds from 0 (kill at once) to {MAX_DRAIN_GRACE_S:g}"
+    if (isinstance(number, bool) or not isinstance(number, int | float) or not math.isfinite(number)
+            or not 0 <= number <= MAX_DRAIN_GRACE_S):
+        raise SpecError(field, value, allowed)
+    return float(number)
 
 
 class _ChildThreadWarning(logging.Filter):
@@ -129,6 +151,7 @@ class ChunkSession:
     ) -> None:
         self.channel, self.clock = channel, clock
         self.stopping = False  # set when the agent itself kills the workers (it is stopping)
+        self.draining = False  # set by a drain: the target is 0 from now on (commit and end)
         self.progress_every_s = progress_every_s
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()
@@ -193,7 +216,9 @@ class ChunkSession:
 
     def target(self, iteration: int) -> Allocation:
         with self._lock:
-            return self.wanted
+            # draining: 0 workers, whatever the pool forwards meanwhile (the runner commits at
+            # this boundary and returns preempted)
+            return self.wanted.with_workers(0) if self.draining else self.wanted
 
     def segment(self, iteration: int, running: Allocation) -> None:
         """``running.workers`` start at ``iteration`` on its slots (this host's and, spanning,
@@ -326,6 +351,56 @@ class ChunkSession:
         self.stopping = True
         self.launcher.abort()
 
+    def drain(self) -> None:
+        """Commit at the next undecided iteration boundary and end ``preempted`` (a termination
+        notice): the task's next grant resumes from that checkpoint, on another host. Safe in the
+        main thread's signal handler (only the runner's and the reader's threads take the lock)."""
+        with self._lock:
+            first, self.draining = not self.draining, True
+        if first:
+            log.info("job %s: draining: the chunk commits at its next iteration boundary and stops",
+                     self.request["spec"].name)
+
+
+class Drain:
+    """A termination notice to an agent (per-host or node): its grace and the moment it ends."""
+
+    def __init__(self, grace_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.grace_s, self.clock = grace_s, clock
+        self.deadline = clock() + grace_s
+
+    def start(self, sessions: dict[Any, Any]) -> None:
+        """Tell every running chunk now. Called from the main thread's signal handler too: no
+        lock of the agent's (its main thread may hold one), the dict copied as it stands."""
+        for s in list(sessions.values()):
+            if isinstance(s, ChunkSession):
+                s.drain()
+
+    def wait(self, lock: threading.Lock, sessions: dict[Any, Any], interrupted: threading.Event,
+             meanwhile: Callable[[], None] | None = None) -> int:
+        """Drain every running chunk (those registered since :meth:`start` too) and wait until
+        they have ended, until the grace's end or ``interrupted``; the number still running
+        then (the caller kills them). Other sessions (a node's ranks of a segment another host
+        leads) are not waited for. ``meanwhile()`` runs once the chunks are told."""
+        def chunks() -> list[ChunkSession]:
+            with lock:
+                return [s for s in sessions.values() if isinstance(s, ChunkSession)]
+
+        running = chunks()
+        if running:
+            log.info("draining: %d running chunk(s) commit at their next iteration boundary (grace %g s)",
+                     len(running), self.grace_s)
+        self.start({id(s): s for s in running})
+        if meanwhile is not None:
+            meanwhile()
+        while (left := chunks()) and self.clock() < self.deadline and not interrupted.wait(0.05):
+            pass
+        if left and not interrupted.is_set():
+            log.warning("draining: %d chunk(s) reached no iteration boundary within the grace (%g s); "
+                        "killing their workers (their tasks resume from their last commit)", len(left),
+                        self.grace_s)
+        return len(left)
+
 
 def end_sessions(
     lock: threading.Lock, sessions: dict[Any, ChunkSession], threads: list[threading.Thread]
@@ -378,8 +453,41 @@ def warm_launcher(launcher: Launcher | None = None, warm: bool = True) -> Launch
     return launcher
 
 
-class Agent:
-    """The server. :meth:`serve` runs in the main thread until :meth:`stop` or SIGTERM/SIGINT."""
+class Drainable:
+    """:meth:`stop` (kill the running chunks' workers now) and :meth:`drain` (let them commit at
+    their next boundary first), shared by the per-host agent and the node agent: their serve
+    loops end on ``_leaving``, and their shutdown waits for ``_drain`` unless ``_stop`` is set."""
+
+    grace_s: float
+    sessions: dict[Any, Any]
+    _stop: threading.Event
+    _leaving: threading.Event
+    _drain: Drain | None
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._leaving.set()
+
+    def drain(self, grace_s: float | None = None) -> None:
+        """Take no more chunks; running ones commit at their next boundary and end within
+        ``grace_s`` (default: the agent's ``--grace``), then the agent stops."""
+        grace = self.grace_s if grace_s is None else check_grace("grace_s", grace_s)
+        if self._drain is not None:  # no lock: this runs in a signal handler too
+            return
+        self._drain = Drain(grace)
+        self._leaving.set()
+        self._drain.start(self.sessions)  # now, not when the serve loop next wakes
+        log.info("%r draining (grace %g s): no new chunks; running chunks commit at their next iteration "
+                 "boundary and end", self, grace)
+
+    @property
+    def draining(self) -> bool:
+        return self._drain is not None
+
+
+class Agent(Drainable):
+    """The server. :meth:`serve` runs in the main thread until :meth:`stop`, SIGINT, or SIGTERM
+    (which drains it first)."""
 
     def __init__(
         self,
@@ -388,12 +496,16 @@ class Agent:
         launcher: Any = None,
         warm: bool = True,
         progress_every_s: float = PROGRESS_EVERY_S,
+        grace_s: float = DRAIN_GRACE_S,
     ) -> None:
         self.path = check_socket_path(path, "--socket")
         self.progress_every_s = progress_every_s
+        self.grace_s = check_grace("--grace", grace_s)
         self.warm = warm
         self._launcher = launcher
-        self._stop = threading.Event()
+        self._stop = threading.Event()  # stop now: kill the running chunks' workers
+        self._leaving = threading.Event()  # take no more chunks (a stop or a drain)
+        self._drain: Drain | None = None  # set by a drain (SIGTERM): its grace
         self._lock = threading.Lock()
         self.sessions: dict[int, ChunkSession] = {}
         self._threads: list[threading.Thread] = []
@@ -443,20 +555,18 @@ class Agent:
     def serve(self) -> None:
         self._warm_up()
         self._sock = self._bind()
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-                signal.signal(sig, lambda *_: self._stop.set())
+        install_stop_signals(self)
         log.info("elastic-ops agent (pid %d) serving on %s", os.getpid(), self.path)
         self.ready.set()
         n = 0
         try:
-            while not self._stop.is_set():
+            while not self._leaving.is_set():
                 try:
                     conn, _ = self._sock.accept()
                 except TimeoutError:
                     continue
                 except OSError:
-                    if self._stop.is_set():
+                    if self._leaving.is_set():
                         break
                     raise
                 n += 1
@@ -471,13 +581,17 @@ class Agent:
         finally:
             self._shutdown()
 
-    def stop(self) -> None:
-        self._stop.set()
+    def __repr__(self) -> str:
+        return f"Agent({self.path!r})"
 
     def _shutdown(self) -> None:
+        self._leaving.set()
+        if self._sock is not None:  # no new connection waits in the backlog for an agent that drains
+            self._sock.close()
+        if self._drain is not None and not self._stop.is_set():
+            self._drain.wait(self._lock, self.sessions, self._stop)
         end_sessions(self._lock, self.sessions, self._threads)
         if self._sock is not None:
-            self._sock.close()
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
         log.info("elastic-ops agent stopped")
@@ -522,16 +636,22 @@ class Agent:
             )
         elif op == "latest":
             conn.sendall(encode(latest_reply(req)))
+        elif op == "drain":
+            grace = req.get("grace_s")
+            self.drain(None if grace is None else check_grace("grace_s", grace))
+            drain = self._drain
+            conn.sendall(encode({"type": "draining", "pid": os.getpid(), "chunks": len(self.sessions),
+                                 "grace_s": drain.grace_s if drain is not None else None}))
         else:
             session = ChunkSession(channel, req, self._launcher, self.progress_every_s)
             threading.current_thread().name = f"chunk-{session.request['spec'].name}"
             with self._lock:
                 self.sessions[n] = session
-                stopping = self._stop.is_set()
+                stopping = self._leaving.is_set()
             try:
                 if stopping:
                     raise AgentLostError(
-                        "the elastic-ops agent is stopping",
+                        "the elastic-ops agent is stopping" + (" (draining)" if self.draining else ""),
                         hint="retry resumes from the last committed checkpoint",
                     )
                 session.run()
@@ -540,7 +660,24 @@ class Agent:
                     self.sessions.pop(n, None)
 
 
-def main(socket_path: str) -> int:
+def install_stop_signals(server: Drainable) -> None:
+    """In the main thread: SIGTERM drains ``server`` (a termination notice; a second SIGTERM stops
+    it at once), SIGINT and SIGHUP stop it at once."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def notice(*_: Any) -> None:
+        if server.draining:
+            server.stop()
+        else:
+            server.drain()
+
+    signal.signal(signal.SIGTERM, notice)
+    for sig in (signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda *_: server.stop())
+
+
+def main(socket_path: str, grace_s: float = DRAIN_GRACE_S) -> int:
     """Run an agent in this process (the CLI's ``elastic-ops agent``)."""
-    Agent(socket_path).serve()
+    Agent(socket_path, grace_s=grace_s).serve()
     return 0
