@@ -141,6 +141,10 @@ class Segment:
                 f"{ENV_VAR} is not set: this process was not started by the elastic_ops runner"
             )
         cfg = json.loads(Path(path).read_text())
+        if cfg.get("import_path"):  # the task's folders (a chunk on an agent): before any user import
+            from elastic_ops.runtime.entrypoints import extend_import_path
+
+            extend_import_path(cfg["import_path"])
         length = cfg["end"] - cfg["start"] + 1
         return cls(
             spec=JobSpec.from_dict(cfg["spec"]),
