@@ -241,6 +241,7 @@ class _Runner:
             "span": bool(remote),
             "leader": True,
             "batch": first_batch,
+            "chunk": [self.start, self.end],  # for the workers' process titles
         }
         if self.import_path:
             cfg["import_path"] = list(self.import_path)
@@ -273,6 +274,10 @@ class _Runner:
             # the launch inside the try: a SIGTERM as the controller starts (Thread.start waits,
             # and a signal's handler runs there) must stop the workers, not leave them running
             pc = start_on(self.launcher, req, self.host)
+            # the pids, so `ps`/`kill` find this segment's workers (their titles name job and rank)
+            pids = " ".join(f"rank{r}={p}" for r, p in sorted(pc.pids().items()))
+            log.info("job %s: segment %d, %d worker(s) from iteration %d on %s, pids %s", self.spec.name,
+                     index, here, it, self.host, pids)
             ctl.start()
             result = None
             while result is None:

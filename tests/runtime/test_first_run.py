@@ -137,3 +137,38 @@ def test_the_cli_shows_a_model_entrypoint_without_a_traceback(models, tmp_path):
                           env={"PYTHONPATH": f"{REPO}:{tmp_path}", "PATH": "/usr/bin:/bin"})
     assert proc.returncode != 0 and "torch.nn.Module subclass" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_workers_are_titled_by_job_chunk_and_rank_and_their_pids_logged(tmp_path, caplog):
+    """``ps`` showed every worker as the fork server's command line; now each names itself, and
+    the chunk's log gives each segment's pids."""
+    import logging
+    import threading
+    import time
+
+    import psutil
+
+    gate = tmp_path / "go"
+    spec = make_spec(tmp_path, params={"hold_at": 3, "hold_file": str(gate)})
+    caplog.set_level(logging.INFO, logger="elastic_ops")
+    done: list = []
+    runner = threading.Thread(target=lambda: done.append(run_chunk(spec, 0, 30, target=lambda i: 2)))
+    runner.start()
+    try:
+        deadline = time.monotonic() + 120
+        while not (lines := [r.getMessage() for r in caplog.records if "pids rank0=" in r.getMessage()]):
+            assert time.monotonic() < deadline and runner.is_alive(), "no segment started"
+            time.sleep(0.1)
+        assert lines[0].startswith("job tiny: segment 0, 2 worker(s) from iteration 0 on localhost, pids ")
+        pids = dict(item.split("=") for item in lines[0].rsplit("pids ", 1)[1].split())
+        titles = {}
+        while len(titles) < 2 and time.monotonic() < deadline:  # set as each worker reads its segment
+            titles = {r: " ".join(psutil.Process(int(p)).cmdline()).strip() for r, p in pids.items()}
+            titles = {r: t for r, t in titles.items() if t.startswith("elastic-ops worker")}
+            time.sleep(0.1)
+        want = "elastic-ops worker tiny chunk 0-30 rank {}/2 segment 0 from iteration 0"
+        assert titles == {f"rank{r}": want.format(r) for r in (0, 1)}
+    finally:
+        gate.write_text("")
+        runner.join(120)
+    assert done and done[0].iteration == 30
