@@ -642,11 +642,16 @@ class PoolClient:
         for good outside any grant."""
         return self._change(lambda tx: tx.finish(job))
 
-    def report_failure(self, job: str, host: str) -> None:
-        """``job`` failed on ``host``: the job avoids it from now on; enough failures cool it."""
+    def report_failure(self, job: str, host: str, cause: str | None = None) -> None:
+        """``job`` failed on ``host``: the job avoids it from now on; enough failures cool it.
+        ``cause`` (what failed, e.g. the error; at most 500 characters kept) goes into the
+        failure event's reason, where the retry's task reads why it runs."""
         check_name("job", job)
         check_host("host", host)
-        self._change(lambda tx: tx.report_failure(job, host), lock=Lock.NONE)
+        if cause is not None and not isinstance(cause, str):
+            raise SpecError("cause", cause, "a string or None")
+        kept = None if cause is None else cause[:500]
+        self._change(lambda tx: tx.report_failure(job, host, kept), lock=Lock.NONE)
 
     def check_epoch(self, job: str, epoch: int) -> None:
         """Raise :class:`LeaseExpiredError` unless ``epoch`` is the job's live lease."""
