@@ -246,7 +246,7 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
         retry, why it runs (the previous try's failure as the pool recorded it, and the hosts
         the retry avoids). The agent's and the workers' logs are not where users look."""
         try_number = _try_number(context)
-        head = (f"job {chunk.job}: chunk {self.chunk_index} [{chunk.start}, {chunk.end}), "
+        head = (f"job {chunk.job}: chunk {self.chunk_index + 1} [{chunk.start}, {chunk.end}), "
                 f"try {try_number or '?'}")
         if latest is not None:
             frm = f"resumes from the checkpoint at iteration {latest.iteration} ({latest.uri})"
@@ -258,7 +258,7 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
             return f"{head}: {frm}"
         why = "a retry: the previous try failed without blaming a host (its log says why)"
         try:
-            ours = f"chunk {self.chunk_index} try {try_number - 1}: "
+            ours = f"chunk {self.chunk_index + 1} try {try_number - 1}: "
             failures = hook.pool().events(chunk.job, kinds=["failure"], last=50)
             mine = [e for e in failures if ours in (e.get("reason") or "")]
             if mine:
@@ -460,7 +460,9 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
         if isinstance(exc, WorkerLostError) and not self._killed:
             failed = exc.host or request.host
             self.log.error("job %s: host %s failed the chunk: %s", job, failed, exc)
-            cause = f"chunk {self.chunk_index} try {_try_number(context) or '?'}: {type(exc).__name__}: {exc}"
+            # 1-based, as the task ids number chunks (chunk_02_of_05)
+            number, said = _try_number(context) or "?", getattr(exc, "message", exc)  # without the hint
+            cause = f"chunk {self.chunk_index + 1} try {number}: {type(exc).__name__}: {said}"
             self._quietly("report the failed host", client.report_failure, job, failed, cause)
             metrics.incr("chunk.host_failures", tags={**tags, "host": failed})
         metrics.gauge("chunk.workers", 0, tags=tags)

@@ -119,14 +119,21 @@ def declared_params(cls: type) -> tuple[tuple[str, ...], tuple[str, ...]] | None
     """``(accepted, required)``: the ``params`` a Trainable class declares, or ``None`` where it
     declares none (a ``**params`` catch-all: anything goes, unchecked). Declared either by a
     class attribute ``PARAMS`` (parameter names, or a mapping keyed by them, all optional) or by
-    explicit keyword arguments of ``__init__`` (those without a default are required)."""
+    explicit keyword arguments of ``__init__`` (those without a default are required). The
+    nearest class in the MRO that sets either decides: a subclass whose own ``__init__`` takes
+    ``**params`` (to pop a parameter of its own before its base's) declares nothing, though its
+    base has ``PARAMS``."""
     import inspect
 
-    names = getattr(cls, "PARAMS", None)
-    if names is not None:
-        return tuple(str(n) for n in names), ()
+    for klass in cls.__mro__:
+        if "PARAMS" in vars(klass) and vars(klass)["PARAMS"] is not None:
+            return tuple(str(n) for n in vars(klass)["PARAMS"]), ()
+        if "__init__" in vars(klass):
+            break
+    else:
+        return None
     try:
-        sig = inspect.signature(cls.__init__)
+        sig = inspect.signature(vars(klass)["__init__"])
     except (TypeError, ValueError):  # a C-level __init__: nothing to read
         return None
     args = list(sig.parameters.values())[1:]  # self

@@ -504,12 +504,12 @@ def test_the_task_log_says_where_each_try_resumes_from_and_why(pool, monkeypatch
     with pytest.raises(WorkerLostError):
         op.execute(ti_context(1, 3))
     first = "".join(capsys.readouterr())
-    assert f"job {spec.name}: chunk 1 [20, 40), try 1: starts from scratch (no checkpoint yet)" in first
+    assert f"job {spec.name}: chunk 2 [20, 40), try 1: starts from scratch (no checkpoint yet)" in first
 
     train_with(monkeypatch, lambda request, lease: chunk_result(start=20, end=40, iteration=40))
     make_chunk(1).execute(ti_context(2, 3))
     second = "".join(capsys.readouterr())
-    assert (f"job {spec.name}: chunk 1 [20, 40), try 2, a retry after WorkerLostError: rank 1 killed by "
+    assert (f"job {spec.name}: chunk 2 [20, 40), try 2, a retry after WorkerLostError: rank 1 killed by "
             f"SIGKILL on h1; the grant avoids h1: resumes from the checkpoint at iteration 26 "
             f"({spec.checkpoint_uri()}/it-00000026)") in second
 
@@ -518,5 +518,5 @@ def test_a_retry_the_pool_has_no_failure_for_says_where_to_look(pool, monkeypatc
     train_with(monkeypatch, lambda request, lease: chunk_result(start=20, end=40, iteration=40))
     capsys.readouterr()
     make_chunk(1).execute(ti_context(3, 3))
-    assert ("chunk 1 [20, 40), try 3, a retry: the previous try failed without blaming a host (its log "
+    assert ("chunk 2 [20, 40), try 3, a retry: the previous try failed without blaming a host (its log "
             "says why): starts from scratch" in "".join(capsys.readouterr()))

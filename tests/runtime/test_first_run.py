@@ -63,6 +63,17 @@ MODELS = textwrap.dedent('''
 
     class CatchAll(Base):
         pass
+
+
+    class Extended(Declared):  # adds a parameter of its own: its **params declares nothing
+        def __init__(self, **params):
+            self.pace = params.pop("pace", 0)
+            super().__init__(**params)
+
+
+    class Narrowed(Declared):  # inherits PARAMS, and no __init__ of its own
+        def loss(self, model, batch):
+            return super().loss(model, batch)
 ''')
 
 
@@ -104,6 +115,8 @@ def test_what_counts_as_declared(models):
     assert declared_params(mod.Required) == (("data_dir", "hidden"), ("data_dir",))
     assert declared_params(mod.Declared) == (("hidden", "dropout"), ())
     assert declared_params(mod.CatchAll) is None
+    assert declared_params(mod.Extended) is None
+    assert declared_params(mod.Narrowed) == (("hidden", "dropout"), ())
 
 
 def test_the_digits_example_declares_its_parameters(tmp_path, capsys):
