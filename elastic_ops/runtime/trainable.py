@@ -120,7 +120,14 @@ def _how_to_wrap(model: str) -> str:
 
 
 def load_trainable(entrypoint: str, params: Mapping[str, Any] | None = None) -> Trainable:
-    return load_trainable_class(entrypoint)(**dict(params or {}))
+    """The Trainable, built with ``params``, checked against the parameters it declares first
+    (a worker of an agent whose task never imported the model: the message names the misspelt
+    parameter, not a TypeError's traceback)."""
+    from elastic_ops.runtime.entrypoints import check_params
+
+    cls, given = load_trainable_class(entrypoint), dict(params or {})
+    check_params(cls, given)
+    return cls(**given)
 
 
 def to_device(batch: Any, device: torch.device) -> Any:

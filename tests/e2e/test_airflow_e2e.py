@@ -2,7 +2,7 @@
 separate processes (LocalExecutor, SQLite), one deployment shared by the tests of this module.
 
 Order matters (module-scoped deployment and pool): competing jobs, S3 checkpoints, then the
-SIGKILL test, whose failure cools a host down.
+SIGKILL test, whose failure cools a host down; the newcomer's model beside its DAG last.
 """
 
 from __future__ import annotations
@@ -71,20 +71,6 @@ def test_example_dags_parse_without_import_errors(deployment):
                    "digits_evaluate_and_promote", "e2e_sigkill", "e2e_task_killed", "e2e_newcomer"):
         af.wait_dag(dag_id, timeout=180)
     assert af.api("GET", "/importErrors")["total_entries"] == 0
-
-
-def test_a_model_beside_the_dag_trains_on_the_agent_started_as_the_readme_says(deployment):
-    """Issue 25: the agent could not import ``newcomer_models.seqgru`` (the DAG could), and the
-    chunk failed for good. The task hands the agent its import path; the chunk trains there."""
-    af, _ = deployment
-    agent_env = psutil.Process(af.procs["agent"].pid).environ()
-    assert str(af.dags_folder) not in agent_env.get("PYTHONPATH", "")  # as the README starts it
-    run = af.trigger("e2e_newcomer", run_id="newcomer_run")
-    assert af.wait_run("e2e_newcomer", run, timeout=300) == "success"
-    result = af.xcom("e2e_newcomer", run, "train.chunk_01_of_01")
-    assert result["status"] == "completed" and result["iterations"] == 30
-    agent_log = (af.home / "logs" / "agent.log").read_text()
-    assert "job e2e_newcomer" in agent_log and "pids rank0=" in agent_log  # it ran on the agent
 
 
 def test_pool_page_and_controls_through_the_api_server(deployment):
@@ -317,3 +303,18 @@ def test_a_chunk_task_killed_on_its_last_try_leaves_no_job_in_the_pool(deploymen
     (row,) = [j for j in pool.status()["jobs"] if j["name"] == job]
     assert row["state"] == "finished" and row["workers"] == 0 and row["placements"] == []
     assert store.latest().iteration >= 20  # the committed checkpoint survived the kill
+
+
+def test_a_model_beside_the_dag_trains_on_the_agent_started_as_the_readme_says(deployment):
+    """Issue 25: the agent could not import ``newcomer_models.seqgru`` (the DAG could), and the
+    chunk failed for good. The task hands the agent its import path; the chunk trains there.
+    Last in the module: its iterations would count in the competing jobs' metrics."""
+    af, _ = deployment
+    agent_env = psutil.Process(af.procs["agent"].pid).environ()
+    assert str(af.dags_folder) not in agent_env.get("PYTHONPATH", "")  # as the README starts it
+    run = af.trigger("e2e_newcomer", run_id="newcomer_run")
+    assert af.wait_run("e2e_newcomer", run, timeout=300) == "success"
+    result = af.xcom("e2e_newcomer", run, "train.chunk_01_of_01")
+    assert result["status"] == "completed" and result["iterations"] == 30
+    agent_log = (af.home / "logs" / "agent.log").read_text()
+    assert "job e2e_newcomer" in agent_log and "pids rank0=" in agent_log  # it ran on the agent

@@ -17,7 +17,12 @@ import pytest
 
 from elastic_ops.agent.client import AgentClient
 from elastic_ops.agent.protocol import StoreConfig
-from elastic_ops.errors import AgentUnavailableError, EntrypointElsewhereError, EntrypointError
+from elastic_ops.errors import (
+    AgentUnavailableError,
+    EntrypointElsewhereError,
+    EntrypointError,
+    UserCodeError,
+)
 from elastic_ops.runtime import ChunkStatus
 from tests.runtime.agent_helpers import as_target
 from tests.runtime.builders import make_spec
@@ -34,6 +39,9 @@ SEQGRU = textwrap.dedent('''
 
 
     class SeqGRU(Trainable):
+        def __init__(self, *, hidden: int = 4):
+            super().__init__(hidden=hidden)
+
         def build_model(self):
             return nn.Linear(4, 2)
 
@@ -89,9 +97,9 @@ def _answers(path: str) -> bool:
         return False
 
 
-def run_on_agent(path: str, tmp_path: Path):
+def run_on_agent(path: str, tmp_path: Path, **params):
     spec = make_spec(tmp_path, entrypoint="newcomer_models.seqgru:SeqGRU", total_iterations=6,
-                     global_batch=4, max_workers=2, virtual_shards=2, checkpoint_interval=6)
+                     global_batch=4, max_workers=2, virtual_shards=2, checkpoint_interval=6, params=params)
     store = StoreConfig(spec.checkpoint_uri())
     return AgentClient(path).run_chunk(spec.to_dict(), 0, 6, epoch=1, host="h1", store=store,
                                        target=as_target("h1", lambda: 2))
@@ -126,3 +134,15 @@ def test_a_module_importable_nowhere_stays_the_jobs_own_non_retryable_error(agen
                                           target=as_target("h1", lambda: 1))
     assert type(err.value) is EntrypointError and not err.value.retryable
     assert "cannot be found" in str(err.value) and "pid " in str(err.value)
+
+
+def test_a_misspelt_parameter_of_a_model_the_task_never_imported_is_named_by_the_workers(
+        agent_path, dag_folder, tmp_path, monkeypatch):
+    """A DAG that names its model only as a string: neither the task nor the agent imports it,
+    so the workers check the parameters, and say which, not with a TypeError traceback."""
+    monkeypatch.syspath_prepend(str(dag_folder))
+    assert "newcomer_models.seqgru" not in sys.modules
+    with pytest.raises(UserCodeError) as err:
+        run_on_agent(agent_path, tmp_path, hiden=8)
+    assert "invalid params.hiden=8: SeqGRU takes no parameter 'hiden'; it accepts: hidden" in str(err.value)
+    assert "did you mean 'hidden'?" in str(err.value) and not err.value.retryable
