@@ -77,10 +77,17 @@ def load_trainable_class(entrypoint: str) -> type[Trainable]:
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:  # ImportError, or an error raised while importing user code
+        where = ""
+        if isinstance(exc, ImportError):  # say which process looked, and where
+            import sys
+
+            from elastic_ops.runtime.entrypoints import this_process
+
+            where = f" in {this_process()}, whose sys.path is {sys.path}"
         raise EntrypointError(
             "entrypoint",
             entrypoint,
-            f"module {module_name!r} cannot be imported ({type(exc).__name__}: {exc})",
+            f"module {module_name!r} cannot be imported{where} ({type(exc).__name__}: {exc})",
         ) from exc
     cls = getattr(module, attr, None)
     if cls is None:

@@ -66,6 +66,7 @@ def dag_folder(tmp_path_factory) -> Path:
     (dags / "newcomer_models").mkdir(parents=True)
     (dags / "newcomer_models" / "__init__.py").write_text("")
     (dags / "newcomer_models" / "seqgru.py").write_text(SEQGRU)
+    (dags / "newcomer_models" / "broken.py").write_text("import newcomer_dependency_not_installed\n")
     (dags / "newcomer_dag.py").write_text("from newcomer_models.seqgru import SeqGRU  # noqa: F401\n")
     return dags
 
@@ -146,3 +147,18 @@ def test_a_misspelt_parameter_of_a_model_the_task_never_imported_is_named_by_the
         run_on_agent(agent_path, tmp_path, hiden=8)
     assert "invalid params.hiden=8: SeqGRU takes no parameter 'hiden'; it accepts: hidden" in str(err.value)
     assert "did you mean 'hidden'?" in str(err.value) and not err.value.retryable
+
+
+def test_a_dependency_the_workers_cannot_import_names_the_worker_and_its_path(
+        agent_path, dag_folder, tmp_path, monkeypatch):
+    """The agent finds the module (it runs none of it); the workers import it and miss one of its
+    imports: they say so, with their pid, host and sys.path (the DAG folder, from the task, on it)."""
+    monkeypatch.syspath_prepend(str(dag_folder))
+    spec = make_spec(tmp_path, entrypoint="newcomer_models.broken:Model")
+    with pytest.raises(UserCodeError) as err:
+        AgentClient(agent_path).run_chunk(spec.to_dict(), 0, 6, epoch=1, host="h1",
+                                          store=StoreConfig(spec.checkpoint_uri()),
+                                          target=as_target("h1", lambda: 1))
+    text = str(err.value)
+    assert "module 'newcomer_models.broken' cannot be imported in " in text and "pid " in text
+    assert str(dag_folder) in text and "newcomer_dependency_not_installed" in text
