@@ -179,15 +179,18 @@ class AirflowDeployment:
         return self
 
     def _start_agent(self) -> None:
-        self._start_runner("agent", "agent", "--socket", self.agent_socket)
+        # as the README starts it: no DAG folder on its path (the tasks hand it their import path)
+        self._start_runner("agent", "agent", "--socket", self.agent_socket, dag_folders=False)
 
-    def _start_runner(self, name: str, *args: str) -> None:
-        """An ``elastic-ops`` agent or node process in its own process group, logging to ``name``."""
+    def _start_runner(self, name: str, *args: str, dag_folders: bool = True) -> None:
+        """An ``elastic-ops`` agent or node process in its own process group, logging to ``name``.
+        ``dag_folders``: the DAG and plugins folders on its ``PYTHONPATH`` (node agents: a task
+        elsewhere cannot hand them its folders), so Trainables next to the DAGs import there."""
         env = self.env()
-        # Trainables next to the DAGs import in the agent as they do in a task
-        plugins = self.plugins_folder or self.home / "plugins"
-        paths = [str(self.dags_folder), str(plugins), env.get("PYTHONPATH")]
-        env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+        if dag_folders:
+            plugins = self.plugins_folder or self.home / "plugins"
+            paths = [str(self.dags_folder), str(plugins), env.get("PYTHONPATH")]
+            env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
         log = open(self.home / "logs" / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
         self.procs[name] = subprocess.Popen(
             [self.python, "-m", "elastic_ops.cli", *args], env=env,

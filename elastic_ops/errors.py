@@ -69,6 +69,14 @@ class EntrypointError(SpecError):
     """The entrypoint cannot be imported or is not a Trainable / script."""
 
 
+class EntrypointElsewhereError(EntrypointError):
+    """The entrypoint imports in the task but not in the process that runs the chunk (an agent
+    started without the task's folders on its path). Retryable: the deployment, not the job, is
+    wrong, and a retry after the agent is fixed (or on another host) succeeds."""
+
+    retryable = True
+
+
 # --- training ----------------------------------------------------------------------------
 
 

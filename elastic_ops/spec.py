@@ -356,6 +356,10 @@ class JobSpec:
                 "params", _short(self.params), f"must be JSON-serialisable, numbers finite ({exc})", hint=hint
             ) from None
         set_("params", dict(self.params))
+        if not self.is_script():  # against the Trainable's declared parameters, if it is imported here
+            from elastic_ops.runtime.entrypoints import check_params_if_imported
+
+            check_params_if_imported(self.entrypoint, self.params)
         set_("host_selector", check_host_selector("host_selector", self.host_selector))
         set_("stop_when", check_stop_when("stop_when", self.stop_when))
         set_("script_args", self._checked_script_args())

@@ -167,7 +167,10 @@ class AgentClient:
         self._running.add(sock)
         try:
             sent = current()
-            channel.send(run_request(spec, start, end, epoch, host, sent, store, warm_start))
+            from elastic_ops.runtime.entrypoints import task_import_path
+
+            channel.send(run_request(spec, start, end, epoch, host, sent, store, warm_start,
+                                     import_path=task_import_path()))
 
             def lost(_: str) -> BaseException:
                 return AgentLostError(
@@ -178,7 +181,7 @@ class AgentClient:
 
             return drive_chunk(
                 channel, host, sent, current, on_progress=on_progress, on_applied=on_applied,
-                poll_s=poll_s, lost=lost, error=self._error,
+                poll_s=poll_s, lost=lost, error=lambda msg: elsewhere(self._error(msg), spec),
             )
         finally:
             self._running.discard(sock)
@@ -203,10 +206,15 @@ def run_request(
     target: Target,
     store: StoreConfig,
     warm_start: StoreConfig | None,
+    *,
+    import_path: list[str] | None = None,
 ) -> dict[str, Any]:
     """The ``run`` message (docs: :mod:`elastic_ops.agent.protocol`); only node agents that lead
-    segments across hosts get ``spans`` in ``target``."""
+    segments across hosts get ``spans`` in ``target``; ``import_path``: the task's import
+    folders, for the per-host agent's workers (a node agent's host has its own)."""
+    extra = {} if import_path is None else {"import_path": import_path}
     return {
+        **extra,
         "op": "run",
         "version": PROTOCOL_VERSION,
         "spec": spec,
@@ -270,3 +278,24 @@ def drive_chunk(
             raise error(msg)
         else:
             raise AgentProtocolError(f"unexpected message type {kind!r} from the agent")
+
+
+def elsewhere(exc: BaseException, spec: dict[str, Any]) -> BaseException:
+    """An agent's "entrypoint cannot be found" about a module this task finds: say that the
+    task imports it and the process running the chunk does not, as a retryable
+    :class:`EntrypointElsewhereError` (the deployment is wrong, not the job)."""
+    from elastic_ops.errors import EntrypointElsewhereError, EntrypointError
+    from elastic_ops.runtime.entrypoints import find_trainable_module, this_process
+
+    entry = spec.get("entrypoint")
+    if type(exc) is not EntrypointError or not isinstance(entry, str):
+        return exc
+    try:
+        find_trainable_module(entry)
+    except EntrypointError:
+        return exc  # not importable here either: the job's own error
+    return EntrypointElsewhereError(
+        "entrypoint", entry,
+        f"imports in this task, {this_process()}, but not where the chunk runs: {exc.allowed}",
+        hint=exc.hint,
+    )

@@ -63,15 +63,17 @@ log = logging.getLogger("elastic_ops.agent")
 MAX_CONNECTIONS = 256  # open at once (a thread each): chunks, pings and latest questions
 PROGRESS_EVERY_S = 0.5  # progress messages per chunk, at most (the last iteration always goes)
 RUN_KEYS = frozenset(
-    "op version spec start end epoch host workers slots spans batch store warm_start".split()
+    "op version spec start end epoch host workers slots spans batch store warm_start import_path".split()
 )
+MAX_IMPORT_PATH = 256  # folders of the task's import path a run request may carry
+DRAIN_GRACE_S = 30.0  # a drain's default wait for running chunks to commit and end
+MAX_DRAIN_GRACE_S = 3600.0
 
 
 def _batch(msg: dict[str, Any]) -> int:
     """An adaptive job's batch in a run or target message (absent: its own, 0)."""
     return require_int(msg, "batch", optional=True, maximum=MAX_ADAPTIVE_BATCH) or 0
-DRAIN_GRACE_S = 30.0  # a drain's default wait for running chunks to commit and end
-MAX_DRAIN_GRACE_S = 3600.0
+
 
 
 def check_grace(field: str, value: object) -> float:
@@ -88,6 +90,18 @@ def check_grace(field: str, value: object) -> float:
             or not 0 <= number <= MAX_DRAIN_GRACE_S):
         raise SpecError(field, value, allowed)
     return float(number)
+
+
+def require_import_path(req: dict[str, Any]) -> tuple[str, ...]:
+    """The task's import folders (``import_path``, optional): absolute paths, for the workers."""
+    value = req.get("import_path")
+    if value is None:
+        return ()
+    if (not isinstance(value, list) or len(value) > MAX_IMPORT_PATH
+            or not all(isinstance(p, str) and 0 < len(p) <= 4096 and p.startswith("/") and "\0" not in p
+                       for p in value)):
+        raise SpecError("import_path", value, f"a list of at most {MAX_IMPORT_PATH} absolute paths")
+    return tuple(value)
 
 
 class _ChildThreadWarning(logging.Filter):
@@ -197,6 +211,7 @@ class ChunkSession:
             "batch": _batch(req),
             "store": StoreConfig.from_wire(req.get("store")),
             "warm_start": StoreConfig.from_wire(warm, "warm_start") if warm is not None else None,
+            "import_path": require_import_path(req),
         }
 
     # --- called by the runner's threads ------------------------------------------------------
@@ -318,6 +333,7 @@ class ChunkSession:
                 # only read: a warm start never creates the folder it names
                 warm_start_store=warm.open(create=False) if warm is not None else None,
                 import_entrypoint=False,  # the user's module runs in the workers, not in the agent
+                import_path=r["import_path"],  # where the task imports it from
             )
         except BaseException as exc:  # noqa: BLE001 - every outcome goes back to the task
             self.done.set()

@@ -128,6 +128,8 @@ class CharLM(nn.Module):
 class CharTransformer(Trainable):
     """Next-character prediction on stdlib source; reports validation loss and bits per char."""
 
+    PARAMS = SCHEMA  # the parameters it takes: a misspelt one is refused before workers start
+
     def __init__(self, **params: object) -> None:
         p = P.parse(params, SCHEMA)
         if p["d_model"] % p["heads"]:

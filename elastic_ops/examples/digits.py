@@ -89,6 +89,8 @@ def _device_of(model: nn.Module) -> torch.device:
 class DigitsMLP(Trainable):
     """Classifies 8x8 digit images with a ReLU MLP trained by AdamW on cross-entropy."""
 
+    PARAMS = SCHEMA  # the parameters it takes: a misspelt one is refused before workers start
+
     def __init__(self, **params: object) -> None:
         super().__init__(**P.parse(params, SCHEMA))
 

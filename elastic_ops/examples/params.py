@@ -6,6 +6,7 @@ what is allowed, like every other spec field.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -51,7 +52,9 @@ def parse(params: Mapping[str, Any], schema: Mapping[str, tuple[Any, Check]]) ->
     """Fill defaults and validate ``params`` against ``schema`` (``key -> (default, check)``)."""
     unknown = sorted(set(params) - set(schema))
     if unknown:
+        close = difflib.get_close_matches(unknown[0], list(schema), n=1)
         raise SpecError(
-            f"params.{unknown[0]}", params[unknown[0]], f"unknown parameter; known: {', '.join(schema)}"
+            f"params.{unknown[0]}", params[unknown[0]], f"unknown parameter; known: {', '.join(schema)}",
+            hint=f"did you mean {close[0]!r}?" if close else None,
         )
     return {key: check(key, params.get(key, default)) for key, (default, check) in schema.items()}

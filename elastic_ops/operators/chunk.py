@@ -108,6 +108,12 @@ def _metric_text(stop_when: Mapping[str, Any], metrics: Mapping[str, Any]) -> st
     return f"{stop_when['metric']}={metrics.get(stop_when['metric'])}"
 
 
+def _try_number(context: Context) -> int | None:
+    ti = context.get("ti") if hasattr(context, "get") else None
+    number = getattr(ti, "try_number", None)
+    return number if isinstance(number, int) and not isinstance(number, bool) else None
+
+
 def _final_failure(context: Context, exc: BaseException) -> bool:
     """Whether this try's failure ends the task for good: a non-retryable error (the retry
     policy fails it at once) or the last try Airflow allows."""
@@ -232,7 +238,37 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
                           latest.iteration, _stop_text(spec.stop_when),
                           _metric_text(spec.stop_when, latest.metrics))
             return chunk.result(status="stopped", checkpoint_uri=latest.uri, now=time.time()).to_dict()
+        self.log.info("%s", self._try_line(context, chunk, latest, hook))
         return self._train_to_the_end(context, chunk, hook)
+
+    def _try_line(self, context: Context, chunk: ChunkTry, latest: Any, hook: ElasticOpsHook) -> str:
+        """What the task log (the UI) says as a try starts: where it resumes from and, on a
+        retry, why it runs (the previous try's failure as the pool recorded it, and the hosts
+        the retry avoids). The agent's and the workers' logs are not where users look."""
+        try_number = _try_number(context)
+        head = (f"job {chunk.job}: chunk {self.chunk_index + 1} [{chunk.start}, {chunk.end}), "
+                f"try {try_number or '?'}")
+        if latest is not None:
+            frm = f"resumes from the checkpoint at iteration {latest.iteration} ({latest.uri})"
+        elif chunk.warm_start:
+            frm = f"starts at iteration 0 from the weights of {chunk.warm_start}"
+        else:
+            frm = "starts from scratch (no checkpoint yet)"
+        if not try_number or try_number < 2:
+            return f"{head}: {frm}"
+        why = "a retry: the previous try failed without blaming a host (its log says why)"
+        try:
+            ours = f"chunk {self.chunk_index + 1} try {try_number - 1}: "
+            failures = hook.pool().events(chunk.job, kinds=["failure"], last=50)
+            mine = [e for e in failures if ours in (e.get("reason") or "")]
+            if mine:
+                cause = mine[-1]["reason"].split(ours, 1)[1]
+                avoid = failed_hosts(hook.pool(), chunk.job)
+                why = (f"a retry after {cause} on {mine[-1]['host']}; the grant avoids "
+                       f"{', '.join(avoid) or mine[-1]['host']}")
+        except ElasticOpsError as exc:  # the log line must not fail the try
+            why = f"a retry (the pool's record of the previous try is unavailable: {exc})"
+        return f"{head}, {why}: {frm}"
 
     def _resumed(self, context: Context, event: dict[str, Any]) -> dict[str, Any]:
         parsed = parse_event(event)
@@ -424,7 +460,10 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
         if isinstance(exc, WorkerLostError) and not self._killed:
             failed = exc.host or request.host
             self.log.error("job %s: host %s failed the chunk: %s", job, failed, exc)
-            self._quietly("report the failed host", client.report_failure, job, failed)
+            # 1-based, as the task ids number chunks (chunk_02_of_05)
+            number, said = _try_number(context) or "?", getattr(exc, "message", exc)  # without the hint
+            cause = f"chunk {self.chunk_index + 1} try {number}: {type(exc).__name__}: {said}"
+            self._quietly("report the failed host", client.report_failure, job, failed, cause)
             metrics.incr("chunk.host_failures", tags={**tags, "host": failed})
         metrics.gauge("chunk.workers", 0, tags=tags)
         final = not self._killed and _final_failure(context, exc)

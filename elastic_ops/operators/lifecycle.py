@@ -62,13 +62,8 @@ class ElasticRegisterOperator(JobTaskOperator):
     ui_color = "#e8f4d9"
 
     def execute(self, context: Context) -> dict[str, Any]:
+        refuse_unknown_conf_keys(context)
         spec = self._spec(context)
-        if unknown := unknown_conf_keys(context):
-            self.log.warning(
-                "the run's conf has keys that are not among the DAG's params, which no params template "
-                "sees (a typo?): %s; the params are %s",
-                ", ".join(unknown), ", ".join(sorted(context["dag"].params)),
-            )
         register(self._hook().pool(), spec)
         self.log.info(
             "registered job %s: %d..%d workers, priority %d, %d chunks of %d iterations, checkpoints %s%s",
@@ -86,6 +81,28 @@ def unknown_conf_keys(context: Context) -> list[str]:
     params = getattr(context.get("dag"), "params", None) or {}
     conf = getattr(context.get("dag_run"), "conf", None) or {}
     return sorted(str(k) for k in conf if k not in params) if params else []
+
+
+def refuse_unknown_conf_keys(context: Context) -> None:
+    """Fail the run (its first task, before any worker is asked for) on a conf key that is not
+    among the DAG's params: Airflow would run on with the param's default, so a trigger with
+    ``max_worker: 8`` would train on the default count without a word in the UI."""
+    unknown = unknown_conf_keys(context)
+    if not unknown:
+        return
+    import difflib
+
+    from elastic_ops.errors import SpecError
+
+    params = sorted(str(p) for p in context["dag"].params)
+    close = difflib.get_close_matches(unknown[0], params, n=1)
+    raise SpecError(
+        f"conf.{unknown[0]}", context["dag_run"].conf[unknown[0]],
+        f"not a param of DAG {context['dag'].dag_id}, so nothing would read it (the run would train "
+        f"with the defaults); unknown keys: {', '.join(unknown)}; its params: {', '.join(params)}",
+        hint=(f"did you mean {close[0]!r}? " if close else "")
+        + "trigger the DAG again with the keys spelt as its params (or declare the key as a Param)",
+    )
 
 
 class ElasticFinalizeOperator(JobTaskOperator):

@@ -233,16 +233,22 @@ def pool_status(user: GetUserDep) -> dict[str, Any]:
     return _call("status")
 
 
+KIND_QUERY = Query(None)  # a list parameter (?kind=grant&kind=shrink); each checked by the ledger
+
+
 @app.get("/events")
 def pool_events(
     user: GetUserDep,
     job: str | None = Query(None, max_length=NAME_MAX),
     since_id: int = Query(0, ge=0, le=2**63 - 1),  # a larger id overflows the ledger's integer
     last: int | None = Query(None, ge=1, le=1_000_000),
+    since_ts: float | None = Query(None, ge=0, le=1e11),
+    kind: list[str] | None = KIND_QUERY,
 ) -> list[dict[str, Any]]:
-    """The event log, oldest first: one job's, after ``since_id``, the ``last`` N (any subset)."""
+    """The event log, oldest first: one job's, after ``since_id``, at or after ``since_ts``, of
+    the ``kind`` s given, the ``last`` N (any subset)."""
     _authorize("GET", user)
-    return _call("events", job=job, since_id=since_id, last=last)
+    return _call("events", job=job, since_id=since_id, last=last, since_ts=since_ts, kinds=kind)
 
 
 @app.get("/usage")

@@ -11,6 +11,7 @@ the environment only, never from the command line, which ``ps`` shows; never log
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, unquote, urlsplit
 
@@ -137,13 +138,18 @@ class ApiPoolClient:
         return self._call("GET", "/status")
 
     def events(
-        self, job: str | None = None, *, since_id: int = 0, last: int | None = None
+        self, job: str | None = None, *, since_id: int = 0, last: int | None = None,
+        since_ts: float | None = None, kinds: Sequence[str] | None = None,
     ) -> list[dict[str, Any]]:
         params: dict[str, Any] = {"since_id": since_id}
         if job is not None:
             params["job"] = job
         if last is not None:
             params["last"] = last
+        if since_ts is not None:
+            params["since_ts"] = since_ts
+        if kinds:
+            params["kind"] = list(kinds)
         events = self._call("GET", "/events", params=params)
         return [{**e, "slots": [tuple(x) for x in e["slots"]]} for e in events]
 

@@ -9,6 +9,7 @@ import sys
 from collections.abc import Sequence
 
 from elastic_ops.pool import report
+from elastic_ops.pool.api import EventKind
 from elastic_ops.pool.api_client import ENV_API_PASSWORD, ENV_API_TOKEN, ENV_API_URL, ENV_API_USER
 from elastic_ops.pool.client import ENV_URL
 
@@ -31,39 +32,40 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p = psub.add_parser("set-priority", help="change a job's priority (re-plans at once)")
     p.add_argument("job")
     p.add_argument("priority", type=int)
-    p.set_defaults(func=lambda a: _client(a).set_priority(a.job, a.priority))
+    _prints_change(p, lambda c, a: c.set_priority(a.job, a.priority), job_change)
 
     p = psub.add_parser("set-bounds", help="change a job's min/max workers (re-plans at once)")
     p.add_argument("job")
     p.add_argument("min_workers", type=int)
     p.add_argument("max_workers", type=int)
-    p.set_defaults(func=lambda a: _client(a).set_bounds(a.job, a.min_workers, a.max_workers))
+    _prints_change(p, lambda c, a: c.set_bounds(a.job, a.min_workers, a.max_workers), job_change)
 
     p = psub.add_parser("set-preemptible", help="allow or forbid preempting a job")
     p.add_argument("job")
     p.add_argument("preemptible", choices=["true", "false"])
-    p.set_defaults(func=lambda a: _client(a).set_preemptible(a.job, a.preemptible == "true"))
+    _prints_change(p, lambda c, a: c.set_preemptible(a.job, a.preemptible == "true"), job_change)
 
     p = psub.add_parser("set-selector", help="the labels a job's hosts must carry (none: any host)")
     p.add_argument("job")
     p.add_argument("--label", action="append", default=[], metavar="KEY=VALUE")
-    p.set_defaults(func=lambda a: _client(a).set_selector(a.job, parse_labels(a.label)),
-                   flag_aliases={"selector": "--label"})
+    _prints_change(p, lambda c, a: c.set_selector(a.job, parse_labels(a.label)), job_change)
+    p.set_defaults(flag_aliases={"selector": "--label"})
 
     p = psub.add_parser("drain", help="no new grants on HOST; its jobs move off at their next boundary")
     p.add_argument("host")
-    p.set_defaults(func=lambda a: _client(a).drain_host(a.host))
+    _prints_change(p, lambda c, a: c.drain_host(a.host), host_change)
 
     p = psub.add_parser("set-host-state", help="set a host's state: up, draining, down, cooling")
     p.add_argument("host")
     p.add_argument("state", choices=["up", "draining", "down", "cooling"])
-    p.set_defaults(func=lambda a: _client(a).set_host_state(a.host, a.state))
+    _prints_change(p, lambda c, a: c.set_host_state(a.host, a.state), host_change)
 
     p = psub.add_parser("add-host", help="register (or re-enable) a host with SLOTS slots")
     p.add_argument("host")
     p.add_argument("slots", type=int)
     p.add_argument("--label", action="append", default=[], metavar="KEY=VALUE")
-    p.set_defaults(func=_add_host, flag_aliases={"labels": "--label"})
+    _prints_change(p, lambda c, a: c.add_host(a.host, a.slots, parse_labels(a.label)), host_change)
+    p.set_defaults(flag_aliases={"labels": "--label"})
 
     p = psub.add_parser("configure", help="pool-wide settings (policy, preemption, ttl, anti-thrashing)")
     p.add_argument("--policy")
@@ -85,6 +87,15 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
     p = psub.add_parser("events", help="the event log (grants, grows, shrinks, releases, expiries, hosts)")
     p.add_argument("--job", default=None)
+    p.add_argument("--last", type=int, default=None, metavar="N", help="only the newest N events")
+    p.add_argument("--since", default=None, metavar="WHEN",
+                   help="only events since WHEN: a duration back from now (90s, 30m, 2h, 1d) or an ISO "
+                   "8601 time (2026-12-03T10:00, UTC unless it says)")
+    p.add_argument("--kind", action="append", default=None, metavar="KIND",
+                   help="only events of KIND (repeat, or comma-separated): "
+                   + ", ".join(k.value for k in EventKind))
+    p.add_argument("--follow", action="store_true",
+                   help="after the events so far, print new ones as they come (until Ctrl-C)")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     p.set_defaults(func=_events, reads_only=True)
 
@@ -194,10 +205,6 @@ def parse_labels(items: Sequence[str]) -> dict[str, str]:
     return labels
 
 
-def _add_host(args: argparse.Namespace) -> None:
-    _client(args).add_host(args.host, args.slots, parse_labels(args.label))
-
-
 def _configure(args: argparse.Namespace) -> None:
     keys = (
         "policy",
@@ -258,25 +265,165 @@ def _status(args: argparse.Namespace) -> None:
     print(report.text_table(report.job_rows(st), report.JOB_COLUMNS))
 
 
-def _events(args: argparse.Namespace) -> None:
-    import datetime as dt
+def _prints_change(p: argparse.ArgumentParser, change, describe) -> None:
+    """A changing command prints one line of what changed (``--quiet``: nothing), read from the
+    pool's status before and after, so it says what the pool holds now, not what was asked."""
+    p.add_argument("--quiet", "-q", action="store_true", help="print nothing on success")
 
-    events = _client(args).events(args.job)
-    if not events and not args.json:
+    def func(args: argparse.Namespace) -> None:
+        client = _client(args)
+        before = None if args.quiet else client.status()
+        change(client, args)
+        if not args.quiet:
+            print(report.shown(describe(args, before, client.status())))
+
+    p.set_defaults(func=func)
+
+
+def _named(status: dict, kind: str, name: str) -> dict | None:
+    return next((x for x in status[kind] if x["name"] == name), None)
+
+
+def _arrow(label: str, old: object, new: object) -> str | None:
+    def shown(v: object) -> str:
+        return str(v).lower() if isinstance(v, bool) else str(v)  # as the command takes it
+
+    return None if old == new else f"{label} {shown(old)} -> {shown(new)}"
+
+
+def job_change(args: argparse.Namespace, before: dict, after: dict) -> str:
+    """``job train: priority 3 -> 7, target 4 -> 5 workers``: the job's settings that changed,
+    and its target where the re-plan moved it."""
+    old, new = _named(before, "jobs", args.job) or {}, _named(after, "jobs", args.job) or {}
+
+    def sel(j: dict) -> str:
+        return ",".join(f"{k}={v}" for k, v in sorted((j.get("selector") or {}).items())) or "any host"
+
+    parts = [_arrow("priority", old.get("priority"), new.get("priority")),
+             _arrow("workers", f"{old.get('min_workers')}..{old.get('max_workers')}",
+                    f"{new.get('min_workers')}..{new.get('max_workers')}"),
+             _arrow("preemptible", old.get("preemptible"), new.get("preemptible")),
+             _arrow("selector", sel(old), sel(new)),
+             _arrow("target", old.get("target"), f"{new.get('target')} workers")
+             if old.get("target") != new.get("target") else None]
+    said = [p for p in parts if p]
+    return f"job {args.job}: " + (", ".join(said) if said else "unchanged")
+
+
+def host_change(args: argparse.Namespace, before: dict, after: dict) -> str:
+    """``host gpu-0: up -> draining (3 slots in use move off at their jobs' next boundary)``."""
+    old, new = _named(before, "hosts", args.host), _named(after, "hosts", args.host) or {}
+
+    def labels(h: dict) -> str:
+        return ",".join(f"{k}={v}" for k, v in sorted((h.get("labels") or {}).items())) or "none"
+
+    if old is None:
+        return (f"host {args.host}: added, {new.get('slots')} slots, {new.get('state')}, "
+                f"labels {labels(new)}")
+    said = [p for p in (_arrow("state", old["state"], new.get("state")),
+                        _arrow("slots", old["slots"], new.get("slots")),
+                        _arrow("labels", labels(old), labels(new))) if p]
+    line = f"host {args.host}: " + (", ".join(said) if said else "unchanged")
+    if new.get("state") == "draining" and old["state"] != "draining":
+        line += (f"; no new grants, the {new.get('used', 0)} slots in use move off at their jobs' next "
+                 "iteration boundary")
+    return line
+
+
+def parse_since(value: str, now: float) -> float:
+    """``--since``: ``90s``/``30m``/``2h``/``1d`` back from ``now``, or an ISO 8601 time (UTC
+    unless it names its zone), as Unix seconds."""
+    import datetime as dt
+    import re
+
+    from elastic_ops.errors import SpecError
+
+    allowed = "a duration back from now (90s, 30m, 2h, 1d) or an ISO 8601 time (2026-12-03T10:00)"
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd])\s*", value)
+    if m:
+        back = float(m.group(1)) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
+        if back > 10 * 365 * 86400:
+            raise SpecError("--since", value, allowed + ", at most 10 years back")
+        return now - back
+    try:
+        when = dt.datetime.fromisoformat(value.strip())
+    except ValueError:
+        raise SpecError("--since", value, allowed) from None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=dt.UTC)
+    return when.timestamp()
+
+
+def event_kinds(given: Sequence[str] | None) -> list[str] | None:
+    """``--kind``, repeated or comma-separated, each a known kind."""
+    if not given:
+        return None
+    from elastic_ops.errors import SpecError
+
+    kinds = [k.strip() for item in given for k in item.split(",") if k.strip()]
+    known = [k.value for k in EventKind]
+    for k in kinds:
+        if k not in known:
+            import difflib
+
+            close = difflib.get_close_matches(k, known, n=1)
+            raise SpecError("--kind", k, f"an event kind, one of {', '.join(known)}",
+                            hint=f"did you mean {close[0]!r}?" if close else None)
+    return kinds
+
+
+FOLLOW_POLL_S = 1.0  # --follow: how often the log is read for new events
+
+
+def _events(args: argparse.Namespace) -> None:
+    import time
+
+    from elastic_ops.spec import check_int
+
+    if args.last is not None:
+        check_int("--last", args.last, 1, 1_000_000)
+    since = parse_since(args.since, time.time()) if args.since is not None else None
+    kinds = event_kinds(args.kind)
+    client = _client(args)
+    events = client.events(args.job, last=args.last, since_ts=since, kinds=kinds)
+    if not events and not args.json and not args.follow:
         # an empty table would look like a hang or a typo'd job gone unnoticed; JSON lines stay empty
         where = f" for job {args.job!r} (`elastic-ops pool status` lists the jobs)" if args.job else ""
         print(f"no events{where}", file=sys.stderr)
     for e in events:
-        if args.json:
-            print(json.dumps(e, sort_keys=True))
-            continue
-        ts = dt.datetime.fromtimestamp(e["ts"], dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
-        who = e["job"] or e["host"] or "-"
-        facts = [f"{k}={e[k]}" for k in ("workers", "epoch") if e[k] is not None]  # a host event has none
-        if e["slots"]:
-            facts.append("slots=[" + ",".join(f"{h}:{s}" for h, s in e["slots"]) + "]")
-        line = " ".join([f"{e['id']:>6} {ts} {e['kind']:<8} {who:<20}", *facts, e["reason"] or ""])
-        print(report.shown(line))
+        _print_event(e, args.json)
+    if not args.follow:
+        return
+    seen = events[-1]["id"] if events else _newest_id(client)
+    try:
+        while True:
+            sys.stdout.flush()
+            time.sleep(FOLLOW_POLL_S)
+            for e in client.events(args.job, since_id=seen, kinds=kinds):
+                _print_event(e, args.json)
+                seen = e["id"]
+    except KeyboardInterrupt:  # Ctrl-C ends following: not an error
+        return
+
+
+def _newest_id(client) -> int:
+    newest = client.events(last=1)
+    return newest[-1]["id"] if newest else 0
+
+
+def _print_event(e: dict, as_json: bool) -> None:
+    import datetime as dt
+
+    if as_json:
+        print(json.dumps(e, sort_keys=True))
+        return
+    ts = dt.datetime.fromtimestamp(e["ts"], dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
+    who = e["job"] or e["host"] or "-"
+    facts = [f"{k}={e[k]}" for k in ("workers", "epoch") if e[k] is not None]  # a host event has none
+    if e["slots"]:
+        facts.append("slots=[" + ",".join(f"{h}:{s}" for h, s in e["slots"]) + "]")
+    line = " ".join([f"{e['id']:>6} {ts} {e['kind']:<8} {who:<20}", *facts, e["reason"] or ""])
+    print(report.shown(line))
 
 
 def _usage(args: argparse.Namespace) -> None:

@@ -44,7 +44,7 @@ from elastic_ops.metrics import NO_METRICS, Metrics
 from elastic_ops.pool import engine as db
 from elastic_ops.pool import ledger
 from elastic_ops.pool import schema as s
-from elastic_ops.pool.api import SLOT_KINDS, Grant, Target, Wait
+from elastic_ops.pool.api import SLOT_KINDS, EventKind, Grant, Target, Wait
 from elastic_ops.pool.checks import (
     MAX_EPOCH,
     MAX_HOST_SLOTS,
@@ -88,6 +88,16 @@ class Lock(enum.StrEnum):
 
 
 ENV_URL = "ELASTIC_OPS_POOL_URL"
+
+
+def check_event_kinds(kinds: Sequence[str] | None) -> list[str]:
+    """``kinds`` as event kinds (:class:`EventKind`'s values), each known."""
+    if kinds is None:
+        return []
+    known = [k.value for k in EventKind]
+    if isinstance(kinds, str) or not all(isinstance(k, str) and k in known for k in kinds) or len(kinds) > 64:
+        raise SpecError("kind", kinds, f"event kinds, each one of {', '.join(known)}")
+    return sorted(set(kinds))
 
 
 def _event_dict(r: Row[Any]) -> dict[str, Any]:
@@ -632,11 +642,16 @@ class PoolClient:
         for good outside any grant."""
         return self._change(lambda tx: tx.finish(job))
 
-    def report_failure(self, job: str, host: str) -> None:
-        """``job`` failed on ``host``: the job avoids it from now on; enough failures cool it."""
+    def report_failure(self, job: str, host: str, cause: str | None = None) -> None:
+        """``job`` failed on ``host``: the job avoids it from now on; enough failures cool it.
+        ``cause`` (what failed, e.g. the error; at most 500 characters kept) goes into the
+        failure event's reason, where the retry's task reads why it runs."""
         check_name("job", job)
         check_host("host", host)
-        self._change(lambda tx: tx.report_failure(job, host), lock=Lock.NONE)
+        if cause is not None and not isinstance(cause, str):
+            raise SpecError("cause", cause, "a string or None")
+        kept = None if cause is None else cause[:500]
+        self._change(lambda tx: tx.report_failure(job, host, kept), lock=Lock.NONE)
 
     def check_epoch(self, job: str, epoch: int) -> None:
         """Raise :class:`LeaseExpiredError` unless ``epoch`` is the job's live lease."""
@@ -749,13 +764,17 @@ class PoolClient:
         return self._read(op)
 
     def events(
-        self, job: str | None = None, *, since_id: int = 0, last: int | None = None
+        self, job: str | None = None, *, since_id: int = 0, last: int | None = None,
+        since_ts: float | None = None, kinds: Sequence[str] | None = None,
     ) -> list[dict[str, Any]]:
-        """The event log, oldest first (optionally one job's, only ids above ``since_id``, only the
-        ``last`` N)."""
+        """The event log, oldest first (optionally one job's, only ids above ``since_id``, only
+        those at or after ``since_ts`` (Unix seconds), only ``kinds``, only the ``last`` N)."""
         if last is not None:
             check_int("last", last, 1, 1_000_000)
         check_int("since_id", since_id, 0, MAX_EPOCH)
+        if since_ts is not None:
+            check_number("since_ts", since_ts, minimum=0)
+        wanted = check_event_kinds(kinds)
         if job is not None:
             check_name("job", job)
 
@@ -763,6 +782,10 @@ class PoolClient:
             q = select(s.events).where(s.events.c.id > since_id)
             if job is not None:
                 q = q.where(s.events.c.job == job)
+            if since_ts is not None:
+                q = q.where(s.events.c.ts >= since_ts)
+            if wanted:
+                q = q.where(s.events.c.kind.in_(wanted))
             if last is not None:  # the newest N, still returned oldest first
                 q = select(q.order_by(s.events.c.id.desc()).limit(last).subquery())
                 q = q.order_by(q.selected_columns.id)

@@ -1063,7 +1063,7 @@ class Tx:
         self.mark_dirty()
         return released
 
-    def report_failure(self, job: str, host: str) -> None:
+    def report_failure(self, job: str, host: str, cause: str | None = None) -> None:
         row = self.job_row(job)
         h = self.host_row(host)
         cfg = self.settings
@@ -1075,6 +1075,8 @@ class Tx:
         if failures >= cfg["failure_threshold"] and h.state == HostState.UP.value:
             values.update(state=HostState.COOLING.value, state_since=self.now, failures=0)
             reason += f"; cooling for {cfg['cooling_s']:.0f}s"
+        if cause:
+            reason += f"; {cause}"
         self.conn.execute(update(s.hosts).where(s.hosts.c.name == host).values(**values))
         self.log_event(EventKind.FAILURE, job=job, host=host, reason=reason)
         self.mark_dirty()

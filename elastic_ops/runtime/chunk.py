@@ -33,15 +33,17 @@ import logging
 import math
 import operator
 import shutil
+import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from elastic_ops.errors import (
     CheckpointNotFoundError,
+    EntrypointError,
     SpecError,
     StaleEpochError,
     TrainingError,
@@ -113,8 +115,10 @@ class _Runner:
         workdir: Path,
         on_segment: Callable[[int, Allocation], None] | None = None,
         span_hosts: bool = False,
+        import_path: tuple[str, ...] = (),
     ) -> None:
         self.spec, self.start, self.end = spec, start, end
+        self.import_path = import_path
         self.on_segment = on_segment
         self.span_hosts = span_hosts
         self.slots = SlotsByBoundary()
@@ -237,7 +241,10 @@ class _Runner:
             "span": bool(remote),
             "leader": True,
             "batch": first_batch,
+            "chunk": [self.start, self.end],  # for the workers' process titles
         }
+        if self.import_path:
+            cfg["import_path"] = list(self.import_path)
         (segdir / "segment.json").write_text(json.dumps(cfg))
         req = LaunchRequest(
             workers=here,
@@ -267,6 +274,10 @@ class _Runner:
             # the launch inside the try: a SIGTERM as the controller starts (Thread.start waits,
             # and a signal's handler runs there) must stop the workers, not leave them running
             pc = start_on(self.launcher, req, self.host)
+            # the pids, so `ps`/`kill` find this segment's workers (their titles name job and rank)
+            pids = " ".join(f"rank{r}={p}" for r, p in sorted(pc.pids().items()))
+            log.info("job %s: segment %d, %d worker(s) from iteration %d on %s, pids %s", self.spec.name,
+                     index, here, it, self.host, pids)
             ctl.start()
             result = None
             while result is None:
@@ -533,22 +544,32 @@ def _check_range(spec: JobSpec, start: int, end: int) -> None:
         raise SpecError("end", end, f"must be an integer in ({start}, {spec.total_iterations}]")
 
 
-def _check_entrypoint(spec: JobSpec, import_it: bool = True) -> None:
+def _check_entrypoint(spec: JobSpec, import_it: bool = True, import_path: Sequence[str] = ()) -> None:
     """Fail before any worker starts on an entrypoint that cannot load. ``import_it=False``
-    (a long-lived agent): only find the Trainable's module, running none of its code here."""
+    (a long-lived agent): only find the Trainable's module, running none of its code here, on
+    this process's ``sys.path`` and then ``import_path`` (the task's folders)."""
     if spec.is_script():  # its consistency, scaling and micro_batch: JobSpec checks them
         if not Path(spec.entrypoint).is_file():
-            from elastic_ops.errors import EntrypointError
-
             raise EntrypointError("entrypoint", spec.entrypoint, "script file does not exist")
         return
-    from elastic_ops.runtime.trainable import find_trainable_module, load_trainable_class
-
     if import_it:
-        load_trainable_class(spec.entrypoint)
-    else:
-        find_trainable_module(spec.entrypoint)
+        from elastic_ops.runtime.entrypoints import check_params
+        from elastic_ops.runtime.trainable import load_trainable_class
 
+        check_params(load_trainable_class(spec.entrypoint), spec.params)  # before workers start
+        return
+    from elastic_ops.runtime.entrypoints import find_trainable_module, this_process
+
+    try:
+        find_trainable_module(spec.entrypoint, import_path)
+    except EntrypointError as exc:  # say which process could not, and where it looked
+        raise EntrypointError(
+            "entrypoint", spec.entrypoint,
+            f"{exc.allowed} in the process that runs the chunk, {this_process()}; it searched its "
+            f"sys.path {sys.path} and the task's {list(import_path)}",
+            hint="start it with PYTHONPATH set to the folder that holds the module (the DAG "
+            "folder for a model kept beside the DAG), or install the module into its virtualenv",
+        ) from exc
 
 
 def _check_one_job(store: CheckpointStore, spec: JobSpec, ref: CheckpointRef | None) -> None:
@@ -607,6 +628,7 @@ def run_chunk(
     on_segment: Callable[[int, Allocation], None] | None = None,
     span_hosts: bool = False,
     import_entrypoint: bool = True,
+    import_path: Sequence[str] = (),
 ) -> ChunkResult:
     """Train iterations ``[start, end)`` from the latest committed checkpoint; see the module doc.
 
@@ -618,6 +640,8 @@ def run_chunk(
     ``workdir`` holds the staging files (a temporary directory by default, removed afterwards).
     ``import_entrypoint=False``: the Trainable's module is only found here, not imported (a
     long-lived process such as the agent runs no user code; the workers import it).
+    ``import_path``: folders the workers append to their ``sys.path`` before they import the
+    Trainable (the task's DAG, plugins and ``PYTHONPATH`` folders, sent by the task to an agent).
     ``warm_start_store`` is the already-open store at ``warm_start`` (e.g. built with the caller's
     S3 client and endpoint); without it ``open_store(warm_start)`` and boto3's default chain apply.
     The allocation's slots on ``host``: on CUDA, rank r of a segment launched at boundary ``i``
@@ -641,7 +665,7 @@ def run_chunk(
     count.
     """
     _check_range(spec, start, end)
-    _check_entrypoint(spec, import_entrypoint)
+    _check_entrypoint(spec, import_entrypoint, import_path)
     pg_timeout()  # read by every worker: a bad value is refused here, once
     stall_timeout()
     if store is None:
@@ -694,6 +718,7 @@ def run_chunk(
         launcher = launcher or LocalLauncher()
         runner = _Runner(
             spec, start, end, target, store, epoch, on_progress, host, launcher, work, on_segment, span_hosts,
+            tuple(import_path),
         )
         it, state_path = 0, None
         if ref is not None:

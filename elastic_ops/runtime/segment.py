@@ -117,6 +117,21 @@ def user_code() -> Iterator[None]:
         raise UserFailure(exc) from exc
 
 
+def _set_title(cfg: dict[str, Any]) -> None:
+    """Name this worker in ``ps``/``top`` (``elastic-ops worker digits chunk 300-400 rank 1/4
+    segment 2``), not by the fork server's command line it inherited. Without setproctitle
+    (a host given only the runtime's own dependencies) the title stays."""
+    try:
+        from setproctitle import setproctitle
+    except ImportError:
+        return
+    chunk = cfg.get("chunk") or [cfg["start"], cfg["end"]]
+    name = str(cfg["spec"].get("name", "?"))
+    setproctitle(f"elastic-ops worker {name} chunk {chunk[0]}-{chunk[1]} rank {os.environ.get('RANK', '?')}/"
+                 f"{os.environ.get('WORLD_SIZE', cfg['workers'])} segment {cfg['segment']} "
+                 f"from iteration {cfg['start']}")
+
+
 @dataclass
 class Segment:
     spec: JobSpec
@@ -141,7 +156,12 @@ class Segment:
                 f"{ENV_VAR} is not set: this process was not started by the elastic_ops runner"
             )
         cfg = json.loads(Path(path).read_text())
+        if cfg.get("import_path"):  # the task's folders (a chunk on an agent): before any user import
+            from elastic_ops.runtime.entrypoints import extend_import_path
+
+            extend_import_path(cfg["import_path"])
         length = cfg["end"] - cfg["start"] + 1
+        _set_title(cfg)
         return cls(
             spec=JobSpec.from_dict(cfg["spec"]),
             start=cfg["start"],

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import importlib
-import importlib.machinery
-import os
-import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -13,6 +10,7 @@ import torch
 from torch import nn
 
 from elastic_ops.errors import EntrypointError
+from elastic_ops.runtime.entrypoints import find_trainable_module  # noqa: F401 - its old home
 
 
 class Trainable:
@@ -71,64 +69,6 @@ class Trainable:
 REQUIRED_METHODS = ("build_model", "build_optimizer", "train_dataset", "loss")
 
 
-def find_trainable_module(entrypoint: str) -> None:
-    """Check that the module of ``package.module:Class`` can be found, running none of its
-    code nor its packages' (what a long-lived process checks: an import would run the user's
-    import-time code there and keep that module, stale, for every later chunk). The top-level
-    name is asked of ``sys.meta_path``'s finders, as ``import`` asks them (installed, editable
-    and zipped packages); the names below it are looked up in their package's folders, as the
-    path finder would. That the class exists is checked where the workers import it."""
-    if not isinstance(entrypoint, str) or ":" not in entrypoint:
-        raise EntrypointError("entrypoint", entrypoint, "must be 'package.module:TrainableClass'")
-    module_name = entrypoint.partition(":")[0]
-    parts = module_name.split(".")
-    locations: list[str] | None = None
-    for k, part in enumerate(parts):
-        name = ".".join(parts[: k + 1])
-        if name in sys.modules:
-            found = list(getattr(sys.modules[name], "__path__", None) or []) if k + 1 < len(parts) else []
-            kind = "package" if found or k + 1 == len(parts) else "module"
-        elif locations is None:
-            kind, found = _top_level(name)
-        else:
-            kind, found = _below(part, locations)
-        if kind is None or (k + 1 < len(parts) and kind == "module"):
-            why = "is not importable" if kind is None else "is not a package"
-            raise EntrypointError("entrypoint", entrypoint,
-                                  f"module {module_name!r} cannot be found ({name!r} {why})")
-        locations = found
-
-
-def _top_level(name: str) -> tuple[str | None, list[str]]:
-    for finder in sys.meta_path:
-        try:
-            spec = finder.find_spec(name, None)
-        except (AttributeError, ImportError, ValueError):  # a legacy finder, or one that refuses
-            continue
-        if spec is not None:
-            where = spec.submodule_search_locations
-            return ("package", list(where)) if where is not None else ("module", [])
-    return None, []
-
-
-def _below(part: str, locations: Sequence[str]) -> tuple[str | None, list[str]]:
-    """Where ``part`` is in the folders of its package: a package (a folder with ``__init__``),
-    a module file, or the portions of a namespace package (folders without one)."""
-    portions = []
-    for loc in locations:
-        base = os.path.join(loc, part)
-        if os.path.isdir(base) and any(os.path.isfile(os.path.join(base, "__init__" + x)) for x in _SUFFIXES):
-            return "package", [base]
-        if any(os.path.isfile(base + x) for x in _SUFFIXES):
-            return "module", []
-        if os.path.isdir(base):
-            portions.append(base)
-    return ("package", portions) if portions else (None, [])
-
-
-_SUFFIXES = tuple(importlib.machinery.all_suffixes())
-
-
 def load_trainable_class(entrypoint: str) -> type[Trainable]:
     """Import ``package.module:Class`` and check that it is a ``Trainable`` subclass."""
     if not isinstance(entrypoint, str) or ":" not in entrypoint:
@@ -137,20 +77,27 @@ def load_trainable_class(entrypoint: str) -> type[Trainable]:
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:  # ImportError, or an error raised while importing user code
+        where = ""
+        if isinstance(exc, ImportError):  # say which process looked, and where
+            import sys
+
+            from elastic_ops.runtime.entrypoints import this_process
+
+            where = f" in {this_process()}, whose sys.path is {sys.path}"
         raise EntrypointError(
             "entrypoint",
             entrypoint,
-            f"module {module_name!r} cannot be imported ({type(exc).__name__}: {exc})",
+            f"module {module_name!r} cannot be imported{where} ({type(exc).__name__}: {exc})",
         ) from exc
     cls = getattr(module, attr, None)
     if cls is None:
         raise EntrypointError("entrypoint", entrypoint, f"module {module_name!r} has no attribute {attr!r}")
     if not (isinstance(cls, type) and issubclass(cls, Trainable)):
         raise EntrypointError(
-            "entrypoint",
-            entrypoint,
-            "must name a subclass of elastic_ops.runtime.Trainable",
-            hint=f"{attr} is {type(cls).__name__}",
+            "entrypoint", entrypoint,
+            f"must name a subclass of elastic_ops.runtime.Trainable; {attr} is {_what(cls)}",
+            hint=_how_to_wrap(attr) if isinstance(cls, type) and issubclass(cls, nn.Module) else
+            "see docs/examples.md, \"Writing your own Trainable\"",
         )
     missing = [m for m in REQUIRED_METHODS if getattr(cls, m) is getattr(Trainable, m)]
     if missing:  # caught here, not as NotImplementedError inside every worker
@@ -161,8 +108,33 @@ def load_trainable_class(entrypoint: str) -> type[Trainable]:
     return cls
 
 
+def _what(obj: object) -> str:
+    """What a message says an object is: "an nn.Module subclass (a model)", "a function", …"""
+    if isinstance(obj, type):
+        if issubclass(obj, nn.Module):
+            return "a torch.nn.Module subclass (a model, not a Trainable)"
+        bases = ", ".join(b.__name__ for b in obj.__bases__)
+        return f"a class not derived from Trainable (its bases: {bases})"
+    if callable(obj):
+        return f"a {type(obj).__name__}, not a class"
+    return f"a {type(obj).__name__} instance, not a class"
+
+
+def _how_to_wrap(model: str) -> str:
+    return (f"wrap the model in a Trainable: `class {model}Job(Trainable):` with `build_model(self): return "
+            f"{model}(**self.params)`, build_optimizer, train_dataset and loss, and name that class "
+            "(docs/examples.md, \"Writing your own Trainable\")")
+
+
 def load_trainable(entrypoint: str, params: Mapping[str, Any] | None = None) -> Trainable:
-    return load_trainable_class(entrypoint)(**dict(params or {}))
+    """The Trainable, built with ``params``, checked against the parameters it declares first
+    (a worker of an agent whose task never imported the model: the message names the misspelt
+    parameter, not a TypeError's traceback)."""
+    from elastic_ops.runtime.entrypoints import check_params
+
+    cls, given = load_trainable_class(entrypoint), dict(params or {})
+    check_params(cls, given)
+    return cls(**given)
 
 
 def to_device(batch: Any, device: torch.device) -> Any:

@@ -2,7 +2,7 @@
 separate processes (LocalExecutor, SQLite), one deployment shared by the tests of this module.
 
 Order matters (module-scoped deployment and pool): competing jobs, S3 checkpoints, then the
-SIGKILL test, whose failure cools a host down.
+SIGKILL test, whose failure cools a host down; the newcomer's model beside its DAG last.
 """
 
 from __future__ import annotations
@@ -41,6 +41,9 @@ def deployment(tmp_path_factory, statsd):
     dags.mkdir()
     for src in [*(REPO / "dags").glob("*.py"), *(HERE / "dags").glob("*.py")]:
         shutil.copy(src, dags / src.name)
+    for package in (HERE / "dags").glob("*/__init__.py"):  # models kept beside the DAGs, as users do
+        shutil.copytree(package.parent, dags / package.parent.name,
+                        ignore=shutil.ignore_patterns("__pycache__"))
     metrics = {"AIRFLOW__METRICS__STATSD_ON": "True", "AIRFLOW__METRICS__STATSD_HOST": "127.0.0.1",
                "AIRFLOW__METRICS__STATSD_PORT": str(statsd.port),
                "AIRFLOW__METRICS__STATSD_PREFIX": "airflow"}
@@ -65,7 +68,7 @@ def test_example_dags_parse_without_import_errors(deployment):
     af, _ = deployment
     for dag_id in ("elastic_seed_job1", "elastic_seed_job2", "elastic_train_from_form",
                    "elastic_scheduled_retraining", "digits_prepare_data", "digits_train_on_new_data",
-                   "digits_evaluate_and_promote", "e2e_sigkill", "e2e_task_killed"):
+                   "digits_evaluate_and_promote", "e2e_sigkill", "e2e_task_killed", "e2e_newcomer"):
         af.wait_dag(dag_id, timeout=180)
     assert af.api("GET", "/importErrors")["total_entries"] == 0
 
@@ -259,6 +262,12 @@ def test_killed_worker_is_retried_on_another_host_from_the_latest_checkpoint(dep
     result = af.xcom("e2e_sigkill", run, retried)
     assert failed_host not in result["hosts"]  # the retry's grant avoided the failed host
     assert 0 < killed_at <= result["workers_timeline"][0][0] < 240  # resumed mid-chunk from a checkpoint
+    # the task log (the UI) says where the retry resumed from and why it ran
+    log = (af.home / "logs" / "dag_id=e2e_sigkill" / f"run_id={run}" / f"task_id={retried}" / "attempt=2.log")
+    text = log.read_text()
+    assert "chunk 1 [0, 240), try 2, a retry after WorkerLostError: " in text
+    assert f"on {failed_host}; the grant avoids {failed_host}: resumes from the checkpoint at iteration " \
+           f"{result['workers_timeline'][0][0]} (file://" in text
     summary = af.xcom("e2e_sigkill", run, "train.finalize")
     assert summary["param_sha256"] == ref_sha  # bitwise identical to an uninterrupted run
 
@@ -294,3 +303,18 @@ def test_a_chunk_task_killed_on_its_last_try_leaves_no_job_in_the_pool(deploymen
     (row,) = [j for j in pool.status()["jobs"] if j["name"] == job]
     assert row["state"] == "finished" and row["workers"] == 0 and row["placements"] == []
     assert store.latest().iteration >= 20  # the committed checkpoint survived the kill
+
+
+def test_a_model_beside_the_dag_trains_on_the_agent_started_as_the_readme_says(deployment):
+    """Issue 25: the agent could not import ``newcomer_models.seqgru`` (the DAG could), and the
+    chunk failed for good. The task hands the agent its import path; the chunk trains there.
+    Last in the module: its iterations would count in the competing jobs' metrics."""
+    af, _ = deployment
+    agent_env = psutil.Process(af.procs["agent"].pid).environ()
+    assert str(af.dags_folder) not in agent_env.get("PYTHONPATH", "")  # as the README starts it
+    run = af.trigger("e2e_newcomer", run_id="newcomer_run")
+    assert af.wait_run("e2e_newcomer", run, timeout=300) == "success"
+    result = af.xcom("e2e_newcomer", run, "train.chunk_01_of_01")
+    assert result["status"] == "completed" and result["iterations"] == 30
+    agent_log = (af.home / "logs" / "agent.log").read_text()
+    assert "job e2e_newcomer" in agent_log and "pids rank0=" in agent_log  # it ran on the agent

@@ -485,3 +485,38 @@ def test_a_chunk_killed_while_its_grant_is_renewed_gives_it_back_untrained(pool,
     with pytest.raises(LeaseExpiredError, match="given back untrained"):
         op.execute_granted(ti_context(1, 3), event.to_payload())
     assert not trained and pool.status()["slots"]["used"] == 0
+
+
+def test_the_task_log_says_where_each_try_resumes_from_and_why(pool, monkeypatch, capsys):
+    """The UI shows the task log: it said "2 workers from iteration 26" on a retry, not the
+    checkpoint the try resumed from nor why it ran; that was in the agent's log only."""
+    pool.add_host("h2", 2)
+    op = make_chunk(1)
+    spec = op._spec(ti_context(1, 3))
+    store = open_store(spec.checkpoint_uri())
+
+    def dies_on_h1(request, lease):
+        store.save(26, {"model": {}, "iteration": 26}, epoch=request.epoch, spec_hash=spec.spec_hash())
+        raise WorkerLostError("rank 1 killed by SIGKILL", host="h1")
+
+    train_with(monkeypatch, dies_on_h1)
+    capsys.readouterr()
+    with pytest.raises(WorkerLostError):
+        op.execute(ti_context(1, 3))
+    first = "".join(capsys.readouterr())
+    assert f"job {spec.name}: chunk 2 [20, 40), try 1: starts from scratch (no checkpoint yet)" in first
+
+    train_with(monkeypatch, lambda request, lease: chunk_result(start=20, end=40, iteration=40))
+    make_chunk(1).execute(ti_context(2, 3))
+    second = "".join(capsys.readouterr())
+    assert (f"job {spec.name}: chunk 2 [20, 40), try 2, a retry after WorkerLostError: rank 1 killed by "
+            f"SIGKILL on h1; the grant avoids h1: resumes from the checkpoint at iteration 26 "
+            f"({spec.checkpoint_uri()}/it-00000026)") in second
+
+
+def test_a_retry_the_pool_has_no_failure_for_says_where_to_look(pool, monkeypatch, capsys):
+    train_with(monkeypatch, lambda request, lease: chunk_result(start=20, end=40, iteration=40))
+    capsys.readouterr()
+    make_chunk(1).execute(ti_context(3, 3))
+    assert ("chunk 2 [20, 40), try 3, a retry: the previous try failed without blaming a host (its log "
+            "says why): starts from scratch" in "".join(capsys.readouterr()))

@@ -55,25 +55,29 @@ def test_a_rerun_that_trained_nothing_still_reports_the_final_models_figures(mon
     assert events[asset].extra == summary
 
 
-def test_register_warns_about_conf_keys_no_param_declares(monkeypatch, tmp_path, capsys):
+def test_register_refuses_conf_keys_no_param_declares(monkeypatch, tmp_path):
     """Airflow runs a DAG with ``{"max_worker": 8}`` in its conf without a word (the params keep
-    their defaults): register says so, naming the key and the params there are."""
+    their defaults): register fails the run, naming the key, the closest param and the params
+    there are, before the job is registered."""
+    from elastic_ops.errors import SpecError
     from elastic_ops.operators.lifecycle import ElasticRegisterOperator
 
-    airflow_pool(monkeypatch, tmp_path)
+    pool = airflow_pool(monkeypatch, tmp_path)
     op = ElasticRegisterOperator(task_id="register", spec_fields=FIELDS, group_id="train")
     dag = SimpleNamespace(dag_id="d", params={"max_workers": 2, "priority": 1})
 
-    def logged(dag, conf, run_id) -> str:
-        capsys.readouterr()
-        op.execute({"dag": dag, "run_id": run_id, "dag_run": SimpleNamespace(conf=conf)})
-        return "".join(capsys.readouterr())  # the operator's logger writes through Airflow's setup
+    def run(dag, conf, run_id):
+        return op.execute({"dag": dag, "run_id": run_id, "dag_run": SimpleNamespace(conf=conf)})
 
-    warning = "(a typo?): max_worker; the params are max_workers, priority"
-    assert warning in logged(dag, {"max_worker": 8}, "r1")
-    assert "conf has keys" not in logged(dag, {"max_workers": 8}, "r2")
+    with pytest.raises(SpecError) as err:
+        run(dag, {"max_worker": 8}, "r1")
+    text = str(err.value)
+    assert "invalid conf.max_worker=8: not a param of DAG d" in text
+    assert "its params: max_workers, priority" in text and "did you mean 'max_workers'?" in text
+    assert not err.value.retryable and pool.status()["jobs"] == []  # nothing registered
+    assert run(dag, {"max_workers": 8}, "r2")["job"]
     # a DAG without params: its conf is the author's own
-    assert "conf has keys" not in logged(SimpleNamespace(dag_id="d", params={}), {"anything": 1}, "r3")
+    assert run(SimpleNamespace(dag_id="d", params={}), {"anything": 1}, "r3")["job"]
 
 
 def test_end_job_ends_a_job_its_chunks_left_in_the_plan(monkeypatch, tmp_path):

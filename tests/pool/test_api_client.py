@@ -92,6 +92,12 @@ def test_the_pool_commands_work_through_the_api_server(server, monkeypatch, caps
     assert run(["pool", "events", "--job", "train", "--json"]) == 0
     lines = [json.loads(ln) for ln in capsys.readouterr().out.splitlines()]
     assert lines == [json.loads(json.dumps(e)) for e in pool.events("train")]
+    # the filters travel to the ledger through the api-server
+    assert run(["pool", "events", "--kind", "host,grant", "--since", "1h", "--last", "3", "--json"]) == 0
+    lines = [json.loads(ln) for ln in capsys.readouterr().out.splitlines()]
+    assert lines == [json.loads(json.dumps(e)) for e in pool.events(kinds=["host", "grant"], last=3)]
+    assert run(["pool", "set-priority", "train", "9"]) == 0
+    assert capsys.readouterr().out == "job train: priority 7 -> 9\n"  # changes print over the api too
     assert run(["pool", "usage", "--json"]) == 0
     used = json.loads(capsys.readouterr().out)
     assert {j["job"] for j in used["jobs"]} == {"train"} and used["slot_hours"] >= 0

@@ -217,3 +217,76 @@ def test_pool_planner_once_and_its_errors(sqlite_url, monkeypatch, capsys):
     assert "invalid --poll-s=0" in capsys.readouterr().err
     assert run(["pool", "configure", "--plan-interval-s", "0.2"]) == 0
     assert json.loads(capsys.readouterr().out)["plan_interval_s"] == 0.2
+
+
+def test_changing_commands_print_what_changed_unless_quiet(sqlite_url, monkeypatch, capsys):
+    monkeypatch.setenv("ELASTIC_OPS_POOL_URL", sqlite_url)
+    assert run(["pool", "add-host", "gpu-0", "8", "--label", "zone=a"]) == 0
+    assert capsys.readouterr().out == "host gpu-0: added, 8 slots, up, labels zone=a\n"
+    client = PoolClient(sqlite_url)
+    client.submit("train", min_workers=1, max_workers=8)
+    client.request("train")
+
+    def said(*argv: str) -> str:
+        assert run(["pool", *argv]) == 0
+        return capsys.readouterr().out
+
+    assert said("set-priority", "train", "7") == "job train: priority 1 -> 7\n"
+    assert said("set-bounds", "train", "2", "4") == "job train: workers 1..8 -> 2..4, target 8 -> 4 workers\n"
+    assert said("set-preemptible", "train", "false") == "job train: preemptible true -> false\n"
+    assert said("drain", "gpu-0") == ("host gpu-0: state up -> draining; no new grants, the 8 slots in use "
+                                      "move off at their jobs' next iteration boundary\n")
+    assert said("add-host", "gpu-0", "10") == ("host gpu-0: state draining -> up, slots 8 -> 10, "
+                                               "labels zone=a -> none\n")
+    assert said("set-priority", "train", "7") == "job train: unchanged\n"
+    assert said("set-priority", "train", "5", "--quiet") == ""
+    assert said("drain", "gpu-0", "-q") == "" and client.status()["hosts"][0]["state"] == "draining"
+
+
+def test_events_last_since_kind(sqlite_url, monkeypatch, capsys):
+    monkeypatch.setenv("ELASTIC_OPS_POOL_URL", sqlite_url)
+    for i in range(3):
+        assert run(["pool", "add-host", f"h{i}", "2", "-q"]) == 0
+    client = PoolClient(sqlite_url)
+    client.submit("train", min_workers=1, max_workers=2)
+    client.request("train")
+    capsys.readouterr()
+
+    def events(*argv: str) -> list[dict]:
+        assert run(["pool", "events", "--json", *argv]) == 0
+        return [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+
+    everything = events()
+    assert [e["id"] for e in events("--last", "2")] == [e["id"] for e in everything[-2:]]
+    assert {e["kind"] for e in events("--kind", "host")} == {"host"}
+    assert {e["kind"] for e in events("--kind", "grant,submit")} == {"grant", "submit"}
+    assert len(events("--kind", "host", "--last", "1")) == 1
+    assert events("--since", "1h") == everything and events("--since", "2999-01-01T00:00") == []
+    assert events("--since", "2000-01-01T00:00+02:00") == everything
+
+    assert run(["pool", "events", "--kind", "grnt"]) == 2
+    assert "invalid --kind='grnt': an event kind, one of submit" in capsys.readouterr().err
+    assert run(["pool", "events", "--since", "yesterday"]) == 2
+    err = capsys.readouterr().err
+    assert "invalid --since='yesterday': a duration back from now (90s, 30m, 2h, 1d)" in err
+    assert run(["pool", "events", "--last", "0"]) == 2
+    assert "invalid --last=0" in capsys.readouterr().err
+
+
+def test_events_follow_prints_new_events_until_ctrl_c(sqlite_url, monkeypatch, capsys):
+    monkeypatch.setenv("ELASTIC_OPS_POOL_URL", sqlite_url)
+    assert run(["pool", "add-host", "h0", "2", "-q"]) == 0
+    capsys.readouterr()
+    polls: list[float] = []
+
+    def poll(seconds: float) -> None:  # the first wait: a host arrives; the second: Ctrl-C
+        polls.append(seconds)
+        if len(polls) == 1:
+            PoolClient(sqlite_url).add_host("h1", 2)
+        else:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr("time.sleep", poll)
+    assert run(["pool", "events", "--follow", "--kind", "host"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and "h0" in lines[0] and "h1" in lines[1] and "added: 2 slots" in lines[1]

@@ -301,3 +301,15 @@ def test_groups_of_the_same_name_in_different_parents_stay_apart():
     specs = [c._spec(context) for c in chunks]
     assert specs[0].name != specs[1].name and specs[0].checkpoint != specs[1].checkpoint
     assert groups[0].model_asset.name != groups[1].model_asset.name
+
+
+def test_a_misspelt_param_of_a_trainable_the_dag_imports_fails_at_parse_time():
+    """The DAG file imports its model (as users do): the dag-processor's import error names the
+    parameter and the one meant, instead of four workers failing with a traceback."""
+    import elastic_ops.examples.digits  # noqa: F401 - what the DAG file does
+
+    with pytest.raises(SpecError) as err:
+        make_dag(params={"hiden": 32})
+    assert "invalid params.hiden=32: DigitsMLP takes no parameter 'hiden'" in str(err.value)
+    assert "did you mean 'hidden'?" in str(err.value)
+    make_dag(params={"hidden": 32})
