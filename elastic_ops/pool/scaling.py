@@ -328,7 +328,7 @@ def best_batches_full(r: BatchRows) -> tuple[np.ndarray, np.ndarray]:
     return batch, good[pick, k] * (p[:, 0] + p[:, 1])
 
 
-BRACKET = np.arange(-1, 3)  # grid points weighed around the continuous optimum's position
+BRACKET = np.arange(2)  # the grid points either side of the continuous optimum
 
 
 def best_batches(r: BatchRows) -> tuple[np.ndarray, np.ndarray]:
@@ -343,9 +343,10 @@ def best_batches(r: BatchRows) -> tuple[np.ndarray, np.ndarray]:
     is ``var * rest / scale + const + sqr * compute * scale / n`` up to a factor, convex in
     ``scale`` with its minimum at ``sqrt(var * rest * n / (sqr * compute))``. So goodput is
     unimodal in the scale, and so it is over the clipped (still ascending) grid: its best point
-    is a neighbour of that optimum's position on the geometric grid. Four grid points around it
-    (one to spare each side against rounding) and the base are weighed; the same batches and
-    goodputs as :func:`best_batches_full` (tests/pool/test_scaling.py)."""
+    is one of the two grid points either side of that optimum's position on the geometric grid
+    (rounding can move the position only past a point it is within rounding of, which then is
+    one of the two). Those two and the base are weighed; the same batches and goodputs as
+    :func:`best_batches_full` (tests/pool/test_scaling.py)."""
     p = r.params
     n, rest = _rest_step(r)
     known, sqr, var = _stats(r)
