@@ -58,12 +58,12 @@ from operator import attrgetter, is_, is_not
 import numpy as np
 
 from elastic_ops.pool.model import HostState, Job, Plan, Snapshot
-from elastic_ops.pool.scaling import BatchRows, ScalingModel, best_batches, fit
+from elastic_ops.pool.scaling import BatchRows, ScalingModel, best_batch, best_batches, fit
 from elastic_ops.pool.shares import weighted_fill_array
 
 __all__ = [
     "MAX_HORIZON_S", "MIN_HORIZON_S", "YOUTH_BONUS", "YOUTH_GPU_S", "goodput_fill", "goodput_fill_array",
-    "host_slots",
+    "host_slots", "move_pays", "speed_on",
     "with_batches",
 ]
 
@@ -271,6 +271,28 @@ class _Curves:
     def at(self, idx: np.ndarray, workers: np.ndarray) -> np.ndarray:
         """The objective of jobs ``idx`` at ``workers`` (within their ranges)."""
         return self.flat[self.starts[idx] + workers - self.lo[idx]]
+
+
+def speed_on(job: Job, workers: int, hosts: int) -> float:
+    """The modelled speed-up of ``job`` on ``workers`` over ``hosts`` hosts (its fitted model,
+    the prior if it measured nothing; an adaptive job's at its best batch there)."""
+    model = job.scaling or _prior()
+    hosts = max(1, min(hosts, workers))
+    if job.batching is not None and job.grad is not None:
+        return best_batch(model, job.grad, job.batching, workers, hosts)[1]
+    return model.speedup(workers, hosts)
+
+
+def move_pays(job: Job, workers: int, hosts_now: int, hosts_then: int, now: float, cost_s: float) -> bool:
+    """Whether moving ``job`` (``workers`` of them) from ``hosts_now`` hosts to ``hosts_then``
+    pays back ``cost_s`` (the stall of its restart; 0 for a job that restarts anyway): the time
+    the faster spread saves over its expected remaining run, estimated as for a change of size
+    (its age, clamped to ``MIN_HORIZON_S..MAX_HORIZON_S``)."""
+    before, after = speed_on(job, workers, hosts_now), speed_on(job, workers, hosts_then)
+    if not after > before * (1 + TIE):
+        return False
+    horizon = min(max(now - job.submitted, MIN_HORIZON_S), MAX_HORIZON_S)
+    return horizon * (1 - before / after) > cost_s
 
 
 def with_batches(plan: Plan, snap: Snapshot) -> Plan:

@@ -126,6 +126,41 @@ def test_a_growing_job_moves_onto_fewer_hosts_when_it_restarts_anyway():
     assert "packed onto fewer hosts" in d.reason
 
 
+SPREAD_SLOW = ScalingModel((0.0, 1.0, 0.0, 0.0, 1.0, 0.0), None, 3, 0.0)  # 4 workers: 0.25 s, 2 hosts: 1.25 s
+
+
+def _spread(scaling: ScalingModel, cost: float = 30.0, **job) -> Snapshot:
+    """"a" (4 workers) spread 2 + 2 over h0 and h1, each shared with a 2-worker job; h2 free."""
+    return make_snapshot(
+        hosts=(("h0", 4), ("h1", 4), ("h2", 4)), now=10_000.0, min_rescale_interval_s=60.0,
+        rescale_cost_s=cost,
+        jobs=[make_job("a", 4, 4, held=_slots("h0", 2) + _slots("h1", 2), scaling=scaling,
+                       **{"submitted": 0.0, **job}),
+              make_job("b", 2, 2, held=_slots("h0", 2, 2), scaling=LINEAR, submitted=1.0),
+              make_job("c", 2, 2, held=_slots("h1", 2, 2), scaling=LINEAR, submitted=2.0)],
+    )
+
+
+def test_a_spread_job_moves_onto_fewer_hosts_when_the_spread_costs_more_than_the_move():
+    d = GOODPUT(_spread(SPREAD_SLOW))["a"]
+    assert d.target == 4 and {h for h, _ in d.placements} == {"h2"}
+    assert set(d.release) == set(_slots("h0", 2) + _slots("h1", 2)) and "moved onto fewer hosts" in d.reason
+    assert GOODPUT(_spread(SPREAD_SLOW)) == GOODPUT(_spread(SPREAD_SLOW))  # a pure function of the snapshot
+
+
+def test_a_spread_job_stays_where_it_is_when_the_move_does_not_pay():
+    # its model says the spread costs nothing
+    assert {h for h, _ in GOODPUT(_spread(LINEAR))["a"].placements} == {"h0", "h1"}
+    # it gains, but only 1 % over the 300 s a young job is expected to run: less than the restart
+    mild = ScalingModel((0.0, 1.0, 0.0, 0.0, 0.0025, 0.0), None, 3, 0.0)
+    assert {h for h, _ in GOODPUT(_spread(mild, submitted=9_900.0))["a"].placements} == {"h0", "h1"}
+    assert {h for h, _ in GOODPUT(_spread(mild, cost=0.0, submitted=9_900.0))["a"].placements} == {"h2"}
+    # a move is a rescale for the rules: not right after one, nor for a job that is not preemptible
+    for job in ({"last_rescale": 9_990.0}, {"preemptible": False}):
+        d = GOODPUT(_spread(SPREAD_SLOW, **job))["a"]
+        assert {h for h, _ in d.placements} == {"h0", "h1"} and not d.release, job
+
+
 def _random_snapshot(rng: random.Random, n_jobs: int, n_hosts: int, per_host: int) -> Snapshot:
     slots = [(f"h{i:03d}", s) for i in range(n_hosts) for s in range(per_host)]
     rng.shuffle(slots)
