@@ -246,13 +246,11 @@ class _Curves:
         self.w = w
         # no job gains past its top: an uncertain model's explore_to; a certain one's step time
         # has a minimum where the ring's cost outgrows the compute it splits
-        with np.errstate(divide="ignore", invalid="ignore"):
-            peak = np.where(p[:, 5] > 0, np.ceil(np.sqrt(p[:, 1] / p[:, 5])) + per_host, np.inf)
+        compute = p[:, 1]
         if t.any_adaptive:  # a larger batch moves the peak out: compute grows with it
-            top_scale = np.where(t.adaptive[rows], t.most[rows] / t.base[rows], 1.0)
-            with np.errstate(divide="ignore", invalid="ignore"):
-                peak = np.where(p[:, 5] > 0, np.ceil(np.sqrt(p[:, 1] * top_scale / p[:, 5])) + per_host,
-                                np.inf)
+            compute = compute * np.where(t.adaptive[rows], t.most[rows] / t.base[rows], 1.0)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            peak = np.where(p[:, 5] > 0, np.ceil(np.sqrt(compute / p[:, 5])) + per_host, np.inf)
         top = np.where(self.uncertain, np.maximum(explore, 1), np.maximum(peak, per_host))
         hi = np.maximum(lo, np.minimum(np.minimum(top, caps), lo + max(spare, 0))).astype(np.int64)
         self.lo, self.sizes = lo, hi - lo + 1
