@@ -27,7 +27,13 @@ a long job keeps at least a quarter of a young one's weight, so it is never star
 (the price of a slot), found by bisection so that the jobs fit; it picks points of each job's
 concave envelope, so a speed-up that dips when a job spills onto a second host is handled.
 Slots the integer solution leaves over go one step at a time to the job whose next packable
-size gains most per slot. Ties prefer fewer workers. One vectorised pass over all jobs' curves.
+size gains most per slot. Ties prefer fewer workers. One vectorised pass over all jobs' curves;
+a policy calls the rule once per freeze round on the same snapshot, so each job's curve points
+are computed once per snapshot and gathered after (:meth:`_Table.log_speeds`).
+
+**Moves.** The plain policy (the simulator's sizes) also moves a job that keeps its size on
+more hosts than it needs onto fewer when :func:`move_pays`: the time its faster spread saves
+over its expected remaining run (as below) exceeds its restart (plain_policies._defragment).
 
 **Restarts are weighed.** A running job's change happens only when its gain, over its expected
 remaining run, exceeds ``rescale_cost_s`` (the stall of a rescale): for a grow, the time its
@@ -51,7 +57,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from itertools import chain, compress, repeat
 from operator import attrgetter, is_, is_not
 
@@ -96,13 +102,19 @@ class _Table:
     """What the rule reads of every job of a snapshot, as arrays (built once per snapshot: a
     policy calls the rule once per freeze round, on the jobs it admits in that round)."""
 
-    def __init__(self, snap: Snapshot):
+    def __init__(self, snap: Snapshot, fields: tuple[list, Callable] | None = None):
         jobs = snap.jobs
         n = len(jobs)
         prior = _prior()
-        # Columns read at C level (attrgetter over the jobs); a model's fields are read once per
-        # distinct model object (jobs that measured nothing share the prior).
-        scal = list(map(attrgetter("scaling"), jobs))
+        # Columns read at C level: from the jobs' field dicts where the policy has them (a dict
+        # lookup per field costs less than attribute access), else by attrgetter; a model's
+        # fields once per distinct model object (jobs that measured nothing share the prior).
+        rows, get = fields or (jobs, attrgetter)
+
+        def column(field: str):
+            return map(get(field), rows)
+
+        scal = list(column("scaling"))
         ids = np.fromiter(map(id, scal), np.int64, n)
         _, first, inv = np.unique(ids, return_index=True, return_inverse=True)
         models = [scal[i] or prior for i in first.tolist()]
@@ -110,9 +122,9 @@ class _Table:
         self.explore = np.array([np.inf if m.explore_to is None else m.explore_to for m in models],
                                 np.float64)[inv]
         self.largest = np.array([m.largest for m in models], np.int64)[inv]
-        self.attained = np.fromiter(map(attrgetter("attained"), jobs), np.float64, n)
-        self.held = np.fromiter(map(len, map(attrgetter("held"), jobs)), np.int64, n)
-        self.submitted = np.fromiter(map(attrgetter("submitted"), jobs), np.float64, n)
+        self.attained = np.fromiter(column("attained"), np.float64, n)
+        self.held = np.fromiter(map(len, column("held")), np.int64, n)
+        self.submitted = np.fromiter(column("submitted"), np.float64, n)
         self.per_host = host_slots(snap)
         self._jobs = jobs
         self._row: dict[int, int] | None = None
@@ -120,10 +132,10 @@ class _Table:
         self._curve_cache = (np.full(n, -1), np.full(n, -2), np.zeros(n, np.int64), np.zeros(0))
         # adaptive jobs (one pass; most snapshots have none), and those that measured their
         # gradients: their curves take the best batch
-        batchings = list(map(attrgetter("batching"), jobs))
+        batchings = list(column("batching"))
         batched = np.flatnonzero(np.fromiter(map(is_not, batchings, repeat(None)), bool, n))
         mine = [batchings[k] for k in batched.tolist()]
-        grads = list(map(attrgetter("grad"), map(jobs.__getitem__, batched.tolist())))
+        grads = list(map(get("grad"), map(rows.__getitem__, batched.tolist())))
         measured = np.fromiter(map(is_not, grads, repeat(None)), bool, len(grads))
         chooses = batched[measured]
         self.any_batching = bool(len(batched))
@@ -207,11 +219,11 @@ class _Table:
 _last: tuple[Snapshot | None, _Table | None] = (None, None)
 
 
-def _table(snap: Snapshot) -> _Table:
+def _table(snap: Snapshot, fields: tuple[list, Callable] | None = None) -> _Table:
     global _last
     seen, table = _last
     if seen is not snap or table is None:
-        table = _Table(snap)
+        table = _Table(snap, fields)
         _last = (snap, table)
     return table
 
@@ -341,7 +353,7 @@ def goodput_fill_array(
         return np.zeros(0, dtype=np.int64)
     lo = np.asarray(mins, dtype=np.int64)
     cap = np.asarray(caps, dtype=np.int64)
-    t = _table(snap)
+    t = _table(snap, getattr(jobs, "snapshot_fields", None))
     rows = t.rows_of(jobs)
     if priority is None:
         priority = np.fromiter(map(attrgetter("priority"), jobs), np.float64, n)

@@ -138,6 +138,7 @@ class _Table:
 
     def __init__(self, snap: Snapshot) -> None:
         jobs, get = _rows(snap.jobs)
+        self.fields = (jobs, get)  # snapshot order, for a share rule that reads more columns
         n = len(jobs)
         helds = _column(jobs, get, "held")
         names = _column(jobs, get, "name")
@@ -189,8 +190,9 @@ class _Picked(Sequence[Job]):
     """The jobs at positions ``idx`` of ``jobs``, read only if a share rule asks (most never do:
     a list per freeze round would cost every policy a pass over the admitted jobs)."""
 
-    def __init__(self, jobs: list[Job], idx: np.ndarray, order: np.ndarray) -> None:
+    def __init__(self, jobs: list[Job], idx: np.ndarray, order: np.ndarray, fields: tuple[list, Callable]):
         self._jobs, self._idx, self._order = jobs, idx, order
+        self.snapshot_fields = fields  # every job's fields and their getter (see _rows)
 
     @property
     def snapshot_rows(self) -> np.ndarray:
@@ -644,7 +646,7 @@ def _targets(t: _Table, share: ShareFn, held_up, hs: _Hosts, snap: Snapshot, fre
         targets = held_up.copy()  # frozen jobs keep what they hold
         targets[free_idx] = 0
         a = free_idx[admitted]
-        jobs = _Picked(t.jobs, a, t.order)
+        jobs = _Picked(t.jobs, a, t.order, t.fields)
         targets[a] = share(mins[admitted], fcaps[admitted], t.prio[a], t.eff[a], cap_left, jobs, snap)
         new = _freeze(t, held_up, targets, is_free, snap)
         if not new or rnd == SETTLE_AFTER:
