@@ -133,9 +133,10 @@ class _Table:
         # adaptive jobs (one pass; most snapshots have none), and those that measured their
         # gradients: their curves take the best batch
         batchings = list(column("batching"))
-        batched = np.flatnonzero(np.fromiter(map(is_not, batchings, repeat(None)), bool, n))
-        mine = [batchings[k] for k in batched.tolist()]
-        grads = list(map(get("grad"), map(rows.__getitem__, batched.tolist())))
+        has = np.fromiter(map(is_not, batchings, repeat(None)), bool, n)
+        batched = np.flatnonzero(has)
+        mine = list(compress(batchings, has))
+        grads = list(map(get("grad"), compress(rows, has)))
         measured = np.fromiter(map(is_not, grads, repeat(None)), bool, len(grads))
         chooses = batched[measured]
         self.any_batching = bool(len(batched))
@@ -150,7 +151,7 @@ class _Table:
             self.base_batch = np.zeros(n, np.int64)
             self.base_batch[batched] = cols[:, 0]
         if len(chooses):
-            got = [g for g in grads if g is not None]
+            got = list(compress(grads, measured))
             stats = np.fromiter(chain.from_iterable(map(attrgetter("sqr", "var"), got)), np.float64,
                                 2 * len(got)).reshape(-1, 2)
 
