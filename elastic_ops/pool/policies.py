@@ -1106,8 +1106,16 @@ _goodput_workers = POLICIES["goodput"]
 
 
 def _goodput_policy(snap: Snapshot) -> Plan:
-    """``goodput``: the workers, then the batch of each adaptive job on them."""
-    return with_batches(_goodput_workers(snap), snap)
+    """``goodput``: the workers, then the batch of each adaptive job on them (the cyclic
+    collector paused for both, as in make_policy: the batches' tuple would start a collection
+    over the snapshot)."""
+    if not gc.isenabled():
+        return with_batches(_goodput_workers(snap), snap)
+    gc.disable()
+    try:
+        return with_batches(_goodput_workers(snap), snap)
+    finally:
+        gc.enable()
 
 
 POLICIES["goodput"] = _goodput_policy
