@@ -27,7 +27,13 @@ a long job keeps at least a quarter of a young one's weight, so it is never star
 (the price of a slot), found by bisection so that the jobs fit; it picks points of each job's
 concave envelope, so a speed-up that dips when a job spills onto a second host is handled.
 Slots the integer solution leaves over go one step at a time to the job whose next packable
-size gains most per slot. Ties prefer fewer workers. One vectorised pass over all jobs' curves.
+size gains most per slot. Ties prefer fewer workers. One vectorised pass over all jobs' curves;
+a policy calls the rule once per freeze round on the same snapshot, so each job's curve points
+are computed once per snapshot and gathered after (:meth:`_Table.log_speeds`).
+
+**Moves.** The plain policy (the simulator's sizes) also moves a job that keeps its size on
+more hosts than it needs onto fewer when :func:`move_pays`: the time its faster spread saves
+over its expected remaining run (as below) exceeds its restart (plain_policies._defragment).
 
 **Restarts are weighed.** A running job's change happens only when its gain, over its expected
 remaining run, exceeds ``rescale_cost_s`` (the stall of a rescale): for a grow, the time its
@@ -51,16 +57,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from itertools import chain, compress, repeat
+from operator import attrgetter, is_, is_not
 
 import numpy as np
 
 from elastic_ops.pool.model import HostState, Job, Plan, Snapshot
-from elastic_ops.pool.scaling import BatchRows, ScalingModel, best_batches, fit
+from elastic_ops.pool.scaling import BatchRows, ScalingModel, best_batch, best_batches, fit
 from elastic_ops.pool.shares import weighted_fill_array
 
 __all__ = [
-    "MAX_HORIZON_S", "MIN_HORIZON_S", "YOUTH_BONUS", "YOUTH_GPU_S", "goodput_fill", "host_slots",
+    "MAX_HORIZON_S", "MIN_HORIZON_S", "YOUTH_BONUS", "YOUTH_GPU_S", "goodput_fill", "goodput_fill_array",
+    "host_slots", "move_pays", "speed_on",
     "with_batches",
 ]
 
@@ -85,52 +94,119 @@ def _weights(priority: np.ndarray, attained: np.ndarray) -> np.ndarray:
 
 def host_slots(snap: Snapshot) -> int:
     """The workers one host holds: the largest up host (the tightest packing there is)."""
-    return max((h.slots for h in snap.hosts if h.state is HostState.UP), default=1)
+    up = map(is_, map(attrgetter("state"), snap.hosts), repeat(HostState.UP))  # (C level: 12,500 hosts)
+    return max(compress(map(attrgetter("slots"), snap.hosts), up), default=1)
 
 
 class _Table:
     """What the rule reads of every job of a snapshot, as arrays (built once per snapshot: a
     policy calls the rule once per freeze round, on the jobs it admits in that round)."""
 
-    def __init__(self, snap: Snapshot):
+    def __init__(self, snap: Snapshot, fields: tuple[list, Callable] | None = None):
         jobs = snap.jobs
+        n = len(jobs)
         prior = _prior()
-        models = [j.scaling or prior for j in jobs]
-        self.params = np.array([m.params for m in models], dtype=np.float64).reshape(len(jobs), 6)
+        # Columns read at C level: from the jobs' field dicts where the policy has them (a dict
+        # lookup per field costs less than attribute access), else by attrgetter; a model's
+        # fields once per distinct model object (jobs that measured nothing share the prior).
+        rows, get = fields or (jobs, attrgetter)
+
+        def column(field: str):
+            return map(get(field), rows)
+
+        scal = list(column("scaling"))
+        ids = np.fromiter(map(id, scal), np.int64, n)
+        _, first, inv = np.unique(ids, return_index=True, return_inverse=True)
+        models = [scal[i] or prior for i in first.tolist()]
+        self.params = np.array([m.params for m in models], np.float64).reshape(len(models), 6)[inv]
         self.explore = np.array([np.inf if m.explore_to is None else m.explore_to for m in models],
-                                np.float64)
-        self.w = _weights(np.fromiter((j.priority for j in jobs), np.float64, len(jobs)),
-                          np.fromiter((j.attained for j in jobs), np.float64, len(jobs)))
-        self.largest = np.fromiter((m.largest for m in models), np.int64, len(jobs))
-        self.held = np.fromiter((len(j.held) for j in jobs), np.int64, len(jobs))
-        self.submitted = np.fromiter((j.submitted for j in jobs), np.float64, len(jobs))
+                                np.float64)[inv]
+        self.largest = np.array([m.largest for m in models], np.int64)[inv]
+        self.attained = np.fromiter(column("attained"), np.float64, n)
+        self.held = np.fromiter(map(len, column("held")), np.int64, n)
+        self.submitted = np.fromiter(column("submitted"), np.float64, n)
         self.per_host = host_slots(snap)
-        self.row = {id(j): k for k, j in enumerate(jobs)}
+        self._jobs = jobs
+        self._row: dict[int, int] | None = None
+        # log S of each job's points asked for so far: (first n, last n, where in values, values)
+        self._curve_cache = (np.full(n, -1), np.full(n, -2), np.zeros(n, np.int64), np.zeros(0))
         # adaptive jobs (one pass; most snapshots have none), and those that measured their
         # gradients: their curves take the best batch
-        batched = [k for k, j in enumerate(jobs) if j.batching is not None]
-        chooses = [k for k in batched if jobs[k].grad is not None]
-        self.any_batching = bool(batched)
-        self.any_adaptive = bool(chooses)
-        self.adaptive = np.zeros(len(jobs), dtype=bool)
+        batchings = list(column("batching"))
+        has = np.fromiter(map(is_not, batchings, repeat(None)), bool, n)
+        batched = np.flatnonzero(has)
+        mine = list(compress(batchings, has))
+        grads = list(map(get("grad"), compress(rows, has)))
+        measured = np.fromiter(map(is_not, grads, repeat(None)), bool, len(grads))
+        chooses = batched[measured]
+        self.any_batching = bool(len(batched))
+        self.any_adaptive = bool(len(chooses))
+        self.adaptive = np.zeros(n, dtype=bool)
         self.adaptive[chooses] = True
-        if batched:
-            self.by_name = {j.name: k for k, j in enumerate(jobs)}
-            self.base_batch = np.zeros(len(jobs), np.int64)
-            self.base_batch[batched] = [jobs[k].batching.base for k in batched]
-        if chooses:
-            def col(f, default):
-                out = np.full(len(jobs), default, np.float64)
-                out[chooses] = [f(jobs[k]) for k in chooses]
+        if len(batched):
+            # every Batching field in one pass (fewer passes over objects the policy reads cold)
+            fields = attrgetter("base", "most", "per_worker", "least", "per_worker_most")
+            cols = np.fromiter(chain.from_iterable(map(fields, mine)), np.float64, 5 * len(mine))
+            cols = cols.reshape(-1, 5)
+            self.base_batch = np.zeros(n, np.int64)
+            self.base_batch[batched] = cols[:, 0]
+        if len(chooses):
+            got = list(compress(grads, measured))
+            stats = np.fromiter(chain.from_iterable(map(attrgetter("sqr", "var"), got)), np.float64,
+                                2 * len(got)).reshape(-1, 2)
+
+            def col(values: np.ndarray, default: float) -> np.ndarray:
+                out = np.full(n, default, np.float64)
+                out[chooses] = values
                 return out
 
-            self.sqr = col(lambda j: j.grad.sqr, np.nan)
-            self.var = col(lambda j: j.grad.var, np.nan)
-            self.base = col(lambda j: j.batching.base, 1.0)
-            self.low = col(lambda j: j.batching.lowest, 1.0)
-            self.most = col(lambda j: j.batching.most, 1.0)
-            self.per = col(lambda j: j.batching.per_worker, 1.0)
-            self.per_most = col(lambda j: j.batching.per_worker_most or j.batching.most, 1.0)
+            self.sqr, self.var = col(stats[:, 0], np.nan), col(stats[:, 1], np.nan)
+            base, most, per, least, per_most = cols[measured].T
+            self.base, self.most, self.per = col(base, 1.0), col(most, 1.0), col(per, 1.0)
+            self.low = col(np.where(least > 0, least, base), 1.0)  # Batching.lowest
+            self.per_most = col(np.where(per_most > 0, per_most, most), 1.0)  # 0: no limit
+
+    def log_speeds(self, rows: np.ndarray, lo: np.ndarray, hi: np.ndarray, seg: np.ndarray,
+                   n: np.ndarray) -> np.ndarray:
+        """``log S`` at the points ``n`` of jobs ``rows`` (job ``i``'s points ``lo[i]..hi[i]``,
+        ``seg``: each point's job; 0 at n = 0). A policy asks once per freeze round, mostly for
+        the same points: a job's points are computed once per snapshot and gathered after (a
+        job asked for points outside those it has gets them computed)."""
+        c_lo, c_hi, c_at, vals = self._curve_cache  # read once: a thread replaces it whole
+        hit = (c_lo[rows] <= lo) & (hi <= c_hi[rows])
+        on = hit[seg]
+        out = np.zeros(len(n))
+        r = rows[seg]
+        if on.any():
+            out[on] = vals[(c_at[r] + n.astype(np.int64) - c_lo[r])[on]]
+        miss = ~on & (n > 0)
+        if miss.any():
+            out[miss] = _log_speed(self, r[miss], n[miss])
+            new = np.flatnonzero(~hit & (c_lo[rows] < 0))  # jobs not asked about before
+            if len(new):
+                pts = np.flatnonzero(np.isin(seg, new))  # their points, job by job in order
+                c_lo, c_hi, c_at = c_lo.copy(), c_hi.copy(), c_at.copy()
+                c_lo[rows[new]], c_hi[rows[new]] = lo[new], hi[new]
+                sizes = hi[new] - lo[new] + 1
+                c_at[rows[new]] = len(vals) + np.cumsum(sizes) - sizes
+                self._curve_cache = (c_lo, c_hi, c_at, np.concatenate([vals, out[pts]]))
+        return out
+
+    def rows_of(self, jobs: Sequence[Job]) -> np.ndarray:
+        """The rows of ``jobs`` (jobs of the snapshot): a view that knows their positions in the
+        snapshot (``snapshot_rows``, as the vectorised policy passes its admitted jobs) says
+        them; other sequences are looked up by identity."""
+        pos = getattr(jobs, "snapshot_rows", None)
+        if pos is not None:
+            return pos
+        if self._row is None:
+            self._row = dict(zip(map(id, self._jobs), range(len(self._jobs)), strict=True))
+        return np.fromiter(map(self._row.__getitem__, map(id, jobs)), np.int64, len(jobs))
+
+    def rows_named(self, names: Sequence[str]) -> np.ndarray:
+        """The rows of the jobs called ``names``."""
+        by_name = dict(zip(map(attrgetter("name"), self._jobs), range(len(self._jobs)), strict=True))
+        return np.fromiter(map(by_name.__getitem__, names), np.int64, len(names))
 
     def batch_rows(self, rows: np.ndarray, workers: np.ndarray, hosts: np.ndarray) -> BatchRows:
         """Jobs ``rows`` (adaptive ones) at ``workers`` over ``hosts``, for best_batches."""
@@ -144,35 +220,50 @@ class _Table:
 _last: tuple[Snapshot | None, _Table | None] = (None, None)
 
 
-def _table(snap: Snapshot) -> _Table:
+def _table(snap: Snapshot, fields: tuple[list, Callable] | None = None) -> _Table:
     global _last
     seen, table = _last
     if seen is not snap or table is None:
-        table = _Table(snap)
+        table = _Table(snap, fields)
         _last = (snap, table)
     return table
+
+
+def _log_speed(t: _Table, r: np.ndarray, n: np.ndarray) -> np.ndarray:
+    """``log S(n)`` of the jobs at rows ``r`` on ``n`` workers (one entry per point; n > 0),
+    packed on the pool's hosts; an adaptive job's at its best batch (best_batches)."""
+    per_host = t.per_host
+    e = np.maximum(np.minimum(n, t.explore[r]), 1.0)
+    h = np.minimum(np.ceil(n / per_host), e)
+    local, net = (e >= 2) & (h == 1), h >= 2
+    q = t.params[r]
+    step = q[:, 0] + q[:, 1] / e + local * (q[:, 2] + q[:, 3] * (e - 2))
+    step += net * (q[:, 4] + q[:, 5] * (e - 2))
+    out = np.log(q[:, 0] + q[:, 1]) - np.log(step)  # against the step on one worker
+    if t.any_adaptive and (pts := np.flatnonzero(t.adaptive[r])).size:
+        out[pts] = np.log(best_batches(t.batch_rows(r[pts], n[pts], h[pts]))[1])
+    return out
 
 
 class _Curves:
     """Every job's objective ``w log S(n)`` for ``n = lo..hi``, one flat array (job ``i``'s
     points at ``starts[i]:starts[i] + sizes[i]``), built in one vectorised pass."""
 
-    def __init__(self, t: _Table, rows: np.ndarray, lo: np.ndarray, caps: np.ndarray, spare: int):
+    def __init__(self, t: _Table, rows: np.ndarray, w: np.ndarray, lo: np.ndarray, caps: np.ndarray,
+                 spare: int):
         per_host = t.per_host
         p = t.params[rows]
         explore = t.explore[rows]
         self.uncertain = np.isfinite(explore)
         self.largest = t.largest[rows]
-        self.w = t.w[rows]
+        self.w = w
         # no job gains past its top: an uncertain model's explore_to; a certain one's step time
         # has a minimum where the ring's cost outgrows the compute it splits
-        with np.errstate(divide="ignore", invalid="ignore"):
-            peak = np.where(p[:, 5] > 0, np.ceil(np.sqrt(p[:, 1] / p[:, 5])) + per_host, np.inf)
+        compute = p[:, 1]
         if t.any_adaptive:  # a larger batch moves the peak out: compute grows with it
-            top_scale = np.where(t.adaptive[rows], t.most[rows] / t.base[rows], 1.0)
-            with np.errstate(divide="ignore", invalid="ignore"):
-                peak = np.where(p[:, 5] > 0, np.ceil(np.sqrt(p[:, 1] * top_scale / p[:, 5])) + per_host,
-                                np.inf)
+            compute = compute * np.where(t.adaptive[rows], t.most[rows] / t.base[rows], 1.0)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            peak = np.where(p[:, 5] > 0, np.ceil(np.sqrt(compute / p[:, 5])) + per_host, np.inf)
         top = np.where(self.uncertain, np.maximum(explore, 1), np.maximum(peak, per_host))
         hi = np.maximum(lo, np.minimum(np.minimum(top, caps), lo + max(spare, 0))).astype(np.int64)
         self.lo, self.sizes = lo, hi - lo + 1
@@ -180,17 +271,7 @@ class _Curves:
         seg = np.repeat(np.arange(len(rows)), self.sizes)
         self.offs = np.arange(len(seg)) - self.starts[seg]
         n = (lo[seg] + self.offs).astype(np.float64)
-        e = np.maximum(np.minimum(n, explore[seg]), 1.0)
-        h = np.minimum(np.ceil(n / per_host), e)
-        local, net = (e >= 2) & (h == 1), h >= 2
-        q = p[seg]
-        step = q[:, 0] + q[:, 1] / e + local * (q[:, 2] + q[:, 3] * (e - 2))
-        step += net * (q[:, 4] + q[:, 5] * (e - 2))
-        one = p[:, 0] + p[:, 1]  # the step on one worker
-        log_speed = np.log(one[seg]) - np.log(step)
-        if t.any_adaptive and (pts := np.flatnonzero(t.adaptive[rows][seg] & (n > 0))).size:
-            # an adaptive job's speed-up is its goodput at its best batch (best_batches)
-            log_speed[pts] = np.log(best_batches(t.batch_rows(rows[seg[pts]], n[pts], h[pts]))[1])
+        log_speed = t.log_speeds(rows, lo, hi, seg, n)
         self.flat = self.w[seg] * np.where(n == 0, LOG_NONE, log_speed)
         # packable sizes: more workers than one host holds come in whole hosts (any count up to a
         # host, the minimum and the maximum are allowed): partly used hosts of multi-host jobs are what
@@ -203,6 +284,28 @@ class _Curves:
         return self.flat[self.starts[idx] + workers - self.lo[idx]]
 
 
+def speed_on(job: Job, workers: int, hosts: int) -> float:
+    """The modelled speed-up of ``job`` on ``workers`` over ``hosts`` hosts (its fitted model,
+    the prior if it measured nothing; an adaptive job's at its best batch there)."""
+    model = job.scaling or _prior()
+    hosts = max(1, min(hosts, workers))
+    if job.batching is not None and job.grad is not None:
+        return best_batch(model, job.grad, job.batching, workers, hosts)[1]
+    return model.speedup(workers, hosts)
+
+
+def move_pays(job: Job, workers: int, hosts_now: int, hosts_then: int, now: float, cost_s: float) -> bool:
+    """Whether moving ``job`` (``workers`` of them) from ``hosts_now`` hosts to ``hosts_then``
+    pays back ``cost_s`` (the stall of its restart; 0 for a job that restarts anyway): the time
+    the faster spread saves over its expected remaining run, estimated as for a change of size
+    (its age, clamped to ``MIN_HORIZON_S..MAX_HORIZON_S``)."""
+    before, after = speed_on(job, workers, hosts_now), speed_on(job, workers, hosts_then)
+    if not after > before * (1 + TIE):
+        return False
+    horizon = min(max(now - job.submitted, MIN_HORIZON_S), MAX_HORIZON_S)
+    return horizon * (1 - before / after) > cost_s
+
+
 def with_batches(plan: Plan, snap: Snapshot) -> Plan:
     """``plan`` with the global batch of every adaptive job that is given workers: the batch of
     most goodput on its target and the hosts its slots lie on (:func:`best_batches`; its own
@@ -210,14 +313,21 @@ def with_batches(plan: Plan, snap: Snapshot) -> Plan:
     t = _table(snap)
     if not t.any_batching:
         return plan
-    rows = np.fromiter(map(t.by_name.__getitem__, plan.jobs), np.int64, len(plan.jobs))
+    rows = getattr(plan.slots, "snapshot_rows", None)  # the vectorised plan's: its jobs' rows
+    if rows is None:
+        rows = t.rows_named(plan.jobs)
     target = np.asarray(plan.target, dtype=np.int64)
     batch = np.where(target > 0, t.base_batch[rows], 0).astype(np.int64)
     choose = np.flatnonzero((target > 0) & t.adaptive[rows])
     if len(choose):
         n = target[choose]
-        hosts = np.fromiter((len({h for h, _ in plan.slots.placements(k)}) for k in choose.tolist()),
-                            np.int64, len(choose))
+        # the step reads only whether the job spans hosts (one host, or more: the network's terms)
+        spans = getattr(plan.slots, "spans_hosts", None)  # the vectorised plan's, from host ids
+        if spans is not None:
+            hosts = np.where(spans(choose), 2, 1)
+        else:
+            hosts = np.fromiter((len({h for h, _ in plan.slots.placements(k)}) for k in choose.tolist()),
+                                np.int64, len(choose))
         hosts = np.clip(hosts, 1, n)  # (a job told to wait for slots still being released holds none yet)
         batch[choose] = best_batches(t.batch_rows(rows[choose], n, hosts))[0]
     return dataclasses.replace(plan, batch=tuple(batch.tolist()))
@@ -230,14 +340,26 @@ def goodput_fill(
     """Targets for the admitted ``jobs`` (jobs of ``snap``, rank order; ``sum(mins) <=
     capacity``): see the module docstring. ``rescale_cost_s``: the stall a running job's change
     must pay back."""
+    return goodput_fill_array(jobs, mins, caps, capacity, snap, rescale_cost_s).tolist()
+
+
+def goodput_fill_array(
+    jobs: Sequence[Job], mins: Sequence[int] | np.ndarray, caps: Sequence[int] | np.ndarray, capacity: int,
+    snap: Snapshot, rescale_cost_s: float, priority: np.ndarray | None = None,
+) -> np.ndarray:
+    """:func:`goodput_fill` as an array (the vectorised policy's form; ``priority``: the jobs'
+    priorities, where the caller has them as a column)."""
     n = len(jobs)
     if n == 0:
-        return []
+        return np.zeros(0, dtype=np.int64)
     lo = np.asarray(mins, dtype=np.int64)
     cap = np.asarray(caps, dtype=np.int64)
-    t = _table(snap)
-    rows = np.fromiter(map(t.row.__getitem__, map(id, jobs)), np.int64, n)
-    c = _Curves(t, rows, lo, cap, capacity - int(lo.sum()))
+    t = _table(snap, getattr(jobs, "snapshot_fields", None))
+    rows = t.rows_of(jobs)
+    if priority is None:
+        priority = np.fromiter(map(attrgetter("priority"), jobs), np.float64, n)
+    w = _weights(np.asarray(priority, np.float64), t.attained[rows])
+    c = _Curves(t, rows, w, lo, cap, capacity - int(lo.sum()))
     everyone = np.arange(n)
     targets = _solve(c, everyone, capacity)
     helds = np.minimum(t.held[rows], lo + c.sizes - 1)
@@ -246,7 +368,7 @@ def goodput_fill(
         rest = np.setdiff1d(everyone, pinned)
         targets = helds.copy()
         targets[rest] = _solve(c, rest, capacity - int(helds[pinned].sum()))
-    return _explore(c, targets, cap, capacity, pinned, t.per_host).tolist()
+    return _explore(c, targets, cap, capacity, pinned, t.per_host)
 
 
 def _pins(c: _Curves, submitted, helds, targets, capacity: int, now: float, cost: float) -> np.ndarray:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Sequence
 
-from elastic_ops.pool.goodput import goodput_fill
+from elastic_ops.pool.goodput import goodput_fill, move_pays
 from elastic_ops.pool.model import (
     Decision,
     HostState,
@@ -511,11 +511,18 @@ def _place_all(
     if lowered_caps:
         return lowered_caps
     done = set(first)
+    if pack:  # before the grows: a move that pays outranks growth into the same free slots
+        for i, job in enumerate(ordered):
+            if i not in done and not new[i] and targets[i] == len(keeps[i]):
+                before = len(releases[i])
+                if _defragment(job, targets[i], i, keeps, releases, new, free, snap):
+                    suffix[i] = "; moved onto fewer hosts"
+                    pending += len(releases[i]) - before  # growers wait for these, not take less
     for i, job in enumerate(ordered):
         need = targets[i] - len(keeps[i]) - len(new[i])
         if need > 0 and i not in done:
             movable = pack and keeps[i] and not job.releasing and not new[i]
-            if movable and _repack(i, targets[i], keeps, releases, new, free):
+            if movable and _repack(i, targets[i], keeps, releases, new, free, job.avoid_hosts):
                 suffix[i] = "; packed onto fewer hosts"
                 continue
             got, suffix[i] = _grow_one(job, need, keeps[i] + new[i], free, pending)
@@ -533,18 +540,39 @@ def _place_all(
     return Plan.of(decisions, [len(k) for k in keeps])
 
 
-def _repack(i: int, target: int, keeps, releases, new, free: _FreeSlots) -> bool:
+def _repack(i: int, target: int, keeps, releases, new, free: _FreeSlots, avoid: frozenset[str]) -> bool:
     """A growing job restarts anyway: if its ``target`` fits on fewer hosts counting the free
     slots and its own, it moves there (its slots elsewhere released) rather than grow onto
     whatever is free next to it. Returns whether it moved."""
-    mine: dict[str, int] = {}
-    for h, _ in keeps[i]:
-        mine[h] = mine.get(h, 0) + 1
-    room = {h: free.free_on(h) + mine.get(h, 0) for h in set(free.hosts) | set(mine)}
-    if sum(room.values()) < target:
+    mine = _per_host(keeps[i])
+    chosen = _fewest_hosts(target, mine, free, avoid)
+    if not chosen:
         return False
-    chosen, left = [], target
-    while left > 0:  # best fit on (free + own) slots; ties: more of its own, then name
+    grow = target - len(keeps[i])
+    now_hosts = len(mine) + (free.free_on_hosts_needed(mine, grow) if grow > 0 else 0)
+    if len(chosen) >= now_hosts:
+        return False
+    _move(i, target, chosen, mine, keeps, releases, new, free)
+    return True
+
+
+def _per_host(slots: Iterable[Slot]) -> dict[str, int]:
+    mine: dict[str, int] = {}
+    for h, _ in slots:
+        mine[h] = mine.get(h, 0) + 1
+    return mine
+
+
+def _fewest_hosts(target: int, mine: dict[str, int], free: _FreeSlots, avoid: frozenset[str]) -> list[str]:
+    """The hosts ``target`` workers fit on, counting the free slots (not on hosts it avoids) and
+    ``mine`` (the job's own per host), as few as possible: best fit, ties to more of its own,
+    then name; [] if they do not fit."""
+    room = {h: free.free_on(h) * (h not in avoid) + mine.get(h, 0) for h in set(free.hosts) | set(mine)}
+    if sum(room.values()) < target:
+        return []
+    chosen: list[str] = []
+    left = target
+    while left > 0:
         fits = [(c, -mine.get(h, 0), h) for h, c in room.items() if c >= left and h not in chosen]
         if fits:
             chosen.append(min(fits)[2])
@@ -552,16 +580,42 @@ def _repack(i: int, target: int, keeps, releases, new, free: _FreeSlots) -> bool
         h = min(((-c, -mine.get(h, 0), h) for h, c in room.items() if c > 0 and h not in chosen))[2]
         chosen.append(h)
         left -= room[h]
-    grow = target - len(keeps[i])
-    now_hosts = len(mine) + (free.free_on_hosts_needed(mine, grow) if grow > 0 else 0)
-    if len(chosen) >= now_hosts:
-        return False
+    return chosen
+
+
+def _move(i: int, target: int, chosen: list[str], mine: dict[str, int], keeps, releases, new, free) -> None:
+    """Job ``i`` keeps its slots on the ``chosen`` hosts, releases the others and takes the
+    rest of ``target`` from the free slots there (its own fullest hosts first)."""
     stay = [sl for sl in keeps[i] if sl[0] in chosen]
     go = [sl for sl in keeps[i] if sl[0] not in chosen]
     got: list[Slot] = []
     for h in sorted(chosen, key=lambda h: -mine.get(h, 0)):
         got += free._take_from(h, target - len(stay) - len(got))
     keeps[i], releases[i], new[i] = stay, releases[i] + go, got
+
+
+def _defragment(
+    job: Job, target: int, i: int, keeps, releases, new, free: _FreeSlots, snap: Snapshot
+) -> bool:
+    """A job that keeps ``target`` slots (``keeps[i]``) on more hosts than it needs moves onto
+    fewer, its slots elsewhere released, when the free slots and its own make room and its
+    model says the spread costs more than the move (:func:`goodput.move_pays`): a job that
+    restarts anyway (it shrinks) moves for any gain, one that does not must pay back its
+    restart, and is moved only as the rules allow a rescale (preemptible, not rescaled too
+    recently). Returns whether it moved."""
+    if target <= 0 or job.releasing:
+        return False
+    mine = _per_host(keeps[i])
+    restarts = bool(releases[i])
+    if len(mine) <= 1 or not (restarts or _movable(job, target, snap)):
+        return False
+    chosen = _fewest_hosts(target, mine, free, job.avoid_hosts)
+    if not chosen or len(chosen) >= len(mine):
+        return False
+    cost = 0.0 if restarts else snap.config.rescale_cost_s
+    if not move_pays(job, target, len(mine), len(chosen), snap.now, cost):
+        return False
+    _move(i, target, chosen, mine, keeps, releases, new, free)
     return True
 
 

@@ -57,7 +57,7 @@ from operator import attrgetter, itemgetter
 import numpy as np
 
 from elastic_ops.errors import UnknownPolicyError
-from elastic_ops.pool.goodput import goodput_fill, with_batches
+from elastic_ops.pool.goodput import goodput_fill_array, with_batches
 from elastic_ops.pool.model import (
     HostState,
     Job,
@@ -105,8 +105,7 @@ def _strict(mins, caps, prio, eff, capacity: int, jobs: Sequence[Job], snap: Sna
 
 
 def _goodput(mins, caps, prio, eff, capacity: int, jobs: Sequence[Job], snap: Snapshot) -> np.ndarray:
-    out = goodput_fill(jobs, mins.tolist(), caps.tolist(), capacity, snap, snap.config.rescale_cost_s)
-    return np.array(out, dtype=np.int64)
+    return goodput_fill_array(jobs, mins, caps, capacity, snap, snap.config.rescale_cost_s, prio)
 
 
 # --- step 1: the job table ------------------------------------------------------------------
@@ -139,6 +138,7 @@ class _Table:
 
     def __init__(self, snap: Snapshot) -> None:
         jobs, get = _rows(snap.jobs)
+        self.fields = (jobs, get)  # snapshot order, for a share rule that reads more columns
         n = len(jobs)
         helds = _column(jobs, get, "held")
         names = _column(jobs, get, "name")
@@ -157,6 +157,7 @@ class _Table:
         order = _rank(-eff, hl == 0, _array(jobs, get, "submitted", np.float64), names)
         ol = order.tolist()
         self.n = n
+        self.order = order  # rank -> position in snap.jobs
         self.names: list[str] = list(map(names.__getitem__, ol))
         self.jobs: list[Job] = list(map(snap.jobs.__getitem__, ol))
         self.held: list[tuple[Slot, ...]] = list(map(helds.__getitem__, ol))
@@ -189,8 +190,14 @@ class _Picked(Sequence[Job]):
     """The jobs at positions ``idx`` of ``jobs``, read only if a share rule asks (most never do:
     a list per freeze round would cost every policy a pass over the admitted jobs)."""
 
-    def __init__(self, jobs: list[Job], idx: np.ndarray) -> None:
-        self._jobs, self._idx = jobs, idx
+    def __init__(self, jobs: list[Job], idx: np.ndarray, order: np.ndarray, fields: tuple[list, Callable]):
+        self._jobs, self._idx, self._order = jobs, idx, order
+        self.snapshot_fields = fields  # every job's fields and their getter (see _rows)
+
+    @property
+    def snapshot_rows(self) -> np.ndarray:
+        """The jobs' positions in the snapshot's jobs (the goodput rule reads its columns so)."""
+        return self._order[self._idx]
 
     def __len__(self) -> int:
         return len(self._idx)
@@ -639,7 +646,7 @@ def _targets(t: _Table, share: ShareFn, held_up, hs: _Hosts, snap: Snapshot, fre
         targets = held_up.copy()  # frozen jobs keep what they hold
         targets[free_idx] = 0
         a = free_idx[admitted]
-        jobs = _Picked(t.jobs, a)
+        jobs = _Picked(t.jobs, a, t.order, t.fields)
         targets[a] = share(mins[admitted], fcaps[admitted], t.prio[a], t.eff[a], cap_left, jobs, snap)
         new = _freeze(t, held_up, targets, is_free, snap)
         if not new or rnd == SETTLE_AFTER:
@@ -756,18 +763,44 @@ def _keep_order(o: np.ndarray, h: np.ndarray, x: np.ndarray, u: np.ndarray, r: n
     return np.argsort(key, kind="stable")
 
 
+def _host_range(host: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The least and the largest of each run of ``host`` (runs of ``sizes``; -1, -1 for an
+    empty run)."""
+    lo, hi = np.full(len(sizes), -1), np.full(len(sizes), -1)
+    has = np.flatnonzero(sizes > 0)
+    if len(has):
+        at = (np.cumsum(sizes) - sizes)[has]
+        lo[has], hi[has] = np.minimum.reduceat(host, at), np.maximum.reduceat(host, at)
+    return lo, hi
+
+
 class _Slots(PlanSlots):
     """The vectorised plan's slots: job ``k`` keeps ``flat[perm[first[k]:first[k] + kept[k]]]``
     and releases the rest of ``flat[perm[first[k]:first[k + 1]]]``; it is given the free slots
     at ``taken[new_at[k]:new_at[k + 1]]``. Slot tuples are made only when asked for."""
 
-    def __init__(self, held: list[tuple[Slot, ...]], free: _Free, perm, n_keep, n_new) -> None:
+    def __init__(self, held: list[tuple[Slot, ...]], free: _Free, perm, n_keep, n_new, order) -> None:
+        self.snapshot_rows = order  # each plan position's job in snap.jobs (goodput.with_batches)
         self._held, self._flat, self._names = held, free.flat, free.names
         self._perm, self._first, self._kept = perm, free.first, n_keep
         self._new_at = np.concatenate([[0], np.cumsum(n_new)])
         self._taken = free.taken()
         self._host_of, self._index = free.host_of, free.free_index
+        self._held_host = free.host
         self._changed = (n_new > 0) | (n_keep < self._first[1:] - self._first[:-1])
+
+    def spans_hosts(self, ks: np.ndarray) -> np.ndarray:
+        """Whether the placements of each job ``ks`` lie on more than one host, from the host ids
+        (no slot tuples made; what the adaptive jobs' batches are chosen on, see
+        goodput.with_batches). A job with no placements: False."""
+        if len(ks) == 0:
+            return np.zeros(0, dtype=bool)
+        a = self._first[ks]
+        lo, hi = self._new_at[ks], self._new_at[ks + 1]
+        kept = _host_range(self._held_host[self._perm[_ranges(a, a + self._kept[ks])]], self._kept[ks])
+        new = _host_range(self._host_of[self._taken[_ranges(lo, hi)]], hi - lo)
+        both = (kept[0] >= 0) & (new[0] >= 0)
+        return (kept[0] != kept[1]) | (new[0] != new[1]) | (both & (kept[0] != new[0]))
 
     def changed(self) -> list[int]:
         return np.flatnonzero(self._changed).tolist()
@@ -911,7 +944,7 @@ def _decide(snap: Snapshot, share: ShareFn) -> Plan:
         tuple(targets.tolist()),
         tuple(_ACTIONS[code].tolist()),  # one fancy index of an object array, no per-job call
         tuple(reasons),
-        _Slots(t.held, free, perm, n_keep, n_new),
+        _Slots(t.held, free, perm, n_keep, n_new, t.order),
     )
 
 
@@ -1073,8 +1106,16 @@ _goodput_workers = POLICIES["goodput"]
 
 
 def _goodput_policy(snap: Snapshot) -> Plan:
-    """``goodput``: the workers, then the batch of each adaptive job on them."""
-    return with_batches(_goodput_workers(snap), snap)
+    """``goodput``: the workers, then the batch of each adaptive job on them (the cyclic
+    collector paused for both, as in make_policy: the batches' tuple would start a collection
+    over the snapshot)."""
+    if not gc.isenabled():
+        return with_batches(_goodput_workers(snap), snap)
+    gc.disable()
+    try:
+        return with_batches(_goodput_workers(snap), snap)
+    finally:
+        gc.enable()
 
 
 POLICIES["goodput"] = _goodput_policy

@@ -66,7 +66,7 @@ from elastic_ops.adascale import adascale_gain
 
 __all__ = [
     "PRIOR", "BatchRows", "Batching", "GradStats", "Measured", "ScalingModel", "best_batch", "best_batches",
-    "fit", "fit_cached", "gain", "measured_from_rows",
+    "best_batches_full", "fit", "fit_cached", "gain", "measured_from_rows",
 ]
 
 # fixed, compute, local, local_per, net, net_per: fractions of the one-worker step
@@ -288,29 +288,83 @@ class BatchRows:
         return cls(params, *cols.T)
 
 
+def _rest_step(r: BatchRows) -> tuple[np.ndarray, np.ndarray]:
+    """The workers each row's step is modelled at (the exploration limit caps them, as in
+    :meth:`ScalingModel.speedup`) and the step's part that does not grow with the batch."""
+    p = r.params
+    n = np.maximum(np.minimum(r.workers, r.explore), 1.0)
+    h = np.minimum(r.hosts, n)
+    local, net = (n >= 2) & (h == 1), h >= 2
+    return n, p[:, 0] + local * (p[:, 2] + p[:, 3] * (n - 2)) + net * (p[:, 4] + p[:, 5] * (n - 2))
+
+
+def _stats(r: BatchRows) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Which rows measured their gradients, and their ``sqr``, ``var`` (1, 0 where not: a gain
+    of 1 at every batch)."""
+    known = np.isfinite(r.sqr) & np.isfinite(r.var) & (r.sqr + r.var > 0)
+    return known, np.where(known, r.sqr, 1.0), np.where(known, r.var, 0.0)
+
+
+def best_batches_full(r: BatchRows) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`best_batches` by weighing every candidate of :func:`scale_grid` (the reference
+    the bracketed search is tested against)."""
+    p = r.params
+    n, rest = _rest_step(r)
+    scales = scale_grid(r.low / r.base, r.most / r.base, r.workers * r.per / r.base,
+                        r.workers * r.per_most / r.base)
+    known, sqr, var = _stats(r)
+    scales = np.where(known[:, None], scales, 1.0)  # unknown: what a batch buys is not known
+    step = rest[:, None] + p[:, 1, None] * scales / n[:, None]
+    good = adascale_gain(sqr[:, None], var[:, None], scales) / step
+    k = np.argmax(good, axis=1)  # ties: the smaller batch (scales ascend; argmax takes the first)
+    pick = np.arange(len(k))
+    batch = np.rint(scales[pick, k] * r.base).astype(np.int64)
+    return batch, good[pick, k] * (p[:, 0] + p[:, 1])
+
+
+BRACKET = np.arange(2)  # the grid points either side of the continuous optimum
+
+
 def best_batches(r: BatchRows) -> tuple[np.ndarray, np.ndarray]:
     """For every row, the global batch of most goodput (``gain / step``, module docstring) over
     the job's candidates (:func:`scale_grid`), and that goodput relative to one worker at the
     base batch: its speed-up in base-batch progress. A row without statistics: the base. The
     model's exploration limit caps the workers the step is modelled at, as in
     :meth:`ScalingModel.speedup`. One pass over all rows (the policy calls it for every point
-    of every adaptive job's curve)."""
+    of every adaptive job's curve).
+
+    Not every candidate is weighed: with ``step = rest + compute * scale / n``, ``1 / goodput``
+    is ``var * rest / scale + const + sqr * compute * scale / n`` up to a factor, convex in
+    ``scale`` with its minimum at ``sqrt(var * rest * n / (sqr * compute))``. So goodput is
+    unimodal in the scale, and so it is over the clipped (still ascending) grid: its best point
+    is one of the two grid points either side of that optimum's position on the geometric grid
+    (rounding can move the position only past a point it is within rounding of, which then is
+    one of the two). Those two and the base are weighed; the same batches and goodputs as
+    :func:`best_batches_full` (tests/pool/test_scaling.py)."""
     p = r.params
-    n = np.maximum(np.minimum(r.workers, r.explore), 1.0)
-    h = np.minimum(r.hosts, n)
-    local, net = (n >= 2) & (h == 1), h >= 2
-    rest = p[:, 0] + local * (p[:, 2] + p[:, 3] * (n - 2)) + net * (p[:, 4] + p[:, 5] * (n - 2))
-    scales = scale_grid(r.low / r.base, r.most / r.base, r.workers * r.per / r.base,
-                        r.workers * r.per_most / r.base)
-    known = np.isfinite(r.sqr) & np.isfinite(r.var) & (r.sqr + r.var > 0)
-    scales = np.where(known[:, None], scales, 1.0)  # unknown: what a batch buys is not known
-    step = rest[:, None] + p[:, 1, None] * scales / n[:, None]
-    sqr, var = np.where(known, r.sqr, 1.0)[:, None], np.where(known, r.var, 0.0)[:, None]
-    good = adascale_gain(sqr, var, scales) / step
-    k = np.argmax(good, axis=1)  # ties: the smaller batch (scales ascend; argmax takes the first)
+    n, rest = _rest_step(r)
+    known, sqr, var = _stats(r)
+    low, top = r.low / r.base, r.most / r.base
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        opt = np.sqrt(var * rest * n / (sqr * p[:, 1]))
+        at = np.log(opt / low) / np.log(top / low) * (BATCH_CANDIDATES - 1)
+    # nan (a flat goodput, or one grid point): the first; the grid's ends past it
+    at = np.clip(np.nan_to_num(at, nan=0.0, posinf=BATCH_CANDIDATES, neginf=0.0), 0, BATCH_CANDIDATES - 1)
+    ks = np.clip(np.floor(at).astype(np.int64)[:, None] + BRACKET, 0, BATCH_CANDIDATES - 1)
+    # the same arithmetic as scale_grid, at the bracket's points only
+    grid = low[:, None] * np.power((top / low)[:, None], np.linspace(0.0, 1.0, BATCH_CANDIDATES)[ks])
+    hi = np.clip(r.workers * r.per_most / r.base, low, top)
+    lo = np.clip(r.workers * r.per / r.base, low, hi)
+    grid = np.clip(grid, lo[:, None], hi[:, None])
+    step = rest[:, None] + p[:, 1, None] * grid / n[:, None]
+    good = adascale_gain(sqr[:, None], var[:, None], grid) / step
+    k = np.argmax(good, axis=1)  # ties: the smaller batch (the bracket ascends)
     pick = np.arange(len(k))
-    batch = np.rint(scales[pick, k] * r.base).astype(np.int64)
-    return batch, good[pick, k] * (p[:, 0] + p[:, 1])
+    scale, best = grid[pick, k], good[pick, k]
+    base = 1.0 / (rest + p[:, 1] / n)  # the base batch (gain 1): always a candidate
+    use_base = ~known | (base > best) | ((base == best) & (scale > 1.0))
+    scale, best = np.where(use_base, 1.0, scale), np.where(use_base, base, best)
+    return np.rint(scale * r.base).astype(np.int64), best * (p[:, 0] + p[:, 1])
 
 
 def best_batch(

@@ -11,7 +11,7 @@ from elastic_ops.pool import Grant, PoolClient
 from elastic_ops.pool.model import Observation, Snapshot
 from elastic_ops.pool.plain_policies import PLAIN
 from elastic_ops.pool.policies import POLICIES
-from elastic_ops.pool.scaling import Batching, GradStats, ScalingModel
+from elastic_ops.pool.scaling import Batching, GradStats, ScalingModel, best_batch, fit
 
 from .builders import make_job, make_snapshot
 
@@ -19,6 +19,7 @@ GOODPUT = POLICIES["goodput"]
 # certain models (explore_to None): one that scales linearly, one flat past 2 workers
 LINEAR = ScalingModel((0.0, 1.0, 0.0, 0.0, 0.0, 0.0), None, 3, 0.0)
 FLAT_PAST_2 = ScalingModel((0.5, 1.0, 0.0, 0.0, 0.0, 0.0), None, 3, 0.0)  # 1.5 s, 1.0 s, 0.83 s ...
+_PRIOR = fit(())  # a job that measured nothing
 
 
 def _slots(host, n, start=0):
@@ -125,6 +126,41 @@ def test_a_growing_job_moves_onto_fewer_hosts_when_it_restarts_anyway():
     assert "packed onto fewer hosts" in d.reason
 
 
+SPREAD_SLOW = ScalingModel((0.0, 1.0, 0.0, 0.0, 1.0, 0.0), None, 3, 0.0)  # 4 workers: 0.25 s, 2 hosts: 1.25 s
+
+
+def _spread(scaling: ScalingModel, cost: float = 30.0, **job) -> Snapshot:
+    """"a" (4 workers) spread 2 + 2 over h0 and h1, each shared with a 2-worker job; h2 free."""
+    return make_snapshot(
+        hosts=(("h0", 4), ("h1", 4), ("h2", 4)), now=10_000.0, min_rescale_interval_s=60.0,
+        rescale_cost_s=cost,
+        jobs=[make_job("a", 4, 4, held=_slots("h0", 2) + _slots("h1", 2), scaling=scaling,
+                       **{"submitted": 0.0, **job}),
+              make_job("b", 2, 2, held=_slots("h0", 2, 2), scaling=LINEAR, submitted=1.0),
+              make_job("c", 2, 2, held=_slots("h1", 2, 2), scaling=LINEAR, submitted=2.0)],
+    )
+
+
+def test_a_spread_job_moves_onto_fewer_hosts_when_the_spread_costs_more_than_the_move():
+    d = GOODPUT(_spread(SPREAD_SLOW))["a"]
+    assert d.target == 4 and {h for h, _ in d.placements} == {"h2"}
+    assert set(d.release) == set(_slots("h0", 2) + _slots("h1", 2)) and "moved onto fewer hosts" in d.reason
+    assert GOODPUT(_spread(SPREAD_SLOW)) == GOODPUT(_spread(SPREAD_SLOW))  # a pure function of the snapshot
+
+
+def test_a_spread_job_stays_where_it_is_when_the_move_does_not_pay():
+    # its model says the spread costs nothing
+    assert {h for h, _ in GOODPUT(_spread(LINEAR))["a"].placements} == {"h0", "h1"}
+    # it gains, but only 1 % over the 300 s a young job is expected to run: less than the restart
+    mild = ScalingModel((0.0, 1.0, 0.0, 0.0, 0.0025, 0.0), None, 3, 0.0)
+    assert {h for h, _ in GOODPUT(_spread(mild, submitted=9_900.0))["a"].placements} == {"h0", "h1"}
+    assert {h for h, _ in GOODPUT(_spread(mild, cost=0.0, submitted=9_900.0))["a"].placements} == {"h2"}
+    # a move is a rescale for the rules: not right after one, nor for a job that is not preemptible
+    for job in ({"last_rescale": 9_990.0}, {"preemptible": False}):
+        d = GOODPUT(_spread(SPREAD_SLOW, **job))["a"]
+        assert {h for h, _ in d.placements} == {"h0", "h1"} and not d.release, job
+
+
 def _random_snapshot(rng: random.Random, n_jobs: int, n_hosts: int, per_host: int) -> Snapshot:
     slots = [(f"h{i:03d}", s) for i in range(n_hosts) for s in range(per_host)]
     rng.shuffle(slots)
@@ -175,6 +211,46 @@ def test_the_plain_and_vectorised_goodput_give_the_same_targets():
     for _ in range(5):
         snap = _random_snapshot(rng, 40, 10, 4)
         assert vectorised(snap).targets() == PLAIN["goodput"](snap).targets()
+
+
+def _adaptive_snapshot(rng: random.Random, n_jobs: int, n_hosts: int, per_host: int) -> Snapshot:
+    """A random snapshot with about half its jobs adaptive (some without gradients yet)."""
+    base = _random_snapshot(rng, n_jobs, n_hosts, per_host)
+    jobs = []
+    for j in base.jobs:
+        if rng.random() < 0.5:
+            lo = rng.choice([8, 32, 128])
+            j = dataclasses.replace(
+                j, batching=Batching(base=lo * 2, most=lo * 64, per_worker=rng.choice([1, 2]), least=lo,
+                                     per_worker_most=rng.choice([0, 64])),
+                grad=rng.choice([None, GradStats(1.0, rng.uniform(0, 1e4))]))
+        jobs.append(j)
+    return dataclasses.replace(base, jobs=tuple(jobs))
+
+
+def test_the_plain_and_vectorised_goodput_give_the_same_targets_with_adaptive_jobs():
+    from elastic_ops.pool.policies import _SHARES, make_policy
+
+    vectorised = make_policy(_SHARES["goodput"])
+    rng = random.Random(11)
+    for _ in range(5):
+        snap = _adaptive_snapshot(rng, 40, 10, 4)
+        assert vectorised(snap).targets() == PLAIN["goodput"](snap).targets()
+
+
+def test_each_adaptive_jobs_batch_is_the_best_on_its_target_and_the_hosts_of_its_slots():
+    rng = random.Random(5)
+    for _ in range(3):
+        snap = _adaptive_snapshot(rng, 400, 100, 8)  # the vectorised path
+        plan = GOODPUT(snap)
+        jobs = {j.name: j for j in snap.jobs}
+        for k, name in enumerate(plan.jobs):
+            j, n = jobs[name], plan.target[k]
+            if j.batching is None or n == 0:
+                continue
+            hosts = max(1, len({h for h, _ in plan.slots.placements(k)}))
+            want = best_batch(j.scaling or _PRIOR, j.grad, j.batching, n, min(hosts, n))[0]
+            assert plan.batch_of(k) == want, (j, n, hosts)
 
 
 def test_the_rescale_cost_is_a_pool_setting_the_plans_use(ledger_url, clock, monkeypatch):
@@ -276,17 +352,7 @@ def test_plans_without_adaptive_jobs_choose_no_batch():
 def test_adaptive_batches_stay_within_what_each_job_allows(size):
     rng = random.Random(size[0])
     for _ in range(3):
-        base = _random_snapshot(rng, *size)
-        jobs = []
-        for j in base.jobs:
-            if rng.random() < 0.5:
-                lo = rng.choice([8, 32, 128])
-                j = dataclasses.replace(
-                    j, batching=Batching(base=lo * 2, most=lo * 64, per_worker=rng.choice([1, 2]), least=lo,
-                                         per_worker_most=rng.choice([0, 64])),
-                    grad=rng.choice([None, GradStats(1.0, rng.uniform(0, 1e4))]))
-            jobs.append(j)
-        snap = dataclasses.replace(base, jobs=tuple(jobs))
+        snap = _adaptive_snapshot(rng, *size)
         plan = GOODPUT(snap)
         assert plan == GOODPUT(snap)
         for k, name in enumerate(plan.jobs):
