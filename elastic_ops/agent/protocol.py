@@ -7,9 +7,9 @@ peer can make the other side do nothing but what the protocol names.
 
 Client → agent (the first message names the operation; only ``run`` takes further messages)::
 
-    {"op": "ping", "version": 1}
-    {"op": "latest", "version": 1, "store": STORE, "spec_hash": "..."}
-    {"op": "run", "version": 1, "spec": {...JobSpec.to_dict()}, "start": 0, "end": 40,
+    {"op": "ping", "version": 2}
+    {"op": "latest", "version": 2, "store": STORE, "spec_hash": "..."}
+    {"op": "run", "version": 2, "spec": {...JobSpec.to_dict()}, "start": 0, "end": 40,
      "epoch": 3, "host": "h1", "workers": 2, "slots": [4, 5] | null, "store": STORE,
      "warm_start": STORE | null}
     {"op": "target", "workers": 1, "slots": [4] | null}  # the pool's target changed (0 = preempt)
@@ -26,7 +26,7 @@ that come with its count.
 
 Agent → client::
 
-    {"type": "pong", "version": 1, "pid": 123, "chunks": 0}
+    {"type": "pong", "version": 2, "pid": 123, "chunks": 0}
     {"type": "latest", "iteration": 40 | null, "uri": "..." | null}
     {"type": "progress", "iteration": i, "end": e, "loss": x, "workers": n,
      "samples_per_sec": r, "eta_s": s}
@@ -61,7 +61,7 @@ from elastic_ops.runtime.outcome import Progress
 from elastic_ops.runtime.outcome import finite as _finite
 from elastic_ops.spec import MAX_WORKERS_LIMIT, check_checkpoint_uri, check_int
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: batch and import_path in run requests, the drain op
 AGENT_SOCKET_ENV = "ELASTIC_OPS_AGENT_SOCKET"
 MAX_MESSAGE_BYTES = 1 << 20  # one line; a spec with large params still fits
 MAX_SOCKET_PATH = 107  # sun_path is 108 bytes on Linux, NUL included

@@ -5,7 +5,7 @@ the pool's target places ranks on other hosts too, the leader's launcher (:class
 sends each of those hosts' node agents a sealed ``ranks`` request over Redis, the same way a task
 sends a chunk::
 
-    {"op": "ranks", "version": 1, "host": "h2", "segment": {"spec": {...}, "start": 10, "end": 40,
+    {"op": "ranks", "version": 2, "host": "h2", "segment": {"spec": {...}, "start": 10, "end": 40,
      "workers": 4, "segment": 1}, "master_addr": "10.0.0.1", "master_port": 41234,
      "rank_offset": 2, "count": 2, "group_rank": 1, "slots": [0, 1], "device": "cuda",
      "threads_per_worker": 1, "rendezvous": "<32 hex digits>"}

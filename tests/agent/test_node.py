@@ -283,7 +283,7 @@ def test_a_forged_stale_or_replayed_request_runs_nothing(cluster, tmp_path, capl
     spec = make_spec(tmp_path)
     run = {
         "op": "run",
-        "version": 1,
+        "version": PROTOCOL_VERSION,
         "spec": spec.to_dict(),
         "start": 0,
         "end": 30,

@@ -12,6 +12,7 @@ import uuid
 import pytest
 
 from elastic_ops.agent.node_client import NodeClient
+from elastic_ops.agent.protocol import PROTOCOL_VERSION as V  # the current wire version
 from elastic_ops.runtime import ChunkStatus
 from tests.agent.node_helpers import cli_node, drop_namespace, make_config, running_node
 from tests.agent.test_node import run_on, store_of, wait_for
@@ -55,7 +56,7 @@ def test_refused_requests_are_counted_by_reason(redis_url, tmp_path):
     spec = make_spec(tmp_path)
 
     def envelope(signer, issued: float, session: str, host: str = "host-m") -> bytes:
-        run = {"op": "run", "version": 1, "spec": spec.to_dict(), "start": 0, "end": 30, "epoch": 1,
+        run = {"op": "run", "version": V, "spec": spec.to_dict(), "start": 0, "end": 30, "epoch": 1,
                "host": host, "workers": 1, "slots": None, "store": store_of(spec).to_wire(),
                "warm_start": None}
         return signer.seal(runs, {"seq": 1, "kind": "run", "session": session, "issued": issued, "msg": run})

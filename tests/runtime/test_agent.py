@@ -26,6 +26,7 @@ from elastic_ops.agent.protocol import (
     error_from_wire,
     require_slots,
 )
+from elastic_ops.agent.protocol import PROTOCOL_VERSION as V  # the current wire version
 from elastic_ops.agent.server import Agent
 from elastic_ops.checkpoint import open_store
 from elastic_ops.errors import (
@@ -258,7 +259,7 @@ def test_slots_on_the_wire_are_validated(agent, tmp_path):
     # a target without the slots that the run request had is refused, naming the field
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(agent.path)
-    run = {"op": "run", "version": 1, "spec": spec.to_dict(), "start": 0, "end": 30, "epoch": 1}
+    run = {"op": "run", "version": V, "spec": spec.to_dict(), "start": 0, "end": 30, "epoch": 1}
     run |= {"host": "h1", "workers": 1, "slots": [0], "store": store_of(spec).to_wire()}
     sock.sendall(encode(run) + encode({"op": "target", "workers": 1}))
     from elastic_ops.agent.protocol import MessageReader
@@ -281,7 +282,7 @@ def test_a_span_sent_to_the_per_host_agent_is_refused_before_anything_is_announc
     """The per-host agent cannot lead a segment across hosts: its first reply is the refusal, not
     an ``applied`` for workers that never start."""
     spec = make_spec(tmp_path)
-    run = {"op": "run", "version": 1, "spec": spec.to_dict(), "start": 0, "end": 30, "epoch": 1,
+    run = {"op": "run", "version": V, "spec": spec.to_dict(), "start": 0, "end": 30, "epoch": 1,
            "host": "h1", "workers": 2, "slots": [0], "spans": [["h2", [0]]],
            "store": store_of(spec).to_wire()}
     reply = raw_exchange(agent.path, line(run), timeout=120)
@@ -327,7 +328,7 @@ def test_a_task_that_disconnects_mid_chunk_leaves_no_workers_and_an_intact_check
     spec = make_spec(tmp_path, total_iterations=100_000, checkpoint_interval=10)
     request = {
         "op": "run",
-        "version": 1,
+        "version": V,
         "spec": spec.to_dict(),
         "start": 0,
         "end": 100_000,
@@ -425,26 +426,26 @@ def test_an_agent_that_stops_mid_chunk_fails_the_chunk_as_retryable_without_blam
     [
         (b"this is not json\n", AgentProtocolError, "not valid JSON"),
         (b"[1, 2]\n", AgentProtocolError, "must be a JSON object"),
-        (line({"op": "explode", "version": 1}), SpecError, "invalid op='explode': one of ping, latest, run"),
+        (line({"op": "explode", "version": V}), SpecError, "invalid op='explode': one of ping, latest, run"),
         (line({"op": "ping", "version": 99}), SpecError, "invalid version=99"),
-        (line({"op": "run", "version": 1, "spec": "x"}), SpecError, "invalid spec='str'"),
+        (line({"op": "run", "version": V, "spec": "x"}), SpecError, "invalid spec='str'"),
         (
-            line({"op": "run", "version": 1, "spec": {}, "pickle": "..."}),
+            line({"op": "run", "version": V, "spec": {}, "pickle": "..."}),
             SpecError,
             "invalid request=['pickle']",
         ),
         (
-            line({"op": "latest", "version": 1, "store": {"uri": "ftp://x"}}),
+            line({"op": "latest", "version": V, "store": {"uri": "ftp://x"}}),
             SpecError,
             "invalid store.uri='ftp://x'",
         ),
         (b"x" * (MAX_MESSAGE_BYTES + 10), AgentProtocolError, "exceeds the limit"),
         (line({"op": "ping", "version": True}), SpecError, "invalid version=True"),
-        (b'{"op": "bogus", "op": "ping", "version": 1}\n', AgentProtocolError, "key 'op' appears twice"),
-        (b'{"op": "ping", "version": 1, "x": NaN}\n', AgentProtocolError, "NaN is not a JSON number"),
+        (b'{"op": "bogus", "op": "ping", "version": 2}\n', AgentProtocolError, "key 'op' appears twice"),
+        (b'{"op": "ping", "version": 2, "x": NaN}\n', AgentProtocolError, "NaN is not a JSON number"),
         (b"[" * 200_000 + b"\n", AgentProtocolError, "nested too deeply"),
         (
-            line({"op": "latest", "version": 1, "store": {"uri": "file:///tmp/%00x"}}),
+            line({"op": "latest", "version": V, "store": {"uri": "file:///tmp/%00x"}}),
             SpecError,
             "invalid store.uri='file:///tmp/%00x'",
         ),
@@ -499,7 +500,7 @@ def _impostor(path: str, report: int) -> None:
         conn.settimeout(30)
         got = conn.recv(1 << 20)
         with contextlib.suppress(OSError):
-            conn.sendall(b'{"type": "pong", "version": 1, "pid": 1, "chunks": 0}\n')
+            conn.sendall(b'{"type": "pong", "version": 2, "pid": 1, "chunks": 0}\n')
         os.write(report, f"{len(got)}\n".encode())
     finally:
         os._exit(0)
@@ -623,7 +624,7 @@ def test_a_chunk_whose_task_cannot_be_reached_has_its_workers_killed(tmp_path):
 
     spec = make_spec(tmp_path)
     store = {"uri": spec.checkpoint_uri(), "keep_last": 3, "keep_every": None}
-    request = {"op": "run", "version": 1, "spec": spec.to_dict(), "start": 0, "end": 30, "epoch": 1,
+    request = {"op": "run", "version": V, "spec": spec.to_dict(), "start": 0, "end": 30, "epoch": 1,
                "host": "h1", "workers": 1, "slots": None, "store": store, "warm_start": None}
     session = ChunkSession(Unreachable(), request, Launcher())
     killed = []
@@ -655,7 +656,7 @@ def test_connections_past_the_cap_are_refused_and_the_agent_serves_on(agent, mon
             s.close()
     monkeypatch.undo()
     time.sleep(0.5)
-    assert raw_exchange(agent.path, line({"op": "ping", "version": 1}))["type"] == "pong"
+    assert raw_exchange(agent.path, line({"op": "ping", "version": V}))["type"] == "pong"
 
 
 def test_a_read_timeout_is_a_total_a_trickling_peer_cannot_stretch_it():
