@@ -50,3 +50,11 @@ def test_the_readme_is_short_and_links_into_the_docs():
     assert "docs/benchmarks.md" in links and "docs/tutorial.md" in links
     for link in links:
         assert (REPO / link).is_file(), link
+
+
+def test_no_fenced_block_is_indented():
+    """Python-Markdown (MkDocs) does not render a fenced block nested in a list item: it shows up as
+    inline text. Keep fences at the margin, between list items if need be."""
+    nested = [f"{p.relative_to(REPO)}:{n}" for p in [REPO / "README.md", *(REPO / "docs").rglob("*.md")]
+              for n, line in enumerate(p.read_text().splitlines(), 1) if re.match(r"\s+```", line)]
+    assert not nested, nested
