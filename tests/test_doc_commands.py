@@ -70,6 +70,14 @@ def test_every_documented_make_target_exists():
     assert not [(d, t) for d, t in named if t not in targets]
 
 
+def test_every_documented_script_exists():
+    script = re.compile(r"^(?:[A-Z_]+=\S*\s+)*(?:bash )?((?:\.ci|benchmarks|devtools)/[\w./-]+)", re.M)
+    scripts = {(d, m) for d, text in _texts() for block in re.findall(r"```[a-z]*\n(.*?)```", text, re.S)
+               for m in script.findall(block)}
+    assert {m for _, m in scripts} >= {".ci/run", "benchmarks/device_check.sh"}
+    assert not [(d, m) for d, m in scripts if not (REPO / m).is_file()]
+
+
 MODULE_COMMANDS = sorted({(d, m, a.strip()) for d, text in _texts() for m, a in _MODULE_CMD.findall(text)
                           if not re.search(r"[\[\]|…]", a)})
 
