@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup test test-fast demo bench lint clean
+.PHONY: setup test test-fast demo bench lint docs clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -30,5 +30,8 @@ bench: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check elastic_ops devtools tests benchmarks dags plugins examples
 
+docs: $(STAMP)
+	$(BIN)/mkdocs build --strict
+
 clean:
-	rm -rf $(VENV) .demo .pytest_cache
+	rm -rf $(VENV) .demo .pytest_cache site

@@ -179,7 +179,7 @@ class AirflowDeployment:
         return self
 
     def _start_agent(self) -> None:
-        # as the README starts it: no DAG folder on its path (the tasks hand it their import path)
+        # as docs/howto/agents.md starts it: no DAG folder on its path (the tasks hand it their import path)
         self._start_runner("agent", "agent", "--socket", self.agent_socket, dag_folders=False)
 
     def _start_runner(self, name: str, *args: str, dag_folders: bool = True) -> None:

@@ -260,7 +260,7 @@ def _read_spec_file(path: Path) -> bytes:
 
 @dataclasses.dataclass(frozen=True)
 class JobSpec:
-    """Everything that defines an elastic training job. See the README's spec reference."""
+    """Everything that defines an elastic training job. See docs/reference/spec.md."""
 
     name: str
     entrypoint: str

@@ -34,7 +34,7 @@ def require_service(name: str, host: str, port: int) -> None:
     """Skip (or, in CI, fail) when a service the test needs is not running."""
     if _reachable(host, port):
         return
-    msg = f"needs {name} at {host}:{port} (start it, or see README 'Running the tests')"
+    msg = f"needs {name} at {host}:{port} (start it, or see docs/howto/tests.md)"
     if REQUIRE_SERVICES:
         pytest.fail(f"ELASTIC_OPS_REQUIRE_SERVICES=1 and {msg}")
     pytest.skip(msg)

@@ -311,7 +311,7 @@ def test_a_model_beside_the_dag_trains_on_the_agent_started_as_the_readme_says(d
     Last in the module: its iterations would count in the competing jobs' metrics."""
     af, _ = deployment
     agent_env = psutil.Process(af.procs["agent"].pid).environ()
-    assert str(af.dags_folder) not in agent_env.get("PYTHONPATH", "")  # as the README starts it
+    assert str(af.dags_folder) not in agent_env.get("PYTHONPATH", "")  # as docs/howto/agents.md starts it
     run = af.trigger("e2e_newcomer", run_id="newcomer_run")
     assert af.wait_run("e2e_newcomer", run, timeout=300) == "success"
     result = af.xcom("e2e_newcomer", run, "train.chunk_01_of_01")

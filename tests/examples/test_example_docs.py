@@ -54,3 +54,32 @@ def test_documented_trainable_learns(recipe_module):
         optimizer.step()
     after = trainable.evaluate(model)["r2"]
     assert after > before and after > 0.4  # a linear model explains about half the variance
+
+
+TUTORIAL = DOC.parent / "tutorial.md"
+
+
+def test_the_tutorial_trains_the_recipe_tested_here():
+    """The tutorial's Trainable and spec are this recipe's, word for word (so they are tested here)."""
+    tutorial = TUTORIAL.read_text()
+    section = tutorial[tutorial.index("## 2. Write a Trainable"):]
+    for lang in ("python", "yaml"):
+        shown = re.search(rf"```{lang}\n(.*?)```", section, re.S).group(1)
+        assert shown == _block(lang, "## Writing your own Trainable"), lang
+
+
+def test_the_tutorial_dag_builds_its_task_group(recipe_module):
+    """The tutorial's ``elastic_training(...)`` call, in a DAG, with the recipe importable as the
+    tutorial says (``mymodels/`` beside the DAG file): the chunks it names, its spec fields."""
+    pendulum = pytest.importorskip("pendulum")
+    from airflow.sdk import DAG
+
+    tutorial = TUTORIAL.read_text()
+    step = tutorial[tutorial.index("## 4. Put it in a DAG"):]
+    code = re.search(r"```python\n(.*?)```", step, re.S).group(1)
+    with DAG(dag_id="tutorial", schedule=None, start_date=pendulum.datetime(2024, 1, 1, tz="UTC")) as dag:
+        exec(compile(code, str(TUTORIAL), "exec"), {})
+    ids = [t.task_id for t in dag.tasks]
+    assert {"train_diabetes.register", "train_diabetes.chunk_01_of_04", "train_diabetes.chunk_04_of_04",
+            "train_diabetes.finalize", "train_diabetes.end_job"} <= set(ids)
+    assert ("chunk_01_of_04 → … → chunk_04_of_04") in tutorial

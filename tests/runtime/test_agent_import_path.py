@@ -1,5 +1,5 @@
 """A newcomer's first run: a Trainable kept beside the DAG, and the per-host agent started as the
-README says (``elastic-ops agent --socket …``, with neither the DAG folder on its ``PYTHONPATH``
+docs/howto/agents.md says (``elastic-ops agent --socket …``, with neither the DAG folder on its ``PYTHONPATH``
 nor its working directory there). The task hands the agent its import path, so the chunk runs;
 where the agent still cannot find the module, the task is told which process could not, where
 it looked and how to fix it, as a retryable error."""

@@ -1,5 +1,5 @@
 """E2E: a newcomer's first DAG: its model lives in ``newcomer_models/`` beside the DAG file, which
-imports it, and the per-host agent was started as the README says (without the DAG folder on its
+imports it, and the per-host agent was started as docs/howto/agents.md says (without the DAG folder on its
 ``PYTHONPATH``). The chunk must train on the agent's workers."""
 
 from __future__ import annotations
