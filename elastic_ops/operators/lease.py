@@ -91,7 +91,7 @@ class LeaseKeeper:
         # what the runner measured, not yet sent: (workers, hosts, batch) -> [steps, seconds]
         self._at: tuple[int, int, int, float] | None = None  # the last boundary: steps, workers, batch, time
         self._measured: dict[tuple[int, int, int], list[float]] = {}
-        self._grad: tuple[float, float] | None = None  # the latest gradient statistics, not yet sent
+        self._grad: tuple[float, float] | None = None  # the latest gradient statistics (sent with each)
 
     def start(self) -> LeaseKeeper:
         self._thread.start()
@@ -188,9 +188,6 @@ class LeaseKeeper:
         self._last_ok = self.clock()
         if measured is not None:  # sent: what was measured since goes with a later beat
             with self._lock:
-                if measured[1].grad_sqr is not None and self._grad == (measured[1].grad_sqr,
-                                                                       measured[1].grad_var):
-                    self._grad = None
                 acc = self._measured.get(measured[0])
                 if acc is not None:
                     acc[0] -= measured[1].iterations
