@@ -60,6 +60,7 @@ from elastic_ops.pool.model import (
     outside,
 )
 from elastic_ops.pool.policies import LEARNING, get_policy
+from elastic_ops.pool.rules import target_of, within_minimum
 from elastic_ops.pool.scaling import Batching, GradStats, Measured, fit_cached
 
 
@@ -92,42 +93,6 @@ class Beat:
     error: LeaseExpiredError | None
     stopped: bool  # workers=0, or preempted and holding nothing: a change under the pool lock
     plan_due: bool
-
-
-def avoidable(avoid: frozenset[str], up_slots: dict[str, int], min_workers: int) -> frozenset[str]:
-    """The hosts a job avoids (those that failed it), unless the other hosts that are up cannot
-    hold even its minimum: then avoiding them would make it wait forever (a one-host pool after
-    one lost worker), and it is retried where it failed."""
-    if avoid and sum(n for h, n in up_slots.items() if h not in avoid) < min_workers:
-        return frozenset()
-    return avoid
-
-
-def within_minimum(d: Decision, min_workers: int) -> Decision:
-    """``d`` for a running job, never below its minimum while it moves: a job moved off an
-    unhealthy host whose new slots are not all free yet (others release them at their next
-    boundary) keeps enough of its old slots to run ``min_workers`` meanwhile, rather than shrink
-    under its minimum and grow back. (With no new slot at all it is preempted, as planned.)"""
-    short = min_workers - len(d.placements)
-    if short <= 0 or not d.placements or not d.release:
-        return d
-    return dataclasses.replace(
-        d, placements=d.placements + d.release[:short], release=d.release[short:],
-        reason=f"{d.reason}; keeps {min(short, len(d.release))} old slots until its minimum fits on up hosts",
-    )
-
-
-def target_of(job: str, workers: int, d: Decision, batch: int = 0) -> Target:
-    n = len(d.placements)
-    if d.target == 0 or n == 0:  # nothing usable to run on (e.g. its host drains, others full)
-        action = TargetAction.PREEMPT
-    elif n > workers or (n == workers and d.release):  # equal count + release: a move
-        action = TargetAction.GROW
-    elif n < workers:
-        action = TargetAction.SHRINK
-    else:
-        action = TargetAction.KEEP
-    return Target(job, n, action, d.reason, d.placements, batch if n else 0)
 
 
 def _slots_json(slots: Sequence[Slot]) -> str:
@@ -525,7 +490,6 @@ class Tx:
         )
         held, releasing = self.holdings()
         idle_before = now - cfg["job_idle_s"]
-        up_slots = {h.name: h.slots for h in hosts if h.state is HostState.UP}
         jobs = []
         unfinished = select(s.jobs).where(s.jobs.c.state != JobState.FINISHED.value)
         rows = {r.name: r for r in self.conn.execute(unfinished)}
@@ -538,12 +502,10 @@ class Tx:
             mine = held.get(r.name, ())
             if not mine and r.last_seen < idle_before:
                 continue  # a waiting job that stopped asking does not block others
-            # hosts without the job's labels are never its own; among the others, those that
-            # failed it are avoided unless that leaves too few ("{}" / "[]": most jobs, no parse)
+            # hosts without the job's labels are never its own; those that failed it are avoided
+            # as the policy decides (rules.retry_where_it_failed) ("{}" / "[]": most jobs, no parse)
             excluded = none if r.selector == "{}" else outside(json.loads(r.selector), hosts)
-            usable = {h: n for h, n in up_slots.items() if h not in excluded} if excluded else up_slots
-            failed = none if r.avoid_hosts == "[]" else avoidable(
-                frozenset(json.loads(r.avoid_hosts)), usable, r.min_workers)
+            failed = none if r.avoid_hosts == "[]" else frozenset(json.loads(r.avoid_hosts))
             going = releasing.get(r.name)
             measured = learned.get(r.name)
             jobs.append(make_job(

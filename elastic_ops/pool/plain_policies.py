@@ -22,24 +22,19 @@ from elastic_ops.pool.model import (
     Snapshot,
     TargetAction,
 )
+from elastic_ops.pool.rules import (
+    GANG_DOES_NOT_FIT,
+    SETTLE_AFTER,
+    Change,
+    effective_priority,
+    freeze_reason,
+    may_freeze,
+    moving,
+    order_key,
+    retry_where_it_failed,
+    too_few,
+)
 from elastic_ops.pool.shares import strict_fill, weighted_fill
-
-
-def effective_priority(job: Job, now: float, aging_s: float) -> float:
-    """Priority plus one unit per *whole* ``aging_s`` seconds spent waiting (jobs holding no
-    slots). Whole units: a waiting job overtakes a running one of the same priority only after
-    waiting ``aging_s``, so two such jobs take turns instead of preempting each other at every
-    boundary (with fractions, any wait at all outranked the running job)."""
-    if job.held or aging_s <= 0 or job.waiting_since is None:
-        return float(job.priority)
-    return job.priority + math.floor(max(0.0, now - job.waiting_since) / aging_s)
-
-
-def order_key(job: Job, snap: Snapshot) -> tuple:
-    """Deterministic rank: higher effective priority, then running jobs, then FIFO, then name."""
-    eff = effective_priority(job, snap.now, snap.config.aging_s)
-    return (-eff, 0 if job.held else 1, job.submitted, job.name)
-
 
 Policy = Callable[[Snapshot], Plan]
 ShareFn = Callable[[list[Job], list[int], int, Snapshot], list[int]]
@@ -125,9 +120,7 @@ def _share_round(
             admitted.append(i)
             need += job.min_workers
         else:
-            left_out[i] = (
-                f"min {job.min_workers} does not fit: {capacity - need} slots left after higher-ranked jobs"
-            )
+            left_out[i] = GANG_DOES_NOT_FIT.why(job.min_workers, capacity - need)
     targets = [0] * len(jobs)
     part = share([jobs[i] for i in admitted], [caps[i] for i in admitted], capacity, snap)
     for i, t in zip(admitted, part, strict=True):
@@ -135,36 +128,15 @@ def _share_round(
     return targets, left_out
 
 
-def too_few(min_workers: int, cap: int, base: int) -> str:
-    """Why a job whose ``cap`` is below its minimum waits: its hosts have too few slots, or
-    (``base``, its cap on an empty pool, reaches it) jobs on them keep theirs for now."""
-    if base < min_workers:
-        return f"min {min_workers} exceeds the {max(cap, 0)} usable slots it may use"
-    return (
-        f"min {min_workers} exceeds the {max(cap, 0)} slots it may use now: the others on its "
-        "hosts are held by jobs that cannot move or shrink yet"
-    )
-
-
 def _freeze_reason(job: Job, held_up: int, target: int, snap: Snapshot, admits: bool = False) -> str | None:
-    """Why a running job must stay at ``held_up`` rather than move to ``target`` (None: it may).
-
-    ``admits``: a higher-ranked job that holds nothing is admitted in this plan. ``min_gain``
-    never freezes a shrink then: it would keep that job waiting for good (a 1-slot newcomer next
-    to an 8-slot job is a 12 % change); ``min_rescale_interval_s`` only delays it."""
-    if held_up == 0 or target == held_up or held_up > job.max_workers or held_up < job.min_workers:
+    """Why a running job must stay at ``held_up`` rather than move to ``target`` (None: it may):
+    :data:`elastic_ops.pool.rules.FREEZE_RULES` on one job. ``admits``: a higher-ranked job that
+    holds nothing is admitted in this plan."""
+    last = math.nan if job.last_rescale is None else job.last_rescale
+    c = Change(held_up, target, not job.preemptible, last, admits)
+    if not may_freeze(c, job.min_workers, job.max_workers):
         return None
-    cfg = snap.config
-    if target < held_up:
-        if cfg.preemption == Preemption.NONE:
-            return "preemption is 'none': running jobs are not shrunk"
-        if not job.preemptible:
-            return "job is not preemptible"
-    if job.last_rescale is not None and snap.now - job.last_rescale < cfg.min_rescale_interval_s:
-        return f"rescaled {snap.now - job.last_rescale:.0f}s ago (< {cfg.min_rescale_interval_s:.0f}s)"
-    if target > 0 and abs(target - held_up) / held_up < cfg.min_gain and not (admits and target < held_up):
-        return f"gain {abs(target - held_up) / held_up:.2f} below min_gain {cfg.min_gain:.2f}"
-    return None
+    return freeze_reason(c, snap.config, snap.now)
 
 
 def _scan(jobs: Iterable[Job], up: dict[str, int]) -> tuple[dict[str, list[int]], dict[str, int]]:
@@ -191,9 +163,6 @@ def _scan(jobs: Iterable[Job], up: dict[str, int]) -> tuple[dict[str, list[int]]
     return taken, held_up
 
 
-SETTLE_AFTER = 8  # exact freeze rounds before a chain of freezes is settled in one step
-
-
 def _targets(
     snap,
     share: ShareFn,
@@ -213,12 +182,8 @@ def _targets(
     # to it, and no further than a job that may not shrink may go)
     keep = [min(h, j.max_workers) for h, j in zip(held_up, ordered, strict=True)]
     frozen: dict[int, str] = {}
-    # Freezing only ever grows the frozen set, so this reaches a fixed point. A round usually
-    # freezes every job it must, but freezing one job can shrink the next (N equal jobs that may
-    # not shrink, one newcomer: one job a round). After SETTLE_AFTER rounds the chain is cut in one
-    # step: every free job that a rule other than min_gain could freeze (the reasons a shrink to 0
-    # would meet) keeps what it holds, and the last round shares among the rest; min_gain, a
-    # preference, does not hold anyone back in it. The last round's targets are always the plan.
+    # a fixed point: rounds of share and freeze, a long chain of freezes cut after SETTLE_AFTER
+    # rounds (see elastic_ops.pool.rules); the last round's targets are always the plan
     for rnd in range(SETTLE_AFTER + 1):
         if rnd == SETTLE_AFTER:
             for i in range(len(ordered)):
@@ -271,6 +236,7 @@ class _FreeSlots:
     ) -> None:
         self.up = up
         self.pack = pack
+        self.spare = spare
         self.taken = taken
         # spare hosts (no restricted job may use them) first, then the others, by name
         self.hosts = sorted(
@@ -344,9 +310,11 @@ class _FreeSlots:
 
     def _take_packed(self, n: int, avoid: frozenset[str], out: list[Slot]) -> list[Slot]:
         """Best fit: the host with the fewest free slots that holds what is still needed; while
-        none does, all of the host with the most free (spare hosts, then names, break ties)."""
+        none does, all of the host with the most free (names break ties). Spare hosts first, as
+        in first fit: the others' free slots are what restricted jobs can grow into."""
         while len(out) < n:
             room = [(c, h) for h in self.hosts if h not in avoid and (c := self.free_on(h))]
+            room = [x for x in room if x[1] in self.spare] or room
             if not room:
                 break
             out.extend(self._take_from(best_fit(room, n - len(out)), n - len(out)))
@@ -410,6 +378,7 @@ def make_policy(share: ShareFn, pack: bool = False) -> Policy:
     fit) rather than first-fit in host-name order."""
 
     def decide(snap: Snapshot) -> Plan:
+        snap = retry_where_it_failed(snap)
         up, capacity = _usable(snap)
         ordered = sorted(snap.jobs, key=lambda j: order_key(j, snap))
         taken, held_up_by = _scan(ordered, up)
@@ -534,7 +503,7 @@ def _place_all(
             needs = ", ".join(dict.fromkeys(movers[i]))
             why += f"; moving {len(movers[i])} slots off hosts that job {needs} needs"
         placements, action, why = outcome(
-            job, targets[i], keeps[i], new[i], releases[i], _moving(job, up, held_up[i]), why
+            job, targets[i], keeps[i], new[i], releases[i], moving(job, up, held_up[i]), why
         )
         decisions.append(Decision(job.name, targets[i], placements, tuple(releases[i]), action, why))
     return Plan.of(decisions, [len(k) for k in keeps])
@@ -760,23 +729,6 @@ def _replace(other: Job, j: int, state, free: _FreeSlots, up, mine, mine_hosts: 
     got = free.take(1, dict.fromkeys(h for h, _ in keeps[j] + new[j]), avoid)
     new[j].extend(got)
     return bool(got)
-
-
-def _moving(job: Job, up: dict[str, int], held_up: int) -> str:
-    """The reason suffix of a job that holds slots it cannot keep (see :func:`outcome`)."""
-    if held_up == len(job.held):
-        return ""
-    unhealthy = any(h not in up for h, _ in job.held)
-    outside = any(h in up and h in job.leave_hosts for h, _ in job.held)
-    return MOVING[unhealthy, outside]
-
-
-# (on hosts that are not up, on hosts outside its selector) -> the reason suffix
-MOVING = {
-    (True, False): "; moving off unhealthy hosts",
-    (False, True): "; moving off hosts outside its host selector",
-    (True, True): "; moving off unhealthy hosts and hosts outside its host selector",
-}
 
 
 def outcome(

@@ -1,30 +1,12 @@
 """Allocation policies: pure functions from a :class:`Snapshot` to a :class:`Plan`.
 
-A decision has three steps, all deterministic and free of I/O:
-
-1. **Order and admit.** Jobs are ordered by ``(-effective priority, running first, submitted,
-   name)``. Walking that order, a job is admitted if its ``min_workers`` still fits in the
-   capacity (slots on ``up`` hosts) after the minimums of the jobs admitted before it: gang
-   semantics, a job starts only when its minimum can be granted. Jobs not admitted get 0.
-2. **Share.** The capacity is split among admitted jobs within ``[min, max]``: ``fairshare``
-   (max-min fair, equal weights), ``priority`` (weights = priorities, so 3:5 on 8 slots gives
-   3/5) or ``strict`` (minimums first, then the rest to the highest priority class, max-min fair
-   inside a class). Running jobs that must not move (``preemption=none``, non-preemptible,
-   rescaled too recently, or a change smaller than ``min_gain``) are frozen at what they hold
-   (capped at their max, which a user may have lowered) and the rest is re-shared around them.
-3. **Place.** Each job keeps its held slots on ``up`` hosts (most-used hosts first) up to its
-   target and releases the rest at its next boundary; growth takes free slots on ``up`` hosts
-   it does not avoid, its own hosts first, then spare hosts (those every restricted job
-   avoids), then hosts in name order (lowest slot index first). Restricted jobs (that avoid an
-   ``up`` host) are placed first; one short on its hosts while others have room is handed to
-   the plain implementation (moves, lowered caps: ``plain_policies._host_repair``).
-   A grow (or a new grant) waits for its full increment while other jobs still have slots to
-   release, so a job rescales once rather than in steps.
-
-**Aging** (no starvation): a job holding no slots has effective priority
-``priority + floor((now - waiting_since) / aging_s)`` (one unit per *whole* ``aging_s``
-seconds waited); a running job's is its priority. Aging changes
-the admission order and the ``strict`` class, never the ``priority`` weights.
+The rules a decision applies, and the order of its steps (admit -> share -> freeze -> place),
+are in :mod:`elastic_ops.pool.rules`, each written once; this module is their vectorised
+implementation, for large snapshots, and the registry of the policies (:data:`POLICIES`). Small
+snapshots (:data:`SMALL_SNAPSHOT_JOBS`) and snapshots where a restricted job is short on its
+hosts while others have room (moves, lowered caps) are decided by the plain per-slot
+implementation, :mod:`elastic_ops.pool.plain_policies`; ``tests/pool/test_policy_reference.py``
+checks that both give the same plan.
 
 **Representation (why it is fast).** The snapshot is read column by column at C level (one
 ``map`` per job field, host field, and two over the held slots). Steps 1-2 run on numpy arrays
@@ -41,9 +23,6 @@ action, reason per job) and slot arrays -- no slot tuple and no :class:`Decision
 while deciding; the plan makes them for the jobs a caller asks about. Cost: O(J log J + H + S)
 for J jobs, H hosts and S held slots, with O(J + H + S) of it C-level reads and O(jobs growing
 onto their own hosts + hosts they touch) interpreted.
-
-:mod:`elastic_ops.pool.plain_policies` is the plain per-slot implementation (used for small
-snapshots); ``tests/pool/test_policy_reference.py`` checks that both give the same plan.
 """
 
 from __future__ import annotations
@@ -63,18 +42,22 @@ from elastic_ops.pool.model import (
     Job,
     Plan,
     PlanSlots,
-    Preemption,
     Slot,
     Snapshot,
     TargetAction,
 )
-from elastic_ops.pool.plain_policies import (
-    GOODPUT_FIRST_FIT,
+from elastic_ops.pool.plain_policies import GOODPUT_FIRST_FIT, PLAIN
+from elastic_ops.pool.rules import (
+    CAP_BELOW_MIN,
+    FREEZE_RULES,
+    GANG_DOES_NOT_FIT,
     MOVING,
-    PLAIN,
     SETTLE_AFTER,
+    Change,
     effective_priority,
+    may_freeze,
     order_key,
+    retry_where_it_failed,
     too_few,
 )
 from elastic_ops.pool.shares import strict_fill_array, weighted_fill_array
@@ -590,36 +573,26 @@ def _admit(mins: np.ndarray, caps: np.ndarray, capacity: int) -> tuple[np.ndarra
 
 
 def _freeze(t: _Table, held_up, targets, free, snap: Snapshot) -> dict[int, str]:
-    """Jobs (among ``free``) that must stay at what they hold, with why (see module docstring)."""
-    cfg = snap.config
-    cand = free & (held_up > 0) & (targets != held_up) & (held_up <= t.maxs) & (held_up >= t.mins)
+    """Jobs (among ``free``) that must stay at what they hold, with why:
+    :data:`elastic_ops.pool.rules.FREEZE_RULES` on all of them at once (first rule that holds)."""
+    cfg, now = snap.config, snap.now
+    cand = free & may_freeze(Change(held_up, targets, None, None, None), t.mins, t.maxs)
     if not cand.any():
         return {}
-    shrink = cand & (targets < held_up)
-    if cfg.preemption == Preemption.NONE:
-        a, b = shrink, np.zeros_like(shrink)
-    else:
-        a, b = np.zeros_like(shrink), shrink & ~t.preemptible
-    # min_gain never holds back a shrink that lets a higher-ranked job holding nothing in
-    # (see plain_policies._freeze_reason)
     admitting = free & (held_up == 0) & (targets > 0)
-    admitted_above = (np.cumsum(admitting) - admitting) > 0
-    rest = cand & ~a & ~b
-    with np.errstate(invalid="ignore"):
-        c = rest & ~np.isnan(t.last_rescale) & (snap.now - t.last_rescale < cfg.min_rescale_interval_s)
-        gain = np.abs(targets - held_up) / np.maximum(held_up, 1)
-    d = rest & ~c & (targets > 0) & (gain < cfg.min_gain) & ~(shrink & admitted_above)
+    c = Change(held_up, targets, ~t.preemptible, t.last_rescale, (np.cumsum(admitting) - admitting) > 0)
     out: dict[int, str] = {}
-    for i in np.flatnonzero(a).tolist():
-        out[i] = "preemption is 'none': running jobs are not shrunk"
-    for i in np.flatnonzero(b).tolist():
-        out[i] = "job is not preemptible"
-    for i in np.flatnonzero(c).tolist():
-        ago = snap.now - float(t.last_rescale[i])
-        out[i] = f"rescaled {ago:.0f}s ago (< {cfg.min_rescale_interval_s:.0f}s)"
-    for i in np.flatnonzero(d).tolist():
-        h, tgt = int(held_up[i]), int(targets[i])
-        out[i] = f"gain {abs(tgt - h) / h:.2f} below min_gain {cfg.min_gain:.2f}"
+    left = cand
+    with np.errstate(invalid="ignore", divide="ignore"):  # rows outside ``cand`` may hold 0
+        for rule in FREEZE_RULES:
+            hit = left & rule.holds(c, cfg, now)
+            if not hit.any():
+                continue
+            left = left & ~hit
+            for i in np.flatnonzero(hit).tolist():
+                one = Change(int(held_up[i]), int(targets[i]), bool(c.pinned[i]), float(t.last_rescale[i]),
+                             bool(c.admitted_above[i]))
+                out[i] = rule.text(one, cfg, now)
     return out
 
 
@@ -631,8 +604,7 @@ def _targets(t: _Table, share: ShareFn, held_up, hs: _Hosts, snap: Snapshot, fre
     held_up = np.minimum(held_up, t.maxs)
     frozen: dict[int, str] = {}
     is_free = np.ones(n, dtype=bool)
-    # A fixed point, with a long chain of freezes cut after SETTLE_AFTER rounds: see
-    # plain_policies._targets (a shrink to 0 meets every rule but min_gain)
+    # a fixed point, a long chain of freezes cut after SETTLE_AFTER rounds (elastic_ops.pool.rules)
     for rnd in range(SETTLE_AFTER + 1):
         if rnd == SETTLE_AFTER:
             hard = _freeze(t, held_up, np.where(is_free, 0, held_up), is_free, snap)
@@ -669,21 +641,18 @@ def _reasons(targets, cap_left, free_idx, mins, fcaps, usable, admitted, frozen,
     if not admitted.all():
         m_adm = np.where(admitted, mins, 0)
         left = cap_left - (np.cumsum(m_adm) - m_adm)
-        for fits, template in (
-            (False, "min {} exceeds the {} usable slots it may use"),  # cap < min
-            (True, "min {} does not fit: {} slots left after higher-ranked jobs"),  # gang
-        ):
+        for fits, rule in ((False, CAP_BELOW_MIN), (True, GANG_DOES_NOT_FIT)):
             k = np.flatnonzero(~admitted & (usable == fits))
             if len(k) == 0:
                 continue
             lo, c = mins[k], (left[k] if fits else np.maximum(fcaps[k], 0))
             if int(c.min()) < 0:  # frozen jobs keep more than the capacity (slots past a host's size)
                 for i, m, v in zip(free_idx[k].tolist(), lo.tolist(), c.tolist(), strict=True):
-                    reasons[i] = template.format(m, v)
+                    reasons[i] = rule.why(m, v)
                 continue
             width = int(c.max()) + 1
             uniq, inv = np.unique(lo * width + c, return_inverse=True)
-            texts = [template.format(u // width, u % width) for u in uniq.tolist()]
+            texts = [rule.why(u // width, u % width) for u in uniq.tolist()]
             for i, j in zip(free_idx[k].tolist(), inv.reshape(-1).tolist(), strict=True):
                 reasons[i] = texts[j]
     for i, why in frozen.items():
@@ -871,6 +840,7 @@ def make_policy(share: ShareFn, plain: Policy | None = None, repair: Policy | No
     repair = repair or plain
 
     def decide(snap: Snapshot) -> Plan:
+        snap = retry_where_it_failed(snap)
         if plain is not None and _small(snap):
             return plain(snap)
         # A decision allocates O(jobs + changed slots) short-lived objects that refcounting

@@ -20,15 +20,17 @@ def make_job(name="j", min_workers=1, max_workers=8, priority=1, held=(), **kw) 
 
 
 @st.composite
-def snapshots(draw, preemption=None) -> Snapshot:
-    n_hosts = draw(st.integers(1, 4))
+def snapshots(draw, preemption=None, n_hosts_in=(1, 4), n_jobs_in=(0, 7)) -> Snapshot:
+    """Any snapshot: ``n_hosts_in`` and ``n_jobs_in`` bound how many (small by default: the plain path;
+    see ``large_snapshots`` for the vectorised one)."""
+    n_hosts = draw(st.integers(*n_hosts_in))
     hosts = []
     for i in range(n_hosts):
         state = draw(st.sampled_from([HostState.UP] * 4 + list(HostState)))
         hosts.append(Host(f"h{i}", draw(st.integers(1, 8)), state))
     all_slots = [(h.name, s) for h in hosts for s in range(h.slots)]
     order = draw(st.permutations(all_slots))
-    n_jobs = draw(st.integers(0, 7))
+    n_jobs = draw(st.integers(*n_jobs_in))
     jobs, cursor = [], 0
     now = 10_000.0
     for i in range(n_jobs):
@@ -62,6 +64,12 @@ def snapshots(draw, preemption=None) -> Snapshot:
         aging_s=draw(st.sampled_from([0.0, 600.0])),
     )
     return Snapshot(tuple(hosts), tuple(jobs), now, config)
+
+
+def large_snapshots(preemption=None):
+    """Snapshots large enough for the vectorised policies (more than 48 jobs on more than 64
+    hosts: ``policies._small`` is false), many jobs waiting."""
+    return snapshots(preemption, n_hosts_in=(65, 72), n_jobs_in=(49, 90))
 
 
 @st.composite

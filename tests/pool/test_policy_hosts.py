@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from elastic_ops.pool.model import HostState
 from elastic_ops.pool.plain_policies import PLAIN
 from elastic_ops.pool.policies import VECTORISED
+from elastic_ops.pool.rules import retry_where_it_failed
 
 from .builders import make_job, make_snapshot, selector_snapshots, snapshots
 
@@ -137,7 +138,7 @@ def _short_with_room(snap, plan):
     up = {h.name: h.slots for h in snap.hosts if h.state == HostState.UP}
     used = {sl for d in plan.decisions for sl in d.placements} | {sl for j in snap.jobs for sl in j.held}
     free = {(h, i) for h, n in up.items() for i in range(n)} - used
-    jobs = {j.name: j for j in snap.jobs}
+    jobs = {j.name: j for j in retry_where_it_failed(snap).jobs}  # the hosts each avoids
     releasing = {sl for d in plan.decisions for sl in d.release if sl[0] in up}
     out = []
     for d in plan.decisions:
@@ -175,7 +176,7 @@ def test_a_restricted_job_is_given_a_target_it_can_reach(snap):
     # being released on its hosts; else (a full pool, nothing released elsewhere) its reason
     # says it waits for slots on its hosts
     up = {h.name: h.slots for h in snap.hosts if h.state == HostState.UP}
-    jobs = {j.name: j for j in snap.jobs}
+    jobs = {j.name: j for j in retry_where_it_failed(snap).jobs}  # the hosts each avoids
     for name in sorted(PLAIN):
         plan = _both(name, snap)
         used = {sl for d in plan.decisions for sl in d.placements} | {sl for j in snap.jobs for sl in j.held}

@@ -8,10 +8,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from elastic_ops.pool.model import HostState, Preemption, Snapshot, TargetAction
-from elastic_ops.pool.policies import POLICIES, order_key
+from elastic_ops.pool.policies import POLICIES, _small, order_key
+from elastic_ops.pool.rules import retry_where_it_failed
 from elastic_ops.pool.shares import weighted_fill
 
-from .builders import snapshots
+from .builders import large_snapshots, snapshots
 
 PROPS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -32,7 +33,7 @@ def _check_no_slot_is_granted_twice(name, snap):
     seen = {}
     holder = {sl: j.name for j in snap.jobs for sl in j.held}
     up = _up(snap)
-    jobs = {j.name: j for j in snap.jobs}
+    jobs = {j.name: j for j in retry_where_it_failed(snap).jobs}  # the hosts each avoids
     for d in plan.decisions:
         for sl in d.placements:
             assert sl not in seen, f"{sl} placed for {seen[sl]} and {d.job}"
@@ -54,7 +55,7 @@ def test_every_job_within_bounds_or_waiting(snap):
 def _check_every_job_within_bounds_or_waiting(name, snap):
     plan = POLICIES[name](snap)
     assert sorted(d.job for d in plan.decisions) == sorted(j.name for j in snap.jobs)
-    jobs = {j.name: j for j in snap.jobs}
+    jobs = {j.name: j for j in retry_where_it_failed(snap).jobs}  # the hosts each avoids
     for d in plan.decisions:
         j = jobs[d.job]
         assert d.target == 0 or j.min_workers <= d.target <= j.max_workers, d
@@ -76,7 +77,7 @@ def _check_preemption_only_takes_from_lower_ranked_or_over_share_jobs(name, snap
     up = _up(snap)
     capacity = sum(up.values())
     by = plan.by_job()
-    jobs = {j.name: j for j in snap.jobs}
+    jobs = {j.name: j for j in retry_where_it_failed(snap).jobs}  # the hosts each avoids
     frozen = {d.job for d in plan.decisions if d.reason.startswith("keeps")}
     for x in snap.jobs:
         held_up = sum(1 for h, _ in x.held if h in up and h not in x.leave_hosts)  # what it may keep
@@ -136,6 +137,20 @@ def test_a_job_said_to_keep_what_it_holds_is_given_exactly_that(snap):
                 assert d.target == int(d.reason.split()[1].rstrip(":")), (name, d)
 
 
+LARGE = settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+
+
+@LARGE
+@given(snap=large_snapshots())
+def test_the_invariants_hold_at_the_sizes_the_vectorised_policies_decide(snap):
+    assert not _small(snap)  # these snapshots reach the vectorised path, not the plain one
+    for name in sorted(POLICIES):
+        _check_no_slot_is_granted_twice(name, snap)
+        _check_every_job_within_bounds_or_waiting(name, snap)
+        _check_preemption_only_takes_from_lower_ranked_or_over_share_jobs(name, snap)
+    _check_same_snapshot_same_plan_in_any_order("goodput", snap, 7)
+
+
 @settings(max_examples=200, deadline=None)
 @given(data=st.data())
 def test_weighted_fill_is_weighted_max_min_fair(data):
@@ -161,7 +176,7 @@ def test_no_plan_keeps_or_gives_a_slot_on_a_host_its_job_must_leave(snap):
     new is taken there, and the slots stay taken until released (nobody else is given them)."""
     for name in POLICIES:
         plan = POLICIES[name](snap)
-        jobs = {j.name: j for j in snap.jobs}
+        jobs = {j.name: j for j in retry_where_it_failed(snap).jobs}  # the hosts each avoids
         leaving = {s for j in snap.jobs for s in j.held if s[0] in j.leave_hosts}
         for d in plan.decisions:
             j = jobs[d.job]
