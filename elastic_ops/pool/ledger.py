@@ -60,7 +60,7 @@ from elastic_ops.pool.model import (
     outside,
 )
 from elastic_ops.pool.policies import LEARNING, get_policy
-from elastic_ops.pool.rules import target_of, within_minimum
+from elastic_ops.pool.rules import target_of
 from elastic_ops.pool.scaling import Batching, GradStats, Measured, fit_cached
 
 
@@ -565,7 +565,6 @@ class Tx:
                         # min_rescale_interval_s (a job frozen keeps what it holds), and moved back
                         plain_grow = len(d.placements) > len(held_by[name]) and not d.release
                         self.reserve(name, row.epoch, list(new), EventKind.GROW, d, rescaled=plain_grow)
-                    d = within_minimum(d, row.min_workers)
                     pp, pr = _slots_json(d.placements), _slots_json(d.release)
                     if d.reason != reason:
                         values.update(target=target, reason=d.reason)
@@ -637,8 +636,7 @@ class Tx:
             if job.name not in parked or not job.held:
                 continue
             row = rows[job.name]
-            # a parked job too keeps old slots rather than hand its next chunk less than its minimum
-            d = within_minimum(plan.decision(plan.index(job.name)), row.min_workers)
+            d = plan.decision(plan.index(job.name))
             if d.target == 0 or not d.placements or len(d.release) == len(job.held):
                 why = "preempted" if d.target == 0 or not d.placements else "moved"
                 self.free_slots(job.name, job.held, EventKind.RELEASE, f"parked, then {why}: {d.reason}",

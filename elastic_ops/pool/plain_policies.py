@@ -28,6 +28,8 @@ from elastic_ops.pool.rules import (
     Change,
     effective_priority,
     freeze_reason,
+    keeps_old,
+    kept_for_minimum,
     may_freeze,
     moving,
     order_key,
@@ -502,9 +504,17 @@ def _place_all(
         if i in movers:
             needs = ", ".join(dict.fromkeys(movers[i]))
             why += f"; moving {len(movers[i])} slots off hosts that job {needs} needs"
+        off_up = [sl for sl in releases[i] if sl[0] not in up and sl[0] not in job.leave_hosts]
+        kept = kept_for_minimum(len(keeps[i]) + len(new[i]), len(off_up), job.min_workers)
+        if kept:
+            old = set(off_up[:kept])
+            keeps[i] = keeps[i] + off_up[:kept]
+            releases[i] = [sl for sl in releases[i] if sl not in old]
         placements, action, why = outcome(
             job, targets[i], keeps[i], new[i], releases[i], moving(job, up, held_up[i]), why
         )
+        if kept:
+            why += keeps_old(kept)
         decisions.append(Decision(job.name, targets[i], placements, tuple(releases[i]), action, why))
     return Plan.of(decisions, [len(k) for k in keeps])
 

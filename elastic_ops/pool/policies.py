@@ -55,6 +55,8 @@ from elastic_ops.pool.rules import (
     SETTLE_AFTER,
     Change,
     effective_priority,
+    keeps_old,
+    kept_for_minimum,
     may_freeze,
     order_key,
     retry_where_it_failed,
@@ -906,6 +908,8 @@ def _decide(snap: Snapshot, share: ShareFn) -> Plan:
         outside = np.bincount(free.owner[free.host_up & ~free.on_up], minlength=t.n) > 0
         for i in moving.tolist():
             reasons[i] += MOVING[bool(unhealthy[i]), bool(outside[i])]
+            if unhealthy[i]:
+                _keep_for_minimum(free, i, int(t.mins[i]), t.leave.get(i), perm, n_keep, n_new, reasons)
     code = np.select(
         [preempted, n_new > 0, n_keep < t.n_held, has_held], [_PREEMPT, _GROW, _SHRINK, _KEEP], _WAIT
     )
@@ -916,6 +920,25 @@ def _decide(snap: Snapshot, share: ShareFn) -> Plan:
         tuple(reasons),
         _Slots(t.held, free, perm, n_keep, n_new, t.order),
     )
+
+
+def _keep_for_minimum(free: _Free, i: int, min_workers: int, leave, perm, n_keep, n_new, reasons) -> None:
+    """rules.kept_for_minimum for job ``i``: its first released slots on hosts that are not up
+    (and that it need not leave: ``leave``) move to the front of its release segment of ``perm``
+    and are kept."""
+    m, e = int(free.first[i]) + int(n_keep[i]), int(free.first[i + 1])
+    seg = perm[m:e]
+    off = ~free.host_up[seg]
+    if leave:
+        off &= ~np.isin(free.host[seg], [free.ids[h] for h in leave if h in free.ids])
+    kept = kept_for_minimum(int(n_keep[i] + n_new[i]), int(off.sum()), min_workers)
+    if kept:
+        chosen = np.flatnonzero(off)[:kept]
+        rest = np.ones(len(seg), dtype=bool)
+        rest[chosen] = False
+        perm[m:e] = np.concatenate([seg[chosen], seg[rest]])
+        n_keep[i] += kept
+        reasons[i] += keeps_old(kept)
 
 
 _ACTIONS = np.array(

@@ -11,7 +11,7 @@ A decision runs four steps in this order (:func:`elastic_ops.pool.policies.make_
    and the rest is shared again around it (a fixed point; :data:`SETTLE_AFTER`).
 4. **Place**: each job keeps its slots on up hosts and takes free ones (first fit, or best fit
    for ``goodput``); a job held on hosts it must leave says so (:func:`moving`); a running job
-   never runs below its minimum while it moves (:func:`within_minimum`).
+   never runs below its minimum while it moves (:func:`kept_for_minimum`).
 
 Before the first step :func:`retry_where_it_failed` decides which hosts each job avoids.
 
@@ -227,18 +227,22 @@ def moving(job: Job, up: Mapping[str, int], held_up: int) -> str:
     return MOVING[unhealthy, outside]
 
 
-def within_minimum(d: Decision, min_workers: int) -> Decision:
-    """``d`` for a running job, never below its minimum while it moves: a job moved off an
-    unhealthy host whose new slots are not all free yet (others release them at their next
-    boundary) keeps enough of its old slots to run ``min_workers`` meanwhile, rather than shrink
-    under its minimum and grow back. (With no new slot at all it is preempted, as planned.)"""
-    short = min_workers - len(d.placements)
-    if short <= 0 or not d.placements or not d.release:
-        return d
-    return dataclasses.replace(
-        d, placements=d.placements + d.release[:short], release=d.release[short:],
-        reason=f"{d.reason}; keeps {min(short, len(d.release))} old slots until its minimum fits on up hosts",
-    )
+def kept_for_minimum(placed: int, released_off_up: int, min_workers: int) -> int:
+    """How many of the slots a running job releases on hosts that are not up it keeps for now,
+    so that it never runs below its minimum while it moves: a job moved off a draining host whose
+    new slots are not all free yet (others release them at their next boundary) keeps enough old
+    slots to run ``min_workers`` meanwhile, rather than shrink under its minimum and grow back.
+    Only slots on hosts that are not up: no other job may be given those, so keeping them costs
+    nobody (slots on an up host outside its selector go, as others may be waiting for them).
+    ``placed``: the slots it keeps and is given; with none at all it is preempted, as planned."""
+    if placed == 0 or released_off_up == 0:
+        return 0
+    return max(0, min(min_workers - placed, released_off_up))
+
+
+def keeps_old(n: int) -> str:
+    """The reason suffix of a job that :func:`kept_for_minimum` keeps ``n`` old slots for."""
+    return f"; keeps {n} old slots until its minimum fits on up hosts"
 
 
 def target_of(job: str, workers: int, d: Decision, batch: int = 0) -> Target:

@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from elastic_ops.pool.model import PolicyConfig, Preemption
-from elastic_ops.pool.policies import POLICIES
+from elastic_ops.pool.plain_policies import PLAIN
+from elastic_ops.pool.policies import POLICIES, VECTORISED
 from elastic_ops.pool.rules import FREEZE_RULES, Change, freeze_reason, may_freeze, retry_where_it_failed
 
 from .builders import make_job, make_snapshot
@@ -69,3 +70,20 @@ def test_each_freeze_rule_means_the_same_on_one_job_and_on_columns(rows, cfg):
         first = next((r for r, m in zip(FREEZE_RULES, masks, strict=True) if m[i]), None)
         why = freeze_reason(one, cfg, now) if cand[i] else None
         assert why == (None if first is None else first.text(one, cfg, now))
+
+
+def test_a_job_moving_off_a_draining_host_keeps_its_old_slots_until_its_minimum_fits():
+    # A holds one slot on the up host and one on the draining one; the slot it needs on the up
+    # host is B's, released at B's next boundary: A keeps its draining slot until then
+    snap = make_snapshot(
+        hosts=(("u", 3), ("d", 2, "draining")),
+        jobs=[
+            make_job("A", 2, 2, priority=5, held=[("u", 2), ("d", 0)]),
+            make_job("B", 1, 1, held=[("u", 0), ("u", 1)]),
+        ],
+    )
+    for policies in (PLAIN, VECTORISED):
+        d = policies["priority"](snap)["A"]
+        assert set(d.placements) == {("u", 2), ("d", 0)} and d.release == (), d
+        assert d.reason.endswith("; keeps 1 old slots until its minimum fits on up hosts"), d
+        assert policies["priority"](snap)["B"].release == (("u", 1),)
