@@ -81,9 +81,13 @@ def test_pool_page_and_controls_through_the_api_server(deployment):
     base, token = f"{af.url}/elastic-ops", af.token()
     bearer = {"Authorization": f"Bearer {token}"}
     plugins = {p["name"]: p for p in af.api("GET", "/plugins")["plugins"]}
-    assert [v["href"] for v in plugins["elastic_ops"]["external_views"]] == ["/elastic-ops/ui"]
+    views = {v["destination"]: v["href"] for v in plugins["elastic_ops"]["external_views"]}
+    job_view = "/elastic-ops/ui/job?dag_id={DAG_ID}&run_id={RUN_ID}"
+    assert views == {"nav": "/elastic-ops/ui", "dag_run": job_view}
 
-    assert httpx.get(f"{base}/ui", timeout=30).status_code == 401
+    anonymous = httpx.get(f"{base}/ui", timeout=30)  # to the login page, and back after it
+    assert anonymous.status_code == 303 and "/login?next=%2Felastic-ops%2Fui" in anonymous.headers["location"]
+    assert httpx.get(f"{base}/status", timeout=30).status_code == 401
     for auth in ({"headers": bearer}, {"cookies": {"_token": token}}):
         page = httpx.get(f"{base}/ui", timeout=30, **auth)
         assert page.status_code == 200, page.text
@@ -158,7 +162,7 @@ def test_competing_jobs_follow_the_priority_sequence(deployment, statsd):
     # every chunk task has an "Elastic pool" button to the pool's page
     chunk = next(t["task_id"] for t in af.task_instances(dags[0], runs[0]) if ".chunk_" in t["task_id"])
     links = af.api("GET", f"/dags/{dags[0]}/dagRuns/{runs[0]}/taskInstances/{chunk}/links")["extra_links"]
-    assert links == {"Elastic pool": f"{af.url}/elastic-ops/ui"}
+    assert links == {"Elastic pool": f"{af.url}/dags/{dags[0]}/runs/{runs[0]}/plugin/elastic-job"}
     assert statsd.named("airflow.elastic_ops.chunk.wait")
     assert statsd.named("airflow.elastic_ops.chunk.samples_per_s")
     for n in (0, 1):  # each job kept slots from its first grant to its end: chunks handed over
