@@ -134,9 +134,10 @@ def compute(
     now: float | None = None,
 ) -> Timeline:
     """The timeline of ``job`` (None: every job, the pool) between ``since`` and ``until`` (Unix
-    seconds; None: from the first event, to the last event or ``now``). Every series starts at
-    ``since`` with the value it had then (replayed from all ``events``), so a range shows a state,
-    not only the changes inside it; at most ``max_points`` points in all, the newest kept."""
+    seconds; None: from the job's first event, to the last event or ``now``; a ``since`` before
+    the first event means the first event). Every series starts at ``since`` with the value it
+    had then (replayed from all ``events``), so a range shows a state, not only the changes
+    inside it; at most ``max_points`` points in all, the newest kept."""
     check_bounds(since, until, max_points)
     progress = progress or {}
     held = {j: pts for j, pts in held_series(events).items() if job is None or j == job}
@@ -149,7 +150,8 @@ def compute(
     # the range: from the job's first event (the pool's, without ``job``), not the hosts' setup
     mine = [e for e in events if job is None or e.get("job") == job]
     stamps = [float(e["ts"]) for e in mine] + [t for pts in prog.values() for t, _ in pts]
-    start = since if since is not None else min(stamps, default=now or 0.0)
+    first = min([float(e["ts"]) for e in events] + stamps, default=now or 0.0)
+    start = max(since, first) if since is not None else min(stamps, default=first)  # nothing before the log
     end = until if until is not None else max([*stamps, *([now] if now is not None else [])], default=start)
     held = {j: _clip(pts, start, end) for j, pts in held.items()}
     prog = {j: _clip(pts, start, end) for j, pts in prog.items()}

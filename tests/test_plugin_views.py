@@ -83,6 +83,8 @@ def test_a_range_starts_with_the_state_in_force_and_a_limit_keeps_the_newest(see
     assert tl["held"]["job1"][0] == [since, 4] and tl["held"]["job2"][0] == [since, 4]
     assert [n for _, n in tl["held"]["job1"]] == [4, 3]
     assert all(since <= c["ts"] <= T0 + 70 for c in tl["changes"])
+    early = client.get(f"/timeline?since_ts={T0 - 3600}").json()  # before the log: from its first event
+    assert early["start"] == pytest.approx(T0)
     small = client.get("/timeline?max_points=4").json()
     assert small["truncated"] is True
     points = sum(map(len, small["held"].values())) + len(small["capacity"]) + len(small["changes"])

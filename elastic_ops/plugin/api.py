@@ -333,7 +333,9 @@ def _timeline(job: str | None, since: float | None, until: float | None, max_poi
     events = _call("events", job=job, last=TIMELINE_SCAN)
     if job is not None:  # the pool's capacity too, from the host events
         events = sorted([*events, *_call("events", kinds=["host"], last=MAX_SCAN)], key=lambda e: e["id"])
-    now = _call("status")["now"]
+    status = _call("status")
+    done = job is not None and any(j["name"] == job and j["state"] == "finished" for j in status["jobs"])
+    now = None if done else status["now"]  # a finished job's picture ends where it did
     return compute(events, progress, job=job, since=since, until=until, max_points=max_points, now=now)
 
 
