@@ -47,6 +47,7 @@ def make_api(tmp_path, monkeypatch, role: str | None = "op") -> tuple[TestClient
     monkeypatch.setattr(plugin_api, "_nodes", lambda: None)  # no cluster, unless a test says so
     monkeypatch.setattr(plugin_api, "_run_chunks", lambda dag_id, run_id: [])  # no Airflow metadata here
     monkeypatch.setattr(plugin_api, "_recent_runs", dict)
+    monkeypatch.setattr(plugin_api, "_totals", lambda refs: {})
     monkeypatch.setattr("airflow.api_fastapi.app.get_auth_manager", SimpleAuthManager)
     if role is not None:
         user = SimpleAuthManagerUser(username=f"a-{role}", role=role)

@@ -199,3 +199,14 @@ def test_a_change_with_the_session_cookie_must_be_json(seeded):
     r = client.post("/jobs/job2/priority", json={"priority": 7})
     assert r.status_code == 200
     assert next(j for j in pool.status()["jobs"] if j["name"] == "job2")["priority"] == 7
+
+
+def test_throughput_and_eta_come_from_what_the_heartbeats_measured(seeded, monkeypatch):
+    client, pool, _ = seeded
+    epoch = next(j for j in pool.status()["jobs"] if j["name"] == "job2")["epoch"]
+    pool.heartbeat("job2", epoch, workers=8, measured={"iterations": 200, "seconds": 10.0, "workers": 8})
+    monkeypatch.setattr(plugin_api, "_recent_runs", lambda: {"job2": ("seed", "manual__1")})
+    monkeypatch.setattr(plugin_api, "_totals", lambda refs: {"job2": 1200} if "job2" in refs else {})
+    page = client.get("/ui").text
+    assert "<td>20.0 it/s</td><td>~50 s (200 of 1200)</td>" in page  # 1000 left at 20 a second
+    assert 'href="/dags/seed/runs/manual__1/plugin/elastic-job" target="_top"' in page

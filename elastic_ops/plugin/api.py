@@ -311,6 +311,17 @@ def _recent_runs() -> dict[str, tuple[str, str]]:
         return {}
 
 
+def _totals(refs: dict[str, tuple[str, str]]) -> dict[str, int]:
+    """Job name -> total iterations (from the chunk tasks' rendered fields): the pool view's ETAs."""
+    from elastic_ops.plugin.runs import totals_of
+
+    try:
+        return totals_of(refs)
+    except Exception as exc:  # noqa: BLE001 - an ETA is a convenience: the view shows without it
+        log.warning("elastic_ops: the jobs' total iterations could not be read: %s", exc)
+        return {}
+
+
 def _html(page: str) -> HTMLResponse:
     from elastic_ops.plugin.page import CSP
 
@@ -393,9 +404,12 @@ def pool_view(
     observations = {j["name"]: _call("observations", j["name"]) for j in status["jobs"]
                     if j["state"] != "finished"}
     base = _base(request)
-    links = {name: job_view_url(_airflow_base(), d, r) for name, (d, r) in _recent_runs().items()}
+    refs = _recent_runs()
+    links = {name: job_view_url(_airflow_base(), d, r) for name, (d, r) in refs.items()}
+    totals = _totals({name: ref for name, ref in refs.items() if name in observations})
     page_html = pool_page(status, tl, events, flt, kinds=KINDS, observations=observations,
-                          can_edit=_may("PUT", user), base=base, nodes=_node_view(), job_links=links)
+                          can_edit=_may("PUT", user), base=base, nodes=_node_view(), job_links=links,
+                          totals=totals)
     return _html(page_html)
 
 
@@ -418,7 +432,9 @@ def job_view(
     sections = []
     for name, chunks in jobs_of(dag_id, run_id, _run_chunks(dag_id, run_id)).items():
         tl = _timeline(name, None, None, 5000, {name: progress_of(chunks)})
-        sections.append(job_section(name, known.get(name), tl, chunks, can_edit=can_edit))
+        job = known.get(name)
+        observations = _call("observations", name) if job else []
+        sections.append(job_section(name, job, tl, chunks, can_edit=can_edit, observations=observations))
     return _html(job_page(dag_id, run_id, sections, _base(request)))
 
 

@@ -131,11 +131,30 @@ def _owners(status: Mapping[str, Any]) -> dict[tuple[str, int], str]:
     return {(str(h), int(s)): j["name"] for j in status["jobs"] for h, s in j.get("placements") or ()}
 
 
-def _throughput(obs: Sequence[Mapping[str, Any]] | None, workers: int) -> str:
-    """Iterations a second at the job's current worker count, from what its heartbeats measured."""
-    rows = [o for o in obs or () if int(o.get("workers", 0)) == workers and float(o.get("seconds", 0)) > 0]
+def _rate(obs: Sequence[Mapping[str, Any]] | None, workers: int | None) -> float | None:
+    """Iterations a second at ``workers`` (None: at any count), from what the heartbeats measured."""
+    rows = [o for o in obs or () if (workers is None or int(o.get("workers", 0)) == workers)
+            and float(o.get("seconds", 0)) > 0]
     its, secs = sum(int(o["iterations"]) for o in rows), sum(float(o["seconds"]) for o in rows)
-    return f"{its / secs:.1f} it/s" if secs else "-"
+    return its / secs if secs else None
+
+
+def _throughput(obs: Sequence[Mapping[str, Any]] | None, workers: int) -> str:
+    rate = _rate(obs, workers)
+    return f"{rate:.1f} it/s" if rate else "-"
+
+
+def eta(total: int | None, obs: Sequence[Mapping[str, Any]] | None, workers: int) -> str:
+    """Time left at the current rate: (total - iterations the heartbeats reported) / iterations a
+    second at the current worker count (or at any, before one was measured). An estimate: a
+    retried range is reported twice."""
+    rate = _rate(obs, workers) or _rate(obs, None)
+    if not total or not rate:
+        return "-"
+    done = min(total, sum(int(o["iterations"]) for o in obs or ()))
+    left = (total - done) / rate
+    when = f"{left / 60:.0f} min" if left >= 120 else f"{left:.0f} s"
+    return f"~{when} ({done} of {total})"
 
 
 def _held(job: Mapping[str, Any]) -> str:
@@ -144,23 +163,26 @@ def _held(job: Mapping[str, Any]) -> str:
 
 
 def _job_rows(jobs: Sequence[Mapping[str, Any]], observations: Mapping[str, Any], can_edit: bool,
-              job_links: Mapping[str, str]) -> list[list[str]]:
+              job_links: Mapping[str, str], totals: Mapping[str, int]) -> list[list[str]]:
     rows = []
     for j in jobs:
         name = str(j["name"])
         link = job_links.get(name)
         controls = job_controls(j) if can_edit else ""
         if link:
-            controls = f'<a class="job-link" href="{escape(link)}">job view</a>' + controls
+            # _top: the job view is a page of the Airflow UI, not one to open inside this frame
+            controls = f'<a class="job-link" href="{escape(link)}" target="_top">job view</a>' + controls
         rows.append([name, str(j["state"]), _held(j), str(j["priority"]),
                      f"{j['min_workers']}..{j['max_workers']}",
                      "yes" if j["preemptible"] else "no", cell(j["reason"]),
-                     _throughput(observations.get(name), int(j["workers"])), controls])
+                     _throughput(observations.get(name), int(j["workers"])),
+                     eta(totals.get(name), observations.get(name), int(j["workers"]))
+                     if j["state"] != FINISHED else "-", controls])
     return rows
 
 
 JOB_HEADER = ("JOB", "STATE", "WORKERS / TARGET", "PRIO", "MIN..MAX", "PREEMPT", "WHY (THE PLAN'S REASON)",
-              "THROUGHPUT", "")
+              "THROUGHPUT", "ETA", "")
 
 
 def event_rows(events: Sequence[Mapping[str, Any]]) -> list[list[str]]:
@@ -208,10 +230,11 @@ def pool_page(
     status: Mapping[str, Any], timeline: Timeline, events: Sequence[Mapping[str, Any]], flt: EventFilter, *,
     kinds: Sequence[str], observations: Mapping[str, Any], can_edit: bool, base: str,
     nodes: Mapping[str, Any] | None = None, job_links: Mapping[str, str] | None = None,
+    totals: Mapping[str, int] | None = None,
 ) -> str:
     """The pool view for ``PoolClient.status()``, its timeline over the chosen range, and the
     event log (oldest first, already filtered by job, kind and range)."""
-    job_links = job_links or {}
+    job_links, totals = job_links or {}, totals or {}
     live = [j for j in status["jobs"] if j["state"] != FINISHED]
     done = [j for j in status["jobs"] if j["state"] == FINISHED]
     hosts = status["hosts"]
@@ -230,11 +253,11 @@ def pool_page(
         f'<section><h3>Hosts</h3>{charts.host_cells(hosts, _owners(status))}'
         + _table((*report.HOST_COLUMNS, ""), host_rows, "No hosts registered.", "hosts", raw_last=True)
         + "</section><section><h3>Running and waiting jobs</h3>"
-        + _table(JOB_HEADER, _job_rows(live, observations, can_edit, job_links),
+        + _table(JOB_HEADER, _job_rows(live, observations, can_edit, job_links, totals),
                  "No job is running or waiting.", "jobs", raw_last=True)
         + f'<details class="finished"><summary>Finished jobs ({len(done)})</summary>'
-        + _table(JOB_HEADER, _job_rows(done, observations, False, job_links), "None.", "jobs finished-jobs",
-                 raw_last=True)
+        + _table(JOB_HEADER, _job_rows(done, observations, False, job_links, totals), "None.",
+                 "jobs finished-jobs", raw_last=True)
         + "</details></section>"
         + _nodes_section(status, nodes)
         + f"<section>{_events_section(events, flt, status, kinds, base)}</section>"
@@ -312,10 +335,17 @@ def change_rows(timeline: Timeline, job: str, limit: int = 100) -> list[list[str
 
 
 def job_section(name: str, job: Mapping[str, Any] | None, timeline: Timeline, chunks: Sequence[ChunkInfo], *,
-                can_edit: bool) -> str:
+                can_edit: bool, observations: Sequence[Mapping[str, Any]] | None = None) -> str:
+    total = next((c.total_iterations for c in chunks if c.total_iterations), None)
+    done = max([int(c.result["end"]) for c in chunks if c.result] + [0])
     state = (f"{escape(str(job['state']))}: {escape(_held(job))} workers, priority {int(job['priority'])}, "
              f"{int(job['min_workers'])}..{int(job['max_workers'])}; {escape(cell(job['reason']))}"
              if job else "not in the pool (not started, or its events were pruned)")
+    state += f"; {done} of {total if total else '?'} iterations committed"
+    if job and job["state"] != FINISHED:
+        workers = int(job["workers"])
+        state += (f"; {escape(_throughput(observations, workers))}, "
+                  f"ETA {escape(eta(total, observations, workers))}")
     editable = job is not None and can_edit and job["state"] != FINISHED
     controls = f'<div class="controls">{job_controls(job)}</div>' if editable else ""
     return (

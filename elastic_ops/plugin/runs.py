@@ -5,6 +5,7 @@ holds the metadata database's session; nothing here writes."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -38,6 +39,7 @@ class ChunkInfo:
     state: str
     tries: tuple[TryInfo, ...]
     result: Mapping[str, Any] | None
+    total_iterations: int | None = None  # the job's, as the task's rendered spec says
 
     @property
     def end_ts(self) -> float | None:
@@ -87,6 +89,7 @@ def read_run(dag_id: str, run_id: str) -> list[ChunkInfo]:
             .where(TaskInstanceHistory.dag_id == dag_id, TaskInstanceHistory.run_id == run_id,
                    TaskInstanceHistory.task_id.like("%.chunk_%"))
             .order_by(TaskInstanceHistory.try_number).limit(MAX_CHUNKS * 10)).all()
+        totals = _totals(session, [dag_id], [run_id])
         xcoms = session.execute(
             select(XComModel.task_id, XComModel.value)
             .where(XComModel.dag_id == dag_id, XComModel.run_id == run_id, XComModel.key == "return_value",
@@ -111,8 +114,48 @@ def read_run(dag_id: str, run_id: str) -> list[ChunkInfo]:
         mine = {t.try_number: t for t in tries.get(ti.task_id, [])}  # the live row wins its number
         chunks.append(ChunkInfo(ti.task_id, m["group"], int(m["index"]), int(m["count"]),
                                 str(ti.state or "none"), tuple(mine[k] for k in sorted(mine)),
-                                results.get(ti.task_id)))
+                                results.get(ti.task_id), totals.get((dag_id, run_id))))
     return chunks
+
+
+def _total(rendered: Any) -> int | None:
+    """``total_iterations`` from a chunk task's rendered fields (a rendered template is text)."""
+    try:
+        fields = rendered["spec_fields"]
+        if isinstance(fields, str):  # a field Airflow could not keep as JSON is kept as its text
+            fields = json.loads(fields)
+        value = fields["total_iterations"]
+        return int(value) if str(value).isdigit() else None
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def _totals(session: Any, dag_ids: list[str], run_ids: list[str]) -> dict[tuple[str, str], int]:
+    """(DAG id, run id) -> the job's total iterations, from its chunk tasks' rendered fields."""
+    from airflow.models.renderedtifields import RenderedTaskInstanceFields as Rtif
+    from sqlalchemy import select
+
+    rows = session.execute(
+        select(Rtif.dag_id, Rtif.run_id, Rtif.rendered_fields)
+        .where(Rtif.dag_id.in_(dag_ids), Rtif.run_id.in_(run_ids), Rtif.task_id.like("%.chunk_%"))
+        .limit(MAX_CHUNKS)).all()
+    out: dict[tuple[str, str], int] = {}
+    for row in rows:
+        total = _total(row.rendered_fields)
+        if total is not None:
+            out.setdefault((row.dag_id, row.run_id), total)
+    return out
+
+
+def totals_of(refs: Mapping[str, tuple[str, str]]) -> dict[str, int]:
+    """Job name -> total iterations, for jobs given as (DAG id, run id)."""
+    from airflow.utils.session import create_session
+
+    if not refs:
+        return {}
+    with create_session() as session:
+        found = _totals(session, sorted({d for d, _ in refs.values()}), sorted({r for _, r in refs.values()}))
+    return {job: found[ref] for job, ref in refs.items() if ref in found}
 
 
 RECENT = 500  # chunk tasks looked at for the pool view's links (the newest)
