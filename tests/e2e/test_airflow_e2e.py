@@ -244,6 +244,10 @@ def test_the_views_in_a_real_browser_follow_the_ledger_and_its_controls(deployme
                 row = page.locator("table.jobs").first.locator("tr", has_text=j.name)
                 assert row.locator("td").nth(2).inner_text().startswith("4 / 4")
             page.screenshot(path=str(shots / "pool_view.png"), full_page=True)
+            finished = page.locator("details.finished")
+            finished.locator("summary").click()
+            link = finished.locator("tr", has_text="compete_1").locator("a.job-link")
+            assert link.get_attribute("href") == "/dags/elastic_seed_job1/runs/compete_1/plugin/elastic-job"
 
             # raise ui_high's priority through the control: the ledger changes, the chart follows
             control = page.locator('form.control[data-path="/jobs/ui_high/priority"]')
@@ -280,6 +284,11 @@ def test_the_views_in_a_real_browser_follow_the_ledger_and_its_controls(deployme
             assert frame.locator("svg.job-chart polyline.iterations").get_attribute("data-iteration") == "900"
             chunk_states = frame.locator("table.chunks tbody tr td:nth-child(2)").all_inner_texts()
             assert chunk_states == ["success"] * 3
+            assert "900 of 900 iterations committed" in frame.locator("p.state").inner_text()
+            series = httpx.get(f"{af.url}/elastic-ops/timeline", timeout=30,
+                               params={"job": job, "dag_id": dag, "run_id": run},
+                               headers={"Authorization": f"Bearer {af.token()}"}).json()
+            assert series["progress"][job][-1][1] == 900 and series["held"][job][-1][1] == 0
             page.screenshot(path=str(shots / "job_view_in_airflow.png"), full_page=True)
             own = context.new_page()
             own.goto(f"{af.url}/elastic-ops/ui/job?dag_id={dag}&run_id={run}")
