@@ -210,3 +210,24 @@ def test_throughput_and_eta_come_from_what_the_heartbeats_measured(seeded, monke
     page = client.get("/ui").text
     assert "<td>20.0 it/s</td><td>~50 s (200 of 1200)</td>" in page  # 1000 left at 20 a second
     assert 'href="/dags/seed/runs/manual__1/plugin/elastic-job" target="_top"' in page
+
+
+def test_the_chunk_link_opens_the_runs_job_view_tab_with_the_run_id_quoted():
+    from elastic_ops.links.pool import job_view_url
+    from elastic_ops.plugin import ElasticOpsPlugin
+
+    url = job_view_url("http://af.example/base/", "team.train", "manual__2026-12-03T14:00:00+00:00")
+    assert url == "http://af.example/base/dags/team.train/runs/manual__2026-12-03T14%3A00%3A00%2B00%3A00/plugin/elastic-job"
+    tab = next(v for v in ElasticOpsPlugin.external_views if v["destination"] == "dag_run")
+    assert tab["url_route"] == "elastic-job" and "{DAG_ID}" in tab["href"] and "{RUN_ID}" in tab["href"]
+
+
+@pytest.mark.parametrize(("rendered", "total"), [
+    ({"spec_fields": {"total_iterations": 900}}, 900), ({"spec_fields": {"total_iterations": "1200"}}, 1200),
+    ({"spec_fields": '{"total_iterations": 30}'}, 30),
+    ({"spec_fields": {"total_iterations": "{{ x }}"}}, None), ({}, None), (None, None),
+])
+def test_a_jobs_total_comes_from_its_chunk_tasks_rendered_spec(rendered, total):
+    from elastic_ops.plugin.runs import _total
+
+    assert _total(rendered) == total
