@@ -300,6 +300,7 @@ def test_the_views_in_a_real_browser_follow_the_ledger_and_its_controls(deployme
             own.screenshot(path=str(shots / "job_view_2.png"), full_page=True)  # the README's
             page.goto(f"{af.url}/plugin/elastic-pool")  # the pool view's own entry in the navigation
             page.frame_locator("iframe").locator("svg.pool-chart").wait_for()
+            page.screenshot(path=str(shots / "pool_view_in_airflow.png"))
             assert not [p for p in problems if "Content Security Policy" in p or "Refused" in p], problems
             context.close()
 
