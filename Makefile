@@ -21,8 +21,8 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -ra -m "not e2e and not slow" $(PYTEST_ARGS)
 
-demo: $(STAMP)
-	$(BIN)/python -m devtools.demo
+demo: $(STAMP)  # KEEP=1: leave Airflow running after the scenario, until Ctrl-C
+	$(BIN)/python -m devtools.demo $(if $(KEEP),--keep)
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run_all

@@ -63,6 +63,8 @@ class AirflowDeployment:
     parallelism: int = 2
     user: str = "admin"
     password: str = "admin"
+    # more users, of the viewer role (read only): name -> password
+    readers: dict[str, str] = dataclasses.field(default_factory=dict)
     extra_env: dict[str, str] = dataclasses.field(default_factory=dict)
     python: str = sys.executable
     agent: bool = True  # start the per-host elastic-ops agent and point the tasks at it
@@ -105,7 +107,8 @@ class AirflowDeployment:
             "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
             "AIRFLOW__CORE__PARALLELISM": str(self.parallelism),
             "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
-            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": f"{self.user}:admin",
+            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": ",".join([f"{self.user}:admin",
+                                                                  *(f"{r}:viewer" for r in self.readers)]),
             "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(self.home / "passwords.json"),
             "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{self.url}/execution/",
             "AIRFLOW__CORE__MIN_SERIALIZED_DAG_UPDATE_INTERVAL": "5",
@@ -142,7 +145,7 @@ class AirflowDeployment:
         """Write the home and migrate the metadata database (idempotent)."""
         (self.home / "logs").mkdir(parents=True, exist_ok=True)
         (self.home / "plugins").mkdir(exist_ok=True)
-        (self.home / "passwords.json").write_text(json.dumps({self.user: self.password}))
+        (self.home / "passwords.json").write_text(json.dumps({self.user: self.password, **self.readers}))
         self.airflow("db", "migrate", timeout=300)
         return self
 

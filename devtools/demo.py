@@ -9,8 +9,10 @@ api-server as separate processes) under ``.demo/airflow``, an 8-slot SQLite pool
 3. job 2's priority is raised to 5 → 3 / 5;
 4. job 1 finishes → job 2 gets all 8.
 
-Prints where the Airflow UI is while it runs, a summary table at the end, and writes the
-allocation timeline PNG. Every Airflow process is stopped on exit, Ctrl-C or failure.
+Prints where the Airflow UI, the pool view and each job's view are while it runs, a summary
+table at the end, and writes the allocation timeline PNG. Every Airflow process is stopped on
+exit, Ctrl-C or failure; with ``--keep`` (``make demo KEEP=1``) the deployment stays up after the
+scenario, to look at the finished timelines, until Ctrl-C.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from devtools.airflow_env import AirflowDeployment
+from elastic_ops.links.pool import job_view_url
 from elastic_ops.timeline import allocation_sequence, is_subsequence, max_concurrent_holders, plot
 from elastic_ops.utils.jobs import job_id
 
@@ -87,10 +90,10 @@ def run_scenario(af: AirflowDeployment, client: Any, iterations: tuple[int, int]
     for dag in dags:
         af.wait_dag(dag, timeout=180)
     af.trigger(dags[0], {"iterations": iterations[0], "priority": 3}, run_id=runs[0])
-    say(f"job 1 triggered: {jobs[0]}")
+    say(f"job 1 triggered: {jobs[0]}; its view: {job_view_url(af.url, dags[0], runs[0])}")
     wait_for("job 1 on 8 workers", lambda: held(client).get(jobs[0]) == 8, af, timeout)
     af.trigger(dags[1], {"iterations": iterations[1], "priority": 3}, run_id=runs[1])
-    say(f"job 2 triggered: {jobs[1]}")
+    say(f"job 2 triggered: {jobs[1]}; its view: {job_view_url(af.url, dags[1], runs[1])}")
     wait_for("job 1 / job 2 on 4 / 4", lambda: reached(client, jobs, EXPECTED[:2]), af, timeout)
     client.set_priority(jobs[1], 5)
     say("job 2's priority raised 3 -> 5 (weights 3 : 5)")
@@ -153,12 +156,27 @@ def summary(af: AirflowDeployment, client: Any, sc: dict, png: Path) -> tuple[st
     return text, ok and all(s == "success" for s in sc["states"])
 
 
+def keep_running(af: AirflowDeployment, sc: dict) -> None:
+    """Leave the deployment up (the finished timelines stay to look at) until Ctrl-C."""
+    say(f"left running: the pool view {af.url}/plugin/elastic-pool; the jobs' views "
+        + ", ".join(job_view_url(af.url, d, r) for d, r in zip(sc["dags"], sc["runs"], strict=True))
+        + f" (login {af.user} / {af.password}). Ctrl-C stops it.")
+    try:
+        while True:
+            af.check_alive()
+            time.sleep(2)
+    except KeyboardInterrupt:
+        say("Ctrl-C: stopping Airflow")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--home", default=str(REPO / ".demo"), help="demo directory (default .demo/)")
     ap.add_argument("--iterations", type=int, nargs=2, default=(450, 750), metavar=("JOB1", "JOB2"))
     ap.add_argument("--timeout", type=float, default=600, help="seconds allowed for each phase")
     ap.add_argument("--port", type=int, default=0, help="api-server port (default: a free one)")
+    ap.add_argument("--keep", action="store_true",
+                    help="leave Airflow running after the scenario (Ctrl-C stops it)")
     args = ap.parse_args(argv)
     home = Path(args.home).resolve()
     shutil.rmtree(home / "airflow", ignore_errors=True)
@@ -172,12 +190,15 @@ def main(argv: list[str] | None = None) -> int:
         client = setup_pool(f"sqlite:///{af.home / 'elastic_ops_pool.db'}")
         say("starting api-server, scheduler, dag-processor, triggerer")
         af.start()
-        say(f"Airflow UI: {af.url}  (login {af.user} / {af.password}); the pool: {af.url}/elastic-ops/ui "
-            f"(Admin > Elastic pool status), JSON at {af.url}/elastic-ops/status")
+        say(f"Airflow UI: {af.url}  (login {af.user} / {af.password}); the pool view: "
+            f"{af.url}/plugin/elastic-pool (on its own: {af.url}/elastic-ops/ui), JSON at "
+            f"{af.url}/elastic-ops/timeline and /elastic-ops/status")
         sc = run_scenario(af, client, tuple(args.iterations), args.timeout)
         text, ok = summary(af, client, sc, home / "allocation_timeline.png")
         print("\n" + text + "\n", flush=True)
         say(f"done in {time.monotonic() - t0:.0f}s")
+        if args.keep:
+            keep_running(af, sc)
         return 0 if ok else 1
     except KeyboardInterrupt:
         say("interrupted; stopping Airflow")

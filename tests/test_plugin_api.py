@@ -8,6 +8,7 @@ check is bypassed here (the e2e test does it with real tokens against a real api
 from __future__ import annotations
 
 import time
+from urllib.parse import urlencode
 
 import pytest
 from airflow.api_fastapi.auth.managers.simple.simple_auth_manager import SimpleAuthManager
@@ -30,7 +31,9 @@ CHANGES = [
     ("DELETE", "/events?older_than_days=1", None),
 ]
 READS = [("GET", "/status", None), ("GET", "/events", None), ("GET", "/ui", None),
-         ("GET", "/usage?hours=2", None), ("GET", "/nodes", None)]
+         ("GET", "/usage?hours=2", None), ("GET", "/nodes", None), ("GET", "/timeline?job=j", None),
+         ("GET", "/ui/job?dag_id=d&run_id=r", None), ("GET", "/ui/static/ui.js", None)]
+VIEWS = ("/ui", "/ui/job?dag_id=d&run_id=r")  # pages: without a login, to the login page and back
 
 
 def make_api(tmp_path, monkeypatch, role: str | None = "op") -> tuple[TestClient, PoolClient]:
@@ -42,6 +45,9 @@ def make_api(tmp_path, monkeypatch, role: str | None = "op") -> tuple[TestClient
     pool.submit("j", min_workers=1, max_workers=4, priority=2)
     monkeypatch.setattr(plugin_api, "_client", lambda: pool)
     monkeypatch.setattr(plugin_api, "_nodes", lambda: None)  # no cluster, unless a test says so
+    monkeypatch.setattr(plugin_api, "_run_chunks", lambda dag_id, run_id: [])  # no Airflow metadata here
+    monkeypatch.setattr(plugin_api, "_recent_runs", dict)
+    monkeypatch.setattr(plugin_api, "_totals", lambda refs: {})
     monkeypatch.setattr("airflow.api_fastapi.app.get_auth_manager", SimpleAuthManager)
     if role is not None:
         user = SimpleAuthManagerUser(username=f"a-{role}", role=role)
@@ -50,7 +56,9 @@ def make_api(tmp_path, monkeypatch, role: str | None = "op") -> tuple[TestClient
 
 
 def call(client: TestClient, method: str, path: str, body):
-    return client.request(method, path, json=body) if body is not None else client.request(method, path)
+    if body is None:
+        return client.request(method, path, follow_redirects=False)
+    return client.request(method, path, json=body, follow_redirects=False)
 
 
 def job(pool: PoolClient) -> dict:
@@ -65,7 +73,13 @@ def host(pool: PoolClient, name: str) -> dict | None:
 def test_every_route_refuses_requests_without_a_login(tmp_path, monkeypatch, method, path, body):
     client, pool = make_api(tmp_path, monkeypatch, role=None)
     before = pool.status()
-    assert call(client, method, path, body).status_code == 401
+    r = call(client, method, path, body)
+    if path in VIEWS:
+        assert r.status_code == 303 and "/login" in r.headers["location"], r.text
+        assert r.headers["location"].endswith("?" + urlencode({"next": "/" + path.split("/", 1)[1]}))
+        assert "h1" not in r.text
+    else:
+        assert r.status_code == 401
     assert pool.status()["jobs"] == before["jobs"] and pool.status()["hosts"] == before["hosts"]
 
 
@@ -161,7 +175,8 @@ def test_status_page_shows_the_pool_and_escapes_what_the_ledger_holds(tmp_path, 
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
     assert "default-src 'none'" in r.headers["content-security-policy"]
     page = r.text
-    assert "<script" not in page and "&lt;script&gt;alert(1)&lt;/script&gt;" in page
+    assert "<script>" not in page and "&lt;script&gt;alert(1)&lt;/script&gt;" in page
+    assert page.count("<script") == 1 and '<script src="/elastic-ops/ui/static/ui.js" defer>' in page
     for text in ("h1", "h2", "<td>j</td>", "<td>1..4</td>", "slots used 0 of 9 up", "policy priority"):
         assert text in page, text
 

@@ -1,16 +1,26 @@
 """``PoolPageLink``: the "Elastic pool" button on every chunk task in the Airflow UI, which
-opens the pool's status page (the plugin's ``/elastic-ops/ui``) where the task's job, its
-workers, target and the other jobs sharing the pool are."""
+opens the job view of the task's DAG run inside the Airflow UI (the run's "Elastic job" tab,
+the plugin's ``/elastic-ops/ui/job``): the job's workers and iterations over time with the
+plan's reasons, its chunks, tries and checkpoints, and a link to the whole pool."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
+from urllib.parse import quote
 
 from airflow.sdk import BaseOperatorLink
 
 if TYPE_CHECKING:
     from airflow.sdk import BaseOperator
     from airflow.sdk.types import TaskInstanceKey
+
+JOB_VIEW_ROUTE = "elastic-job"  # the job view's url_route (elastic_ops.plugin)
+
+
+def job_view_url(base: str, dag_id: str, run_id: str) -> str:
+    """The Airflow UI's page of the job view of one DAG run (the plugin's tab on the run)."""
+    dag, run = quote(dag_id, safe=""), quote(run_id, safe="")
+    return f"{base.rstrip('/')}/dags/{dag}/runs/{run}/plugin/{JOB_VIEW_ROUTE}"
 
 
 class PoolPageLink(BaseOperatorLink):
@@ -19,5 +29,5 @@ class PoolPageLink(BaseOperatorLink):
     def get_link(self, operator: BaseOperator, *, ti_key: TaskInstanceKey) -> str:
         from airflow.sdk.configuration import conf
 
-        base = (conf.get("api", "base_url", fallback="") or "").rstrip("/")
-        return f"{base}/elastic-ops/ui"
+        base = conf.get("api", "base_url", fallback="") or ""
+        return job_view_url(base, ti_key.dag_id, ti_key.run_id)

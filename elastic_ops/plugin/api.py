@@ -27,8 +27,9 @@ from airflow.api_fastapi.core_api.security import GetUserDep
 from fastapi import FastAPI, HTTPException, Path, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.encoders import jsonable_encoder
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -42,6 +43,7 @@ from pydantic import (
 
 from elastic_ops.agent.protocol import unique_keys
 from elastic_ops.errors import ElasticOpsError, UnknownHostError, UnknownJobError
+from elastic_ops.pool.api import EventKind
 from elastic_ops.pool.checks import MAX_LOOKBACK_H
 from elastic_ops.spec import MAX_WORKERS_LIMIT
 
@@ -126,6 +128,10 @@ async def _read_body(request: Request, model: type[B]) -> B:
     """The request's body as ``model``, read only now (after authorization): at most
     MAX_BODY_BYTES (413 past it, the rest unread), strict JSON with no key twice, then the
     model's checks (422 naming the field, as FastAPI's own)."""
+    if "authorization" not in request.headers and not request.headers.get("content-type", "").startswith(
+            "application/json"):  # the UI's cookie: a cross-site form cannot send JSON without asking first
+        raise HTTPException(status_code=415, detail="a change sent with the session cookie must be "
+                            "application/json")
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         raise HTTPException(status_code=413, detail=f"the body is over {MAX_BODY_BYTES} bytes")
@@ -270,14 +276,207 @@ def node_agents(user: GetUserDep) -> dict[str, Any]:
     return view
 
 
+def _may(method: str, user: Any) -> bool:
+    try:
+        _authorize(method, user)
+    except HTTPException:
+        return False
+    return True
+
+
+def _authorize_run(dag_id: str, user: Any) -> None:
+    """Reading a DAG run's chunks needs read access to the DAG's runs, as Airflow's own pages."""
+    from airflow.api_fastapi.app import get_auth_manager
+    from airflow.api_fastapi.auth.managers.models.resource_details import DagAccessEntity, DagDetails
+
+    if not get_auth_manager().is_authorized_dag(method="GET", access_entity=DagAccessEntity.RUN,
+                                                details=DagDetails(id=dag_id), user=user):
+        raise HTTPException(status_code=403, detail=f"user may not read the runs of DAG {dag_id}")
+
+
+def _run_chunks(dag_id: str, run_id: str) -> list:
+    from elastic_ops.plugin.runs import read_run
+
+    return read_run(dag_id, run_id)
+
+
+def _recent_runs() -> dict[str, tuple[str, str]]:
+    """Job name -> (DAG id, run id) of the recent chunk tasks: the pool view's links to job views."""
+    from elastic_ops.plugin.runs import recent_jobs
+
+    try:
+        return recent_jobs()
+    except Exception as exc:  # noqa: BLE001 - the links are a convenience: the view shows without them
+        log.warning("elastic_ops: the recent runs' jobs could not be read: %s", exc)
+        return {}
+
+
+def _totals(refs: dict[str, tuple[str, str]]) -> dict[str, int]:
+    """Job name -> total iterations (from the chunk tasks' rendered fields): the pool view's ETAs."""
+    from elastic_ops.plugin.runs import totals_of
+
+    try:
+        return totals_of(refs)
+    except Exception as exc:  # noqa: BLE001 - an ETA is a convenience: the view shows without it
+        log.warning("elastic_ops: the jobs' total iterations could not be read: %s", exc)
+        return {}
+
+
+def _html(page: str) -> HTMLResponse:
+    from elastic_ops.plugin.page import CSP
+
+    return HTMLResponse(page, headers={"Content-Security-Policy": CSP, "Cache-Control": "no-store",
+                                       "X-Content-Type-Options": "nosniff"})
+
+
+MAX_SCAN = 5000  # the events a view or the timeline reads at most (the newest)
+TIMELINE_SCAN = 100_000  # the events a timeline replays at most (to know who held what at its start)
+
+
+def _timeline(job: str | None, since: float | None, until: float | None, max_points: int,
+              progress: dict | None = None):
+    from elastic_ops.timeline import check_bounds, compute
+
+    try:
+        check_bounds(since, until, max_points)
+    except ElasticOpsError as exc:
+        raise HTTPException(status_code=422, detail=str(exc)) from None
+    events = _call("events", job=job, last=TIMELINE_SCAN)
+    if job is not None:  # the pool's capacity too, from the host events
+        events = sorted([*events, *_call("events", kinds=["host"], last=MAX_SCAN)], key=lambda e: e["id"])
+    status = _call("status")
+    done = job is not None and any(j["name"] == job and j["state"] == "finished" for j in status["jobs"])
+    now = None if done else status["now"]  # a finished job's picture ends where it did
+    return compute(events, progress, job=job, since=since, until=until, max_points=max_points, now=now)
+
+
+@app.get("/timeline")
+def timeline(
+    user: GetUserDep,
+    job: str | None = Query(None, max_length=NAME_MAX),
+    since_ts: float | None = Query(None, ge=0, le=1e11),
+    until_ts: float | None = Query(None, ge=0, le=1e11),
+    max_points: int = Query(5000, ge=1, le=20_000),
+    dag_id: str | None = Query(None, max_length=NAME_MAX),
+    run_id: str | None = Query(None, max_length=NAME_MAX),
+) -> dict[str, Any]:
+    """The series the views draw (``elastic_ops.timeline.Timeline``): slots held per job (``job``:
+    that one; none: the pool), the capacity, every allocation change with the plan's reason, and,
+    given the job's DAG run (``dag_id`` and ``run_id``), its completed iterations over time;
+    between ``since_ts`` and ``until_ts``, at most ``max_points`` points (the newest)."""
+    _authorize("GET", user)
+    progress = None
+    if dag_id is not None or run_id is not None:
+        if dag_id is None or run_id is None or job is None:
+            raise HTTPException(status_code=422, detail="dag_id and run_id go together, with job")
+        from elastic_ops.plugin.runs import jobs_of, progress_of
+
+        _authorize_run(dag_id, user)
+        chunks = jobs_of(dag_id, run_id, _run_chunks(dag_id, run_id)).get(job, [])
+        progress = {job: progress_of(chunks)}
+    return _timeline(job, since_ts, until_ts, max_points, progress).to_dict()
+
+
+KINDS = tuple(k.value for k in EventKind)
+
+
 @app.get("/ui", response_class=HTMLResponse)
-def status_page(user: GetUserDep) -> HTMLResponse:
-    """The status as a page (the "Elastic pool" entry in the Airflow UI's Admin menu)."""
-    from elastic_ops.plugin.page import CSP, render
+def pool_view(
+    request: Request,
+    user: GetUserDep,
+    job: str = Query("", max_length=NAME_MAX),
+    host: str = Query("", max_length=NAME_MAX),
+    kind: Literal["", *KINDS] = Query(""),  # type: ignore[valid-type]
+    range: str = Query("1h", pattern="^(15m|1h|6h|24h|all)$"),  # noqa: A002 - the query's name
+    page: int = Query(0, ge=0, le=MAX_SCAN // 50),
+) -> HTMLResponse:
+    """The pool view (the "Elastic pool" entry in the Airflow UI's navigation)."""
+    from elastic_ops.links.pool import job_view_url
+    from elastic_ops.plugin.page import RANGES, EventFilter, pool_page
 
     _authorize("GET", user)
-    page = render(_call("status"), _call("events", last=50), _node_view())
-    return HTMLResponse(page, headers={"Content-Security-Policy": CSP, "Cache-Control": "no-store"})
+    flt = EventFilter(job=job, host=host, kind=kind, range=range, page=page)
+    status = _call("status")
+    span = RANGES[range]
+    since = None if span is None else max(0.0, status["now"] - span)
+    tl = _timeline(None, since, None, 5000)
+    events = _call("events", job=job or None, since_ts=since, kinds=[kind] if kind else None, last=MAX_SCAN)
+    observations = {j["name"]: _call("observations", j["name"]) for j in status["jobs"]
+                    if j["state"] != "finished"}
+    base = _base(request)
+    refs = _recent_runs()
+    links = {name: job_view_url(_airflow_base(), d, r) for name, (d, r) in refs.items()}
+    totals = _totals({name: ref for name, ref in refs.items() if name in observations})
+    page_html = pool_page(status, tl, events, flt, kinds=KINDS, observations=observations,
+                          can_edit=_may("PUT", user), base=base, nodes=_node_view(), job_links=links,
+                          totals=totals)
+    return _html(page_html)
+
+
+@app.get("/ui/job", response_class=HTMLResponse)
+def job_view(
+    request: Request,
+    user: GetUserDep,
+    dag_id: str = Query(max_length=NAME_MAX),
+    run_id: str = Query(max_length=NAME_MAX),
+) -> HTMLResponse:
+    """The job view of one DAG run (the "Elastic job" tab of the run in the Airflow UI)."""
+    from elastic_ops.plugin.page import job_page, job_section
+    from elastic_ops.plugin.runs import jobs_of, progress_of
+
+    _authorize("GET", user)
+    _authorize_run(dag_id, user)
+    status = _call("status")
+    known = {j["name"]: j for j in status["jobs"]}
+    can_edit = _may("PUT", user)
+    sections = []
+    for name, chunks in jobs_of(dag_id, run_id, _run_chunks(dag_id, run_id)).items():
+        tl = _timeline(name, None, None, 5000, {name: progress_of(chunks)})
+        job = known.get(name)
+        observations = _call("observations", name) if job else []
+        sections.append(job_section(name, job, tl, chunks, can_edit=can_edit, observations=observations))
+    return _html(job_page(dag_id, run_id, sections, _base(request)))
+
+
+STATIC = {"ui.js": "text/javascript", "ui.css": "text/css"}
+
+
+@app.get("/ui/static/{name}")
+def static_file(name: Literal["ui.js", "ui.css"], user: GetUserDep) -> Response:
+    """The views' script and style, from the package (nothing is loaded from elsewhere)."""
+    from importlib.resources import files
+
+    _authorize("GET", user)
+    text = files("elastic_ops.plugin").joinpath("static", name).read_text()
+    return Response(text, media_type=STATIC[name], headers={"Cache-Control": "no-cache",
+                                                            "X-Content-Type-Options": "nosniff"})
+
+
+def _base(request: Request) -> str:
+    """This app's path as the browser sees it (``/elastic-ops`` behind the api-server's base URL)."""
+    return str(request.scope.get("root_path", "")).rstrip("/") or "/elastic-ops"
+
+
+def _airflow_base() -> str:
+    """The Airflow UI's path prefix (from ``[api] base_url``; empty at the root)."""
+    from urllib.parse import urlsplit
+
+    from airflow.configuration import conf
+
+    return urlsplit(conf.get("api", "base_url", fallback="") or "").path.rstrip("/")
+
+
+@app.exception_handler(HTTPException)
+async def _login_first(request: Request, exc: HTTPException) -> Response:
+    """A view opened without a login (or with an expired one) goes to Airflow's login page and
+    back; every other answer is FastAPI's own JSON."""
+    if exc.status_code == 401 and request.method == "GET" and request.url.path.rstrip("/").endswith(
+            ("/ui", "/ui/job")):
+        from airflow.api_fastapi.app import get_auth_manager
+
+        target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        return RedirectResponse(get_auth_manager().get_url_login(next_url=target), status_code=303)
+    return await http_exception_handler(request, exc)
 
 
 # --- jobs -------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The pool's status as rows, for people: the CLI's tables and the api-server's status page
+"""The pool's status as rows, for people: the CLI's tables and the api-server's pool view
 show the same columns from the same ``PoolClient.status()`` object."""
 
 from __future__ import annotations

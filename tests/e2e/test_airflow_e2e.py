@@ -30,6 +30,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
+READER = "reader"  # a read-only user (role viewer; password = name)
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +49,7 @@ def deployment(tmp_path_factory, statsd):
                "AIRFLOW__METRICS__STATSD_PORT": str(statsd.port),
                "AIRFLOW__METRICS__STATSD_PREFIX": "airflow"}
     af = AirflowDeployment(home=root / "airflow", dags_folder=dags, plugins_folder=REPO / "plugins",
-                           parallelism=4, extra_env=metrics)
+                           parallelism=4, extra_env=metrics, readers={READER: READER})
     with af:
         pool = setup_pool(f"sqlite:///{af.home / 'elastic_ops_pool.db'}", slots=8, hosts=2)
         yield af, pool
@@ -81,9 +82,13 @@ def test_pool_page_and_controls_through_the_api_server(deployment):
     base, token = f"{af.url}/elastic-ops", af.token()
     bearer = {"Authorization": f"Bearer {token}"}
     plugins = {p["name"]: p for p in af.api("GET", "/plugins")["plugins"]}
-    assert [v["href"] for v in plugins["elastic_ops"]["external_views"]] == ["/elastic-ops/ui"]
+    views = {v["destination"]: v["href"] for v in plugins["elastic_ops"]["external_views"]}
+    job_view = "/elastic-ops/ui/job?dag_id={DAG_ID}&run_id={RUN_ID}"
+    assert views == {"nav": "/elastic-ops/ui", "dag_run": job_view}
 
-    assert httpx.get(f"{base}/ui", timeout=30).status_code == 401
+    anonymous = httpx.get(f"{base}/ui", timeout=30)  # to the login page, and back after it
+    assert anonymous.status_code == 303 and "/login?next=%2Felastic-ops%2Fui" in anonymous.headers["location"]
+    assert httpx.get(f"{base}/status", timeout=30).status_code == 401
     for auth in ({"headers": bearer}, {"cookies": {"_token": token}}):
         page = httpx.get(f"{base}/ui", timeout=30, **auth)
         assert page.status_code == 200, page.text
@@ -158,13 +163,157 @@ def test_competing_jobs_follow_the_priority_sequence(deployment, statsd):
     # every chunk task has an "Elastic pool" button to the pool's page
     chunk = next(t["task_id"] for t in af.task_instances(dags[0], runs[0]) if ".chunk_" in t["task_id"])
     links = af.api("GET", f"/dags/{dags[0]}/dagRuns/{runs[0]}/taskInstances/{chunk}/links")["extra_links"]
-    assert links == {"Elastic pool": f"{af.url}/elastic-ops/ui"}
+    assert links == {"Elastic pool": f"{af.url}/dags/{dags[0]}/runs/{runs[0]}/plugin/elastic-job"}
     assert statsd.named("airflow.elastic_ops.chunk.wait")
     assert statsd.named("airflow.elastic_ops.chunk.samples_per_s")
     for n in (0, 1):  # each job kept slots from its first grant to its end: chunks handed over
         holds = [state[n] > 0 for state in seq]
         first, last = holds.index(True), len(holds) - 1 - holds[::-1].index(True)
         assert all(holds[first:last + 1]), f"job {n + 1} dropped to 0 workers mid-run: {seq}"
+
+
+class ScriptedJob:
+    """A job in the pool that this test drives as a chunk would: it asks, then heartbeats and
+    follows each target at once (its iteration boundaries are the test's calls)."""
+
+    def __init__(self, pool, name: str, priority: int) -> None:
+        self.pool, self.name, self.epoch, self.workers = pool, name, None, 0
+        pool.submit(name, min_workers=1, max_workers=8, priority=priority)
+
+    def step(self) -> bool:
+        """One boundary; whether the allocation changed."""
+        from elastic_ops.pool import Grant
+
+        if self.epoch is None:
+            got = self.pool.request(self.name)
+            if isinstance(got, Grant):
+                self.epoch, self.workers = got.epoch, got.workers
+                return True
+            return False
+        target = self.pool.heartbeat(self.name, self.epoch, workers=self.workers)
+        changed = target.workers != self.workers
+        self.workers = target.workers
+        return changed
+
+    def finish(self) -> None:
+        if self.epoch is not None:
+            self.pool.release(self.name, self.epoch, finished=True)
+
+
+def settle(jobs: list[ScriptedJob], af: AirflowDeployment) -> None:
+    """Boundaries until no job's allocation changes (a few rounds: each shrink frees slots first)."""
+    quiet = 0
+    for _ in range(50):
+        af.check_alive()
+        quiet = 0 if any([j.step() for j in jobs]) else quiet + 1
+        if quiet >= 2:
+            return
+    raise AssertionError(f"the pool did not settle: {[(j.name, j.workers) for j in jobs]}")
+
+
+def test_the_views_in_a_real_browser_follow_the_ledger_and_its_controls(deployment):
+    """Chromium against the api-server: log in, the pool view's chart and tables show the two
+    running jobs as the ledger has them; raising a priority through the control changes the
+    ledger and the chart follows; a refused change shows the API's message; the job view of the
+    competing jobs' run opens inside the Airflow UI (the run's tab) with its iterations and
+    chunks; a read-only user sees no controls. Screenshots of each view go to test-artifacts/ui."""
+    from tests.e2e.browser import artifacts_dir, browser, log_in
+
+    af, pool = deployment
+    shots = artifacts_dir()
+    jobs = [ScriptedJob(pool, "ui_low", 3), ScriptedJob(pool, "ui_high", 3)]
+
+    def ledger() -> dict[str, dict]:
+        return {j["name"]: j for j in pool.status()["jobs"]}
+
+    def chart(page, job: str) -> int:
+        series = page.locator(f'svg.pool-chart polygon.series[data-job="{job}"]')
+        return int(series.get_attribute("data-workers"))
+
+    try:
+        settle(jobs, af)
+        assert {j.name: j.workers for j in jobs} == {"ui_low": 4, "ui_high": 4}
+        with browser() as b:
+            context = b.new_context(viewport={"width": 1400, "height": 1000})
+            page = log_in(context, f"{af.url}/elastic-ops/ui", af.user, af.password)
+            problems: list[str] = []
+            page.on("console", lambda m: problems.append(m.text) if m.type == "error" else None)
+            page.wait_for_selector("svg.pool-chart")
+            for j in jobs:  # the chart's series and the jobs table say what the ledger says
+                assert chart(page, j.name) == ledger()[j.name]["workers"] == 4
+                row = page.locator("table.jobs").first.locator("tr", has_text=j.name)
+                assert row.locator("td").nth(2).inner_text().startswith("4 / 4")
+            page.screenshot(path=str(shots / "pool_view.png"), full_page=True)
+            finished = page.locator("details.finished")
+            finished.locator("summary").click()
+            link = finished.locator("tr", has_text="compete_1").locator("a.job-link")
+            assert link.get_attribute("href") == "/dags/elastic_seed_job1/runs/compete_1/plugin/elastic-job"
+
+            # raise ui_high's priority through the control: the ledger changes, the chart follows
+            control = page.locator('form.control[data-path="/jobs/ui_high/priority"]')
+            control.locator("input[name=priority]").fill("5")
+            page.once("dialog", lambda d: d.accept())
+            control.locator("button").click()
+            wait_until("priority 5 in the ledger", lambda: ledger()["ui_high"]["priority"] == 5, af,
+                       timeout=60)
+            settle(jobs, af)
+            assert (ledger()["ui_low"]["workers"], ledger()["ui_high"]["workers"]) == (3, 5)
+            page.wait_for_selector('svg.pool-chart polygon.series[data-job="ui_high"][data-workers="5"]')
+            assert chart(page, "ui_low") == 3
+            page.screenshot(path=str(shots / "pool_view_after_priority.png"), full_page=True)
+
+            # a change the pool refuses: its message on the page, nothing changed
+            bounds = page.locator('form.control[data-path="/jobs/ui_low/bounds"]')
+            bounds.locator("input[name=min_workers]").fill("6")
+            bounds.locator("input[name=max_workers]").fill("2")
+            page.once("dialog", lambda d: d.accept())
+            bounds.locator("button").click()
+            page.wait_for_selector("#eo-error:not([hidden])")
+            assert "min_workers" in page.locator("#eo-error").inner_text()
+            assert ledger()["ui_low"]["max_workers"] == 8
+
+            # the job view of the competing jobs' first run, as the Airflow UI shows it (the
+            # chunk's "Elastic pool" link goes there), and on its own
+            dag, run = "elastic_seed_job1", "compete_1"
+            job = job_id(dag, "train_digits", run)
+            page.goto(f"{af.url}/dags/{dag}/runs/{run}/plugin/elastic-job")
+            frame = page.frame_locator("iframe")
+            frame.locator("svg.job-chart").wait_for()
+            series = frame.locator(f'svg.job-chart polyline.workers[data-job="{job}"]')
+            assert int(series.get_attribute("data-workers")) == ledger()[job]["workers"] == 0
+            assert frame.locator("svg.job-chart polyline.iterations").get_attribute("data-iteration") == "900"
+            chunk_states = frame.locator("table.chunks tbody tr td:nth-child(2)").all_inner_texts()
+            assert chunk_states == ["success"] * 3
+            assert "900 of 900 iterations committed" in frame.locator("p.state").inner_text()
+            series = httpx.get(f"{af.url}/elastic-ops/timeline", timeout=30,
+                               params={"job": job, "dag_id": dag, "run_id": run},
+                               headers={"Authorization": f"Bearer {af.token()}"}).json()
+            assert series["progress"][job][-1][1] == 900 and series["held"][job][-1][1] == 0
+            page.screenshot(path=str(shots / "job_view_in_airflow.png"), full_page=True)
+            own = context.new_page()
+            own.goto(f"{af.url}/elastic-ops/ui/job?dag_id={dag}&run_id={run}")
+            own.wait_for_selector("svg.job-chart")
+            assert own.locator("table.checkpoints tbody tr").count() == 3
+            own.screenshot(path=str(shots / "job_view.png"), full_page=True)
+            own.goto(f"{af.url}/elastic-ops/ui/job?dag_id=elastic_seed_job2&run_id=compete_2")
+            own.wait_for_selector("svg.job-chart polyline.iterations[data-iteration='1200']")
+            own.screenshot(path=str(shots / "job_view_2.png"), full_page=True)  # the README's
+            page.goto(f"{af.url}/plugin/elastic-pool")  # the pool view's own entry in the navigation
+            page.frame_locator("iframe").locator("svg.pool-chart").wait_for()
+            page.screenshot(path=str(shots / "pool_view_in_airflow.png"))
+            assert not [p for p in problems if "Content Security Policy" in p or "Refused" in p], problems
+            context.close()
+
+            reader = b.new_context(viewport={"width": 1400, "height": 1000})
+            view = log_in(reader, f"{af.url}/elastic-ops/ui", READER, READER)
+            view.wait_for_selector("svg.pool-chart")
+            assert chart(view, "ui_high") == 5
+            assert view.locator("form.control").count() == 0
+            view.screenshot(path=str(shots / "pool_view_read_only.png"), full_page=True)
+            reader.close()
+    finally:
+        for j in jobs:
+            j.finish()
 
 
 def test_form_params_reject_bad_values_and_s3_checkpoints_use_the_aws_connection(deployment, s3_endpoint):  # noqa: F811
