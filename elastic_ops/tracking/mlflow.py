@@ -257,7 +257,7 @@ class MlflowRun:
         self._dropped = 0
         self._error: str | None = None
         self._warned = False
-        self._wake = threading.Event()
+        self._sending = threading.Lock()  # the sender thread's batch, or a drain's after a slow join
         self._closing = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -407,6 +407,10 @@ class MlflowRun:
 
     def _send(self) -> bool:
         """One batch to the server: True when it went (or nothing was pending)."""
+        with self._sending:
+            return self._send_one()
+
+    def _send_one(self) -> bool:
         from mlflow.entities import Metric, RunTag
 
         with self._lock:
