@@ -285,3 +285,32 @@ def test_elastic_training_refuses_what_is_not_a_tracking():
 
     with pytest.raises(SpecError, match="invalid tracking="):
         elastic_training("train", "tests.runtime.builders:TinyMLP", 20, 10, tracking={"mlflow": True})
+
+
+def test_a_preemption_is_counted_at_its_iteration_and_the_resumed_grant_goes_on_in_the_same_run(
+        server, monkeypatch):
+    from elastic_ops.runtime.outcome import ChunkStatus
+
+    experiment, client = server.experiment(), server.client()
+    grants = []
+
+    def run(request, lease):  # preempted at 30 on the first grant; the second trains on from there
+        grants.append(request.epoch)
+        start = 20 if len(grants) == 1 else 30
+        end = 30 if len(grants) == 1 else 40
+        lease.applied(start, Allocation.split(2, request.host, range(2)))
+        for it in range(start + 1, end + 1):
+            lease.progressed(progress(it, 2))
+        status = ChunkStatus.PREEMPTED if len(grants) == 1 else ChunkStatus.COMPLETED
+        return chunk_result(status, iteration=end, timeline=[(start, 2, time.time())])
+
+    train_with(monkeypatch, run)
+    fields = TINY_FIELDS | {"total_iterations": 40, "chunk_iterations": 20}
+    _, (_, chunk2), _, _ = tasks(fields, MlflowTracking(experiment=experiment), chunks=2)
+    assert chunk2.execute(ctx())["preemptions"] == 1 and len(grants) == 2
+    run_ = the_run(client, experiment)
+    history = client.get_metric_history(run_.info.run_id, "preemptions")
+    assert [(m.step, m.value) for m in history] == [(30, 1.0)]
+    assert run_.data.tags["elastic_ops.last_preemption"] == "iteration 30"
+    assert steps(client, run_.info.run_id, "loss") == list(range(21, 41))
+    assert run_.data.tags["elastic_ops.epoch"] == str(grants[-1])
