@@ -17,6 +17,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import logging
+import re
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     from elastic_ops.spec import JobSpec
 
 Log = logging.Logger | logging.LoggerAdapter[Any]
+_USERINFO = re.compile(r"(\b[a-zA-Z][a-zA-Z0-9+.-]*://)[^/\s@]+@")  # scheme://user:password@
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,27 +123,38 @@ class Tracking(abc.ABC):
     def open(self, job: TrackedJob, log: Log) -> JobRun:
         """Find the job's run (create it the first time) and resume it for this task."""
 
+    def redact(self, text: str) -> str:
+        """``text`` (an error's message, for the task log) without the tracker's secrets."""
+        return without_userinfo(text)
+
+
+def without_userinfo(text: str) -> str:
+    """``text`` with every URL's ``user:password@`` taken out."""
+    return _USERINFO.sub(r"\1", text)
+
 
 class Guarded:
     """A :class:`JobRun` whose errors never reach training: each is a warning in the task log
     (once per kind of call), or, ``strict``, a retryable :class:`TrackingError`."""
 
-    def __init__(self, run: JobRun, kind: str, log: Log, *, strict: bool) -> None:
-        self._run, self._kind, self._log, self._strict = run, kind, log, strict
+    def __init__(self, run: JobRun, tracking: Tracking, log: Log) -> None:
+        self._run, self._tracking, self._log = run, tracking, log
+        self._kind, self._strict = tracking.kind, tracking.strict
         self._warned: set[str] = set()
 
     def _call(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
         except Exception as exc:  # noqa: BLE001 - the tracker's, whatever it is
+            said = self._tracking.redact(f"{type(exc).__name__}: {exc}")
             if self._strict:
-                raise TrackingError(f"{self._kind} tracking failed to record {what}: {type(exc).__name__}: "
-                                    f"{exc}", hint="the tracking is strict=True; without it this is a "
-                                    "warning and training goes on") from exc
+                raise TrackingError(f"{self._kind} tracking failed to record {what}: {said}",
+                                    hint="the tracking is strict=True; without it this is a "
+                                    "warning and training goes on") from None
             if what not in self._warned:
                 self._warned.add(what)
-                self._log.warning("%s tracking could not record %s (%s: %s); training goes on", self._kind,
-                                  what, type(exc).__name__, exc)
+                self._log.warning("%s tracking could not record %s (%s); training goes on", self._kind,
+                                  what, said)
             return None
 
     def granted(self, epoch: int, workers: int, hosts: tuple[str, ...]) -> None:
@@ -177,12 +190,13 @@ def open_run(tracking: Tracking | None, job: TrackedJob, log: Log) -> JobRun:
     try:
         run = tracking.open(job, log)
     except Exception as exc:  # noqa: BLE001 - an unreachable server, a missing package, …
+        said = tracking.redact(f"{type(exc).__name__}: {exc}")  # an error may quote the URI it used
         if tracking.strict:
             if isinstance(exc, TrackingError):
                 raise
-            raise TrackingError(f"{tracking.kind} tracking of job {job.spec.name} could not start: "
-                                f"{type(exc).__name__}: {exc}", hint="the tracking is strict=True") from exc
-        log.warning("%s tracking of job %s is off for this task (%s: %s); training goes on", tracking.kind,
-                    job.spec.name, type(exc).__name__, exc)
+            raise TrackingError(f"{tracking.kind} tracking of job {job.spec.name} could not start: {said}",
+                                hint="the tracking is strict=True") from None
+        log.warning("%s tracking of job %s is off for this task (%s); training goes on", tracking.kind,
+                    job.spec.name, said)
         return NO_RUN
-    return Guarded(run, tracking.kind, log, strict=tracking.strict)
+    return Guarded(run, tracking, log)

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from urllib.parse import urlsplit, urlunsplit
 
 from elastic_ops.errors import SpecError, TrackingError
-from elastic_ops.tracking.api import Log, TrackedJob, Tracking
+from elastic_ops.tracking.api import Log, TrackedJob, Tracking, without_userinfo
 
 if TYPE_CHECKING:
     from torch import nn
@@ -219,8 +219,8 @@ def _log_spec(client: Any, run_id: str, job: TrackedJob, log: Log) -> None:
     try:
         client.log_dict(run_id, spec, "elastic_ops/spec.json")
     except Exception as exc:  # noqa: BLE001 - the artifact store may be elsewhere (S3 without credentials)
-        log.warning("MLflow: could not store the spec as an artifact of run %s (%s: %s)", run_id,
-                    type(exc).__name__, exc)
+        log.warning("MLflow: could not store the spec as an artifact of run %s (%s)", run_id,
+                    without_userinfo(f"{type(exc).__name__}: {exc}"))
 
 
 def _text(value: Any) -> str:
@@ -438,7 +438,7 @@ class MlflowRun:
                 self.client.log_batch(self.run_id, metrics=metrics,
                                       tags=[RunTag(k, v) for k, v in tags.items()])
         except Exception as exc:  # noqa: BLE001 - a server down or refusing: warn, keep the points, retry
-            self._error = f"{type(exc).__name__}: {str(exc)[:300]}"
+            self._error = self.cfg.redact(f"{type(exc).__name__}: {str(exc)[:300]}")
             if not self._warned:
                 self._warned = True
                 self.log.warning("MLflow tracking failed (%s); training goes on, sending again later",

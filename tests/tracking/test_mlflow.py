@@ -233,6 +233,16 @@ def test_credentials_never_reach_a_log_or_the_run(server, monkeypatch, caplog, c
     assert tracking_mlflow.shown_uri("https://bob:tok3n@mlflow.example.com:5000/x?token=y") == \
         "https://mlflow.example.com:5000/x"
 
+    # credentials in MLFLOW_TRACKING_URI, and a server that is down: MLflow's error quotes the URL
+    monkeypatch.delenv("AIRFLOW_CONN_MLFLOW_DEFAULT")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://alice:pw-s3cr3t-123@127.0.0.1:9")
+    _, (_, again), _, _ = tasks(TINY_FIELDS | {"total_iterations": 40, "chunk_iterations": 20},
+                                MlflowTracking(experiment=experiment, timeout_s=2), chunks=2)
+    again.execute(ctx(2))
+    said = task_log(caplog, capsys)
+    assert "is off for this task" in said and "127.0.0.1:9" in said
+    assert "pw-s3cr3t-123" not in said
+
 
 def test_two_tasks_that_create_the_run_at_once_end_in_the_earlier(server, monkeypatch):
     """The race: both searched and found none; this task creates its run after the other did."""
