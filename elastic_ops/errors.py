@@ -281,3 +281,13 @@ class LedgerUnavailableError(PoolError):
 
 class ApiAuthError(PoolError):
     """The api-server refused the credentials (401) or the user's permission (403)."""
+
+
+# --- experiment tracking ------------------------------------------------------------------
+
+
+class TrackingError(ElasticOpsError):
+    """The experiment tracker (MLflow) could not record the job. Raised only by a tracking
+    configured ``strict=True``; otherwise it is a warning in the task log and training goes on."""
+
+    retryable = True

@@ -22,13 +22,14 @@ from airflow.sdk.definitions._internal.node import validate_group_key
 
 from elastic_ops.errors import SpecError
 from elastic_ops.hooks.elastic_ops import CHECKPOINT_DIR, DEFAULT_CONN_ID, airflow_home
-from elastic_ops.operators.chunk import WARM_START_PREVIOUS, ElasticChunkOperator
+from elastic_ops.operators.chunk import WARM_START_PREVIOUS, ElasticChunkOperator, check_tracking
 from elastic_ops.operators.lifecycle import (
     ElasticEndJobOperator,
     ElasticFinalizeOperator,
     ElasticRegisterOperator,
 )
 from elastic_ops.spec import MAX_CHUNKS, Device, JobSpec, Scaling, check_checkpoint_uri
+from elastic_ops.tracking.api import Tracking
 from elastic_ops.utils.jobs import is_template, safe_name
 
 # Fields that cannot be templates: they decide the task structure or the training trajectory.
@@ -139,7 +140,7 @@ def _check_warm_start(value: object) -> None:
 # what the group sets on each chunk task itself (a chunk_kwargs key among them was a raw
 # "got multiple values" TypeError)
 GROUP_SET = ("task_id", "chunk_index", "warm_start", "spec_fields", "group_id", "num_chunks",
-             "elastic_ops_conn_id", "aws_conn_id")
+             "elastic_ops_conn_id", "aws_conn_id", "tracking")
 
 
 def _check_chunk_kwargs(chunk_kwargs: object) -> None:
@@ -177,6 +178,7 @@ def elastic_training(
     elastic_ops_conn_id: str = DEFAULT_CONN_ID,
     aws_conn_id: str | None = "aws_default",
     chunk_kwargs: dict[str, Any] | None = None,
+    tracking: Tracking | None = None,
     **spec: Any,
 ) -> TaskGroup:
     """Build the task group that trains ``trainable`` elastically.
@@ -191,6 +193,8 @@ def elastic_training(
         ``model_asset`` (scheduled retraining continues from the last run's final model).
     :param model_asset: the Asset finalize emits (default: named after the DAG and group).
     :param chunk_kwargs: extra ``BaseOperator`` arguments for the chunk tasks (retries, pool, …).
+    :param tracking: record the job in an experiment tracker, e.g.
+        ``elastic_ops.tracking.MlflowTracking(experiment="digits")`` (docs/howto/mlflow.md).
     :param spec: any other ``JobSpec`` field (consistency, params, preemptible, data_seed, …).
     """
     try:  # the group's id (Airflow's TypeError or ValueError otherwise, from safe_name or TaskGroup)
@@ -230,6 +234,7 @@ def elastic_training(
             hint="e.g. model_asset=Asset(name='digits-model', uri='s3://models/digits')",
         )
     _check_chunk_kwargs(chunk_kwargs)
+    check_tracking(tracking)
     _, n_chunks = validate_fields(fields, num_chunks)
     fields = {k: v for k, v in fields.items() if k != "name"}
     with TaskGroup(group_id=task_id, tooltip=f"elastic training of {trainable}") as group:
@@ -242,7 +247,8 @@ def elastic_training(
             root = checkpoint if checkpoint and not is_template(checkpoint) else f"file://{default_root}"
             model_asset = Asset(name=f"{dag_id}.{full_id}.model", uri=root, group="model")
         common = {"spec_fields": fields, "group_id": full_id, "num_chunks": num_chunks,
-                  "elastic_ops_conn_id": elastic_ops_conn_id, "aws_conn_id": aws_conn_id}
+                  "elastic_ops_conn_id": elastic_ops_conn_id, "aws_conn_id": aws_conn_id,
+                  "tracking": tracking}
         register = ElasticRegisterOperator(task_id="register", **common)
         chunks = []
         for i in range(n_chunks):

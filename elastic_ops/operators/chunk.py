@@ -45,6 +45,7 @@ from elastic_ops.operators.results import ChunkTaskResult, ChunkTry
 from elastic_ops.pool.client import Grant, Wait
 from elastic_ops.runtime.outcome import ChunkResult, ChunkStatus
 from elastic_ops.spec import JobSpec, check_checkpoint_uri, check_number, stop_metric_missing, stop_reached
+from elastic_ops.tracking.api import NO_RUN, JobRun, TrackedJob, Tracking, open_run
 from elastic_ops.triggers.events import GrantEvent, TriggerFailure, parse_event
 from elastic_ops.triggers.pool import GrantTrigger
 from elastic_ops.utils.jobs import (
@@ -124,17 +125,34 @@ def _final_failure(context: Context, exc: BaseException) -> bool:
     return isinstance(try_number, int) and isinstance(max_tries, int) and try_number > max_tries
 
 
+def check_tracking(tracking: object) -> None:
+    if tracking is not None and not isinstance(tracking, Tracking):
+        raise SpecError("tracking", tracking, "must be a tracking such as "
+                        "elastic_ops.tracking.MlflowTracking(...), or None")
+
+
 class ElasticOperatorMixin:
-    """Fields and helpers every elastic operator shares (job identity, hook)."""
+    """Fields and helpers every elastic operator shares (job identity, hook, tracking)."""
 
     elastic_ops_conn_id: str
     aws_conn_id: str | None
     group_id: str
     spec_fields: dict[str, Any]
     num_chunks: int | None
+    tracking: Tracking | None = None
+    task_id: str
+    log: Any
 
     def _hook(self) -> ElasticOpsHook:
         return ElasticOpsHook(self.elastic_ops_conn_id, aws_conn_id=self.aws_conn_id)
+
+    def _open_run(self, context: Context, spec: JobSpec) -> JobRun:
+        """The job's experiment run for this task (resumed; :data:`NO_RUN` without tracking)."""
+        if self.tracking is None:
+            return NO_RUN
+        job = TrackedJob(spec=spec, dag_id=context["dag"].dag_id, run_id=context["run_id"],
+                         group_id=self.group_id, task_id=self.task_id, try_number=_try_number(context))
+        return open_run(self.tracking, job, self.log)
 
     def _spec(self, context: Context) -> JobSpec:
         dag_id = context["dag"].dag_id
@@ -166,9 +184,11 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
         poll_interval: float = 1.0,
         heartbeat_interval: float = 2.0,
         defer_after: float = 10.0,
+        tracking: Tracking | None = None,
         **kwargs: Any,
     ) -> None:
         check_conn_ids(elastic_ops_conn_id, aws_conn_id)
+        check_tracking(tracking)
         check_seconds("poll_interval", poll_interval)
         check_seconds("heartbeat_interval", heartbeat_interval)
         check_number("defer_after", defer_after, minimum=0, unit=" of seconds")
@@ -187,7 +207,9 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
         self.poll_interval = poll_interval
         self.heartbeat_interval = heartbeat_interval
         self.defer_after = defer_after
+        self.tracking = tracking
         # this process's, for on_kill and the loop: nothing here outlives a deferral
+        self._run: JobRun = NO_RUN
         self._executor: ChunkExecutor | None = None
         self._killed = False
         self._running: _Running | None = None
@@ -288,13 +310,28 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
         Every request after this try's first asks ``again``: the job ended in the pool meanwhile
         (its run marked failed, its teardown ran) is not revived."""
         again = grant is not None
-        while True:
-            if grant is None:
-                grant = self._acquire(context, chunk, hook, again=again)
-            step = self._run_granted(context, chunk, grant, hook)
-            if isinstance(step, ChunkTaskResult):
-                return step.to_dict()
-            chunk, grant, again = step, None, True
+        self._run = self._open_run(context, JobSpec.from_dict(chunk.spec))
+        failed = True
+        try:
+            while True:
+                if grant is None:
+                    grant = self._acquire(context, chunk, hook, again=again)
+                step = self._run_granted(context, chunk, grant, hook)
+                if isinstance(step, ChunkTaskResult):
+                    failed = False
+                    return step.to_dict()
+                chunk, grant, again = step, None, True
+        except TaskDeferred:
+            failed = False
+            raise
+        finally:
+            # the task ends or defers (a new process resumes): send what is buffered now
+            run, self._run = self._run, NO_RUN
+            try:
+                run.close()
+            except ElasticOpsError:  # a strict tracking's; never in place of the try's own error
+                if not failed:
+                    raise
 
     def _executor_of(self, hook: ElasticOpsHook) -> ChunkExecutor:
         """Where this process's grants train: chosen once, from the environment."""
@@ -420,13 +457,15 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
         metrics, tags = hook.metrics(), self._tags(context, spec.name)
         keeper = LeaseKeeper(client, spec.name, grant.epoch, grant.workers,
                              interval_s=min(self.heartbeat_interval, grant.ttl_s / 3), ttl_s=grant.ttl_s,
-                             placements=grant.placements, host=host, metrics=metrics, tags=tags)
+                             placements=grant.placements, host=host, metrics=metrics, tags=tags,
+                             tracker=self._run)
         keeper.beat()  # renew now: a grant the task resumed too late for (past its TTL) is gone
         if keeper.lost:
             self.log.warning("job %s: the grant of epoch %d expired before this task resumed; asking again",
                              spec.name, grant.epoch)
             return chunk
         keeper.start()
+        self._run.granted(grant.epoch, grant.workers, tuple(grant.hosts))
         metrics.gauge("chunk.workers", grant.workers, tags=tags)
         request = ChunkRequest(spec, chunk.start, chunk.end, grant.epoch, host, chunk.warm_start)
         self._running = _Running(keeper, client, spec.name, grant.epoch)  # for on_kill (this try only)
@@ -447,6 +486,7 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
         metrics.gauge("chunk.workers", 0, tags=tags)
         metrics.incr("chunk.iterations", chunk.trained - before.trained, tags=tags)
         metrics.gauge("chunk.samples_per_s", float(result.samples_per_sec or 0.0), tags=tags)
+        self._run.chunk_ended(self.chunk_index, result)
         if result.status == ChunkStatus.PREEMPTED:
             return self._preempted(chunk, result, client, grant.epoch, metrics, tags)
         return self._done(spec, chunk, result, client, grant.epoch)
@@ -456,8 +496,11 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
         """Clean-up after a grant's training raised ``exc``: a lost worker's host is reported (so
         the retry's grant avoids it); the lease goes back, ending the job if this failure is final."""
         job, epoch = request.spec.name, request.epoch
+        final = not self._killed and _final_failure(context, exc)
+        lost = isinstance(exc, WorkerLostError) and not self._killed
+        self._run.failed(exc, host=(exc.host or request.host) if lost else None, final=final)
         # workers killed with the task are not the host's failure
-        if isinstance(exc, WorkerLostError) and not self._killed:
+        if lost:
             failed = exc.host or request.host
             self.log.error("job %s: host %s failed the chunk: %s", job, failed, exc)
             # 1-based, as the task ids number chunks (chunk_02_of_05)
@@ -466,7 +509,6 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
             self._quietly("report the failed host", client.report_failure, job, failed, cause)
             metrics.incr("chunk.host_failures", tags={**tags, "host": failed})
         metrics.gauge("chunk.workers", 0, tags=tags)
-        final = not self._killed and _final_failure(context, exc)
         if final:
             self.log.info("job %s: this failure is final; ending the job in the pool", job)
         # killed: on_kill ended the job already (this release finds the lease gone)
@@ -477,6 +519,7 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
         """A full preemption: the state at ``result.iteration`` is committed; give the lease back
         and ask again (the checkpoint it just wrote is where it resumes)."""
         metrics.incr("chunk.preemptions", tags=tags)
+        self._run.preempted(result.iteration)
         self._release(client, chunk.job, epoch)
         if self._killed:  # on_kill took the lease: the task is ending
             # retryable: Airflow also kills a try on a worker's graceful shutdown or lost

@@ -41,9 +41,11 @@ from elastic_ops.metrics import NO_METRICS, Metrics
 from elastic_ops.pool.model import Observation
 from elastic_ops.runtime.allocation import Allocation
 from elastic_ops.runtime.outcome import Progress
+from elastic_ops.tracking.api import NO_RUN
 
 if TYPE_CHECKING:
     from elastic_ops.pool.client import PoolClient
+    from elastic_ops.tracking.api import JobRun
 
 log = logging.getLogger(__name__)
 
@@ -66,9 +68,11 @@ class LeaseKeeper:
         clock: Callable[[], float] = time.monotonic,
         metrics: Metrics = NO_METRICS,
         tags: Mapping[str, str] | None = None,
+        tracker: JobRun = NO_RUN,
     ) -> None:
         self.client = client
         self.metrics, self.tags = metrics, tags  # ``chunk.workers`` at every change
+        self.tracker = tracker  # the job's experiment run: every boundary, every rescale
         self.job = job
         self.epoch = epoch
         self.host = host
@@ -80,6 +84,7 @@ class LeaseKeeper:
         self._batch = 0  # the batch of the pool's latest target (an adaptive job's; 0: its own)
         self._running_on: tuple[tuple[str, int], ...] | None = None  # the running segment's slots
         self.hosts_used: set[str] = set()  # every host a segment of this chunk ran ranks on
+        self._applied_once = False
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"lease-{job}", daemon=True)
@@ -122,9 +127,14 @@ class LeaseKeeper:
         placements = allocation.placements if self.host is not None else None
         with self._lock:
             changed = workers != self._running or placements != self._running_on
-            self._running, self._running_on = workers, placements
+            # the grant's first segment is where the chunk starts, not a rescale
+            previous = self._running if self._applied_once else None
+            self._running, self._running_on, self._applied_once = workers, placements, True
             if placements:
                 self.hosts_used |= {h for h, _ in placements}
+            reason = self.reasons[-1] if self.reasons else None
+        if previous is not None and previous != workers:
+            self.tracker.rescaled(iteration, workers, previous, reason)
         if changed:
             self.metrics.gauge("chunk.workers", workers, tags=self.tags)
             where = "" if placements is None else " on " + _where(placements)
@@ -137,6 +147,8 @@ class LeaseKeeper:
         next heartbeat (how fast the job runs in that configuration), and so do an adaptive
         job's gradient statistics. A change of count or batch starts timing afresh, so a
         relaunch's start-up is not counted as training."""
+        if not self.lost:  # a lost lease's try is no longer the job's (a newer one may train)
+            self.tracker.progressed(p)
         now = self.clock()
         steps = int(p.iteration if p.steps is None else p.steps)
         batch = int(p.batch or 0)

@@ -13,15 +13,20 @@ from airflow.sdk import BaseOperator, Context
 
 from elastic_ops.errors import ElasticOpsError, UnknownJobError
 from elastic_ops.hooks.elastic_ops import DEFAULT_CONN_ID
-from elastic_ops.operators.chunk import ElasticOperatorMixin
+from elastic_ops.operators.chunk import ElasticOperatorMixin, check_tracking
 from elastic_ops.operators.results import ChunkTaskResult
 from elastic_ops.spec import stop_reached
 from elastic_ops.utils.jobs import check_conn_ids, check_seconds, register
 from elastic_ops.utils.retry import ElasticRetryPolicy, default_to
 
 if TYPE_CHECKING:
+    from torch import nn
+
+    from elastic_ops.checkpoint.store import CheckpointStore
     from elastic_ops.hooks.elastic_ops import ElasticOpsHook
     from elastic_ops.pool import PoolClient
+    from elastic_ops.spec import JobSpec
+    from elastic_ops.tracking import Tracking
 
 MISSED_HEARTBEATS = 3  # a lease not renewed for this many heartbeat intervals has no live holder
 _sleep = time.sleep
@@ -42,9 +47,11 @@ class JobTaskOperator(ElasticOperatorMixin, BaseOperator):
         num_chunks: int | None = None,
         elastic_ops_conn_id: str = DEFAULT_CONN_ID,
         aws_conn_id: str | None = "aws_default",
+        tracking: Tracking | None = None,
         **kwargs: Any,
     ) -> None:
         check_conn_ids(elastic_ops_conn_id, aws_conn_id)
+        check_tracking(tracking)
         # the pool's database may be briefly unreachable (a retryable error): without retries a
         # blip at register failed the whole run
         default_to(kwargs, retry_policy=ElasticRetryPolicy(), retries=3, retry_delay=timedelta(seconds=5))
@@ -54,6 +61,7 @@ class JobTaskOperator(ElasticOperatorMixin, BaseOperator):
         self.num_chunks = num_chunks
         self.elastic_ops_conn_id = elastic_ops_conn_id
         self.aws_conn_id = aws_conn_id
+        self.tracking = tracking
 
 
 class ElasticRegisterOperator(JobTaskOperator):
@@ -71,6 +79,7 @@ class ElasticRegisterOperator(JobTaskOperator):
             spec.chunk_iterations, spec.checkpoint_uri(),
             f", on hosts labelled {spec.host_selector}" if spec.host_selector else "",
         )
+        self._open_run(context, spec).close()  # the job's run starts here, with its params and spec
         return {"job": spec.name, "spec": spec.to_dict(), "checkpoint": spec.checkpoint_uri()}
 
 
@@ -161,6 +170,10 @@ class ElasticFinalizeOperator(JobTaskOperator):
         # what training the model held, from the pool's event log (slots parked between chunks count)
         used = hook.pool().usage(job=spec.name)["jobs"]
         summary["slot_hours"] = next((j["slot_hours"] for j in used if j["job"] == spec.name), 0.0)
+        run = self._open_run(context, spec)
+        loader = None if spec.is_script() else lambda: final_model(spec, store, ref)
+        summary |= run.finalized(summary, loader)  # mlflow_run_id, mlflow_model_uri, …
+        run.close()
         for asset in self.outlets:
             context["outlet_events"][asset].extra = summary
         self.log.info("job %s finished: model %s, metrics %s", spec.name, ref.uri, summary["metrics"])
@@ -233,3 +246,12 @@ class ElasticEndJobOperator(JobTaskOperator):
             self.log.info("job %s: a chunk still renews its lease (%.1fs ago); waiting until it stops",
                           job, renewed_ago)
             _sleep(min(quiet - renewed_ago, 2.0))
+
+
+def final_model(spec: JobSpec, store: CheckpointStore, ref: Any) -> nn.Module:
+    """The Trainable's model with the weights of checkpoint ``ref`` (for a tracker to log)."""
+    from elastic_ops.runtime import load_trainable
+
+    model = load_trainable(spec.entrypoint, spec.params).build_model()
+    model.load_state_dict(store.load(ref)["model"])
+    return model.eval()

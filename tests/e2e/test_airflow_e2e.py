@@ -24,6 +24,7 @@ from devtools.airflow_env import AirflowDeployment
 from devtools.demo import held, reached, setup_pool
 from elastic_ops.timeline import allocation_sequence, is_subsequence, max_concurrent_holders
 from elastic_ops.utils.jobs import job_id
+from tests.mlflow_server import require_mlflow, running_server
 from tests.s3_server import s3_endpoint, s3_server  # noqa: F401  (fixtures)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
@@ -34,9 +35,22 @@ READER = "reader"  # a read-only user (role viewer; password = name)
 
 
 @pytest.fixture(scope="module")
-def deployment(tmp_path_factory, statsd):
+def mlflow_uri():
+    """A real MLflow server the deployment's tasks track into (``MLFLOW_TRACKING_URI``); None
+    where mlflow is not installed (the MLflow checks then skip; in CI they fail)."""
+    try:
+        import mlflow  # noqa: F401
+    except ImportError:
+        yield None
+        return
+    with running_server() as server:
+        yield server.uri
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory, statsd, mlflow_uri):
     """Airflow with the example DAGs + the e2e DAGs, and an 8-slot pool on 2 logical hosts;
-    Airflow's metrics go to a StatsD listener."""
+    Airflow's metrics go to a StatsD listener, the tracking DAGs' runs to an MLflow server."""
     root = tmp_path_factory.mktemp("e2e")
     dags = root / "dags"
     dags.mkdir()
@@ -48,6 +62,8 @@ def deployment(tmp_path_factory, statsd):
     metrics = {"AIRFLOW__METRICS__STATSD_ON": "True", "AIRFLOW__METRICS__STATSD_HOST": "127.0.0.1",
                "AIRFLOW__METRICS__STATSD_PORT": str(statsd.port),
                "AIRFLOW__METRICS__STATSD_PREFIX": "airflow"}
+    if mlflow_uri:
+        metrics["MLFLOW_TRACKING_URI"] = mlflow_uri
     af = AirflowDeployment(home=root / "airflow", dags_folder=dags, plugins_folder=REPO / "plugins",
                            parallelism=4, extra_env=metrics, readers={READER: READER})
     with af:
@@ -390,7 +406,8 @@ def finished_after_one_retry(af: AirflowDeployment, run: str, reference: subproc
     return retried[0], out.split("SHA ")[-1].strip()
 
 
-def test_killed_worker_is_retried_on_another_host_from_the_latest_checkpoint(deployment, tmp_path, request):
+def test_killed_worker_is_retried_on_another_host_from_the_latest_checkpoint(deployment, tmp_path, request,
+                                                                             mlflow_uri):
     af, pool = deployment
     reference = start_reference(tmp_path)
     request.addfinalizer(lambda: (reference.kill(), reference.wait()))  # not left running on a failure
@@ -419,6 +436,30 @@ def test_killed_worker_is_retried_on_another_host_from_the_latest_checkpoint(dep
            f"{result['workers_timeline'][0][0]} (file://" in text
     summary = af.xcom("e2e_sigkill", run, "train.finalize")
     assert summary["param_sha256"] == ref_sha  # bitwise identical to an uninterrupted run
+    tracked_in_one_mlflow_run(mlflow_uri, job, summary, tmp_path)
+
+
+def tracked_in_one_mlflow_run(uri: str | None, job: str, summary: dict, tmp_path: Path) -> None:
+    """The retried job is one MLflow run (experiment: the DAG id): every loss step once, up to
+    the last iteration; the failure counted; the final model logged, its URI in the summary."""
+    if uri is None:
+        require_mlflow()
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name("e2e_sigkill")
+    (run,) = client.search_runs([exp.experiment_id], filter_string=f"tags.`elastic_ops.job` = '{job}'")
+    steps = [m.step for m in client.get_metric_history(run.info.run_id, "loss")]
+    assert len(steps) == len(set(steps)) and max(steps) == 240  # through the agent: sampled, never twice
+    assert run.data.tags["elastic_ops.failures"] == "1" and run.info.status == "FINISHED"
+    assert run.data.params["params.pace_s"] == "0.03"
+    assert summary["mlflow_run_id"] == run.info.run_id
+    import mlflow.pytorch
+
+    mlflow.set_tracking_uri(uri)  # models:/ URIs resolve through it
+    (tmp_path / "model").mkdir()
+    model = mlflow.pytorch.load_model(summary["mlflow_model_uri"], dst_path=str(tmp_path / "model"))
+    assert sum(p.numel() for p in model.parameters()) > 0
 
 
 def kill_task_process(af: AirflowDeployment, ti_id: str) -> int | None:
