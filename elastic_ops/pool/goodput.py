@@ -127,7 +127,7 @@ class _Table:
         self.submitted = np.fromiter(column("submitted"), np.float64, n)
         self.per_host = host_slots(snap)
         self._jobs = jobs
-        self._row: dict[int, int] | None = None
+        self._row: dict[str, int] | None = None
         # log S of each job's points asked for so far: (first n, last n, where in values, values)
         self._curve_cache = (np.full(n, -1), np.full(n, -2), np.zeros(n, np.int64), np.zeros(0))
         # adaptive jobs (one pass; most snapshots have none), and those that measured their
@@ -195,13 +195,14 @@ class _Table:
     def rows_of(self, jobs: Sequence[Job]) -> np.ndarray:
         """The rows of ``jobs`` (jobs of the snapshot): a view that knows their positions in the
         snapshot (``snapshot_rows``, as the vectorised policy passes its admitted jobs) says
-        them; other sequences are looked up by identity."""
+        them; other sequences are looked up by name (a policy may pass a job as it honours it:
+        another object, see rules.avoided)."""
         pos = getattr(jobs, "snapshot_rows", None)
         if pos is not None:
             return pos
         if self._row is None:
-            self._row = dict(zip(map(id, self._jobs), range(len(self._jobs)), strict=True))
-        return np.fromiter(map(self._row.__getitem__, map(id, jobs)), np.int64, len(jobs))
+            self._row = dict(zip(map(_job_name, self._jobs), range(len(self._jobs)), strict=True))
+        return np.fromiter(map(self._row.__getitem__, map(_job_name, jobs)), np.int64, len(jobs))
 
     def rows_named(self, names: Sequence[str]) -> np.ndarray:
         """The rows of the jobs called ``names``."""
@@ -214,6 +215,8 @@ class _Table:
                          self.base[rows], self.low[rows], self.most[rows], self.per[rows],
                          self.per_most[rows], workers.astype(np.float64), hosts.astype(np.float64))
 
+
+_job_name = attrgetter("name")
 
 # (snapshot, its _Table) of the last call: the snapshot is kept, so no other takes its id; one
 # tuple replaced whole, so a thread never reads another thread's table

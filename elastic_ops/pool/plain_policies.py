@@ -8,6 +8,7 @@ implementations give the same plan, decision for decision.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterable, Sequence
 
@@ -26,6 +27,7 @@ from elastic_ops.pool.rules import (
     GANG_DOES_NOT_FIT,
     SETTLE_AFTER,
     Change,
+    avoided,
     effective_priority,
     freeze_reason,
     keeps_old,
@@ -33,7 +35,6 @@ from elastic_ops.pool.rules import (
     may_freeze,
     moving,
     order_key,
-    retry_where_it_failed,
     too_few,
 )
 from elastic_ops.pool.shares import strict_fill, weighted_fill
@@ -380,9 +381,8 @@ def make_policy(share: ShareFn, pack: bool = False) -> Policy:
     fit) rather than first-fit in host-name order."""
 
     def decide(snap: Snapshot) -> Plan:
-        snap = retry_where_it_failed(snap)
         up, capacity = _usable(snap)
-        ordered = sorted(snap.jobs, key=lambda j: order_key(j, snap))
+        ordered = [_honoured(j, up, capacity) for j in sorted(snap.jobs, key=lambda j: order_key(j, snap))]
         taken, held_up_by = _scan(ordered, up)
         held_up = [held_up_by[j.name] for j in ordered]
         spare = spare_hosts(ordered, up)
@@ -399,6 +399,15 @@ def make_policy(share: ShareFn, pack: bool = False) -> Policy:
         raise AssertionError("unreachable: the last pass repairs nothing")  # pragma: no cover
 
     return decide
+
+
+def _honoured(job: Job, up: dict[str, int], capacity: int) -> Job:
+    """``job`` with the hosts it avoids as :func:`elastic_ops.pool.rules.avoided` decides."""
+    if not job.avoid_hosts:
+        return job
+    kept = avoided(job.avoid_hosts, job.leave_hosts, job.min_workers, capacity,
+                   sum(up.get(h, 0) for h in job.avoid_hosts))
+    return job if kept is job.avoid_hosts else dataclasses.replace(job, avoid_hosts=kept)
 
 
 def spare_hosts(jobs: Iterable[Job], up: dict[str, int]) -> frozenset[str]:

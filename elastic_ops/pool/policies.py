@@ -54,12 +54,12 @@ from elastic_ops.pool.rules import (
     MOVING,
     SETTLE_AFTER,
     Change,
+    avoided,
     effective_priority,
     keeps_old,
     kept_for_minimum,
     may_freeze,
     order_key,
-    retry_where_it_failed,
     too_few,
 )
 from elastic_ops.pool.shares import strict_fill_array, weighted_fill_array
@@ -842,7 +842,6 @@ def make_policy(share: ShareFn, plain: Policy | None = None, repair: Policy | No
     repair = repair or plain
 
     def decide(snap: Snapshot) -> Plan:
-        snap = retry_where_it_failed(snap)
         if plain is not None and _small(snap):
             return plain(snap)
         # A decision allocates O(jobs + changed slots) short-lived objects that refcounting
@@ -872,6 +871,8 @@ def _decide_or_repair(snap: Snapshot, share: ShareFn, repair: Policy | None) -> 
 def _decide(snap: Snapshot, share: ShareFn) -> Plan:
     t = _Table(snap)
     hs = _Hosts(snap)
+    if t.avoid:
+        _honoured_avoids(t, hs)
     restricted = _restricted(t, hs) if t.avoid else []
     free = _Free(hs, t.held, t.n_held, t.leave, _spare(t, hs, restricted))
     held_up = free.held_up
@@ -908,8 +909,9 @@ def _decide(snap: Snapshot, share: ShareFn) -> Plan:
         outside = np.bincount(free.owner[free.host_up & ~free.on_up], minlength=t.n) > 0
         for i in moving.tolist():
             reasons[i] += MOVING[bool(unhealthy[i]), bool(outside[i])]
-            if unhealthy[i]:
-                _keep_for_minimum(free, i, int(t.mins[i]), t.leave.get(i), perm, n_keep, n_new, reasons)
+        placed = n_keep[moving] + n_new[moving]
+        for i in moving[unhealthy[moving] & (placed > 0) & (placed < t.mins[moving])].tolist():
+            _keep_for_minimum(free, i, int(t.mins[i]), t.leave.get(i), perm, n_keep, n_new, reasons)
     code = np.select(
         [preempted, n_new > 0, n_keep < t.n_held, has_held], [_PREEMPT, _GROW, _SHRINK, _KEEP], _WAIT
     )
@@ -939,6 +941,21 @@ def _keep_for_minimum(free: _Free, i: int, min_workers: int, leave, perm, n_keep
         perm[m:e] = np.concatenate([seg[chosen], seg[rest]])
         n_keep[i] += kept
         reasons[i] += keeps_old(kept)
+
+
+def _honoured_avoids(t: _Table, hs: _Hosts) -> None:
+    """rules.avoided for every job that avoids hosts: a job retried where it failed (the other
+    up hosts cannot hold its minimum) avoids only the hosts outside its selector."""
+    ranks = list(t.avoid)
+    for i, n in zip(ranks, hs.up_slots([t.avoid[i] for i in ranks]).tolist(), strict=True):
+        hosts = t.avoid[i]
+        kept = avoided(hosts, t.leave.get(i, _NO_HOSTS), int(t.mins[i]), hs.capacity, n)
+        if kept is not hosts:
+            if kept:
+                t.avoid[i] = kept
+            else:
+                del t.avoid[i]
+                t.has_avoid[i] = False
 
 
 _ACTIONS = np.array(

@@ -13,7 +13,7 @@ A decision runs four steps in this order (:func:`elastic_ops.pool.policies.make_
    for ``goodput``); a job held on hosts it must leave says so (:func:`moving`); a running job
    never runs below its minimum while it moves (:func:`kept_for_minimum`).
 
-Before the first step :func:`retry_where_it_failed` decides which hosts each job avoids.
+Before the first step :func:`avoided` decides which hosts each job avoids.
 
 The rules are plain functions of a job's values, so the two implementations of the steps (the
 per-slot one in :mod:`elastic_ops.pool.plain_policies` for small snapshots, the vectorised one in
@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 from collections.abc import Callable, Mapping
-from operator import attrgetter
 from typing import Generic, NamedTuple, TypeVar
 
 from elastic_ops.pool.api import Target
@@ -63,27 +63,30 @@ def order_key(job: Job, snap: Snapshot) -> tuple:
 # --- which hosts a job avoids ---------------------------------------------------------------
 
 
+def avoided(avoid: frozenset[str], leave: frozenset[str], min_workers: int, capacity: int, on_avoided: int):
+    """The hosts a job avoids: those that failed it (``avoid`` beyond ``leave``) and those
+    outside its host selector (``leave``, always), unless the other up hosts cannot hold even its
+    minimum; then avoiding the failed ones would make it wait forever (a one-host pool after one
+    lost worker), and it is retried where it failed. ``capacity``: the up slots;
+    ``on_avoided``: those on ``avoid``'s hosts. Returns ``avoid`` itself when it stands."""
+    if avoid != leave and capacity - on_avoided < min_workers:
+        return leave
+    return avoid
+
+
 def retry_where_it_failed(snap: Snapshot) -> Snapshot:
-    """The snapshot with each job's avoided hosts as the policy honours them: a job avoids the
-    hosts that failed it (``avoid_hosts`` beyond ``leave_hosts``, its selector's), unless the
-    other up hosts cannot hold even its minimum; then avoiding them would make it wait forever
-    (a one-host pool after one lost worker), and it is retried where it failed. The common
-    snapshot (no job avoids a host that failed it) is returned as it is."""
-    failing = [j for j in filter(_avoids, snap.jobs) if j.avoid_hosts != j.leave_hosts]
-    if not failing:
-        return snap
+    """The snapshot with each job's avoided hosts as the policies honour them (:func:`avoided`);
+    the snapshot itself when every job's stand."""
     up = {h.name: h.slots for h in snap.hosts if h.state == HostState.UP}
-    lifted = {
-        j.name: dataclasses.replace(j, avoid_hosts=j.leave_hosts)
-        for j in failing
-        if sum(n for h, n in up.items() if h not in j.avoid_hosts) < j.min_workers
-    }
-    if not lifted:
-        return snap
-    return dataclasses.replace(snap, jobs=tuple(lifted.get(j.name, j) for j in snap.jobs))
-
-
-_avoids = attrgetter("avoid_hosts")
+    total = sum(up.values())
+    jobs = tuple(
+        dataclasses.replace(j, avoid_hosts=kept)
+        if (kept := avoided(j.avoid_hosts, j.leave_hosts, j.min_workers, total,
+                            sum(up.get(h, 0) for h in j.avoid_hosts))) is not j.avoid_hosts
+        else j
+        for j in snap.jobs
+    )
+    return snap if all(map(operator.is_, jobs, snap.jobs)) else dataclasses.replace(snap, jobs=jobs)
 
 
 # --- admit ----------------------------------------------------------------------------------
