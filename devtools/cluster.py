@@ -34,6 +34,9 @@ TARGETS = {"runtime": "elastic-ops", "postgres": "elastic-ops-postgres", "redis"
 SECRETS = ("POSTGRES_PASSWORD", "REDIS_PASSWORD", "S3_SECRET_KEY", "AIRFLOW_JWT_SECRET",
            "AIRFLOW_SECRET_KEY", "AIRFLOW_ADMIN_PASSWORD", "ELASTIC_OPS_NODE_SECRET")
 PORTS = ("POSTGRES_PORT", "REDIS_PORT", "S3_PORT", "API_PORT", "WORKER_LOG_PORT", "TRIGGERER_LOG_PORT")
+SERVICES = ("postgres", "redis", "s3")
+AIRFLOW = ("api-server", "scheduler", "dag-processor", "triggerer", "worker")
+HOSTS = ("gpu-host-1", "gpu-host-2")
 # the machine's own services, which the cluster (host networking) must leave alone
 RESERVED_PORTS = {5432: "the host's PostgreSQL", 6379: "the host's Redis"}
 
@@ -287,8 +290,33 @@ class Cluster:
     def api_url(self) -> str:
         return f"http://127.0.0.1:{self.values['API_PORT']}"
 
-    def up(self) -> None:
-        self.compose("up", "-d", capture=True)
+    def up(self, timeout: float = 600) -> None:
+        """Start the services in the order of their health checks, one stage at a time, each
+        stage without its dependencies (Podman before 4.6 cannot wait for health checks, and a
+        container that requires a one-shot container that has exited cannot start)."""
+        self.compose("up", "-d", "--no-deps", *SERVICES, capture=True)
+        for key in ("POSTGRES_PORT", "REDIS_PORT", "S3_PORT"):
+            self.wait_port(int(self.values[key]), timeout)
+        self.compose("up", "-d", "--no-deps", "init", capture=True)
+        deadline = time.monotonic() + timeout
+        while self.state("init") != "exited":
+            if time.monotonic() > deadline:
+                raise ClusterError(f"init not done after {timeout:.0f}s:\n{self.logs('init')[-3000:]}")
+            time.sleep(1)
+        if self.exit_code("init") != 0:
+            raise ClusterError(f"init failed:\n{self.logs('init')[-3000:]}")
+        self.compose("up", "-d", "--no-deps", *AIRFLOW, *HOSTS, capture=True)
+
+    def wait_port(self, port: int, timeout: float) -> None:
+        import socket
+
+        deadline = time.monotonic() + timeout
+        while True:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=2):
+                return
+            if time.monotonic() > deadline:
+                raise ClusterError(f"nothing answers on port {port} after {timeout:.0f}s")
+            time.sleep(1)
 
     def down(self) -> None:
         self.compose("down", "-v", "--remove-orphans", "-t", "10", check=False, capture=True, timeout=300)
