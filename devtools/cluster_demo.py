@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
             if not args.short:
                 sc = run_scenario(af, client, tuple(args.iterations), args.timeout)
                 text, ok = summary(af, client, sc, REPO / ".demo" / "cluster_allocation_timeline.png")
-                wait_for("the pool idle", lambda: not held(client), af, args.timeout)
+                wait_for("the pool idle", lambda: not any(held(client).values()), af, args.timeout)
                 dags = ["elastic_seed_job1"]
             else:
                 dags = ["elastic_seed_job1", "elastic_seed_job2"]
