@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup test test-fast demo bench lint docs clean
+.PHONY: setup test test-fast demo cluster-demo bench lint docs clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -23,6 +23,10 @@ test-fast: $(STAMP)
 
 demo: $(STAMP)  # KEEP=1: leave Airflow running after the scenario, until Ctrl-C
 	$(BIN)/python -m devtools.demo $(if $(KEEP),--keep)
+
+# the cluster in containers (docker/README.md): Docker Compose or Podman; KEEP=1 leaves it running
+cluster-demo: $(STAMP)
+	$(BIN)/python -m devtools.cluster_demo $(if $(filter 1,$(KEEP)),--keep) $(CLUSTER_DEMO_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run_all

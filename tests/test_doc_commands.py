@@ -71,7 +71,7 @@ def test_every_documented_make_target_exists():
 
 
 def test_every_documented_script_exists():
-    script = re.compile(r"^(?:[A-Z_]+=\S*\s+)*(?:bash )?((?:\.ci|benchmarks|devtools)/[\w./-]+)", re.M)
+    script = re.compile(r"^(?:[A-Z_]+=\S*\s+)*(?:bash )?((?:\.ci|benchmarks|devtools|docker)/[\w./-]+)", re.M)
     scripts = {(d, m) for d, text in _texts() for block in re.findall(r"```[a-z]*\n(.*?)```", text, re.S)
                for m in script.findall(block)}
     assert {m for _, m in scripts} >= {".ci/run", "benchmarks/device_check.sh"}

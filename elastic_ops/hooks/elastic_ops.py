@@ -42,11 +42,21 @@ def default_ledger_url() -> str:
 CHECKPOINT_DIR = "elastic_ops_checkpoints"
 
 
+CHECKPOINT_ROOT_ENV = "ELASTIC_OPS_CHECKPOINT_ROOT"
+
+
 def default_checkpoint_root() -> str:
-    """``file://$AIRFLOW_HOME/elastic_ops_checkpoints``. Not ``elastic_ops/``: Python puts the
+    """Where jobs without a ``checkpoint`` keep their checkpoints: ``$ELASTIC_OPS_CHECKPOINT_ROOT``
+    (a cluster's ``s3://bucket/prefix``, which every host reaches), else
+    ``file://$AIRFLOW_HOME/elastic_ops_checkpoints``. Not ``elastic_ops/``: Python puts the
     working directory first on ``sys.path`` for ``python -m``, and a folder of the package's name
     there (Airflow and the agents are often started from ``AIRFLOW_HOME``) hid the installed
     package."""
+    from elastic_ops.spec import check_checkpoint_uri
+
+    root = os.environ.get(CHECKPOINT_ROOT_ENV)
+    if root:
+        return check_checkpoint_uri(CHECKPOINT_ROOT_ENV, root.rstrip("/"))
     return f"file://{airflow_home() / CHECKPOINT_DIR}"
 
 

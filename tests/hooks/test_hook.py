@@ -87,3 +87,17 @@ def test_provider_info_registers_the_connection_type_and_hook():
                                          "hook-class-name": "elastic_ops.hooks.elastic_ops.ElasticOpsHook"}]
     assert ElasticOpsHook.conn_type == "elastic_ops_pool"
     assert ElasticOpsHook.default_conn_name == "elastic_ops_pool_default"
+
+
+def test_the_default_checkpoint_root_is_beside_airflow_home_or_the_clusters_setting(monkeypatch, tmp_path):
+    from elastic_ops.hooks.elastic_ops import default_checkpoint_root
+
+    monkeypatch.setenv("AIRFLOW_HOME", str(tmp_path))
+    monkeypatch.delenv("ELASTIC_OPS_CHECKPOINT_ROOT", raising=False)
+    assert default_checkpoint_root() == f"file://{tmp_path}/elastic_ops_checkpoints"
+    monkeypatch.setenv("ELASTIC_OPS_CHECKPOINT_ROOT", "s3://team-ckpt/elastic/")
+    assert default_checkpoint_root() == "s3://team-ckpt/elastic"
+    monkeypatch.setenv("ELASTIC_OPS_CHECKPOINT_ROOT", "file://relative/path")
+    with pytest.raises(SpecError) as err:
+        default_checkpoint_root()
+    assert "ELASTIC_OPS_CHECKPOINT_ROOT" in str(err.value) and "file:///" in str(err.value)
