@@ -280,12 +280,21 @@ class GradientEngine:
         self.grads.give_grads(out, self._out_views)
         if not self.measure:
             return out[-1].item()
-        # the shards are the parts: each row is its gradient scaled by size / B (one device sync)
+        # the shards are the parts: each row is its gradient scaled by size / B (one device sync).
+        # Each norm on a fresh float64 copy: a dot product's rounding follows where the vector
+        # lies in memory (SIMD alignment), and a shard's row lies elsewhere for another worker
+        # count; the gain these feed moves the learning rate, so they must not differ in a bit.
         n, total = self.grads.numel, len(batch)
-        norms = torch.stack([rows[r][j][:n].dot(rows[r][j][:n]) for r, j in self.row_owner])
-        small, big, loss = torch.stack([norms.sum(), out[:n].dot(out[:n]), out[-1]]).tolist()
+        norms = torch.stack([_sqnorm(rows[r][j][:n]) for r, j in self.row_owner])
+        small, big, loss = torch.stack([norms.sum(), _sqnorm(out[:n]), out[-1].double()]).tolist()
         self.noise = noise_estimate(small * total**2 / max(size, 1), big, total, self.shards)
         return loss
+
+
+def _sqnorm(v: torch.Tensor) -> torch.Tensor:
+    """``|v|^2`` computed the same wherever ``v`` lies: on a fresh float64 copy."""
+    w = v.to(torch.float64, copy=True)
+    return w.dot(w)
 
 
 def lr_factor(ramp: dict[str, float], iteration: int, warmup: int) -> float:
