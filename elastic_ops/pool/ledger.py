@@ -503,7 +503,7 @@ class Tx:
             if not mine and r.last_seen < idle_before:
                 continue  # a waiting job that stopped asking does not block others
             # hosts without the job's labels are never its own; those that failed it are avoided
-            # as the policy decides (rules.retry_where_it_failed) ("{}" / "[]": most jobs, no parse)
+            # as the policy decides (rules.avoided) ("{}" / "[]": most jobs, no parse)
             excluded = none if r.selector == "{}" else outside(json.loads(r.selector), hosts)
             failed = none if r.avoid_hosts == "[]" else frozenset(json.loads(r.avoid_hosts))
             going = releasing.get(r.name)
