@@ -778,7 +778,3 @@ PLAIN: dict[str, Policy] = {
     "strict": make_policy(_strict),
     "goodput": make_policy(_goodput, pack=True),
 }
-# goodput's plain form placing first-fit, as its vectorised form does: what that one hands the
-# snapshots it cannot place to (best fit costs a pass over the hosts per job: fine at the sizes
-# the plain form decides, quadratic at 10,000 jobs)
-GOODPUT_FIRST_FIT = make_policy(_goodput)

@@ -17,7 +17,8 @@ lowest free indices, what is left on a host is a suffix of its range: a job that
 own hosts advances per-host cursors (Python, per host it touches), and a run of jobs that take
 the next free slots in name order (newcomers, also those that avoid hosts unless their share
 of those slots is on one) is served by one scan of the bitmap (a short run by a walk over the
-hosts' cursors). Keep/release
+hosts' cursors). A policy that packs (``goodput``) places job by job instead, best fit from
+a heap of hosts per free count (:class:`_BestFit`). Keep/release
 for shrinking jobs is one sort of their slots. The result is a :class:`Plan` of columns (target,
 action, reason per job) and slot arrays -- no slot tuple and no :class:`Decision` is made
 while deciding; the plan makes them for the jobs a caller asks about. Cost: O(J log J + H + S)
@@ -28,6 +29,7 @@ onto their own hosts + hosts they touch) interpreted.
 from __future__ import annotations
 
 import gc
+import heapq
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Sequence
 from itertools import chain, compress, repeat
@@ -46,7 +48,7 @@ from elastic_ops.pool.model import (
     Snapshot,
     TargetAction,
 )
-from elastic_ops.pool.plain_policies import GOODPUT_FIRST_FIT, PLAIN
+from elastic_ops.pool.plain_policies import PLAIN
 from elastic_ops.pool.rules import (
     CAP_BELOW_MIN,
     FREEZE_RULES,
@@ -296,6 +298,13 @@ class _Free:
         self._parts: list[np.ndarray] = []
         self.run_start: list[int] = []
         self.run_size: list[int] = []
+        self.n_spare = int(len(with_free) and np.count_nonzero(np.isin(with_free, order[: len(spare)])))
+        self.packer: _BestFit | None = None
+
+    def pack(self) -> None:
+        """Hand out slots beyond a job's own hosts on as few hosts as possible from now on
+        (:class:`_BestFit`; plain_policies._FreeSlots with ``pack``)."""
+        self.packer = _BestFit([e - s for s, e in zip(self.start, self.end, strict=True)], self.n_spare)
 
     def _flush(self) -> None:
         """Move take()'s runs into ``_parts`` and mark them in ``used``."""
@@ -346,6 +355,8 @@ class _Free:
         ``count_for(avoid) >= n``."""
         if n <= 0:
             return None
+        if self.packer is not None:
+            return self._take_packed(n, own, avoid)
         if not own and not avoid and n > WALK_MAX:
             return self.take_next(n)
         starts, sizes = self.run_start, self.run_size
@@ -387,6 +398,32 @@ class _Free:
         self.total -= n
         return None
 
+    def _take_packed(self, n: int, own: list[int], avoid: frozenset[int]) -> None:
+        """:meth:`take` when packing: the ``own`` ranks first, then best fit. Positions are
+        given host by host (``front`` stays 0: the bitmap scan is not used)."""
+        bf = self.packer
+        assert bf is not None
+        cnt, pos, starts, sizes, took = bf.count, self.pos, self.run_start, self.run_size, bf.took
+        left, mine = n, len(own)
+        i = 0
+        while left:
+            if i < mine:
+                r = own[i]
+                i += 1
+                if r < 0 or not cnt[r] or r in avoid:
+                    continue
+            else:
+                r = bf.best(left, avoid)
+                if r < 0:  # callers check count_for(avoid) >= n
+                    raise AssertionError(f"{left} fewer free slots than counted")
+            k = cnt[r] if cnt[r] < left else left
+            starts.append(pos[r])
+            sizes.append(k)
+            pos[r] += k
+            took(r, k)
+            left -= k
+        self.total -= n
+
     def take_next(self, n: int) -> None:
         """Append the next ``n`` free positions in host-name order (no own or avoided hosts).
         Up to :data:`WALK_MAX` slots, :meth:`take`'s walk over the hosts (no numpy calls);
@@ -424,6 +461,83 @@ class _Free:
         """The host ids of the listed hosts among ``avoid``."""
         ids = self.ids
         return {ids[h] for h in avoid if h in ids}
+
+
+class _BestFit:
+    """Free slots per host rank, for best-fit takes (plain_policies._FreeSlots._take_packed):
+    the host with the fewest free slots that holds what is still needed; while none does, all
+    of the host with the most (lowest rank breaks ties); spare hosts (ranks below ``n_spare``)
+    first while one has room. One heap of ranks per (tier, free count), stale entries dropped
+    when met, and the number of hosts at each count: a take costs O(log hosts), not a pass
+    over the hosts."""
+
+    def __init__(self, count: list[int], n_spare: int) -> None:
+        self.count = count
+        self.n_spare = n_spare
+        self.most = most = max(count, default=0)
+        self.heaps: tuple[list[list[int]], list[list[int]]] = ([[] for _ in range(most + 1)],
+                                                              [[] for _ in range(most + 1)])
+        for r, c in enumerate(count):  # ranks ascending: each heap starts sorted
+            self.heaps[r >= n_spare][c].append(r)
+        # hosts with exactly c free, per tier (exact, unlike the heaps)
+        self.at: tuple[list[int], list[int]] = tuple(list(map(len, h)) for h in self.heaps)  # type: ignore[assignment]
+        self.spare_room = n_spare - self.at[0][0]
+
+    def took(self, r: int, k: int) -> None:
+        tier = r >= self.n_spare
+        at = self.at[tier]
+        c = self.count[r]
+        at[c] -= 1
+        c -= k
+        self.count[r] = c
+        at[c] += 1
+        if c:
+            heapq.heappush(self.heaps[tier][c], r)
+        elif not tier:
+            self.spare_room -= 1
+
+    def _top(self, heap: list[int], c: int, avoid: frozenset[int]) -> int:
+        """The lowest rank in ``heap`` that has ``c`` free and is not avoided (-1: none)."""
+        count = self.count
+        while count[heap[0]] != c:  # the count says one is there
+            heapq.heappop(heap)
+        if heap[0] not in avoid:
+            return heap[0]
+        aside, found = [], -1
+        while heap:
+            r = heapq.heappop(heap)
+            if count[r] != c:
+                continue
+            aside.append(r)
+            if r not in avoid:
+                found = r
+                break
+        for r in aside:
+            heapq.heappush(heap, r)
+        return found
+
+    def best(self, need: int, avoid: frozenset[int]) -> int:
+        """The rank to take ``need`` more slots from (-1: nothing free outside ``avoid``)."""
+        spare = self.spare_room
+        if spare and avoid:
+            spare -= sum(1 for r in avoid if r < self.n_spare and self.count[r])
+        tier = 0 if spare > 0 else 1
+        at, heaps, most, count = self.at[tier], self.heaps[tier], self.most, self.count
+        first = need if need <= most else most + 1
+        for c in range(first, most + 1):  # the fewest that hold it all
+            if at[c]:
+                heap = heaps[c]
+                if count[heap[0]] == c and heap[0] not in avoid:  # the usual case, inline
+                    return heap[0]
+                r = self._top(heap, c, avoid)
+                if r >= 0:
+                    return r
+        for c in range(first - 1, 0, -1):  # else the most
+            if at[c]:
+                r = self._top(heaps[c], c, avoid)
+                if r >= 0:
+                    return r
+        return -1
 
 
 def _lookup(d: dict, keys: list) -> np.ndarray:
@@ -833,7 +947,9 @@ def _small(snap: Snapshot) -> bool:
     return n <= SMALL_SNAPSHOT_JOBS or (n <= SMALL_CLUSTER[0] and len(snap.hosts) <= SMALL_CLUSTER[1])
 
 
-def make_policy(share: ShareFn, plain: Policy | None = None, repair: Policy | None = None) -> Policy:
+def make_policy(
+    share: ShareFn, plain: Policy | None = None, repair: Policy | None = None, pack: bool = False
+) -> Policy:
     """The policy for ``share``: the plain implementation ``plain`` for small snapshots (see
     :data:`SMALL_SNAPSHOT_JOBS`), the vectorised one otherwise (or always, without ``plain``).
     ``repair`` (default ``plain``): the plain implementation, which decides the snapshots where a
@@ -849,26 +965,26 @@ def make_policy(share: ShareFn, plain: Policy | None = None, repair: Policy | No
         # held slot) several times per decision at 10,000 jobs for no garbage: pause it for the
         # call (restored on return or error; left alone if the caller had disabled it).
         if not gc.isenabled():
-            return _decide_or_repair(snap, share, repair)
+            return _decide_or_repair(snap, share, repair, pack)
         gc.disable()
         try:
-            return _decide_or_repair(snap, share, repair)
+            return _decide_or_repair(snap, share, repair, pack)
         finally:
             gc.enable()
 
     return decide
 
 
-def _decide_or_repair(snap: Snapshot, share: ShareFn, repair: Policy | None) -> Plan:
+def _decide_or_repair(snap: Snapshot, share: ShareFn, repair: Policy | None, pack: bool = False) -> Plan:
     try:
-        return _decide(snap, share)
+        return _decide(snap, share, pack)
     except _HostsNeeded:
         if repair is None:
             raise
         return repair(snap)
 
 
-def _decide(snap: Snapshot, share: ShareFn) -> Plan:
+def _decide(snap: Snapshot, share: ShareFn, pack: bool = False) -> Plan:
     t = _Table(snap)
     hs = _Hosts(snap)
     if t.avoid:
@@ -876,6 +992,8 @@ def _decide(snap: Snapshot, share: ShareFn) -> Plan:
     restricted = _restricted(t, hs) if t.avoid else []
     free = _Free(hs, t.held, t.n_held, t.leave, _spare(t, hs, restricted))
     held_up = free.held_up
+    if pack:
+        free.pack()
     targets, reasons = _targets(t, share, held_up, hs, snap, free, restricted)
     # Jobs that keep all they hold (on up hosts) need no sorting; the others keep part.
     simple = (held_up == t.n_held) & (targets >= held_up)
@@ -985,6 +1103,8 @@ def _take_all(t: _Table, free: _Free, growing, need, perm, n_keep, n_new, reason
     kl, avoids = kept.tolist(), t.has_avoid[growing].tolist()
     stops = np.append(np.flatnonzero(~fresh), len(growing))
     run_end = stops[np.searchsorted(stops, np.arange(len(growing)))].tolist()  # next job not fresh
+    if free.packer is not None:  # packing places job by job: no runs
+        run_end = list(range(len(growing)))
     avoiding = np.flatnonzero(fresh & t.has_avoid[growing]).tolist()  # fresh jobs that avoid hosts
     cum = np.cumsum(need).tolist()
     gl, nl = growing.tolist(), need.tolist()
@@ -1109,7 +1229,7 @@ _SHARES: dict[str, ShareFn] = {
     "fairshare": _fair, "priority": _priority, "strict": _strict, "goodput": _goodput,
 }
 POLICIES: dict[str, Policy] = {
-    name: make_policy(fn, PLAIN[name], GOODPUT_FIRST_FIT if name == "goodput" else None)
+    name: make_policy(fn, PLAIN[name], pack=name == "goodput")
     for name, fn in _SHARES.items()
 }
 _goodput_workers = POLICIES["goodput"]
@@ -1133,8 +1253,8 @@ POLICIES["goodput"] = _goodput_policy
 # simulator build them only for these (the others pay nothing for them).
 LEARNING = frozenset({"goodput"})
 # The vectorised path at every size (tests and benchmarks compare it with PLAIN). Not goodput's:
-# its plain form packs new slots on few hosts and moves growing jobs onto fewer (its vectorised
-# form, for large snapshots, shares the same way and places first-fit in host-name order).
+# its plain form also moves running jobs onto fewer hosts, which its vectorised form does not
+# (both place new slots best fit).
 VECTORISED: dict[str, Policy] = {
     name: make_policy(fn, repair=PLAIN[name]) for name, fn in _SHARES.items() if name != "goodput"
 }

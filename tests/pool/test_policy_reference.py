@@ -9,6 +9,7 @@ tie-breaks, not just the invariants the other property tests check.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import random
 
@@ -25,9 +26,9 @@ from .builders import make_job, make_snapshot, shuffled_snapshots, snapshots
 SAME = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-def _assert_same_plan(snap):
-    for name in sorted(VECTORISED):
-        fast, ref = VECTORISED[name](snap), PLAIN[name](snap)
+def _assert_same_plan(snap, pairs=None):
+    for name, (fast_policy, ref_policy) in sorted((pairs or _PAIRS).items()):
+        fast, ref = fast_policy(snap), ref_policy(snap)
         assert [d.job for d in fast.decisions] == [d.job for d in ref.decisions], name
         for got, want in zip(fast.decisions, ref.decisions, strict=True):
             assert got == want, f"{name}: {got} != {want}"
@@ -44,6 +45,22 @@ def _assert_same_plan(snap):
         for k in range(len(fast.jobs)):
             assert fast.slots.new(k) == ref.slots.new(k), name
             assert fast.slots.release(k) == ref.slots.release(k), name
+
+
+_PAIRS = {name: (VECTORISED[name], PLAIN[name]) for name in VECTORISED}
+# goodput's vectorised form packs new slots as its plain form does (best fit), but moves no job
+# onto fewer hosts (the plain form's defragmentation): their plans agree where nothing is held
+_GOODPUT = {"goodput": (make_policy(policies._SHARES["goodput"], repair=PLAIN["goodput"], pack=True),
+                        PLAIN["goodput"])}
+
+
+def _nothing_held(snap: Snapshot) -> Snapshot:
+    jobs = tuple(
+        dataclasses.replace(j, held=(), releasing=frozenset(), last_rescale=None,
+                            waiting_since=j.waiting_since if j.waiting_since is not None else j.submitted)
+        for j in snap.jobs
+    )
+    return dataclasses.replace(snap, jobs=jobs)
 
 
 def _scattered(seed: int, n_jobs: int, n_hosts: int, per_host: int = 8) -> Snapshot:
@@ -103,6 +120,21 @@ def test_fast_policies_match_the_reference_with_ties_and_odd_orders(snap):
 @given(snap=snapshots())
 def test_fast_policies_match_the_reference(snap):
     _assert_same_plan(snap)
+
+
+@SAME
+@given(snap=shuffled_snapshots())
+def test_goodput_packs_new_jobs_as_its_plain_form_does(snap):
+    _assert_same_plan(_nothing_held(snap), _GOODPUT)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_goodput_packs_new_jobs_as_its_plain_form_does_on_a_busy_cluster(seed):
+    # hosts of 8, 4 and 2 slots with holes: best fit has hosts of every free count to choose from
+    snap = _nothing_held(_scattered(200 + seed, n_jobs=300, n_hosts=120))
+    rng = random.Random(seed)
+    hosts = tuple(dataclasses.replace(h, slots=rng.choice((2, 4, 8))) for h in snap.hosts)
+    _assert_same_plan(dataclasses.replace(snap, hosts=hosts), _GOODPUT)
 
 
 def test_a_decision_leaves_the_garbage_collector_as_it_found_it():
