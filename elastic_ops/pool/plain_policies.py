@@ -540,7 +540,7 @@ def _repack(i: int, target: int, keeps, releases, new, free: _FreeSlots, avoid: 
     now_hosts = len(mine) + (free.free_on_hosts_needed(mine, grow) if grow > 0 else 0)
     if len(chosen) >= now_hosts:
         return False
-    _move(i, target, chosen, mine, keeps, releases, new, free)
+    _move(i, target, chosen, mine, keeps, releases, new, free, avoid)
     return True
 
 
@@ -571,14 +571,17 @@ def _fewest_hosts(target: int, mine: dict[str, int], free: _FreeSlots, avoid: fr
     return chosen
 
 
-def _move(i: int, target: int, chosen: list[str], mine: dict[str, int], keeps, releases, new, free) -> None:
+def _move(i: int, target: int, chosen: list[str], mine: dict[str, int], keeps, releases, new, free,
+          avoid: frozenset[str]) -> None:
     """Job ``i`` keeps its slots on the ``chosen`` hosts, releases the others and takes the
-    rest of ``target`` from the free slots there (its own fullest hosts first)."""
+    rest of ``target`` from the free slots there (its own fullest hosts first; none on a host
+    it avoids, where it only keeps what it holds)."""
     stay = [sl for sl in keeps[i] if sl[0] in chosen]
     go = [sl for sl in keeps[i] if sl[0] not in chosen]
     got: list[Slot] = []
     for h in sorted(chosen, key=lambda h: -mine.get(h, 0)):
-        got += free._take_from(h, target - len(stay) - len(got))
+        if h not in avoid:
+            got += free._take_from(h, target - len(stay) - len(got))
     keeps[i], releases[i], new[i] = stay, releases[i] + go, got
 
 
@@ -603,7 +606,7 @@ def _defragment(
     cost = 0.0 if restarts else snap.config.rescale_cost_s
     if not move_pays(job, target, len(mine), len(chosen), snap.now, cost):
         return False
-    _move(i, target, chosen, mine, keeps, releases, new, free)
+    _move(i, target, chosen, mine, keeps, releases, new, free, job.avoid_hosts)
     return True
 
 

@@ -18,7 +18,8 @@ own hosts advances per-host cursors (Python, per host it touches), and a run of 
 the next free slots in name order (newcomers, also those that avoid hosts unless their share
 of those slots is on one) is served by one scan of the bitmap (a short run by a walk over the
 hosts' cursors). A policy that packs (``goodput``) places job by job instead, best fit from
-a heap of hosts per free count (:class:`_BestFit`). Keep/release
+a heap of hosts per free count (:class:`_BestFit`), and moves running jobs onto fewer hosts
+(:class:`_Mover`). Keep/release
 for shrinking jobs is one sort of their slots. The result is a :class:`Plan` of columns (target,
 action, reason per job) and slot arrays -- no slot tuple and no :class:`Decision` is made
 while deciding; the plan makes them for the jobs a caller asks about. Cost: O(J log J + H + S)
@@ -38,12 +39,13 @@ from operator import attrgetter, itemgetter
 import numpy as np
 
 from elastic_ops.errors import UnknownPolicyError
-from elastic_ops.pool.goodput import goodput_fill_array, with_batches
+from elastic_ops.pool.goodput import goodput_fill_array, move_pays, with_batches
 from elastic_ops.pool.model import (
     HostState,
     Job,
     Plan,
     PlanSlots,
+    Preemption,
     Slot,
     Snapshot,
     TargetAction,
@@ -286,6 +288,7 @@ class _Free:
         with_free = order[counts[order] > 0]  # in take order
         self.rank_of = np.full(len(names), -1, dtype=np.int64)  # host id -> rank, -1: nothing free
         self.rank_of[with_free] = np.arange(len(with_free))
+        self.rank_host = with_free  # rank -> host id
         ends = np.cumsum(counts[with_free])
         self.start: list[int] = (ends - counts[with_free]).tolist()
         self.pos: list[int] = list(self.start)
@@ -516,6 +519,78 @@ class _BestFit:
             heapq.heappush(heap, r)
         return found
 
+    def _least_id(self, c: int, excl: set[int], host_of: np.ndarray) -> int:
+        """The rank with ``c`` free, not in ``excl``, on the host first in name order (either
+        tier: within one, rank order is name order); -1: none."""
+        best = -1
+        for tier in (0, 1):
+            if self.at[tier][c]:
+                r = self._top(self.heaps[tier][c], c, excl)  # type: ignore[arg-type]
+                if r >= 0 and (best < 0 or host_of[r] < host_of[best]):
+                    best = r
+        return best
+
+    def fewest_hosts(self, target: int, mine: dict[int, int], own: dict[int, int], excl: set[int],
+                     host_of: np.ndarray, rank_of: np.ndarray, total: int) -> list[int]:
+        """plain_policies._fewest_hosts: the hosts (ids) ``target`` workers fit on, as few as
+        possible, counting free slots outside ``excl`` (ranks: the avoided ones) and ``mine``
+        (the job's own per host id; ``own``: their ranks, -1 for none free; ``host_of``: rank ->
+        host id, ``rank_of`` its inverse; ``total``: the free slots): best fit, ties to more of
+        its own, then name; [] if they do not fit."""
+        count = self.count
+        room = {h: m + (count[r] if r >= 0 and r not in excl else 0) for h, m in mine.items()
+                for r in (own[h],)}
+        excl = excl | {r for r in own.values() if r >= 0}
+        free_out = total - sum(count[r] for r in excl)
+        if free_out + sum(room.values()) < target:
+            return []
+        chosen: list[int] = []
+        left = target
+        while left > 0:
+            fits = [(c, -mine[h], h) for h, c in room.items() if c >= left and h not in chosen]
+            for c in range(left, self.most + 1):
+                r = self._least_id(c, excl, host_of)
+                if r >= 0:
+                    fits.append((c, 0, int(host_of[r])))
+                    break
+            if fits:
+                chosen.append(min(fits)[2])
+                return chosen
+            most = [(-c, -mine[h], h) for h, c in room.items() if c > 0 and h not in chosen]
+            for c in range(min(left, self.most + 1) - 1, 0, -1):
+                r = self._least_id(c, excl, host_of)
+                if r >= 0:
+                    most.append((-c, 0, int(host_of[r])))
+                    break
+            c, _, h = min(most)
+            if h not in room:  # another's host, all of it: it is not offered again
+                room[h] = -c
+                excl.add(int(rank_of[h]))
+            chosen.append(h)
+            left -= room[h]
+        return chosen
+
+    def hosts_added(self, mine: dict[int, int], own: dict[int, int], n: int) -> int:
+        """plain_policies._FreeSlots.free_on_hosts_needed: the hosts beyond ``mine`` a grow by
+        ``n`` onto its own hosts, then best fit, would add (counted, nothing taken)."""
+        count = self.count
+        left = n - sum(count[r] for r in own.values() if r >= 0)
+        if left <= 0:
+            return 0
+        at = [a + b for a, b in zip(self.at[0], self.at[1], strict=True)]
+        for r in own.values():
+            if r >= 0:
+                at[count[r]] -= 1
+        if any(at[c] for c in range(min(left, self.most + 1), self.most + 1)):
+            return 1
+        added = 0
+        for c in range(self.most, 0, -1):
+            while at[c] and left > 0:
+                at[c] -= 1
+                left -= c
+                added += 1
+        return added
+
     def best(self, need: int, avoid: frozenset[int]) -> int:
         """The rank to take ``need`` more slots from (-1: nothing free outside ``avoid``)."""
         spare = self.spare_room
@@ -538,6 +613,104 @@ class _BestFit:
                 if r >= 0:
                     return r
         return -1
+
+
+# Searches for fewer hosts (moves of running jobs) one vectorised decision makes at most, in
+# rank order: each is a walk over the free counts in Python; what is left waits for the next
+# decision (the plain path, for small snapshots, searches for every job).
+MOVE_SEARCHES = 128
+
+
+class _Mover:
+    """Moves of running jobs onto fewer hosts (``goodput``'s: plain_policies._defragment and
+    _repack) on the vectorised plan's arrays: job ``i`` keeps its slots on the chosen hosts
+    (first in its segment of ``perm``), releases the others and takes free ones there."""
+
+    def __init__(self, t: _Table, free: _Free, perm: np.ndarray, n_keep: np.ndarray, snap: Snapshot):
+        self.t, self.free, self.perm, self.n_keep, self.snap = t, free, perm, n_keep, snap
+        self.searches = MOVE_SEARCHES
+        self._ranks: list[int] | None = None  # free.rank_of as a list, once a search needs it
+
+    def mine(self, i: int) -> tuple[dict[int, int], dict[int, int]]:
+        """Job ``i``'s kept slots per host id, and those hosts' ranks."""
+        a = int(self.free.first[i])
+        mine: dict[int, int] = {}
+        for h in self.free.host[self.perm[a : a + int(self.n_keep[i])]].tolist():
+            mine[h] = mine.get(h, 0) + 1
+        if self._ranks is None:
+            self._ranks = self.free.rank_of.tolist()
+        return mine, {h: self._ranks[h] for h in mine}
+
+    def fewest(self, i: int, target: int, mine: dict[int, int], own: dict[int, int]) -> list[int]:
+        if self.searches <= 0:
+            return []
+        self.searches -= 1
+        free = self.free
+        assert free.packer is not None
+        avoid = set(free.avoid_ranks(self.t.avoid.get(i, _NO_HOSTS)))
+        return free.packer.fewest_hosts(target, mine, own, avoid, free.rank_host, free.rank_of, free.total)
+
+    def move(self, i: int, target: int, chosen: list[int], mine: dict[int, int]) -> int:
+        """plain_policies._move; returns the slots it releases."""
+        free, perm = self.free, self.perm
+        a, e, k = int(free.first[i]), int(free.first[i + 1]), int(self.n_keep[i])
+        kept, gone = perm[a : a + k].copy(), perm[a + k : e].copy()
+        stay = np.isin(free.host[kept], chosen)
+        perm[a:e] = np.concatenate([kept[stay], gone, kept[~stay]])
+        self.n_keep[i] = int(stay.sum())
+        ranks = [int(free.rank_of[h]) for h in sorted(chosen, key=lambda h: -mine.get(h, 0))]
+        free.take(target - int(self.n_keep[i]), ranks, free.avoid_ranks(self.t.avoid.get(i, _NO_HOSTS)))
+        return int((~stay).sum())
+
+    def repack(self, i: int, target: int) -> int | None:
+        """plain_policies._repack for growing job ``i``: the new slots it took, or None (it did
+        not move)."""
+        if self.searches <= 0:
+            return None
+        mine, own = self.mine(i)
+        chosen = self.fewest(i, target, mine, own)
+        if not chosen:
+            return None
+        grow = target - int(self.n_keep[i])
+        assert self.free.packer is not None
+        now = len(mine) + (self.free.packer.hosts_added(mine, own, grow) if grow > 0 else 0)
+        if len(chosen) >= now:
+            return None
+        self.move(i, target, chosen, mine)
+        return target - int(self.n_keep[i])
+
+    def defragment(self, candidates: np.ndarray, targets: np.ndarray, n_new: np.ndarray,
+                   reasons: list[str]) -> int:
+        """plain_policies._defragment for ``candidates`` (rank order): a job that keeps its
+        target on more hosts than it needs moves when its model says the spread costs more than
+        the move. Returns the slots released."""
+        t, snap, released = self.t, self.snap, 0
+        for i in candidates.tolist():
+            if self.searches <= 0:
+                break
+            target = int(targets[i])
+            restarts = self.n_keep[i] < t.n_held[i]
+            if not (restarts or _movable(t, i, snap)):
+                continue
+            mine, own = self.mine(i)
+            chosen = self.fewest(i, target, mine, own)
+            if not chosen or len(chosen) >= len(mine):
+                continue
+            cost = 0.0 if restarts else snap.config.rescale_cost_s
+            if move_pays(t.jobs[i], target, len(mine), len(chosen), snap.now, cost):
+                released += self.move(i, target, chosen, mine)
+                n_new[i] = target - int(self.n_keep[i])
+                reasons[i] += "; moved onto fewer hosts"
+        return released
+
+
+def _movable(t: _Table, i: int, snap: Snapshot) -> bool:
+    """plain_policies._movable for job ``i`` (rank)."""
+    cfg = snap.config
+    if cfg.preemption != Preemption.GRACEFUL or not t.preemptible[i]:
+        return False
+    last = float(t.last_rescale[i])
+    return last != last or snap.now - last >= cfg.min_rescale_interval_s  # nan: never rescaled
 
 
 def _lookup(d: dict, keys: list) -> np.ndarray:
@@ -1001,21 +1174,41 @@ def _decide(snap: Snapshot, share: ShareFn, pack: bool = False) -> Plan:
     pending = int(released_on.sum())
     n_new = np.zeros(t.n, dtype=np.int64)
     growing = np.flatnonzero(targets > n_keep)
-    if len(growing):
+    first = np.zeros(t.n, dtype=bool)
+    first[restricted] = True
+    g1, g2 = growing[first[growing]], growing[~first[growing]]
+    mover = _Mover(t, free, perm, n_keep, snap) if pack else None
+    # restricted jobs first (rank order), then (packing) moves onto fewer hosts, then the others
+    # (rank order): see plain_policies._place_all. Each step's positions, put back in rank order
+    # at the end.
+    parts, labels = [], []
+    if len(g1):
         need = targets - n_keep
-        first = np.zeros(t.n, dtype=bool)
-        first[restricted] = True
-        g1, g2 = growing[first[growing]], growing[~first[growing]]
-        # restricted jobs first (rank order), then the others (rank order): see plain_policies
-        if len(g1):
-            _take_restricted(t, free, g1, need[g1], perm, n_keep, n_new, reasons, pending, released_on)
-        if len(g2):
-            p1 = free.taken()
+        _take_restricted(t, free, g1, need[g1], perm, n_keep, n_new, reasons, pending, released_on)
+        parts.append(free.taken())
+        labels.append(g1)
+        free._parts = []
+    if mover is not None:
+        spread = _spread(free, perm, n_keep)
+        cand = np.flatnonzero(~first & (targets > 0) & (targets == n_keep) & spread)
+        if t.releasing:
+            cand = cand[~np.isin(cand, list(t.releasing))]
+        if len(cand):
+            pending += mover.defragment(cand, targets, n_new, reasons)
+            moved = cand[n_new[cand] > 0]
+            parts.append(free.taken())
+            labels.append(moved)
             free._parts = []
-            _take_all(t, free, g2, need[g2], perm, n_keep, n_new, reasons, pending)
-            if len(p1):  # the positions handed out, put back in rank order
-                lab = np.concatenate([np.repeat(g1, n_new[g1]), np.repeat(g2, n_new[g2])])
-                free._parts = [np.concatenate([p1, free.taken()])[np.argsort(lab, kind="stable")]]
+    if len(g2):
+        _take_all(t, free, g2, (targets - n_keep)[g2], perm, n_keep, n_new, reasons, pending, mover)
+        parts.append(free.taken())
+        labels.append(g2)
+        free._parts = []
+    if len(parts) > 1:
+        lab = np.concatenate([np.repeat(g, n_new[g]) for g in labels])
+        free._parts = [np.concatenate(parts)[np.argsort(lab, kind="stable")]]
+    elif parts:
+        free._parts = parts
     # Actions and reason suffixes as plain_policies.outcome() names them, for every job at once.
     has_held = t.n_held > 0
     preempted = has_held & (targets == 0)
@@ -1040,6 +1233,13 @@ def _decide(snap: Snapshot, share: ShareFn, pack: bool = False) -> Plan:
         tuple(reasons),
         _Slots(t.held, free, perm, n_keep, n_new, t.order),
     )
+
+
+def _spread(free: _Free, perm: np.ndarray, n_keep: np.ndarray) -> np.ndarray:
+    """Whether each job keeps slots on more than one host."""
+    a = free.first[:-1]
+    lo, hi = _host_range(free.host[perm[_ranges(a, a + n_keep)]], n_keep)
+    return lo != hi
 
 
 def _keep_for_minimum(free: _Free, i: int, min_workers: int, leave, perm, n_keep, n_new, reasons) -> None:
@@ -1082,7 +1282,10 @@ _ACTIONS = np.array(
 _PREEMPT, _GROW, _SHRINK, _KEEP, _WAIT = range(5)
 
 
-def _take_all(t: _Table, free: _Free, growing, need, perm, n_keep, n_new, reasons: list[str], pending: int):
+def _take_all(
+    t: _Table, free: _Free, growing, need, perm, n_keep, n_new, reasons: list[str], pending: int,
+    mover: _Mover | None = None,
+):
     """Hand out free slots to the ``growing`` jobs (rank order), ``need`` more each.
 
     A job with nothing kept and no avoided host takes the next free slots in host-name order,
@@ -1130,6 +1333,13 @@ def _take_all(t: _Table, free: _Free, growing, need, perm, n_keep, n_new, reason
             _nothing_free(t, growing[j:], need[j:], n_keep, reasons, pending)
             break
         i, want = gl[j], nl[j]
+        if mover is not None and kl[j] and i not in t.releasing:
+            moved = mover.repack(i, kl[j] + want)
+            if moved is not None:  # it restarts anyway: onto fewer hosts rather than spread
+                got[j] = moved
+                reasons[i] += "; packed onto fewer hosts"
+                j += 1
+                continue
         if not avoids[j] and free.total >= want:  # the common case of _grow, inline
             free.take(want, own[a[j] : a[j + 1]], _NONE)
             got[j] = want
@@ -1253,8 +1463,8 @@ POLICIES["goodput"] = _goodput_policy
 # simulator build them only for these (the others pay nothing for them).
 LEARNING = frozenset({"goodput"})
 # The vectorised path at every size (tests and benchmarks compare it with PLAIN). Not goodput's:
-# its plain form also moves running jobs onto fewer hosts, which its vectorised form does not
-# (both place new slots best fit).
+# its vectorised form bounds the searches for fewer hosts per decision (MOVE_SEARCHES), the
+# plain one does not (test_policy_reference compares them where the bound is not reached).
 VECTORISED: dict[str, Policy] = {
     name: make_policy(fn, repair=PLAIN[name]) for name, fn in _SHARES.items() if name != "goodput"
 }

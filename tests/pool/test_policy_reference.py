@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from elastic_ops.pool import policies
-from elastic_ops.pool.model import Host, HostState, Job, PolicyConfig, Snapshot
+from elastic_ops.pool.model import Host, HostState, Job, PolicyConfig, Preemption, Snapshot
 from elastic_ops.pool.plain_policies import PLAIN
 from elastic_ops.pool.policies import SMALL_CLUSTER, SMALL_SNAPSHOT_JOBS, VECTORISED, make_policy
 
@@ -126,6 +126,27 @@ def test_fast_policies_match_the_reference(snap):
 @given(snap=shuffled_snapshots())
 def test_goodput_packs_new_jobs_as_its_plain_form_does(snap):
     _assert_same_plan(_nothing_held(snap), _GOODPUT)
+
+
+@SAME
+@given(snap=shuffled_snapshots())
+def test_goodput_moves_running_jobs_as_its_plain_form_does_with_ties_and_odd_orders(snap):
+    _assert_same_plan(snap, _GOODPUT)
+
+
+@SAME
+@given(snap=snapshots())
+def test_goodput_moves_running_jobs_as_its_plain_form_does(snap):
+    _assert_same_plan(snap, _GOODPUT)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_goodput_moves_running_jobs_as_its_plain_form_does_on_a_busy_cluster(seed, monkeypatch):
+    # every search the plain form makes (the vectorised form bounds them per decision)
+    monkeypatch.setattr(policies, "MOVE_SEARCHES", 10**6)
+    snap = _scattered(300 + seed, n_jobs=300, n_hosts=120)
+    config = dataclasses.replace(snap.config, preemption=Preemption.GRACEFUL, min_rescale_interval_s=0.0)
+    _assert_same_plan(dataclasses.replace(snap, config=config), _GOODPUT)
 
 
 @pytest.mark.parametrize("seed", range(3))
