@@ -376,9 +376,11 @@ def _keep(job: Job, target: int, up: dict[str, int], held_up: int) -> tuple[list
 REPAIR_PASSES = 3
 
 
-def make_policy(share: ShareFn, pack: bool = False) -> Policy:
+def make_policy(share: ShareFn, pack: bool = False, moves: bool = False) -> Policy:
     """The plain policy for ``share``; ``pack``: new slots on as few hosts as possible (best
-    fit) rather than first-fit in host-name order."""
+    fit) rather than first-fit in host-name order; ``moves``: running jobs are also moved onto
+    fewer hosts (:func:`_defragment`, :func:`_repack`; ``goodput``, whose models say what a
+    spread costs)."""
 
     def decide(snap: Snapshot) -> Plan:
         up, capacity = _usable(snap)
@@ -391,7 +393,7 @@ def make_policy(share: ShareFn, pack: bool = False) -> Policy:
             targets, reasons = _targets(snap, share, ordered, up, capacity, held_up, limit)
             placed = _place_all(
                 snap, ordered, targets, reasons, up, taken, held_up, spare, repair=passes <= REPAIR_PASSES,
-                pack=pack,
+                pack=pack, moves=moves,
             )
             if isinstance(placed, Plan):
                 return placed
@@ -423,7 +425,8 @@ def spare_hosts(jobs: Iterable[Job], up: dict[str, int]) -> frozenset[str]:
 
 
 def _place_all(
-    snap, ordered, targets, reasons, up, taken, held_up, spare, *, repair: bool = True, pack: bool = False
+    snap, ordered, targets, reasons, up, taken, held_up, spare, *, repair: bool = True, pack: bool = False,
+    moves: bool = False,
 ) -> Plan | dict[int, int]:
     """Keep/release, then new slots: restricted jobs first (rank order), then the others (rank
     order). Returns the plan, or the caps to lower when restricted jobs' targets cannot be
@@ -491,7 +494,7 @@ def _place_all(
     if lowered_caps:
         return lowered_caps
     done = set(first)
-    if pack:  # before the grows: a move that pays outranks growth into the same free slots
+    if moves:  # before the grows: a move that pays outranks growth into the same free slots
         for i, job in enumerate(ordered):
             if i not in done and not new[i] and targets[i] == len(keeps[i]):
                 before = len(releases[i])
@@ -501,7 +504,7 @@ def _place_all(
     for i, job in enumerate(ordered):
         need = targets[i] - len(keeps[i]) - len(new[i])
         if need > 0 and i not in done:
-            movable = pack and keeps[i] and not job.releasing and not new[i]
+            movable = moves and keeps[i] and not job.releasing and not new[i]
             if movable and _repack(i, targets[i], keeps, releases, new, free, job.avoid_hosts):
                 suffix[i] = "; packed onto fewer hosts"
                 continue
@@ -775,9 +778,12 @@ def outcome(
     return placements, action, reason + moved
 
 
+_SHARE_RULES = {"fairshare": _fair, "priority": _priority, "strict": _strict, "goodput": _goodput}
+# Every policy packs new slots on few hosts; goodput also moves running jobs onto fewer.
 PLAIN: dict[str, Policy] = {
-    "fairshare": make_policy(_fair),
-    "priority": make_policy(_priority),
-    "strict": make_policy(_strict),
-    "goodput": make_policy(_goodput, pack=True),
+    name: make_policy(fn, pack=True, moves=name == "goodput") for name, fn in _SHARE_RULES.items()
 }
+# The same rules placing first-fit in host-name order: what the vectorised path hands the rare
+# snapshots it cannot place (a restricted job short on its hosts) on clusters too large for
+# best fit's pass over the hosts per job.
+FIRST_FIT: dict[str, Policy] = {name: make_policy(fn) for name, fn in _SHARE_RULES.items()}

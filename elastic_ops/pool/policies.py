@@ -3,7 +3,7 @@
 The rules a decision applies, and the order of its steps (admit -> share -> freeze -> place),
 are in :mod:`elastic_ops.pool.rules`, each written once; this module is their vectorised
 implementation, for large snapshots, and the registry of the policies (:data:`POLICIES`). Small
-snapshots (:data:`SMALL_SNAPSHOT_JOBS`) and snapshots where a restricted job is short on its
+snapshots (:data:`SMALL_CLUSTER`) and snapshots where a restricted job is short on its
 hosts while others have room (moves, lowered caps) are decided by the plain per-slot
 implementation, :mod:`elastic_ops.pool.plain_policies`; ``tests/pool/test_policy_reference.py``
 checks that both give the same plan.
@@ -11,27 +11,23 @@ checks that both give the same plan.
 **Representation (why it is fast).** The snapshot is read column by column at C level (one
 ``map`` per job field, host field, and two over the held slots). Steps 1-2 run on numpy arrays
 with one entry per job (ordering by ``lexsort``, admission by cumulative sums, shares by
-vectorised water-filling). Free capacity is a bitmap over the slots of ``up`` hosts; the free
-slots are positions in (host name, slot index) order, and because every take consumes a host's
-lowest free indices, what is left on a host is a suffix of its range: a job that grows onto its
-own hosts advances per-host cursors (Python, per host it touches), and a run of jobs that take
-the next free slots in name order (newcomers, also those that avoid hosts unless their share
-of those slots is on one) is served by one scan of the bitmap (a short run by a walk over the
-hosts' cursors). A policy that packs (``goodput``) places job by job instead, best fit from
-a heap of hosts per free count (:class:`_BestFit`), and moves running jobs onto fewer hosts
-(:class:`_Mover`). Keep/release
+vectorised water-filling). The free slots are positions in (host name, slot index) order, and
+because every take consumes a host's lowest free indices, what is left on a host is a suffix
+of its range: a take advances per-host cursors (Python, per host it touches), on the job's own
+hosts first, then best fit from a heap of hosts per free count (:class:`_BestFit`); ``goodput``
+also moves running jobs onto fewer hosts (:class:`_Mover`, a bounded number of searches per
+decision). Keep/release
 for shrinking jobs is one sort of their slots. The result is a :class:`Plan` of columns (target,
 action, reason per job) and slot arrays -- no slot tuple and no :class:`Decision` is made
 while deciding; the plan makes them for the jobs a caller asks about. Cost: O(J log J + H + S)
-for J jobs, H hosts and S held slots, with O(J + H + S) of it C-level reads and O(jobs growing
-onto their own hosts + hosts they touch) interpreted.
+for J jobs, H hosts and S held slots, with O(J + H + S) of it C-level reads and O(growing jobs
+× log H + hosts they touch) interpreted.
 """
 
 from __future__ import annotations
 
 import gc
 import heapq
-from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Sequence
 from itertools import chain, compress, repeat
 from operator import attrgetter, itemgetter
@@ -50,7 +46,7 @@ from elastic_ops.pool.model import (
     Snapshot,
     TargetAction,
 )
-from elastic_ops.pool.plain_policies import PLAIN
+from elastic_ops.pool.plain_policies import FIRST_FIT, PLAIN
 from elastic_ops.pool.rules import (
     CAP_BELOW_MIN,
     FREEZE_RULES,
@@ -231,8 +227,7 @@ class _Free:
     ``free_index``). The hosts that have free slots are numbered by *rank* in name order; rank
     ``r`` owns positions ``start[r]:end[r]``. Every take consumes a host's lowest free indices,
     so what is left on a host is always a suffix of its range: rank ``r`` has given out
-    ``start[r]:pos[r]``, and every position before ``front`` is given out (see :meth:`_pos`).
-    ``used`` marks positions given out ahead of ``front`` (for :meth:`take_next`). Taking
+    ``start[r]:pos[r]``. Which host a take goes to is best fit (:class:`_BestFit`). Taking
     slots records positions (:meth:`taken`), never slot tuples (:class:`_Slots` makes those
     on demand)."""
 
@@ -290,32 +285,21 @@ class _Free:
         self.rank_of[with_free] = np.arange(len(with_free))
         self.rank_host = with_free  # rank -> host id
         ends = np.cumsum(counts[with_free])
-        self.start: list[int] = (ends - counts[with_free]).tolist()
-        self.pos: list[int] = list(self.start)
-        self.end: list[int] = ends.tolist()
+        self.pos: list[int] = (ends - counts[with_free]).tolist()  # each rank's next free position
         self.total = len(free)
-        self.front = 0
-        self.used = np.zeros(len(free), dtype=bool)
         # Positions handed out, job after job: arrays, then the runs run_start[i] +
-        # range(run_size[i]) that take() handed out since (not yet in ``used``).
+        # range(run_size[i]) that take() handed out since.
         self._parts: list[np.ndarray] = []
         self.run_start: list[int] = []
         self.run_size: list[int] = []
-        self.n_spare = int(len(with_free) and np.count_nonzero(np.isin(with_free, order[: len(spare)])))
-        self.packer: _BestFit | None = None
-
-    def pack(self) -> None:
-        """Hand out slots beyond a job's own hosts on as few hosts as possible from now on
-        (:class:`_BestFit`; plain_policies._FreeSlots with ``pack``)."""
-        self.packer = _BestFit([e - s for s, e in zip(self.start, self.end, strict=True)], self.n_spare)
+        n_spare = int(len(with_free) and np.count_nonzero(np.isin(with_free, order[: len(spare)])))
+        self.packer = _BestFit(counts[with_free].tolist(), n_spare)
 
     def _flush(self) -> None:
-        """Move take()'s runs into ``_parts`` and mark them in ``used``."""
+        """Move take()'s runs into ``_parts``."""
         if self.run_start:
             lo = np.array(self.run_start, dtype=np.int64)
-            at = _ranges(lo, lo + np.array(self.run_size, dtype=np.int64))
-            self.used[at] = True
-            self._parts.append(at)
+            self._parts.append(_ranges(lo, lo + np.array(self.run_size, dtype=np.int64)))
             self.run_start.clear()
             self.run_size.clear()
 
@@ -333,13 +317,6 @@ class _Free:
             hs.extend(set(names))
             return _lookup(hs.ids, names)
 
-    def _pos(self, r: int) -> int:
-        """The first free position of rank ``r`` (``end[r]`` when it has none left)."""
-        p = self.pos[r]
-        if p < self.front:
-            p = min(self.front, self.end[r])
-        return p
-
     def avoid_ranks(self, avoid: frozenset[str]) -> frozenset[int]:
         if not avoid:
             return _NONE
@@ -349,67 +326,19 @@ class _Free:
     def count_for(self, avoid: frozenset[int]) -> int:
         if not avoid:
             return self.total
-        return self.total - sum(self.end[r] - self._pos(r) for r in avoid)
+        count = self.packer.count
+        return self.total - sum(count[r] for r in avoid)
 
     def take(self, n: int, own: list[int], avoid: frozenset[int]) -> None:
         """Hand out ``n`` free positions (see :meth:`taken`): on the ``own`` ranks first (in
-        their order; a repeated rank finds nothing left the second time), then in host-name
-        order, skipping ``avoid``; lowest slot indices first on each host. Callers check that
+        their order; a repeated rank finds nothing left the second time), then best fit,
+        skipping ``avoid``; lowest slot indices first on each host. Callers check that
         ``count_for(avoid) >= n``."""
-        if n <= 0:
-            return None
-        if self.packer is not None:
-            return self._take_packed(n, own, avoid)
-        if not own and not avoid and n > WALK_MAX:
-            return self.take_next(n)
-        starts, sizes = self.run_start, self.run_size
-        pos, end, front, left = self.pos, self.end, self.front, n
-        for r in own:
-            if r < 0 or r in avoid:
-                continue
-            p = pos[r]
-            if p < front:
-                p = front if front < end[r] else end[r]
-            k = end[r] - p
-            if k > 0:
-                k = k if k < left else left
-                starts.append(p)
-                sizes.append(k)
-                pos[r] = p + k
-                left -= k
-                if not left:
-                    self.total -= n
-                    return None
-        r = bisect_right(self.start, front) - 1
-        gapless = True  # every rank walked so far is now used up: ``front`` may move past it
-        while left:
-            p, e = pos[r], end[r]
-            if p < front:
-                p = front if front < e else e
-            if r not in avoid and p < e:
-                k = e - p if e - p < left else left
-                starts.append(p)
-                sizes.append(k)
-                p = pos[r] = p + k
-                left -= k
-            if gapless:
-                if p == e:
-                    self.front = e
-                else:
-                    gapless = False
-            r += 1
-        self.total -= n
-        return None
-
-    def _take_packed(self, n: int, own: list[int], avoid: frozenset[int]) -> None:
-        """:meth:`take` when packing: the ``own`` ranks first, then best fit. Positions are
-        given host by host (``front`` stays 0: the bitmap scan is not used)."""
         bf = self.packer
-        assert bf is not None
         cnt, pos, starts, sizes, took = bf.count, self.pos, self.run_start, self.run_size, bf.took
         left, mine = n, len(own)
         i = 0
-        while left:
+        while left > 0:
             if i < mine:
                 r = own[i]
                 i += 1
@@ -425,40 +354,8 @@ class _Free:
             pos[r] += k
             took(r, k)
             left -= k
-        self.total -= n
-
-    def take_next(self, n: int) -> None:
-        """Append the next ``n`` free positions in host-name order (no own or avoided hosts).
-        Up to :data:`WALK_MAX` slots, :meth:`take`'s walk over the hosts (no numpy calls);
-        more, one :meth:`scan`, whatever the number of hosts it crosses."""
-        if n <= WALK_MAX:
-            return self.take(n, _NO_RANKS, _NONE)
-        return self.commit(self.scan(n))
-
-    def scan(self, n: int) -> np.ndarray:
-        """The next ``n`` free positions in host-name order, without handing them out: a scan
-        of ``used`` from ``front``, brought up to date first with what :meth:`take` handed out
-        since the last scan."""
-        self._flush()
-        got: list[np.ndarray] = []
-        w, left, used = self.front, n, self.used
-        while left:
-            if w >= len(used):  # callers hand out no more than ``total``
-                raise AssertionError(f"{left} fewer free slots than counted")
-            size = 2 * left + 64
-            got.append((np.flatnonzero(~used[w : w + size]) + w)[:left])
-            left -= len(got[-1])
-            w += size
-        return got[0] if len(got) == 1 else np.concatenate(got)
-
-    def commit(self, taken: np.ndarray) -> None:
-        """Hand out ``taken``, a prefix of what :meth:`scan` just returned (nothing handed out
-        in between)."""
-        if len(taken) == 0:
-            return
-        self._parts.append(taken)  # every position before the new ``front`` is given out:
-        self.front = int(taken[-1]) + 1  # no need to mark them in ``used``
-        self.total -= len(taken)
+        if n > 0:
+            self.total -= n
 
     def avoid_ids(self, avoid: frozenset[str]) -> set[int]:
         """The host ids of the listed hosts among ``avoid``."""
@@ -646,7 +543,6 @@ class _Mover:
             return []
         self.searches -= 1
         free = self.free
-        assert free.packer is not None
         avoid = set(free.avoid_ranks(self.t.avoid.get(i, _NO_HOSTS)))
         return free.packer.fewest_hosts(target, mine, own, avoid, free.rank_host, free.rank_of, free.total)
 
@@ -672,7 +568,6 @@ class _Mover:
         if not chosen:
             return None
         grow = target - int(self.n_keep[i])
-        assert self.free.packer is not None
         now = len(mine) + (self.free.packer.hosts_added(mine, own, grow) if grow > 0 else 0)
         if len(chosen) >= now:
             return None
@@ -724,11 +619,6 @@ def _lookup(d: dict, keys: list) -> np.ndarray:
 
 _NONE: frozenset[int] = frozenset()
 _NO_HOSTS: frozenset[str] = frozenset()
-_NO_RANKS: list[int] = []
-# Up to this many slots, the next free slots in name order are found by walking the hosts in
-# Python rather than by a numpy scan of the bitmap (a few hosts of a few free slots each cost
-# less to walk than the scan's fixed cost of several numpy calls).
-WALK_MAX = 64
 _name = attrgetter("name")
 
 _index = itemgetter(1)
@@ -1108,26 +998,26 @@ class _Slots(PlanSlots):
         return tuple(zip(hosts, self._index[at].tolist(), strict=True))
 
 
-# Where the plain per-slot implementation is faster (no numpy call overhead): up to 48 jobs,
-# or up to 256 jobs on at most 64 hosts (measured crossovers on the benchmark's snapshots).
-# Both give the same plans (tests/pool/test_policy_reference.py).
-SMALL_SNAPSHOT_JOBS = 48
+# Where the plain per-slot implementation is faster (no numpy call overhead): up to 256 jobs on
+# at most 64 hosts (measured crossovers on the benchmark's snapshots; its best fit is a pass
+# over the hosts per job: 48 jobs on 12,500 hosts took 0.5 s). Both give the same plans
+# (tests/pool/test_policy_reference.py).
 SMALL_CLUSTER = (256, 64)  # (jobs, hosts)
 
 
 def _small(snap: Snapshot) -> bool:
-    n = len(snap.jobs)
-    return n <= SMALL_SNAPSHOT_JOBS or (n <= SMALL_CLUSTER[0] and len(snap.hosts) <= SMALL_CLUSTER[1])
+    return len(snap.jobs) <= SMALL_CLUSTER[0] and len(snap.hosts) <= SMALL_CLUSTER[1]
 
 
 def make_policy(
-    share: ShareFn, plain: Policy | None = None, repair: Policy | None = None, pack: bool = False
+    share: ShareFn, plain: Policy | None = None, repair: Policy | None = None, moves: bool = False,
 ) -> Policy:
     """The policy for ``share``: the plain implementation ``plain`` for small snapshots (see
-    :data:`SMALL_SNAPSHOT_JOBS`), the vectorised one otherwise (or always, without ``plain``).
+    :data:`SMALL_CLUSTER`), the vectorised one otherwise (or always, without ``plain``).
     ``repair`` (default ``plain``): the plain implementation, which decides the snapshots where a
     restricted job is short on its hosts while others have room (moves, lowered caps: see
-    plain_policies._host_repair); the vectorised path hands those over whole."""
+    plain_policies._host_repair); the vectorised path hands those over whole. New slots go best
+    fit; ``moves``: running jobs are moved onto fewer hosts too (as plain_policies.make_policy)."""
     repair = repair or plain
 
     def decide(snap: Snapshot) -> Plan:
@@ -1138,26 +1028,28 @@ def make_policy(
         # held slot) several times per decision at 10,000 jobs for no garbage: pause it for the
         # call (restored on return or error; left alone if the caller had disabled it).
         if not gc.isenabled():
-            return _decide_or_repair(snap, share, repair, pack)
+            return _decide_or_repair(snap, share, repair, moves)
         gc.disable()
         try:
-            return _decide_or_repair(snap, share, repair, pack)
+            return _decide_or_repair(snap, share, repair, moves)
         finally:
             gc.enable()
 
     return decide
 
 
-def _decide_or_repair(snap: Snapshot, share: ShareFn, repair: Policy | None, pack: bool = False) -> Plan:
+def _decide_or_repair(
+    snap: Snapshot, share: ShareFn, repair: Policy | None, moves: bool = False
+) -> Plan:
     try:
-        return _decide(snap, share, pack)
+        return _decide(snap, share, moves)
     except _HostsNeeded:
         if repair is None:
             raise
         return repair(snap)
 
 
-def _decide(snap: Snapshot, share: ShareFn, pack: bool = False) -> Plan:
+def _decide(snap: Snapshot, share: ShareFn, moves: bool = False) -> Plan:
     t = _Table(snap)
     hs = _Hosts(snap)
     if t.avoid:
@@ -1165,8 +1057,6 @@ def _decide(snap: Snapshot, share: ShareFn, pack: bool = False) -> Plan:
     restricted = _restricted(t, hs) if t.avoid else []
     free = _Free(hs, t.held, t.n_held, t.leave, _spare(t, hs, restricted))
     held_up = free.held_up
-    if pack:
-        free.pack()
     targets, reasons = _targets(t, share, held_up, hs, snap, free, restricted)
     # Jobs that keep all they hold (on up hosts) need no sorting; the others keep part.
     simple = (held_up == t.n_held) & (targets >= held_up)
@@ -1177,7 +1067,7 @@ def _decide(snap: Snapshot, share: ShareFn, pack: bool = False) -> Plan:
     first = np.zeros(t.n, dtype=bool)
     first[restricted] = True
     g1, g2 = growing[first[growing]], growing[~first[growing]]
-    mover = _Mover(t, free, perm, n_keep, snap) if pack else None
+    mover = _Mover(t, free, perm, n_keep, snap) if moves else None
     # restricted jobs first (rank order), then (packing) moves onto fewer hosts, then the others
     # (rank order): see plain_policies._place_all. Each step's positions, put back in rank order
     # at the end.
@@ -1286,66 +1176,32 @@ def _take_all(
     t: _Table, free: _Free, growing, need, perm, n_keep, n_new, reasons: list[str], pending: int,
     mover: _Mover | None = None,
 ):
-    """Hand out free slots to the ``growing`` jobs (rank order), ``need`` more each.
-
-    A job with nothing kept and no avoided host takes the next free slots in host-name order,
-    so a run of such jobs takes the next ``sum(need)`` free slots in one call and splits them in
-    rank order -- the same slots as one call per job, without the per-job work (most newcomers
-    are such jobs). A job with nothing kept that avoids hosts takes the same slots as such a job
-    unless one of them is on a host it avoids (it would skip that host's slots, and the jobs
-    after it would take them), so it joins the run; the run's slots are found first, and if a
-    job's share of them touches a host it avoids, the run ends before that job. The run also
-    stops at the first job that would not get all it needs; that job and every other (own hosts
-    to fill first) go through :func:`_grow` one by one."""
+    """Hand out free slots to the ``growing`` jobs (rank order), ``need`` more each: its own
+    hosts first, then best fit (:meth:`_Free.take`); with ``mover``, a job that keeps slots
+    moves onto fewer hosts instead where its new size fits there (plain_policies._repack)."""
     kept = n_keep[growing]
-    fresh = kept == 0
     # The kept hosts (ranks) of each growing job in its order, for take(): own[a[j]:a[j + 1]].
     first = free.first[growing]
     own = free.rank_of[free.host[perm[_ranges(first, first + kept)]]].tolist()
     a = np.concatenate([[0], np.cumsum(kept)]).tolist()
     kl, avoids = kept.tolist(), t.has_avoid[growing].tolist()
-    stops = np.append(np.flatnonzero(~fresh), len(growing))
-    run_end = stops[np.searchsorted(stops, np.arange(len(growing)))].tolist()  # next job not fresh
-    if free.packer is not None:  # packing places job by job: no runs
-        run_end = list(range(len(growing)))
-    avoiding = np.flatnonzero(fresh & t.has_avoid[growing]).tolist()  # fresh jobs that avoid hosts
-    cum = np.cumsum(need).tolist()
     gl, nl = growing.tolist(), need.tolist()
     got = [0] * len(gl)  # slots given to each growing job (into n_new once, at the end)
-    j = 0
-    while j < len(gl):
-        r = run_end[j]
-        if r > j:
-            base = cum[j - 1] if j else 0
-            m = bisect_right(cum, base + free.total, j, r) - j  # jobs of the run that get all they need
-            if m:
-                q = bisect_left(avoiding, j)
-                if q < len(avoiding) and avoiding[q] < j + m:
-                    m = _run_with_avoids(t, free, gl, cum, base, j, m, avoiding, q)
-                else:
-                    free.take_next(cum[j + m - 1] - base)
-                if m:
-                    got[j : j + m] = nl[j : j + m]
-                    j += m
-                    if j == r:
-                        continue
+    for j, (i, want) in enumerate(zip(gl, nl, strict=True)):
         if free.total == 0:  # nothing left to give: the rest wait (or run on what they keep)
             _nothing_free(t, growing[j:], need[j:], n_keep, reasons, pending)
             break
-        i, want = gl[j], nl[j]
         if mover is not None and kl[j] and i not in t.releasing:
             moved = mover.repack(i, kl[j] + want)
             if moved is not None:  # it restarts anyway: onto fewer hosts rather than spread
                 got[j] = moved
                 reasons[i] += "; packed onto fewer hosts"
-                j += 1
                 continue
         if not avoids[j] and free.total >= want:  # the common case of _grow, inline
             free.take(want, own[a[j] : a[j + 1]], _NONE)
             got[j] = want
         else:
             got[j], reasons[i] = _grow(t, i, want, kl[j], own[a[j] : a[j + 1]], reasons[i], free, pending)
-        j += 1
     n_new[growing] = got
 
 
@@ -1376,24 +1232,6 @@ def _take_restricted(t: _Table, free: _Free, jobs, need, perm, n_keep, n_new, re
         if free.total - avail + out > 0:
             raise _HostsNeeded
         n_new[i], reasons[i] = _grow(t, i, want, kept[j], mine, reasons[i], free, pending, pending - out)
-
-
-def _run_with_avoids(t: _Table, free: _Free, gl, cum, base: int, j: int, m: int, avoiding, q: int) -> int:
-    """Hand out the next free slots to the run of fresh jobs ``j .. j + m - 1`` (growing
-    positions; ``cum``: cumulative needs, ``base`` = ``cum[j - 1]``), up to the first of them
-    that avoids a host its share of those slots is on. Returns how many jobs were served."""
-    got = free.scan(cum[j + m - 1] - base)
-    host_of = free.host_of
-    while q < len(avoiding) and avoiding[q] < j + m:
-        k = avoiding[q]
-        lo = cum[k - 1] - base if k > j else 0
-        if not free.avoid_ids(t.avoid[gl[k]]).isdisjoint(host_of[got[lo : cum[k] - base]].tolist()):
-            m = k - j
-            break
-        q += 1
-    if m:
-        free.commit(got[: cum[j + m - 1] - base])
-    return m
 
 
 def _nothing_free(t: _Table, rest, need, n_keep, reasons: list[str], pending: int) -> None:
@@ -1439,7 +1277,7 @@ _SHARES: dict[str, ShareFn] = {
     "fairshare": _fair, "priority": _priority, "strict": _strict, "goodput": _goodput,
 }
 POLICIES: dict[str, Policy] = {
-    name: make_policy(fn, PLAIN[name], pack=name == "goodput")
+    name: make_policy(fn, PLAIN[name], FIRST_FIT[name], moves=name == "goodput")
     for name, fn in _SHARES.items()
 }
 _goodput_workers = POLICIES["goodput"]

@@ -9,9 +9,10 @@ A decision runs four steps in this order (:func:`elastic_ops.pool.policies.make_
    ``[min, max]`` (:mod:`elastic_ops.pool.shares`, :mod:`elastic_ops.pool.goodput`).
 3. **Freeze**: a running job that one of :data:`FREEZE_RULES` holds back keeps what it holds,
    and the rest is shared again around it (a fixed point; :data:`SETTLE_AFTER`).
-4. **Place**: each job keeps its slots on up hosts and takes free ones (first fit, or best fit
-   for ``goodput``); a job held on hosts it must leave says so (:func:`moving`); a running job
-   never runs below its minimum while it moves (:func:`kept_for_minimum`).
+4. **Place**: each job keeps its slots on up hosts and takes free ones (its own hosts first,
+   then best fit; ``goodput`` also moves running jobs onto fewer hosts when that pays); a job
+   held on hosts it must leave says so (:func:`moving`); a running job never runs below its
+   minimum while it moves (:func:`kept_for_minimum`).
 
 Before the first step :func:`avoided` decides which hosts each job avoids.
 

@@ -14,7 +14,7 @@ from elastic_ops.errors import (
     UnknownJobError,
 )
 from elastic_ops.pool import Grant, PoolClient, TargetAction, Wait
-from elastic_ops.pool.policies import SMALL_CLUSTER, SMALL_SNAPSHOT_JOBS
+from elastic_ops.pool.policies import SMALL_CLUSTER
 from elastic_ops.pool.schema import LATEST
 
 from .builders import grant
@@ -120,9 +120,9 @@ def test_a_job_moving_off_a_draining_host_never_runs_below_its_minimum(pool):
     enough of its old ones meanwhile, and moves the rest when they are."""
     pool.configure(policy="priority")
     pool.add_host("h1", 4)
-    grant(pool, "x", min_workers=2, max_workers=2, priority=1)  # h0:0-1
-    a = grant(pool, "a", min_workers=3, max_workers=3, priority=5)  # h0:2-3 and h1:0
-    y = grant(pool, "y", min_workers=1, max_workers=3, priority=1)  # h1:1-3
+    grant(pool, "x", min_workers=2, max_workers=2, priority=1)  # h0:0-1 (best fit)
+    y = grant(pool, "y", min_workers=1, max_workers=3, priority=1)  # h1:0-2
+    a = grant(pool, "a", min_workers=3, max_workers=3, priority=5)  # h0:2-3 and h1:3: no host holds 3
     assert {h for h, _ in a.placements} == {"h0", "h1"} and len(y.placements) == 3
     pool.drain_host("h0")
     t = pool.heartbeat("a", a.epoch, workers=3, placements=a.placements)
@@ -506,10 +506,10 @@ def test_preempted_job_that_stopped_gives_everything_back_even_if_the_plan_chang
 
 
 def test_a_pool_large_enough_for_the_vectorised_policy_stays_consistent(ledger_url, clock):
-    """60 jobs on 70 two-slot hosts: more than ``policies.SMALL_SNAPSHOT_JOBS`` jobs on more
-    than ``SMALL_CLUSTER`` hosts, so every re-plan uses the vectorised policy and the ledger
-    reads its column plan (targets, reasons, the new slots of growing jobs, grants)."""
-    assert 60 > SMALL_SNAPSHOT_JOBS and 70 > SMALL_CLUSTER[1]
+    """60 jobs on 70 two-slot hosts: more than ``policies.SMALL_CLUSTER`` hosts, so every re-plan
+    uses the vectorised policy and the ledger reads its column plan (targets, reasons, the new
+    slots of growing jobs, grants)."""
+    assert 70 > SMALL_CLUSTER[1]
     pool = PoolClient(ledger_url, clock=clock, lease_ttl_s=600)
     try:
         for i in range(70):

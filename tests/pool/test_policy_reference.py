@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from elastic_ops.pool import policies
 from elastic_ops.pool.model import Host, HostState, Job, PolicyConfig, Preemption, Snapshot
 from elastic_ops.pool.plain_policies import PLAIN
-from elastic_ops.pool.policies import SMALL_CLUSTER, SMALL_SNAPSHOT_JOBS, VECTORISED, make_policy
+from elastic_ops.pool.policies import SMALL_CLUSTER, VECTORISED, make_policy
 
 from .builders import make_job, make_snapshot, shuffled_snapshots, snapshots
 
@@ -50,7 +50,7 @@ def _assert_same_plan(snap, pairs=None):
 _PAIRS = {name: (VECTORISED[name], PLAIN[name]) for name in VECTORISED}
 # goodput's vectorised form packs new slots as its plain form does (best fit), but moves no job
 # onto fewer hosts (the plain form's defragmentation): their plans agree where nothing is held
-_GOODPUT = {"goodput": (make_policy(policies._SHARES["goodput"], repair=PLAIN["goodput"], pack=True),
+_GOODPUT = {"goodput": (make_policy(policies._SHARES["goodput"], repair=PLAIN["goodput"], moves=True),
                         PLAIN["goodput"])}
 
 
@@ -184,14 +184,13 @@ def test_small_snapshots_take_the_plain_path_and_large_ones_the_vectorised_one()
     cluster = tuple((f"h{i:03d}", 8) for i in range(SMALL_CLUSTER[1] + 1))
     rack = tuple((f"h{i}", 8) for i in range(8))
     for hosts, n in (
-        (cluster, SMALL_SNAPSHOT_JOBS),  # few jobs: plain
-        (cluster, SMALL_SNAPSHOT_JOBS + 1),  # more jobs on many hosts: vectorised
+        (cluster, 2),  # few jobs on many hosts: vectorised (best fit is a pass over the hosts per job)
         (rack, SMALL_CLUSTER[0]),  # many jobs on a few hosts: plain
         (rack, SMALL_CLUSTER[0] + 1),  # vectorised
     ):
         snap = make_snapshot(hosts=hosts, jobs=[make_job(f"j{i:03d}", max_workers=2) for i in range(n)])
         assert policy(snap) == VECTORISED["fairshare"](snap)
-    assert calls == [SMALL_SNAPSHOT_JOBS, SMALL_CLUSTER[0]]
+    assert calls == [SMALL_CLUSTER[0]]
 
 
 @pytest.mark.parametrize(
@@ -216,30 +215,32 @@ def test_odd_host_lists_give_the_reference_plan(hosts):
 
 @pytest.mark.parametrize("seed", range(3))
 def test_fast_policies_match_the_reference_on_a_larger_busy_cluster(seed):
-    # Runs of newcomers long enough to be served by a scan of the free bitmap (more than
-    # policies.WALK_MAX slots) and short ones served by walking the hosts, both next to jobs
-    # that avoid hosts and jobs that fill their own hosts first.
+    # Many newcomers placed best fit next to jobs that avoid hosts and jobs that fill their own
+    # hosts first.
     _assert_same_plan(_scattered(100 + seed, n_jobs=1500, n_hosts=500))
 
 
 @pytest.mark.parametrize("big", [False, True])
-def test_a_newcomer_that_avoids_a_host_is_placed_before_the_run(big):
-    # Newcomers take the next free slots in host-name order as one run; a job restricted to
-    # some hosts (it avoids one that is up) is placed before every job that may use any host
-    # (docs/pool.md, "restricted jobs first"), so it takes the first free slots; the run starts
-    # on the host it avoids (a spare host: no restricted job may use it), then goes on by name.
-    n = 40 if big else 4  # jobs before it: a run of 16 or 160 slots
+def test_a_newcomer_that_avoids_a_host_is_placed_first_and_the_others_best_fit(big):
+    # A job restricted to some hosts (it avoids one that is up) is placed before every job that
+    # may use any host (docs/pool.md, "restricted jobs first"); the others take the host it
+    # avoids first (a spare host: no restricted job may use it), then best fit: a 4-worker job
+    # takes a whole free host rather than the 2 slots the restricted job left on h000 and 2 more.
+    n = 40 if big else 4
     hosts = tuple(Host(f"h{i:03d}", 4) for i in range(4 * n + 8))
     jobs = [Job(f"a{i:03d}", 4, 4, submitted=float(i)) for i in range(3 * n)]
     avoid = frozenset({hosts[3 * n].name})
     jobs.append(Job("b", 2, 2, avoid_hosts=avoid, submitted=float(3 * n)))
-    jobs += [Job(f"c{i:03d}", 3, 3, submitted=float(3 * n + 1 + i)) for i in range(3)]
+    jobs += [Job(f"c{i:03d}", 2, 2, submitted=float(3 * n + 1 + i)) for i in range(3)]
     snap = Snapshot(hosts, tuple(jobs), now=1000.0)
     _assert_same_plan(snap)
     plan = VECTORISED["fairshare"](snap)
     assert plan["b"].placements == (("h000", 0), ("h000", 1))
     assert plan["a000"].placements == tuple((hosts[3 * n].name, i) for i in range(4))
-    assert plan["a001"].placements == (("h000", 2), ("h000", 3), ("h001", 0), ("h001", 1))
+    assert plan["a001"].placements == tuple(("h001", i) for i in range(4))
+    assert plan["c000"].placements == (("h000", 2), ("h000", 3))  # the hole b left: best fit
+    for d in plan.decisions:
+        assert len({h for h, _ in d.placements}) == 1, d  # every job on one host
 
 
 @pytest.mark.parametrize("settle_after", [1, 2])

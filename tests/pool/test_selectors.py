@@ -10,7 +10,7 @@ import random
 import pytest
 import sqlalchemy as sa
 
-from elastic_ops.errors import SpecError
+from elastic_ops.errors import JobEndedError, SpecError
 from elastic_ops.pool import PoolClient, report
 from elastic_ops.pool.model import Host, outside
 from elastic_ops.pool.schema import LATEST
@@ -111,6 +111,8 @@ def test_no_job_ever_holds_a_slot_on_a_host_without_its_labels(sqlite_url, clock
         elif op < 0.7:
             try:
                 pool.request(job, avoid_hosts=tuple(rng.sample(sorted(labels), rng.randint(0, 1))))
+            except JobEndedError:  # released as finished: it asks for workers again only when submitted
+                pass
             except Exception as exc:  # noqa: BLE001 - a job not submitted yet
                 assert "unknown job" in str(exc)
         elif op < 0.85:
@@ -151,7 +153,7 @@ def test_a_ledger_from_before_selectors_is_migrated(ledger_url):
         conn.execute(sa.text("DELETE FROM schema_version WHERE version >= 2"))
     again = PoolClient(ledger_url)
     assert {j["name"]: j["selector"] for j in again.status()["jobs"]} == {"old": {}}
-    assert hosts_of(again.request("old")) == {"a100-0"}
+    assert hosts_of(again.request("old")) == {"h100-1"}  # any host: best fit, the one of 2 slots
     with engine.connect() as conn:
         assert conn.execute(sa.text("SELECT max(version) FROM schema_version")).scalar() == LATEST
         assert json.loads(conn.execute(sa.text("SELECT selector FROM jobs")).scalar()) == {}
