@@ -8,10 +8,12 @@ server), else from ``MLFLOW_TRACKING_URI``. docs/howto/mlflow.md shows it in use
 - **The run**: tagged ``elastic_ops.job=<job>`` in the experiment (default: the DAG id). Each
   task finds it by that tag; the first creates it and logs the params and the spec. Two tasks
   that create it at once both look again: the later one deletes its own and joins the earlier.
-- **Steps**: the iteration. A retry re-trains iterations the run already has (from an earlier
-  checkpoint): only steps past the run's last logged step of each metric are sent, so every
-  step holds one value (the first try's). Event counters (``rescales``, ``preemptions``,
-  ``failures``) are logged at the iteration they happened.
+- **Steps**: the iteration. ``loss``: every step at each chunk end (or preemption), from the
+  result's loss history (its last 1,000 steps, those of earlier tries included); live progress
+  (through an agent at most twice a second) adds it sooner. A step the run has already (a live
+  point, or a retry's re-trained iteration) is not sent again: every step holds one value, the
+  first sent. Event counters (``rescales``, ``preemptions``, ``failures``) are logged at the
+  iteration they happened.
 - **Racing tries**: a grant tags the run with its fencing epoch; a try that sees a newer epoch
   there stops sending (a newer try records the job now).
 - **Never slows training**: progress goes to a queue that a thread sends in batches; a server
@@ -251,7 +253,7 @@ class MlflowRun:
         self._counts = {k: _int(tags.get(f"elastic_ops.{k}")) for k in COUNTERS}
         self._lock = threading.Lock()
         self._pending: list[_Point] = []
-        self._high: dict[str, int] = {}  # the last step the run has of each series
+        self._have: dict[str, set[int]] = {}  # the steps the run has of each series
         self._epoch: int | None = None
         self._fenced_by: int | None = None
         self._dropped = 0
@@ -281,9 +283,11 @@ class MlflowRun:
         self._event("rescales", iteration, f"iteration {iteration}: {previous} -> {workers} workers{why}")
 
     def chunk_ended(self, chunk_index: int, result: ChunkResult) -> None:
+        # every step's loss, those that live progress (sampled through an agent) did not have
+        points = [_Point("loss", float(loss), int(it)) for it, loss in result.loss_history]
         ends = dict(result.metrics or {}).items()
-        points = [_Point(_key(k), float(v), int(result.iteration)) for k, v in ends
-                  if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)]
+        points += [_Point(_key(k), float(v), int(result.iteration)) for k, v in ends
+                   if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)]
         if str(result.status) == "completed":
             points.append(_Point("elastic_ops.chunk", str(chunk_index + 1), 0, series=False))
         self._put(points)
@@ -418,40 +422,42 @@ class MlflowRun:
             epoch = self._epoch
         if not batch:
             return True
+        added: list[_Point] = []
         try:
             if epoch is not None and self._fenced(epoch):
                 return True
-            high = dict(self._high)
             metrics, tags = [], {}
             for p in batch:
                 if isinstance(p.value, str):
                     tags[p.key] = p.value  # the latest of each tag
                     continue
                 if p.series:
-                    if p.key not in high:
-                        high[p.key] = self._last_step(p.key)
-                    if p.step <= high[p.key]:
-                        continue  # a re-trained step: the run has it
-                    high[p.key] = p.step
+                    if p.key not in self._have:
+                        self._have[p.key] = self._steps_of(p.key)
+                    if p.step in self._have[p.key]:
+                        continue  # a re-trained step, or a live point: the run has it
+                    self._have[p.key].add(p.step)
+                    added.append(p)
                 metrics.append(Metric(p.key, p.value, p.at_ms, p.step))
             if metrics or tags:
                 self.client.log_batch(self.run_id, metrics=metrics,
                                       tags=[RunTag(k, v) for k, v in tags.items()])
         except Exception as exc:  # noqa: BLE001 - a server down or refusing: warn, keep the points, retry
+            for p in added:  # not sent: the run does not have them
+                self._have[p.key].discard(p.step)
             self._error = self.cfg.redact(f"{type(exc).__name__}: {str(exc)[:300]}")
             if not self._warned:
                 self._warned = True
                 self.log.warning("MLflow tracking failed (%s); training goes on, sending again later",
                                  self._error)
             return False
-        self._high = high
         with self._lock:
             del self._pending[:len(batch)]
         return True
 
-    def _last_step(self, key: str) -> int:
-        history = self.client.get_metric_history(self.run_id, key)
-        return max((int(m.step) for m in history), default=-1)
+    def _steps_of(self, key: str) -> set[int]:
+        """The steps the run has of series ``key`` (read once per task: earlier tasks' steps)."""
+        return {int(m.step) for m in self.client.get_metric_history(self.run_id, key)}
 
     def _fenced(self, epoch: int) -> bool:
         """Whether a newer try's grant took the run over (its epoch in the run's tag)."""

@@ -4,6 +4,7 @@ in a log or in the run."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -18,12 +19,13 @@ from elastic_ops.errors import SpecError, TrackingError, WorkerLostError
 from elastic_ops.operators import ElasticChunkOperator, ElasticRegisterOperator
 from elastic_ops.operators.lifecycle import ElasticFinalizeOperator
 from elastic_ops.runtime.allocation import Allocation
-from elastic_ops.runtime.outcome import Progress
+from elastic_ops.runtime.outcome import Progress, loss_steps
 from elastic_ops.tracking import MlflowTracking, TrackedJob
 from elastic_ops.tracking import mlflow as tracking_mlflow
 from elastic_ops.utils.jobs import job_id
 from tests.mlflow_server import mlflow_server  # noqa: F401 - the fixture
 from tests.operators.helpers import TINY_FIELDS, airflow_pool, chunk_result, train_with
+from tests.runtime.agent_helpers import running_agent
 
 JOB = job_id("d", "train", "run1")
 log = logging.getLogger("test.mlflow")
@@ -80,13 +82,24 @@ def server(mlflow_server, monkeypatch, tmp_path):  # noqa: F811 - the fixture
     return mlflow_server
 
 
+@pytest.mark.parametrize("path", ["in_process", "agent"])
 def test_a_job_retried_mid_run_is_one_run_with_every_step_once_and_its_model(server, tmp_path, caplog,
-                                                                            capsys):
+                                                                            capsys, monkeypatch, path):
     """Register, chunk 1 killed mid-run (a worker SIGKILLed at iteration 17, after the commit at
     15), its retry from that checkpoint, chunk 2, finalize: one MLflow run, the loss at every
-    iteration exactly once (the retry re-trained 16 and 17, which the run had already), the
-    failure counted, the final model logged and registered, its URI in the Asset's extra."""
+    iteration exactly once (the retry re-trained 16 and 17, which the run may have already), the
+    failure counted, the final model logged and registered, its URI in the Asset's extra.
+    Through the per-host agent, progress is sampled (here: hardly ever): every step's loss comes
+    with the chunk's result, the steps chunk 1's first try trained before its checkpoint too."""
     caplog.set_level(logging.INFO)
+    with contextlib.ExitStack() as stack:
+        if path == "agent":
+            agent = stack.enter_context(running_agent(tmp_path / "agent", progress_every_s=3600.0))
+            monkeypatch.setenv("ELASTIC_OPS_AGENT_SOCKET", agent.path)
+        _retried_mid_run(server, tmp_path, caplog, capsys, path)
+
+
+def _retried_mid_run(server, tmp_path, caplog, capsys, path: str) -> None:
     experiment, client = server.experiment(), server.client()
     tracking = MlflowTracking(experiment=experiment, registered_model_name=f"tiny-{experiment}")
     fields = TINY_FIELDS | {"total_iterations": 40, "chunk_iterations": 20, "checkpoint_interval": 5,
@@ -102,7 +115,10 @@ def test_a_job_retried_mid_run_is_one_run_with_every_step_once_and_its_model(ser
     with pytest.raises(WorkerLostError):
         chunk1.execute(ctx(1))
     first = steps(client, run.info.run_id, "loss")
-    assert first == list(range(1, first[-1] + 1)) and first[-1] > 15  # past the checkpoint it resumes from
+    if path == "in_process":  # every iteration live, past the checkpoint it resumes from
+        assert first == list(range(1, first[-1] + 1)) and first[-1] > 15
+    else:  # a failed try has no result: what the agent sampled, at most its first iteration
+        assert first in ([], [1])
 
     out1 = chunk1.execute(ctx(2))
     assert "resumes from the checkpoint at iteration 15" in task_log(caplog, capsys)
@@ -116,7 +132,8 @@ def test_a_job_retried_mid_run_is_one_run_with_every_step_once_and_its_model(ser
     run = the_run(client, experiment)  # still the one run
     run_id = run.info.run_id
     assert steps(client, run_id, "loss") == list(range(1, 41))  # every iteration, once
-    assert steps(client, run_id, "workers") == list(range(1, 41))
+    if path == "in_process":  # live, every iteration (through the agent: sampled)
+        assert steps(client, run_id, "workers") == list(range(1, 41))
     assert {m.value for m in client.get_metric_history(run_id, "workers")} == {2.0}
     assert steps(client, run_id, "accuracy") == [20, 40]  # the chunks' evaluations
     assert run.data.tags["elastic_ops.failures"] == "1"
@@ -141,6 +158,10 @@ def test_a_job_retried_mid_run_is_one_run_with_every_step_once_and_its_model(ser
     weights = open_store(summary["checkpoint_uri"].rsplit("/", 1)[0]).load(final)["model"]
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, weights[name]), name
+    # each step's value is the loss of the trajectory the final model came from
+    trained = open_store(summary["checkpoint_uri"].rsplit("/", 1)[0]).load(final)["metrics"]["loss"]
+    logged = sorted((m.step, m.value) for m in client.get_metric_history(run_id, "loss"))
+    assert logged == loss_steps(trained, 40, 0, 40)
 
     # finalize again (a cleared task): the same model, no second version
     again = finalize.execute(ctx(2, **pulled) | {"outlet_events": events})
