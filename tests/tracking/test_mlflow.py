@@ -9,6 +9,7 @@ import json
 import logging
 import time
 from collections import defaultdict
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -345,3 +346,53 @@ def test_a_preemption_is_counted_at_its_iteration_and_the_resumed_grant_goes_on_
     assert run_.data.tags["elastic_ops.last_preemption"] == "iteration 30"
     assert steps(client, run_.info.run_id, "loss") == list(range(21, 41))
     assert run_.data.tags["elastic_ops.epoch"] == str(grants[-1])
+
+
+SCRIPT_FIELDS = {"entrypoint": str(Path(__file__).parents[1] / "runtime" / "ddp_script.py"),
+                 "total_iterations": 8, "chunk_iterations": 8, "global_batch": 12, "min_workers": 1,
+                 "max_workers": 1, "consistency": "fast", "data_seed": 1}
+
+
+def test_a_script_entrypoints_final_weights_are_logged_as_a_state_dict_not_a_model(server, tmp_path):
+    """A DDP script defines its model inside the script: no task but its workers can build
+    it, so no MLflow model; its final weights are the run's artifact ``model_state_dict``."""
+    experiment, client = server.experiment(), server.client()
+    tracking = MlflowTracking(experiment=experiment)
+    register, (chunk,), finalize, asset = tasks(SCRIPT_FIELDS, tracking, chunks=1)
+    register.execute(ctx())
+    out = chunk.execute(ctx())
+    events: dict = defaultdict(SimpleNamespace)
+    pulled = {"xcom_pull": lambda task_ids: out}
+    summary = finalize.execute(ctx(1, **pulled) | {"outlet_events": events})
+    run = the_run(client, experiment)
+    assert run.info.status == "FINISHED" and "mlflow_model_uri" not in summary
+    uri = summary["mlflow_state_dict_uri"]
+    assert uri == f"runs:/{run.info.run_id}/model_state_dict" and events[asset].extra == summary
+    assert steps(client, run.info.run_id, "loss") == list(range(1, 9))  # a script's loss too
+    import mlflow
+    import mlflow.pytorch
+
+    from elastic_ops.checkpoint import open_store
+
+    mlflow.set_tracking_uri(server.uri)
+    logged = mlflow.pytorch.load_state_dict(uri)
+    store = open_store(summary["checkpoint_uri"].rsplit("/", 1)[0])
+    final = store.load(store.latest())["model"]
+    assert logged.keys() == final.keys() and all(torch.equal(logged[k], final[k]) for k in final)
+    again = finalize.execute(ctx(2, **pulled) | {"outlet_events": events})  # a cleared finalize
+    assert again["mlflow_state_dict_uri"] == uri
+    assert [a.path for a in client.list_artifacts(run.info.run_id, "model_state_dict")] == \
+        ["model_state_dict/state_dict.pth"]
+
+
+def test_registering_a_script_entrypoints_model_is_refused_when_the_dag_is_parsed():
+    from elastic_ops.taskgroup import elastic_training
+
+    tracking = MlflowTracking(registered_model_name="wine")
+    with pytest.raises(SpecError, match="invalid registered_model_name='wine': must be None for a "
+                                        "script entrypoint") as err:
+        elastic_training("train", SCRIPT_FIELDS["entrypoint"], 8, 8, tracking=tracking)
+    assert "Trainable" in str(err.value.hint)
+    with pytest.raises(SpecError, match="registered_model_name"):
+        ElasticChunkOperator(task_id="c", spec_fields=SCRIPT_FIELDS, chunk_index=0, group_id="train",
+                             tracking=tracking)
