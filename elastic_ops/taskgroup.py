@@ -234,7 +234,7 @@ def elastic_training(
             hint="e.g. model_asset=Asset(name='digits-model', uri='s3://models/digits')",
         )
     _check_chunk_kwargs(chunk_kwargs)
-    check_tracking(tracking)
+    check_tracking(tracking, trainable)
     _, n_chunks = validate_fields(fields, num_chunks)
     fields = {k: v for k, v in fields.items() if k != "name"}
     with TaskGroup(group_id=task_id, tooltip=f"elastic training of {trainable}") as group:

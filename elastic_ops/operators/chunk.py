@@ -125,10 +125,12 @@ def _final_failure(context: Context, exc: BaseException) -> bool:
     return isinstance(try_number, int) and isinstance(max_tries, int) and try_number > max_tries
 
 
-def check_tracking(tracking: object) -> None:
+def check_tracking(tracking: object, entrypoint: object = None) -> None:
     if tracking is not None and not isinstance(tracking, Tracking):
         raise SpecError("tracking", tracking, "must be a tracking such as "
                         "elastic_ops.tracking.MlflowTracking(...), or None")
+    if tracking is not None and isinstance(entrypoint, str):
+        tracking.check_entrypoint(entrypoint)
 
 
 class ElasticOperatorMixin:
@@ -188,7 +190,7 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
         **kwargs: Any,
     ) -> None:
         check_conn_ids(elastic_ops_conn_id, aws_conn_id)
-        check_tracking(tracking)
+        check_tracking(tracking, spec_fields.get("entrypoint") if isinstance(spec_fields, dict) else None)
         check_seconds("poll_interval", poll_interval)
         check_seconds("heartbeat_interval", heartbeat_interval)
         check_number("defer_after", defer_after, minimum=0, unit=" of seconds")

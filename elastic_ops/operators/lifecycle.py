@@ -51,7 +51,7 @@ class JobTaskOperator(ElasticOperatorMixin, BaseOperator):
         **kwargs: Any,
     ) -> None:
         check_conn_ids(elastic_ops_conn_id, aws_conn_id)
-        check_tracking(tracking)
+        check_tracking(tracking, spec_fields.get("entrypoint") if isinstance(spec_fields, dict) else None)
         # the pool's database may be briefly unreachable (a retryable error): without retries a
         # blip at register failed the whole run
         default_to(kwargs, retry_policy=ElasticRetryPolicy(), retries=3, retry_delay=timedelta(seconds=5))
@@ -172,7 +172,8 @@ class ElasticFinalizeOperator(JobTaskOperator):
         summary["slot_hours"] = next((j["slot_hours"] for j in used if j["job"] == spec.name), 0.0)
         run = self._open_run(context, spec)
         loader = None if spec.is_script() else lambda: final_model(spec, store, ref)
-        summary |= run.finalized(summary, loader)  # mlflow_run_id, mlflow_model_uri, …
+        weights = (lambda: store.load(ref)["model"]) if spec.is_script() else None
+        summary |= run.finalized(summary, loader, weights)  # mlflow_run_id, mlflow_model_uri, …
         run.close()
         for asset in self.outlets:
             context["outlet_events"][asset].extra = summary

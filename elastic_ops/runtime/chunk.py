@@ -62,7 +62,7 @@ from elastic_ops.runtime.launcher import (
     loopback_store,
     start_on,
 )
-from elastic_ops.runtime.outcome import ChunkResult, ChunkStatus, Progress
+from elastic_ops.runtime.outcome import ChunkResult, ChunkStatus, Progress, loss_steps
 from elastic_ops.runtime.placement import Placement, SlotsByBoundary, place, used
 from elastic_ops.runtime.rendezvous import new_key
 from elastic_ops.runtime.segment import (
@@ -469,6 +469,7 @@ class _Runner:
         samples = sum(s.samples for s in segments)
         train_s = sum(s.train_seconds for s in segments)
         metrics = dict(ref.metrics) if ref is not None else {}
+        history = _loss_history(last.state_path, self.start, it) if last is not None else []
         return ChunkResult(
             status=status,
             start=self.start,
@@ -482,7 +483,24 @@ class _Runner:
             duration_s=duration,
             param_sha256=metrics.get("param_sha256"),
             train_samples_per_sec=samples / train_s if train_s else 0.0,
+            loss_history=history,
         )
+
+
+def _loss_history(state_path: str | Path, start: int, upto: int) -> list[tuple[int, float]]:
+    """The losses of chunk ``[start, ...)``'s steps up to iteration ``upto`` that the state at
+    ``state_path`` carries (its last ``LOSS_HISTORY_MAX``, those of earlier tries included).
+    Read with ``mmap``: the tensors stay on disk. Only the tracker uses them: a state that
+    cannot be read for them (a damaged restore file) gives none, with a warning."""
+    from elastic_ops.runtime.state import load_state
+
+    try:
+        state = load_state(state_path, mmap=True)
+        return loss_steps(state["metrics"]["loss"], int(state["iteration"]), start, upto)
+    except Exception as exc:  # noqa: BLE001 - a history is not worth failing a trained chunk
+        log.warning("the chunk's loss history could not be read from %s (%s: %s)", state_path,
+                    type(exc).__name__, exc)
+        return []
 
 
 def _worker_count(value: Any, iteration: int) -> int:
@@ -707,6 +725,8 @@ def run_chunk(
                 samples_per_sec=0.0,
                 duration_s=time.time() - t0,
                 param_sha256=m.get("param_sha256"),
+                # a try that trained the chunk but whose task died before it told the tracker
+                loss_history=_loss_history(restore, start, end),
             )
         _check_one_job(store, spec, ref)
         if ref is None and start > 0:

@@ -20,11 +20,13 @@ from typing import IO, Any
 import torch
 
 from elastic_ops.checkpoint.codec import capture_rng, check_layout, restore_rng
+from elastic_ops.runtime.outcome import LOSS_HISTORY_MAX
 
 __all__ = ["capture_rng", "restore_rng", "build_state", "param_sha256", "load_state", "save_atomic"]
 
 FORMAT = 1
-LOSS_HISTORY = 1000  # the loss of the last N iterations is kept in the metrics history
+# the loss of the last N optimizer steps is kept in the metrics history (and a chunk result carries it)
+LOSS_HISTORY = LOSS_HISTORY_MAX
 
 
 def param_sha256(model_state: dict[str, torch.Tensor]) -> str:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from elastic_ops.errors import TrackingError
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
     from elastic_ops.runtime.outcome import ChunkResult, Progress
@@ -69,9 +70,12 @@ class JobRun(Protocol):
     def failed(self, error: BaseException, *, host: str | None, final: bool) -> None:
         """A try failed (``final``: no retry follows; the run ends as failed)."""
 
-    def finalized(self, summary: Mapping[str, Any], model: Callable[[], nn.Module] | None) -> dict[str, Any]:
-        """The job is complete: record ``model()`` (the final checkpoint's weights; None for a
-        script entrypoint) and end the run; what to add to the model Asset's extra."""
+    def finalized(self, summary: Mapping[str, Any], model: Callable[[], nn.Module] | None,
+                  weights: Callable[[], dict[str, torch.Tensor]] | None = None) -> dict[str, Any]:
+        """The job is complete: record ``model()`` (the Trainable's model with the final
+        checkpoint's weights), or for a script entrypoint, which has no class to build a model
+        from, ``weights()`` (its final ``state_dict``); end the run; what to add to the model
+        Asset's extra."""
 
     def close(self) -> None:
         """The task is ending (or deferring): send what is buffered, within a bounded time."""
@@ -98,7 +102,8 @@ class NoRun:
     def failed(self, error: BaseException, *, host: str | None, final: bool) -> None:
         return None
 
-    def finalized(self, summary: Mapping[str, Any], model: Callable[[], nn.Module] | None) -> dict[str, Any]:
+    def finalized(self, summary: Mapping[str, Any], model: Callable[[], nn.Module] | None,
+                  weights: Callable[[], dict[str, torch.Tensor]] | None = None) -> dict[str, Any]:
         return {}
 
     def close(self) -> None:
@@ -122,6 +127,11 @@ class Tracking(abc.ABC):
     @abc.abstractmethod
     def open(self, job: TrackedJob, log: Log) -> JobRun:
         """Find the job's run (create it the first time) and resume it for this task."""
+
+    def check_entrypoint(self, entrypoint: str) -> None:
+        """Refuse, when the DAG is parsed, what this tracking cannot do for ``entrypoint``
+        (a ``SpecError`` naming the setting)."""
+        return None
 
     def redact(self, text: str) -> str:
         """``text`` (an error's message, for the task log) without the tracker's secrets."""
@@ -175,8 +185,9 @@ class Guarded:
     def failed(self, error: BaseException, *, host: str | None, final: bool) -> None:
         self._call("a failure", self._run.failed, error, host=host, final=final)
 
-    def finalized(self, summary: Mapping[str, Any], model: Callable[[], nn.Module] | None) -> dict[str, Any]:
-        return self._call("the final model", self._run.finalized, summary, model) or {}
+    def finalized(self, summary: Mapping[str, Any], model: Callable[[], nn.Module] | None,
+                  weights: Callable[[], dict[str, torch.Tensor]] | None = None) -> dict[str, Any]:
+        return self._call("the final model", self._run.finalized, summary, model, weights) or {}
 
     def close(self) -> None:
         self._call("the buffered metrics", self._run.close)

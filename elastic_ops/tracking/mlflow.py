@@ -8,10 +8,12 @@ server), else from ``MLFLOW_TRACKING_URI``. docs/howto/mlflow.md shows it in use
 - **The run**: tagged ``elastic_ops.job=<job>`` in the experiment (default: the DAG id). Each
   task finds it by that tag; the first creates it and logs the params and the spec. Two tasks
   that create it at once both look again: the later one deletes its own and joins the earlier.
-- **Steps**: the iteration. A retry re-trains iterations the run already has (from an earlier
-  checkpoint): only steps past the run's last logged step of each metric are sent, so every
-  step holds one value (the first try's). Event counters (``rescales``, ``preemptions``,
-  ``failures``) are logged at the iteration they happened.
+- **Steps**: the iteration. ``loss``: every step at each chunk end (or preemption), from the
+  result's loss history (its last 1,000 steps, those of earlier tries included); live progress
+  (through an agent at most twice a second) adds it sooner. A step the run has already (a live
+  point, or a retry's re-trained iteration) is not sent again: every step holds one value, the
+  first sent. Event counters (``rescales``, ``preemptions``, ``failures``) are logged at the
+  iteration they happened.
 - **Racing tries**: a grant tags the run with its fencing epoch; a try that sees a newer epoch
   there stops sending (a newer try records the job now).
 - **Never slows training**: progress goes to a queue that a thread sends in batches; a server
@@ -36,6 +38,7 @@ from elastic_ops.errors import SpecError, TrackingError
 from elastic_ops.tracking.api import Log, TrackedJob, Tracking, without_userinfo
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
     from elastic_ops.runtime.outcome import ChunkResult, Progress
@@ -46,6 +49,7 @@ JOB_TAG = "elastic_ops.job"
 EPOCH_TAG = "elastic_ops.epoch"
 MODEL_URI_TAG = "elastic_ops.model_uri"
 MODEL_CHECKPOINT_TAG = "elastic_ops.model_checkpoint"
+WEIGHTS_PATH = "model_state_dict"  # a script's final weights: an artifact, not an MLflow model
 COUNTERS = ("rescales", "preemptions", "failures")
 FLUSH_EVERY_S = 1.0  # the sender's batches (MLflow takes at most 1000 metrics in one)
 BATCH = 1000
@@ -63,8 +67,10 @@ class MlflowTracking(Tracking):
     """Track each elastic job of the group as one MLflow run.
 
     :param experiment: the MLflow experiment (created if missing); default: the DAG id.
-    :param registered_model_name: register the final model under this name (a new version per run).
-    :param log_model: log the final model as an MLflow model (``mlflow.pytorch``) at finalize.
+    :param registered_model_name: register the final model under this name (a new version per run);
+        a Trainable's only (refused for a script entrypoint, whose model no task can build).
+    :param log_model: log the final model as an MLflow model (``mlflow.pytorch``) at finalize; for
+        a script entrypoint, its final ``state_dict`` as the artifact ``model_state_dict``.
     :param conn_id: the Airflow connection to the tracking server (else ``MLFLOW_TRACKING_URI``).
     :param strict: a tracking failure fails the task (retryably) instead of a warning.
     :param timeout_s: each request's timeout, and how long a task's end waits to send what is left.
@@ -91,6 +97,16 @@ class MlflowTracking(Tracking):
         t = self.timeout_s
         if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or not 0 < t <= 600:
             raise SpecError("timeout_s", t, "must be a number of seconds in (0, 600]")
+
+    def check_entrypoint(self, entrypoint: str) -> None:
+        if self.registered_model_name is not None and str(entrypoint).endswith(".py"):
+            raise SpecError(
+                "registered_model_name", self.registered_model_name,
+                f"must be None for a script entrypoint ({entrypoint}). Only a Trainable's model can "
+                "be an MLflow model: a script builds its model inside the script. The script's "
+                f"final weights are logged as the run's artifact {WEIGHTS_PATH!r}",
+                hint="to register the model, write it as a Trainable (docs/tutorial.md)",
+            )
 
     def open(self, job: TrackedJob, log: Log) -> MlflowRun:
         found = server_from(self.conn_id)
@@ -251,7 +267,7 @@ class MlflowRun:
         self._counts = {k: _int(tags.get(f"elastic_ops.{k}")) for k in COUNTERS}
         self._lock = threading.Lock()
         self._pending: list[_Point] = []
-        self._high: dict[str, int] = {}  # the last step the run has of each series
+        self._have: dict[str, set[int]] = {}  # the steps the run has of each series
         self._epoch: int | None = None
         self._fenced_by: int | None = None
         self._dropped = 0
@@ -281,9 +297,11 @@ class MlflowRun:
         self._event("rescales", iteration, f"iteration {iteration}: {previous} -> {workers} workers{why}")
 
     def chunk_ended(self, chunk_index: int, result: ChunkResult) -> None:
+        # every step's loss, those that live progress (sampled through an agent) did not have
+        points = [_Point("loss", float(loss), int(it)) for it, loss in result.loss_history]
         ends = dict(result.metrics or {}).items()
-        points = [_Point(_key(k), float(v), int(result.iteration)) for k, v in ends
-                  if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)]
+        points += [_Point(_key(k), float(v), int(result.iteration)) for k, v in ends
+                   if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)]
         if str(result.status) == "completed":
             points.append(_Point("elastic_ops.chunk", str(chunk_index + 1), 0, series=False))
         self._put(points)
@@ -300,7 +318,8 @@ class MlflowRun:
             self._drain()
             self.client.set_terminated(self.run_id, status="FAILED")
 
-    def finalized(self, summary: Mapping[str, Any], model: Callable[[], nn.Module] | None) -> dict[str, Any]:
+    def finalized(self, summary: Mapping[str, Any], model: Callable[[], nn.Module] | None,
+                  weights: Callable[[], dict[str, torch.Tensor]] | None = None) -> dict[str, Any]:
         step = int(summary.get("iteration") or 0)
         figures = {k: summary.get(k) for k in ("slot_hours", "train_s", "waited_s", "preemptions")}
         self._put([_Point(f"job.{k}", float(v), step) for k, v in figures.items()
@@ -310,8 +329,8 @@ class MlflowRun:
         extra: dict[str, Any] = {"mlflow_run_id": self.run_id, "mlflow_experiment_id": self.experiment_id}
         if self.cfg.log_model and model is not None:
             extra.update(self._log_model(model, str(summary.get("checkpoint_uri"))))
-        elif self.cfg.log_model:
-            self.log.info("MLflow: a script entrypoint's model is not logged (no Trainable to build it from)")
+        elif self.cfg.log_model and weights is not None:
+            extra.update(self._log_weights(weights, str(summary.get("checkpoint_uri"))))
         self.client.set_terminated(self.run_id, status="FINISHED")
         return extra
 
@@ -350,6 +369,29 @@ class MlflowRun:
         self.log.info("MLflow: logged the final model of %s as %s%s", checkpoint, info.model_uri,
                       f", registered as {name} version {info.registered_model_version}" if name else "")
         return out
+
+    def _log_weights(self, weights: Callable[[], dict[str, torch.Tensor]], checkpoint: str) -> dict[str, Any]:
+        """A script's final ``state_dict`` as the run's artifact :data:`WEIGHTS_PATH`. Not an
+        MLflow model: that pickles the model's class, and a script's model class lives in the
+        script, which no task but its workers runs. Not registered (nor registrable) either."""
+        uri = f"runs:/{self.run_id}/{WEIGHTS_PATH}"
+        tags = self.client.get_run(self.run_id).data.tags
+        if tags.get(MODEL_CHECKPOINT_TAG) == checkpoint and tags.get(MODEL_URI_TAG) == uri:
+            self.log.info("MLflow: the weights of %s are logged already: %s", checkpoint, uri)
+            return {"mlflow_state_dict_uri": uri}
+        import mlflow
+        import mlflow.pytorch
+
+        mlflow.set_tracking_uri(self.uri)
+        with mlflow.start_run(run_id=self.run_id):
+            mlflow.pytorch.log_state_dict(weights(), artifact_path=WEIGHTS_PATH)
+        self.client.set_tag(self.run_id, MODEL_URI_TAG, uri)
+        self.client.set_tag(self.run_id, MODEL_CHECKPOINT_TAG, checkpoint)
+        name = self.cfg.registered_model_name
+        self.log.info("MLflow: logged the final weights of %s as %s (a script entrypoint: a state_dict, "
+                      "not an MLflow model; load it with mlflow.pytorch.load_state_dict)%s", checkpoint, uri,
+                      f"; not registered as {name}: only a Trainable's model can be" if name else "")
+        return {"mlflow_state_dict_uri": uri}
 
     # --- the sender -----------------------------------------------------------------------------
 
@@ -418,40 +460,42 @@ class MlflowRun:
             epoch = self._epoch
         if not batch:
             return True
+        added: list[_Point] = []
         try:
             if epoch is not None and self._fenced(epoch):
                 return True
-            high = dict(self._high)
             metrics, tags = [], {}
             for p in batch:
                 if isinstance(p.value, str):
                     tags[p.key] = p.value  # the latest of each tag
                     continue
                 if p.series:
-                    if p.key not in high:
-                        high[p.key] = self._last_step(p.key)
-                    if p.step <= high[p.key]:
-                        continue  # a re-trained step: the run has it
-                    high[p.key] = p.step
+                    if p.key not in self._have:
+                        self._have[p.key] = self._steps_of(p.key)
+                    if p.step in self._have[p.key]:
+                        continue  # a re-trained step, or a live point: the run has it
+                    self._have[p.key].add(p.step)
+                    added.append(p)
                 metrics.append(Metric(p.key, p.value, p.at_ms, p.step))
             if metrics or tags:
                 self.client.log_batch(self.run_id, metrics=metrics,
                                       tags=[RunTag(k, v) for k, v in tags.items()])
         except Exception as exc:  # noqa: BLE001 - a server down or refusing: warn, keep the points, retry
+            for p in added:  # not sent: the run does not have them
+                self._have[p.key].discard(p.step)
             self._error = self.cfg.redact(f"{type(exc).__name__}: {str(exc)[:300]}")
             if not self._warned:
                 self._warned = True
                 self.log.warning("MLflow tracking failed (%s); training goes on, sending again later",
                                  self._error)
             return False
-        self._high = high
         with self._lock:
             del self._pending[:len(batch)]
         return True
 
-    def _last_step(self, key: str) -> int:
-        history = self.client.get_metric_history(self.run_id, key)
-        return max((int(m.step) for m in history), default=-1)
+    def _steps_of(self, key: str) -> set[int]:
+        """The steps the run has of series ``key`` (read once per task: earlier tasks' steps)."""
+        return {int(m.step) for m in self.client.get_metric_history(self.run_id, key)}
 
     def _fenced(self, epoch: int) -> bool:
         """Whether a newer try's grant took the run over (its epoch in the run's tag)."""

@@ -440,8 +440,8 @@ def test_killed_worker_is_retried_on_another_host_from_the_latest_checkpoint(dep
 
 
 def tracked_in_one_mlflow_run(uri: str | None, job: str, summary: dict, tmp_path: Path) -> None:
-    """The retried job is one MLflow run (experiment: the DAG id): every loss step once, up to
-    the last iteration; the failure counted; the final model logged, its URI in the summary."""
+    """The retried job is one MLflow run (experiment: the DAG id): the loss at every iteration,
+    once; the failure counted; the final model logged, its URI in the summary."""
     if uri is None:
         require_mlflow()
     from mlflow import MlflowClient
@@ -450,7 +450,8 @@ def tracked_in_one_mlflow_run(uri: str | None, job: str, summary: dict, tmp_path
     exp = client.get_experiment_by_name("e2e_sigkill")
     (run,) = client.search_runs([exp.experiment_id], filter_string=f"tags.`elastic_ops.job` = '{job}'")
     steps = [m.step for m in client.get_metric_history(run.info.run_id, "loss")]
-    assert len(steps) == len(set(steps)) and max(steps) == 240  # through the agent: sampled, never twice
+    # through the agent progress is sampled; the chunks' results carry every step's loss
+    assert sorted(steps) == list(range(1, 241))  # every iteration, once
     assert run.data.tags["elastic_ops.failures"] == "1" and run.info.status == "FINISHED"
     assert run.data.params["params.pace_s"] == "0.03"
     assert summary["mlflow_run_id"] == run.info.run_id

@@ -332,6 +332,22 @@ def test_target_zero_preempts_with_a_committed_checkpoint_then_the_job_resumes(t
     assert done.status is ChunkStatus.COMPLETED and done.param_sha256 == reference["bitwise"]
 
 
+def test_a_result_carries_the_loss_of_every_step_of_the_chunk_those_before_a_resume_too(tmp_path):
+    """What the tracker logs at a chunk's end: every step's loss, at the iteration the step
+    reached (as progress reports it); a resumed try's history has the steps trained before the
+    checkpoint it resumed from (they come with the state), and an already-done chunk's too."""
+    whole = run_chunk(make_spec(tmp_path / "whole"), 0, 30, target=lambda i: 2)
+    assert [it for it, _ in whole.loss_history] == list(range(1, 31))
+    spec, live = make_spec(tmp_path / "cut"), []
+    first = run_chunk(spec, 0, 30, target=lambda i: 0 if i >= 15 else 2, on_progress=live.append)
+    assert first.status is ChunkStatus.PREEMPTED and first.loss_history == whole.loss_history[:15]
+    assert [(p.iteration, p.loss) for p in live] == first.loss_history
+    done = run_chunk(spec, 0, 30, target=lambda i: 2)
+    assert done.workers_timeline[0][0] == 15 and done.loss_history == whole.loss_history
+    again = run_chunk(spec, 10, 20, target=lambda i: 2, launcher=_NoLaunch())
+    assert again.status is ChunkStatus.ALREADY_DONE and again.loss_history == whole.loss_history[10:20]
+
+
 class _NoLaunch:
     def start(self, req):  # pragma: no cover - failing is the point
         raise AssertionError("an already-done chunk must not start workers")

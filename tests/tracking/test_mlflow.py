@@ -4,10 +4,12 @@ in a log or in the run."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
 from collections import defaultdict
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -18,12 +20,13 @@ from elastic_ops.errors import SpecError, TrackingError, WorkerLostError
 from elastic_ops.operators import ElasticChunkOperator, ElasticRegisterOperator
 from elastic_ops.operators.lifecycle import ElasticFinalizeOperator
 from elastic_ops.runtime.allocation import Allocation
-from elastic_ops.runtime.outcome import Progress
+from elastic_ops.runtime.outcome import Progress, loss_steps
 from elastic_ops.tracking import MlflowTracking, TrackedJob
 from elastic_ops.tracking import mlflow as tracking_mlflow
 from elastic_ops.utils.jobs import job_id
 from tests.mlflow_server import mlflow_server  # noqa: F401 - the fixture
 from tests.operators.helpers import TINY_FIELDS, airflow_pool, chunk_result, train_with
+from tests.runtime.agent_helpers import running_agent
 
 JOB = job_id("d", "train", "run1")
 log = logging.getLogger("test.mlflow")
@@ -80,13 +83,24 @@ def server(mlflow_server, monkeypatch, tmp_path):  # noqa: F811 - the fixture
     return mlflow_server
 
 
+@pytest.mark.parametrize("path", ["in_process", "agent"])
 def test_a_job_retried_mid_run_is_one_run_with_every_step_once_and_its_model(server, tmp_path, caplog,
-                                                                            capsys):
+                                                                            capsys, monkeypatch, path):
     """Register, chunk 1 killed mid-run (a worker SIGKILLed at iteration 17, after the commit at
     15), its retry from that checkpoint, chunk 2, finalize: one MLflow run, the loss at every
-    iteration exactly once (the retry re-trained 16 and 17, which the run had already), the
-    failure counted, the final model logged and registered, its URI in the Asset's extra."""
+    iteration exactly once (the retry re-trained 16 and 17, which the run may have already), the
+    failure counted, the final model logged and registered, its URI in the Asset's extra.
+    Through the per-host agent, progress is sampled (here: hardly ever): every step's loss comes
+    with the chunk's result, the steps chunk 1's first try trained before its checkpoint too."""
     caplog.set_level(logging.INFO)
+    with contextlib.ExitStack() as stack:
+        if path == "agent":
+            agent = stack.enter_context(running_agent(tmp_path / "agent", progress_every_s=3600.0))
+            monkeypatch.setenv("ELASTIC_OPS_AGENT_SOCKET", agent.path)
+        _retried_mid_run(server, tmp_path, caplog, capsys, path)
+
+
+def _retried_mid_run(server, tmp_path, caplog, capsys, path: str) -> None:
     experiment, client = server.experiment(), server.client()
     tracking = MlflowTracking(experiment=experiment, registered_model_name=f"tiny-{experiment}")
     fields = TINY_FIELDS | {"total_iterations": 40, "chunk_iterations": 20, "checkpoint_interval": 5,
@@ -102,7 +116,10 @@ def test_a_job_retried_mid_run_is_one_run_with_every_step_once_and_its_model(ser
     with pytest.raises(WorkerLostError):
         chunk1.execute(ctx(1))
     first = steps(client, run.info.run_id, "loss")
-    assert first == list(range(1, first[-1] + 1)) and first[-1] > 15  # past the checkpoint it resumes from
+    if path == "in_process":  # every iteration live, past the checkpoint it resumes from
+        assert first == list(range(1, first[-1] + 1)) and first[-1] > 15
+    else:  # a failed try has no result: what the agent sampled, at most its first iteration
+        assert first in ([], [1])
 
     out1 = chunk1.execute(ctx(2))
     assert "resumes from the checkpoint at iteration 15" in task_log(caplog, capsys)
@@ -116,7 +133,8 @@ def test_a_job_retried_mid_run_is_one_run_with_every_step_once_and_its_model(ser
     run = the_run(client, experiment)  # still the one run
     run_id = run.info.run_id
     assert steps(client, run_id, "loss") == list(range(1, 41))  # every iteration, once
-    assert steps(client, run_id, "workers") == list(range(1, 41))
+    if path == "in_process":  # live, every iteration (through the agent: sampled)
+        assert steps(client, run_id, "workers") == list(range(1, 41))
     assert {m.value for m in client.get_metric_history(run_id, "workers")} == {2.0}
     assert steps(client, run_id, "accuracy") == [20, 40]  # the chunks' evaluations
     assert run.data.tags["elastic_ops.failures"] == "1"
@@ -141,6 +159,10 @@ def test_a_job_retried_mid_run_is_one_run_with_every_step_once_and_its_model(ser
     weights = open_store(summary["checkpoint_uri"].rsplit("/", 1)[0]).load(final)["model"]
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, weights[name]), name
+    # each step's value is the loss of the trajectory the final model came from
+    trained = open_store(summary["checkpoint_uri"].rsplit("/", 1)[0]).load(final)["metrics"]["loss"]
+    logged = sorted((m.step, m.value) for m in client.get_metric_history(run_id, "loss"))
+    assert logged == loss_steps(trained, 40, 0, 40)
 
     # finalize again (a cleared task): the same model, no second version
     again = finalize.execute(ctx(2, **pulled) | {"outlet_events": events})
@@ -324,3 +346,53 @@ def test_a_preemption_is_counted_at_its_iteration_and_the_resumed_grant_goes_on_
     assert run_.data.tags["elastic_ops.last_preemption"] == "iteration 30"
     assert steps(client, run_.info.run_id, "loss") == list(range(21, 41))
     assert run_.data.tags["elastic_ops.epoch"] == str(grants[-1])
+
+
+SCRIPT_FIELDS = {"entrypoint": str(Path(__file__).parents[1] / "runtime" / "ddp_script.py"),
+                 "total_iterations": 8, "chunk_iterations": 8, "global_batch": 12, "min_workers": 1,
+                 "max_workers": 1, "consistency": "fast", "data_seed": 1}
+
+
+def test_a_script_entrypoints_final_weights_are_logged_as_a_state_dict_not_a_model(server, tmp_path):
+    """A DDP script defines its model inside the script: no task but its workers can build
+    it, so no MLflow model; its final weights are the run's artifact ``model_state_dict``."""
+    experiment, client = server.experiment(), server.client()
+    tracking = MlflowTracking(experiment=experiment)
+    register, (chunk,), finalize, asset = tasks(SCRIPT_FIELDS, tracking, chunks=1)
+    register.execute(ctx())
+    out = chunk.execute(ctx())
+    events: dict = defaultdict(SimpleNamespace)
+    pulled = {"xcom_pull": lambda task_ids: out}
+    summary = finalize.execute(ctx(1, **pulled) | {"outlet_events": events})
+    run = the_run(client, experiment)
+    assert run.info.status == "FINISHED" and "mlflow_model_uri" not in summary
+    uri = summary["mlflow_state_dict_uri"]
+    assert uri == f"runs:/{run.info.run_id}/model_state_dict" and events[asset].extra == summary
+    assert steps(client, run.info.run_id, "loss") == list(range(1, 9))  # a script's loss too
+    import mlflow
+    import mlflow.pytorch
+
+    from elastic_ops.checkpoint import open_store
+
+    mlflow.set_tracking_uri(server.uri)
+    logged = mlflow.pytorch.load_state_dict(uri)
+    store = open_store(summary["checkpoint_uri"].rsplit("/", 1)[0])
+    final = store.load(store.latest())["model"]
+    assert logged.keys() == final.keys() and all(torch.equal(logged[k], final[k]) for k in final)
+    again = finalize.execute(ctx(2, **pulled) | {"outlet_events": events})  # a cleared finalize
+    assert again["mlflow_state_dict_uri"] == uri
+    assert [a.path for a in client.list_artifacts(run.info.run_id, "model_state_dict")] == \
+        ["model_state_dict/state_dict.pth"]
+
+
+def test_registering_a_script_entrypoints_model_is_refused_when_the_dag_is_parsed():
+    from elastic_ops.taskgroup import elastic_training
+
+    tracking = MlflowTracking(registered_model_name="wine")
+    with pytest.raises(SpecError, match="invalid registered_model_name='wine': must be None for a "
+                                        "script entrypoint") as err:
+        elastic_training("train", SCRIPT_FIELDS["entrypoint"], 8, 8, tracking=tracking)
+    assert "Trainable" in str(err.value.hint)
+    with pytest.raises(SpecError, match="registered_model_name"):
+        ElasticChunkOperator(task_id="c", spec_fields=SCRIPT_FIELDS, chunk_index=0, group_id="train",
+                             tracking=tracking)
