@@ -141,6 +141,12 @@ class TinyMLP(Trainable):
         return {"accuracy": acc, **self.params.get("eval_extra", {})}
 
 
+class NoClipMLP(TinyMLP):
+    """TinyMLP without its before_step (which the parameter server refuses)."""
+
+    before_step = Trainable.before_step
+
+
 REC_ENTRY = "tests.runtime.builders:TinyRec"
 
 

@@ -85,8 +85,10 @@ class ServerGroup:
                         self.ready[s] = int(msg[2])
                     elif msg[0] == "left":
                         self.left.setdefault(int(msg[1]), set()).add(s)
-                        for k in self.stats:
+                        for k in ("bytes_sent", "bytes_received"):
                             self.stats[k] += int(msg[2].get(k, 0))
+                        if s == 0:  # every server steps every iteration: count one's
+                            self.stats["steps"] += int(msg[2].get("steps", 0))
                     elif msg[0] == "error":
                         self.errors[s] = (msg[1], msg[2], msg[3], msg[4])
             except (EOFError, OSError):
