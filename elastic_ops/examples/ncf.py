@@ -8,7 +8,10 @@ The data (deterministic from ``data_seed``): ``users`` x ``items`` with hidden t
 by taste (Gumbel top-k over ``taste * <user, item> + popularity``). Leave-one-out: one
 interaction per user is held out for the test. Each training interaction is a positive sample
 with ``negatives`` fixed negative samples (items the user did not interact with), drawn once at
-generation, so the data set, like every sample order, is the same in every process.
+generation, so the data set, like every sample order, is the same in every process. A catalogue
+of more than 5,000 items (the benchmark's) draws each user's interactions from 2,000 random
+candidates and the negatives uniformly (one may then be an item the user interacted with, at
+odds ``per_user / items``), so generating it costs users x 2,000, not users x items.
 
 Evaluation (``evaluate()``): the held-out item of each user ranked among 99 items the user never
 interacted with (fixed too): ``hit_rate`` is HR@10 (the share of users whose held-out item ranks
@@ -59,6 +62,8 @@ SCHEMA = {
 
 TEST_NEGATIVES = 99
 TOP_K = 10
+LARGE_CATALOGUE = 5000  # more items than this: interactions drawn from CANDIDATES random items each
+CANDIDATES = 2000
 
 
 @functools.lru_cache(maxsize=4)
@@ -73,18 +78,27 @@ def generate(users: int, items: int, per_user: int, negatives: int, factors: int
     pu = torch.randn(users, factors, generator=g)
     qi = torch.randn(items, factors, generator=g)
     popularity = torch.randn(items, generator=g)
-    score = taste * (pu @ qi.T) / factors**0.5 + popularity
-    gumbel = -torch.log(-torch.log(torch.rand(users, items, generator=g).clamp_min(1e-12)))
-    seen = torch.topk(score + gumbel, per_user, dim=1).indices  # each user's interactions, by taste
+    if items <= LARGE_CATALOGUE:
+        candidates = torch.arange(items).expand(users, items)
+    else:  # a user's interactions come from random candidates: O(users x CANDIDATES), not x items
+        candidates = torch.randint(items, (users, CANDIDATES), generator=g)
+    score = taste * (pu.unsqueeze(1) * qi[candidates]).sum(-1) / factors**0.5 + popularity[candidates]
+    gumbel = -torch.log(-torch.log(torch.rand(score.shape, generator=g).clamp_min(1e-12)))
+    best = torch.topk(score + gumbel, per_user, dim=1).indices  # each user's interactions, by taste
+    seen = candidates.gather(1, best)
     order = torch.argsort(torch.rand(users, per_user, generator=g), dim=1)  # a random one is held out
     seen = seen.gather(1, order)
     held = seen[:, -1]
     pos = seen[:, :-1]
-    mask = torch.zeros(users, items, dtype=torch.bool)
-    mask.scatter_(1, seen, True)
-    weights = (~mask).float()  # never an item the user interacted with
-    neg_train = torch.multinomial(weights, (per_user - 1) * negatives, replacement=True, generator=g)
-    neg_test = torch.multinomial(weights, TEST_NEGATIVES, replacement=False, generator=g)
+    if items <= LARGE_CATALOGUE:
+        mask = torch.zeros(users, items, dtype=torch.bool)
+        mask.scatter_(1, seen, True)
+        weights = (~mask).float()  # never an item the user interacted with
+        neg_train = torch.multinomial(weights, (per_user - 1) * negatives, replacement=True, generator=g)
+        neg_test = torch.multinomial(weights, TEST_NEGATIVES, replacement=False, generator=g)
+    else:  # uniform: one of the user's own items, at odds per_user / items
+        neg_train = torch.randint(items, (users, (per_user - 1) * negatives), generator=g)
+        neg_test = torch.randint(items, (users, TEST_NEGATIVES), generator=g)
     u_pos = torch.arange(users).repeat_interleave(per_user - 1)
     u_neg = torch.arange(users).repeat_interleave((per_user - 1) * negatives)
     train = {
