@@ -510,7 +510,8 @@ class _Runner:
             return {}
         self.servers.failure()  # reads the last stats they sent
         stats = self.servers.stats
-        return {"ps_bytes": stats["bytes_sent"] + stats["bytes_received"], "ps_steps": stats["steps"]}
+        return {"ps_bytes": stats["bytes_sent"] + stats["bytes_received"], "ps_steps": stats["steps"],
+                "ps_snapshot_bytes": stats["snapshot_bytes"]}
 
 
 def _worker_count(value: Any, iteration: int) -> int:

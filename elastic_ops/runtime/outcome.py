@@ -59,10 +59,12 @@ class ChunkResult:
     duration_s: float
     param_sha256: str | None
     train_samples_per_sec: float = 0.0  # samples / time inside the training loops (no startup)
-    # strategy parameter_server: the bytes its servers sent and received (every worker's pulls and
-    # pushes, headers included) and the steps they took; None under all-reduce
+    # strategy parameter_server: the bytes its servers sent and received for the iterations
+    # (every worker's pulls and pushes, headers included), the steps they took, and the bytes of
+    # the state snapshots rank 0 gathered (checkpoints, segment ends); None under all-reduce
     ps_bytes: int | None = None
     ps_steps: int | None = None
+    ps_snapshot_bytes: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

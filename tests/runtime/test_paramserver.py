@@ -125,8 +125,8 @@ def test_pushes_and_pulls_move_the_rows_touched_not_the_table(tmp_path):
     result = run_job(spec, schedule=Schedule.constant(2))
     per_step = result.ps_bytes / result.ps_steps
     table_bytes = 200_000 * 4 * 4
-    # the end-of-chunk state (the whole model, once) is in there too; per step it is a fraction
-    assert per_step < table_bytes / 2, per_step
+    assert per_step < table_bytes / 100, per_step  # ~2 KB of rows and ids, headers, the dense head
+    assert result.ps_snapshot_bytes > table_bytes  # the chunk's end gathered the whole model, once
 
 
 def test_a_model_that_reads_a_tables_weight_directly_is_told_to_call_the_module(tmp_path):

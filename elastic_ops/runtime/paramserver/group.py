@@ -48,7 +48,7 @@ class ServerGroup:
         self.ready: dict[int, int] = {}
         self.left: dict[int, set[int]] = {}
         self.errors: dict[int, tuple[str, str, str, int]] = {}
-        self.stats: dict[str, int] = {"bytes_sent": 0, "bytes_received": 0, "steps": 0}
+        self.stats: dict[str, int] = {"bytes_sent": 0, "bytes_received": 0, "snapshot_bytes": 0, "steps": 0}
         self.workers = 0  # of the segment they serve now (their ranks follow the workers')
         try:
             for s in range(self.count):
@@ -85,7 +85,7 @@ class ServerGroup:
                         self.ready[s] = int(msg[2])
                     elif msg[0] == "left":
                         self.left.setdefault(int(msg[1]), set()).add(s)
-                        for k in ("bytes_sent", "bytes_received"):
+                        for k in ("bytes_sent", "bytes_received", "snapshot_bytes"):
                             self.stats[k] += int(msg[2].get(k, 0))
                         if s == 0:  # every server steps every iteration: count one's
                             self.stats["steps"] += int(msg[2].get("steps", 0))

@@ -105,7 +105,7 @@ class ServerShard:
         del model, user_opt, named
         if state_path:
             self._restore(state_path)
-        self.stats = {"bytes_sent": 0, "bytes_received": 0, "steps": 0}
+        self.stats = {"bytes_sent": 0, "bytes_received": 0, "snapshot_bytes": 0, "steps": 0}
 
     def _restore(self, path: str) -> None:
         from elastic_ops.runtime.state import load_state
@@ -251,8 +251,9 @@ class ServerShard:
                 dist.destroy_process_group()
         self.stats["bytes_sent"] += counter.sent
         self.stats["bytes_received"] += counter.received
+        self.stats["snapshot_bytes"] += counter.snapshot
         return {"bytes_sent": counter.sent, "bytes_received": counter.received,
-                "steps": self.stats["steps"] - steps0}
+                "snapshot_bytes": counter.snapshot, "steps": self.stats["steps"] - steps0}
 
 
 def _parse_tables(lay: Layout, push: tuple[torch.Tensor, torch.Tensor], head: int):

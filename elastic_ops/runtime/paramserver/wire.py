@@ -42,11 +42,13 @@ PULL, ROWS, PUSH, SNAP, BYE = 1, 2, 3, 4, 5
 
 
 class Counter:
-    """Bytes this process sent and received over the group (payloads and headers)."""
+    """Bytes this process sent and received over the group (payloads and headers); the state
+    snapshots (checkpoints, segment ends) apart, in ``snapshot``."""
 
     def __init__(self) -> None:
         self.sent = 0
         self.received = 0
+        self.snapshot = 0
 
     def add_sent(self, t: torch.Tensor) -> None:
         self.sent += t.numel() * t.element_size()
@@ -80,8 +82,7 @@ def send_blob(data: torch.Tensor, dst: int, counter: Counter) -> None:
     size = torch.tensor([data.numel()], dtype=torch.int64)
     dist.send(size, dst, tag=DATA)
     dist.send(data, dst, tag=DATA)
-    counter.add_sent(size)
-    counter.add_sent(data)
+    counter.snapshot += size.numel() * 8 + data.numel()
 
 
 def recv_blob(src: int, counter: Counter) -> torch.Tensor:
@@ -89,6 +90,5 @@ def recv_blob(src: int, counter: Counter) -> torch.Tensor:
     dist.recv(size, src, tag=DATA)
     data = torch.empty(int(size.item()), dtype=torch.uint8)
     dist.recv(data, src, tag=DATA)
-    counter.add_received(size)
-    counter.add_received(data)
+    counter.snapshot += size.numel() * 8 + data.numel()
     return data
