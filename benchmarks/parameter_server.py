@@ -11,8 +11,8 @@ iterations at the same global batch (256) and virtual shards (4) by three strate
 * ``allreduce_fast``: ``consistency: fast`` (a plain all-reduce, what DDP does).
 
 ``embedding``: 2,000 users x 200,000 items, 32 wide (7.04 M table parameters, 99.9 % of the
-model; ``sparse=True`` embeddings, Adagrad). ``dense``: 100 x 100 rows, 16 wide, an MLP tower of
-1,024 (0.6 % table parameters): where the parameter server stops paying.
+model; ``sparse=True`` embeddings, Adagrad). ``dense``: 200 x 200 rows, 16 wide, an MLP tower of
+1,024 (1.1 % table parameters): where the parameter server stops paying.
 
 Throughput is samples per second inside the training loops (``train_samples_per_sec``: rank 0
 from its first iteration boundary to its last). Bytes per iteration, all ranks together: for the
@@ -39,7 +39,7 @@ RESULTS = Path(__file__).resolve().parent / "results" / "parameter_server.json"
 
 MODELS = {
     "embedding": {"users": 2000, "items": 200_000, "dim": 32, "hidden": 64, "per_user": 40},
-    "dense": {"users": 100, "items": 100, "dim": 16, "hidden": 1024, "per_user": 20},
+    "dense": {"users": 200, "items": 200, "dim": 16, "hidden": 1024, "per_user": 20},
 }
 STRATEGIES = ("ps", "allreduce_bitwise", "allreduce_fast")
 BATCH, SHARDS = 256, 4

@@ -72,8 +72,8 @@ def generate(users: int, items: int, per_user: int, negatives: int, factors: int
     """The synthetic data: ``train`` (user, item, label) tensors and ``test`` (user, 100 items,
     the held-out one first). Cached per process; callers must not modify the tensors."""
     if per_user < 2 or per_user + TEST_NEGATIVES + 1 > items:
-        raise SpecError("params.per_user", per_user, f"must be >= 2 and leave {TEST_NEGATIVES + 1} items a user "
-                        f"never saw (items is {items})")
+        raise SpecError("params.per_user", per_user, f"must be >= 2 and leave {TEST_NEGATIVES + 1} items a "
+                        f"user never saw (items is {items})")
     g = torch.Generator().manual_seed(seed)
     pu = torch.randn(users, factors, generator=g)
     qi = torch.randn(items, factors, generator=g)

@@ -206,7 +206,8 @@ class TinyRec(TinyMLP):
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         p = self.params
         if p.get("kill_server") is not None:
-            KillingAdagrad.kill_server, KillingAdagrad.kill_at = int(p["kill_server"]), int(p["kill_server_at"])
+            KillingAdagrad.kill_server = int(p["kill_server"])
+            KillingAdagrad.kill_at = int(p["kill_server_at"])
             KillingAdagrad.marker = str(p["marker"])
             return KillingAdagrad(model.parameters(), lr=float(p.get("lr", 0.2)))
         return torch.optim.Adagrad(model.parameters(), lr=float(p.get("lr", 0.2)))
@@ -223,7 +224,7 @@ class TinyRec(TinyMLP):
         return F.binary_cross_entropy_with_logits(logits, y)
 
     def evaluate(self, model: nn.Module) -> dict[str, float]:
-        u, i, y, _ = _rec_data(self.n, int(self.params.get("users", 40)), int(self.params.get("items", 60))).tensors
+        u, i, y, _ = self.train_dataset().tensors
         with torch.no_grad():
             acc = ((model(u, i) > 0).float() == y).float().mean().item()
         return {"accuracy": acc}
@@ -274,8 +275,8 @@ def final_state(spec: JobSpec) -> dict[str, Any]:
 
 def make_ps_spec(tmp_path: Path, **overrides: Any) -> JobSpec:
     """The standard tiny parameter-server job: TinyRec, 2 servers, 6 virtual shards, 30 iterations."""
-    fields: dict[str, Any] = dict(entrypoint=REC_ENTRY, name="tinyrec", strategy="parameter_server", servers=2,
-                                  global_batch=12, params={})
+    fields: dict[str, Any] = dict(entrypoint=REC_ENTRY, name="tinyrec", strategy="parameter_server",
+                                  servers=2, global_batch=12, params={})
     fields.update(overrides)
     return make_spec(tmp_path, **fields)
 

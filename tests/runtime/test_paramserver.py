@@ -97,7 +97,8 @@ def test_samples_are_used_exactly_once_across_rescales_and_a_mid_epoch_resume(tm
     spec = make_ps_spec(tmp_path, params={"record_dir": str(record)})  # 96 samples: 8 iterations/epoch
     run_chunk(spec, 0, 13, target=Schedule.parse("1@0,3@5", spec, 0, 13))
     run_chunk(spec, 13, 30, target=Schedule.parse("2@13,1@20", spec, 13, 30))
-    used = [int(i) for f in record.iterdir() for line in f.read_text().split("\n") if line for i in line.split()]
+    lines = [line for f in record.iterdir() for line in f.read_text().split("\n") if line]
+    used = [int(i) for line in lines for i in line.split()]
     expected = stream_slice(spec.data_seed, 96, 0, 30 * 12).tolist()
     assert sorted(used) == sorted(expected)
 

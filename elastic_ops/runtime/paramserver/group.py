@@ -116,7 +116,8 @@ class ServerGroup:
                 except ValueError:
                     name = f"signal {-code}"
                 return WorkerLostError(
-                    f"worker lost on {self.host}: parameter server {s} (rank {self.workers + s}) killed by {name}",
+                    f"worker lost on {self.host}: parameter server {s} (rank {self.workers + s}) killed by "
+                    f"{name}",
                     host=self.host,
                     hint="the retry starts every server from the last committed checkpoint (each server's "
                     "shard and optimizer state)",
@@ -124,7 +125,8 @@ class ServerGroup:
         for s, (kind, message, text, iteration) in sorted(self.errors.items()):
             when = "before training" if iteration is None or iteration < 0 else f"at iteration {iteration}"
             if kind == "user":
-                return UserCodeError(f"parameter server {s} {when}: {message}" + (f"\n{text}" if text else ""))
+                tail = f"\n{text}" if text else ""
+                return UserCodeError(f"parameter server {s} {when}: {message}{tail}")
             if kind == "nonfinite":
                 return NonFiniteLossError(f"parameter server {s} {when}: {message}")
             if kind == "internal":
@@ -150,7 +152,8 @@ class ServerGroup:
             if err is not None:
                 raise err
             if time.monotonic() >= deadline:
-                raise WorkerLostError(f"worker lost on {self.host}: the parameter servers did not {what} within "
+                raise WorkerLostError(f"worker lost on {self.host}: the parameter servers did not {what} "
+                                      f"within "
                                       f"{timeout:.0f} s", host=self.host)
             time.sleep(0.005)
 

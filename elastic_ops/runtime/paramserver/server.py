@@ -38,7 +38,9 @@ SERVER_ENV = "ELASTIC_OPS_PS_SERVER"  # the server's index, in its own environme
 CURRENT_ITERATION = -1  # the iteration this server last stepped or is stepping
 
 
-def rebuild_optimizer(user_opt: torch.optim.Optimizer, mapping: dict[int, nn.Parameter]) -> torch.optim.Optimizer:
+def rebuild_optimizer(
+    user_opt: torch.optim.Optimizer, mapping: dict[int, nn.Parameter]
+) -> torch.optim.Optimizer:
     """The user's optimizer over the server's parameters: ``mapping`` from ``id()`` of a model
     parameter to the server's tensor for it (its whole value, or its rows). Groups keep their
     order and hyperparameters (a group with none of this server's parameters stays, empty, so
@@ -243,9 +245,11 @@ class ServerShard:
                     if a:
                         wire.send_blob(wire.state_bytes(self.snapshot()), src, counter)
                 else:
-                    raise RuntimeError(f"parameter server {self.index}: unknown request {hdr.tolist()} from rank {src}")
+                    raise RuntimeError(f"parameter server {self.index}: unknown request {hdr.tolist()} "
+                                       f"from rank {src}")
             if pushes:
-                raise RuntimeError(f"parameter server {self.index}: the workers left iteration {it} half pushed")
+                raise RuntimeError(f"parameter server {self.index}: the workers left iteration {it} "
+                                   "half pushed")
         finally:
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
@@ -275,7 +279,8 @@ def _parse_tables(lay: Layout, push: tuple[torch.Tensor, torch.Tensor], head: in
 def _error_kind(exc: BaseException) -> str:
     if isinstance(exc, UserFailure):
         return "user"
-    if isinstance(exc, (RuntimeError, TimeoutError, ConnectionError)) and not isinstance(exc, NotImplementedError):
+    if isinstance(exc, (RuntimeError, TimeoutError, ConnectionError)) and not isinstance(
+            exc, NotImplementedError):
         return "comm"
     return "internal"
 
@@ -331,6 +336,6 @@ def _serve_forever(conn: Any, cfg: dict[str, Any]) -> int:
     except BaseException as exc:
         text = exc.text if isinstance(exc, UserFailure) else traceback.format_exc()
         with contextlib.suppress(Exception):
-            conn.send(("error", _error_kind(exc), f"{type(exc).__name__}: {exc}" if not isinstance(exc, UserFailure)
-                       else str(exc), text, CURRENT_ITERATION))
+            message = str(exc) if isinstance(exc, UserFailure) else f"{type(exc).__name__}: {exc}"
+            conn.send(("error", _error_kind(exc), message, text, CURRENT_ITERATION))
         return 1

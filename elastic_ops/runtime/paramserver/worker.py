@@ -34,7 +34,8 @@ from elastic_ops.runtime.trainable import Trainable, load_trainable
 def _refuse_before_step(trainable: Trainable) -> None:
     if type(trainable).before_step is not Trainable.before_step:
         raise TypeError(
-            f"{type(trainable).__name__} overrides before_step(), which sees the whole reduced gradient; under "
+            f"{type(trainable).__name__} overrides before_step(), which sees the whole reduced gradient; "
+            "under "
             "strategy parameter_server no process holds it (each server steps its own shard): clip in the "
             "optimizer (a torch.optim subclass whose step() clips its own parameters' gradients) or use "
             "strategy allreduce"
@@ -67,7 +68,8 @@ class PSWorker:
         by_weight = {id(self.params[t.index]): pos for pos, t in enumerate(lay.tables)}
         for module in self.model.modules():
             if isinstance(module, TABLE_MODULES) and id(module.weight) in by_weight:
-                module.register_forward_pre_hook(functools.partial(self._lookup, by_weight[id(module.weight)]))
+                hook = functools.partial(self._lookup, by_weight[id(module.weight)])
+                module.register_forward_pre_hook(hook)
         self.iteration, self.cursor = seg.start, 0
         self.metrics: dict[str, list] = {"loss": [], "eval": []}
         self.it = -1
@@ -254,7 +256,8 @@ class PSWorker:
                 counts.append(b - a)
                 ids.append(tids[a:b] - lay.tables[pos].ranges[s][0])
                 rows.append(trows[a:b].reshape(-1))
-            ints = torch.cat([torch.tensor(used + counts, dtype=torch.int64), *ids]) if n else torch.zeros(0, dtype=torch.int64)
+            ints = (torch.cat([torch.tensor(used + counts, dtype=torch.int64), *ids]) if n
+                    else torch.zeros(0, dtype=torch.int64))
             floats = torch.cat([head, *rows])
             h = wire.header(wire.PUSH, k, it, len(ints), len(floats))
             dst = self.server_rank(s)
@@ -272,7 +275,8 @@ class PSWorker:
             h = wire.header(kind, *((1, self.iteration) if kind == wire.BYE else (self.iteration,)))
             dist.send(h, self.server_rank(s), tag=wire.HDR)
             self.counter.add_sent(h)
-        snaps = [wire.bytes_state(wire.recv_blob(self.server_rank(s), self.counter)) for s in range(self.servers)]
+        snaps = [wire.bytes_state(wire.recv_blob(self.server_rank(s), self.counter))
+                 for s in range(self.servers)]
         lay = self.layout
         with torch.no_grad():
             for i, name in enumerate(lay.names):
@@ -335,7 +339,8 @@ class PSWorker:
         if self.iteration >= seg.end:
             was_training = self.model.training
             self.model.eval()
-            torch.default_generator.manual_seed(iteration_seed(spec.data_seed, self.iteration, EVALUATE_STREAM))
+            seed = iteration_seed(spec.data_seed, self.iteration, EVALUATE_STREAM)
+            torch.default_generator.manual_seed(seed)
             with user_code(), torch.no_grad():
                 evaluation = metric_values(self.trainable.evaluate(self.model))
             self.model.train(was_training)
