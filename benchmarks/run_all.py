@@ -20,6 +20,7 @@ BENCHMARKS = (
     ["benchmarks.node_dispatch", "--repeats", "9"],
     ["benchmarks.span_overhead", "--repeats", "5"],
     ["benchmarks.drain_notice"],
+    ["benchmarks.parameter_server"],
 )
 
 

@@ -210,6 +210,21 @@ class Scaling(enum.StrEnum):
     ADAPTIVE = "adaptive"
 
 
+class Strategy(enum.StrEnum):
+    """How workers combine what they learn. ``allreduce`` (default): every worker holds the whole
+    model and the gradients are all-reduced (``consistency`` says how). ``parameter_server``:
+    ``servers`` processes hold the parameters in shards with their optimizer state; workers pull
+    what their batch needs (an embedding table's touched rows only), push its gradients (sparse
+    for embedding tables), and the servers reduce them in a fixed shard order and step
+    (docs/runtime.md, "Parameter-server strategy")."""
+
+    ALLREDUCE = "allreduce"
+    PARAMETER_SERVER = "parameter_server"
+
+
+MAX_SERVERS = 64
+
+
 class Device(enum.StrEnum):
     CPU = "cpu"
     CUDA = "cuda"
@@ -288,6 +303,8 @@ class JobSpec:
     host_selector: Mapping[str, str] = dataclasses.field(default_factory=dict)  # labels its hosts carry
     stop_when: Mapping[str, Any] | None = None  # stop at the first chunk end that meets it
     script_args: Sequence[str] = ()  # a script entrypoint's sys.argv[1:]
+    strategy: Strategy = Strategy.ALLREDUCE
+    servers: int | None = None  # strategy parameter_server: the server processes (default 1)
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen dataclass
@@ -326,6 +343,8 @@ class JobSpec:
         set_("consistency", _enum(Consistency, "consistency", self.consistency))
         set_("scaling", _enum(Scaling, "scaling", self.scaling))
         set_("device", _enum(Device, "device", self.device))
+        set_("strategy", _enum(Strategy, "strategy", self.strategy))
+        self._check_strategy()
         self._check_script_mode()
         self._check_batching()
         check_int("warmup_iterations", self.warmup_iterations, 0, MAX_ITERATIONS)
@@ -374,6 +393,11 @@ class JobSpec:
                 "must be 'package.module:TrainableClass' or a path to a Python script ending in .py",
             )
 
+    @property
+    def parameter_server(self) -> bool:
+        """Whether the job trains with parameter servers (``strategy: parameter_server``)."""
+        return self.strategy is Strategy.PARAMETER_SERVER
+
     def is_script(self) -> bool:
         """Whether the entrypoint is a DDP-style script (else a Trainable class)."""
         return self.entrypoint.endswith(".py")
@@ -391,6 +415,39 @@ class JobSpec:
             raise SpecError("script_args", args, "only with a script entrypoint",
                             hint="a Trainable takes its hyperparameters from params")
         return tuple(args)
+
+    def _check_strategy(self) -> None:
+        """``servers`` only with the parameter server, and the settings it cannot honour refused
+        here, naming the one that conflicts (the sync mode is bitwise by construction: fixed
+        virtual shards, reduced in shard order on each server)."""
+        if self.strategy is not Strategy.PARAMETER_SERVER:
+            if self.servers is not None:
+                raise SpecError("servers", self.servers, "only with strategy 'parameter_server'",
+                                hint="servers are the parameter-server processes; all-reduce has none")
+            return
+        servers = 1 if self.servers is None else self.servers
+        check_int("servers", servers, 1, MAX_SERVERS)
+        object.__setattr__(self, "servers", servers)
+        ps = "with strategy 'parameter_server'"
+        if self.is_script():
+            raise SpecError("strategy", self.strategy.value, "must be 'allreduce' with a script entrypoint",
+                            hint="a script reduces its own gradients (e.g. with DDP); the parameter server "
+                            "trains a Trainable")
+        if self.consistency is not Consistency.BITWISE:
+            raise SpecError(
+                "consistency", self.consistency.value, f"must be 'bitwise' {ps}",
+                hint="its sync mode reduces fixed virtual shards in a fixed order on the servers, bit for "
+                "bit like a 1-worker run; an asynchronous (fast) mode is not implemented",
+            )
+        if self.scaling is not Scaling.FIXED:
+            raise SpecError(
+                "scaling", self.scaling.value, f"must be 'fixed' {ps}",
+                hint="the servers step on the fixed global batch; a batch that grows with the workers or "
+                "follows the pool (adaptive) needs the whole gradient in one place, which no process has",
+            )
+        if self.device is not Device.CPU:
+            raise SpecError("device", self.device.value, f"must be 'cpu' {ps}",
+                            hint="servers and workers talk over gloo's point-to-point transport, on CPU")
 
     def _check_script_mode(self) -> None:
         """A script reduces its own gradients (e.g. with DDP) and runs its own forward and backward:
@@ -510,6 +567,8 @@ class JobSpec:
             keys += ("min_workers",)  # min_workers' (fixed: no hash change, existing checkpoints resume)
         if self.script_args:  # likewise only when given
             keys += ("script_args",)
+        if self.strategy is Strategy.PARAMETER_SERVER:  # each server's shard and optimizer state
+            keys += ("strategy", "servers")  # (all-reduce jobs' hashes do not change)
         return {k: _plain(getattr(self, k)) for k in keys}
 
     def to_dict(self) -> dict[str, Any]:

@@ -33,7 +33,8 @@ from elastic_ops.tracking.api import Tracking
 from elastic_ops.utils.jobs import is_template, safe_name
 
 # Fields that cannot be templates: they decide the task structure or the training trajectory.
-_STATIC = ("entrypoint", "chunk_iterations", "global_batch", "consistency", "data_seed")
+_STATIC = ("entrypoint", "chunk_iterations", "global_batch", "consistency", "data_seed", "strategy",
+           "servers")
 # Fields a template can give only where the DAG renders native objects (Jinja renders a string)
 _STRUCTURED = {"params": "mapping", "host_selector": "mapping", "stop_when": "mapping",
                "script_args": "list"}

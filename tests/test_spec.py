@@ -322,3 +322,41 @@ def test_a_spec_that_is_no_regular_file_is_refused_at_once(tmp_path):
     huge.write_text("name: j\n" + "# padding\n" * 200_000)
     with pytest.raises(SpecError, match="at most 1024 KiB"):
         JobSpec.from_yaml(huge)
+
+
+PS = {"strategy": "parameter_server", "consistency": "bitwise", "max_workers": 4}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field", "allowed"),
+    [
+        ({"strategy": "gossip"}, "strategy", "'allreduce', 'parameter_server'"),
+        ({"servers": 2}, "servers", "only with strategy 'parameter_server'"),
+        ({**PS, "servers": 0}, "servers", "between 1 and 64"),
+        ({**PS, "servers": 65}, "servers", "between 1 and 64"),
+        ({**PS, "servers": True}, "servers", "integer"),
+        ({**PS, "consistency": "fast"}, "consistency", "must be 'bitwise' with strategy 'parameter_server'"),
+        ({"strategy": "parameter_server"}, "consistency", "must be 'bitwise'"),  # the default is fast
+        ({**PS, "scaling": "linear_lr", "min_workers": 1}, "scaling", "must be 'fixed' with strategy"),
+        ({**PS, "scaling": "adaptive"}, "scaling", "must be 'fixed' with strategy 'parameter_server'"),
+        ({**PS, "device": "cuda"}, "device", "must be 'cpu' with strategy 'parameter_server'"),
+        ({**PS, "device": "auto"}, "device", "must be 'cpu'"),
+        ({**PS, "entrypoint": "train.py"}, "strategy", "must be 'allreduce' with a script entrypoint"),
+        ({**PS, "global_batch": 30}, "global_batch", "divisible by virtual_shards (4)"),
+    ],
+)
+def test_parameter_server_settings_it_cannot_honour_are_refused_naming_which(overrides, field, allowed):
+    with pytest.raises(SpecError) as err:
+        make_spec(**overrides)
+    assert err.value.field == field
+    assert allowed in str(err.value)
+
+
+def test_parameter_server_defaults_to_one_server_and_its_fields_enter_the_hash_only_when_set():
+    spec = make_spec(**PS)
+    assert spec.parameter_server and spec.servers == 1 and spec.virtual_shards == 4
+    assert spec.spec_hash() != make_spec(**PS, servers=2).spec_hash()
+    allreduce = make_spec(consistency="bitwise", max_workers=4)
+    assert not allreduce.parameter_server and allreduce.servers is None
+    assert "strategy" not in allreduce.trajectory()  # all-reduce jobs' hashes do not change
+    assert JobSpec.from_dict(spec.to_dict()) == spec

@@ -4,6 +4,8 @@
   scikit-learn's bundled 8x8 handwritten digits (bitwise / fast consistency).
 - ``chartransformer``: :class:`elastic_ops.examples.chartransformer.CharTransformer`, a small
   character-level transformer language model on Python standard-library source.
+- ``ncf``: :class:`elastic_ops.examples.ncf.NCF`, neural collaborative filtering on synthetic
+  implicit feedback it generates, trained with parameter servers (``strategy: parameter_server``).
 
 Their YAML specs live in this package (``elastic_ops/examples/<name>.yaml``, the source of
 truth, installed with the package); the repository's top-level ``examples/<name>.yaml`` are
@@ -21,7 +23,7 @@ from elastic_ops.errors import SpecError
 if TYPE_CHECKING:
     from elastic_ops.spec import JobSpec
 
-EXAMPLES: tuple[str, ...] = ("digits", "digits-fast", "digits-adaptive", "chartransformer")
+EXAMPLES: tuple[str, ...] = ("digits", "digits-fast", "digits-adaptive", "chartransformer", "ncf")
 _HERE = Path(__file__).resolve().parent
 
 

@@ -139,6 +139,7 @@ class _Runner:
         self._t0 = time.time()
         # a lone worker has no collective to time out: the longest it may take between two boundaries
         self.stall_s = stall_timeout()
+        self.servers: Any = None  # strategy parameter_server: the chunk's ServerGroup
 
     def target(self, iteration: int) -> int:
         """The wanted worker count, clamped to the spec's bounds (0 = preempt); notes the
@@ -230,6 +231,7 @@ class _Runner:
         # across hosts the store listens where the other hosts reach this one (the node's address)
         address = self._span_address(workers, here, remote)
         store = loopback_store(address or "127.0.0.1")
+        key = new_key()  # every rank's, this host's and (loopback tests) the others'
         cfg = {
             "spec": self.spec.to_dict(),
             "start": it,
@@ -259,8 +261,14 @@ class _Runner:
             slots=launch_slots,
             world_size=workers,
             remote=remote,
-            rendezvous_key=new_key(),  # every rank's, this host's and (loopback tests) the others'
+            rendezvous_key=key,
         )
+        if self.servers is not None:  # the servers join the segment's group beside its workers
+            self.servers.join({
+                "index": index, "addr": address or "127.0.0.1", "port": store.port, "key": key,
+                "workers": workers, "world": workers + int(self.spec.servers), "start": it,
+                "timeout_s": pg_timeout().total_seconds(),
+            })
         stop = threading.Event()
         errors: list[BaseException] = []
         ctl = threading.Thread(
@@ -285,6 +293,8 @@ class _Runner:
                 self.committer.check()
                 if errors:
                     raise errors[0]
+                if self.servers is not None:
+                    self.servers.check()  # a server killed: the workers then wait on it
         except BaseException:
             if pc is not None:
                 pc.close()
@@ -297,7 +307,11 @@ class _Runner:
         if errors:
             raise errors[0]
         if result.failures:
+            if self.servers is not None and (lost := self.servers.failure(grace=2.0)) is not None:
+                raise lost  # a server's end first: the workers' broken collectives follow from it
             raise segment_failure(self.host, segdir, result.failures, pc.failure_report())
+        if self.servers is not None:
+            self.servers.wait_left(index)
         if not (segdir / "result.json").exists():
             raise TrainingError(
                 f"the workers exited without handing over their state (iterations {it}..{self.end})",
@@ -425,6 +439,12 @@ class _Runner:
             here, parts = place(workers, *placement) if placement is not None else (workers, ())
             slots = placement[0][:here] if placement is not None else None
             self._span_address(workers, here, parts)  # a refusal is not announced as applied first
+            if parts and self.servers is not None:
+                raise SpecError(
+                    "workers", workers, f"at most the {here} worker(s) this host has slots for with strategy "
+                    "'parameter_server'", hint="a parameter-server job's segments run on the host that runs "
+                    "its servers (spanning hosts is all-reduce only for now)",
+                )
             if self.on_segment is not None:
                 spans = tuple((p.host, p.slots) for p in parts)
                 self.on_segment(it, Allocation.split(workers, self.host, slots, spans))
@@ -484,7 +504,16 @@ class _Runner:
             param_sha256=metrics.get("param_sha256"),
             train_samples_per_sec=samples / train_s if train_s else 0.0,
             loss_history=history,
+            **self._ps_result(),
         )
+
+    def _ps_result(self) -> dict[str, Any]:
+        if self.servers is None:
+            return {}
+        self.servers.failure()  # reads the last stats they sent
+        stats = self.servers.stats
+        return {"ps_bytes": stats["bytes_sent"] + stats["bytes_received"], "ps_steps": stats["steps"],
+                "ps_snapshot_bytes": stats["snapshot_bytes"]}
 
 
 def _loss_history(state_path: str | Path, start: int, upto: int) -> list[tuple[int, float]]:
@@ -747,9 +776,18 @@ def run_chunk(
         elif warm_start or warm_start_store is not None:
             state_path = str(work / "warm-start.pt")
             save_atomic(_warm_state(warm_start, warm_start_store), state_path)
+        if spec.parameter_server:
+            from elastic_ops.runtime.paramserver.group import ServerGroup
+
+            # the servers start from the state the chunk resumes from, and live until it ends
+            runner.servers = ServerGroup(spec, state_path, host, import_path, spec.threads_per_worker)
         try:
+            if runner.servers is not None:
+                runner.servers.wait_ready()
             return runner.run(it, state_path, runner.target(it))
         finally:
+            if runner.servers is not None:
+                runner.servers.close()
             runner.committer.close()
     finally:
         if own_dir:

@@ -69,6 +69,12 @@ class ChunkResult:
     param_sha256: str | None
     train_samples_per_sec: float = 0.0  # samples / time inside the training loops (no startup)
     loss_history: list[tuple[int, float]] = dataclasses.field(default_factory=list)
+    # strategy parameter_server: the bytes its servers sent and received for the iterations
+    # (every worker's pulls and pushes, headers included), the steps they took, and the bytes of
+    # the state snapshots rank 0 gathered (checkpoints, segment ends); None under all-reduce
+    ps_bytes: int | None = None
+    ps_steps: int | None = None
+    ps_snapshot_bytes: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

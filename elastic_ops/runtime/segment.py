@@ -189,8 +189,11 @@ class Segment:
         """Threads, determinism and the process group (a signed rendezvous on the runner's store).
 
         Trainable workers skip the group at one worker (no collective to run); scripts always
-        get one, since DDP needs it even alone.
+        get one, since DDP needs it even alone. A parameter-server job's group holds the
+        servers too (ranks ``workers .. workers + servers - 1``), even with one worker.
         """
+        servers = int(self.spec.servers or 0) if self.spec.parameter_server else 0
+        always_group = always_group or servers > 0
         torch.set_num_threads(self.spec.threads_per_worker)
         if self.spec.consistency.value == "bitwise":
             torch.use_deterministic_algorithms(True)
@@ -204,7 +207,7 @@ class Segment:
             # the runner's store, every value signed with the segment's key (rendezvous.py): not
             # a plain env:// join, which anyone who can connect to the store could redirect
             dist.init_process_group(backend, store=worker_store(timeout), rank=self.rank,
-                                    world_size=self.workers, timeout=timeout)
+                                    world_size=self.workers + servers, timeout=timeout)
 
     def _claim_gpu(self) -> None:
         """Make this worker's one visible GPU current and create its context (a tiny allocation):

@@ -343,7 +343,12 @@ def main() -> int:
     try:
         seg.setup()
         _debug("process group ready")
-        worker = TrainableWorker(seg)
+        if seg.spec.parameter_server:
+            from elastic_ops.runtime.paramserver.worker import PSWorker
+
+            worker = PSWorker(seg)
+        else:
+            worker = TrainableWorker(seg)
         _debug("trainable built")
         iteration = worker.iteration
         try:
@@ -357,7 +362,8 @@ def main() -> int:
         seg.write_error("nonfinite", str(exc), "", iteration)
         return 1
     except Exception as exc:  # collectives failing because a peer died, a full disk, or our own bug
-        seg.write_error(error_kind(exc, seg.workers), f"{type(exc).__name__}: {exc}", traceback.format_exc(),
+        peers = seg.workers + (int(seg.spec.servers or 0) if seg.spec.parameter_server else 0)
+        seg.write_error(error_kind(exc, peers), f"{type(exc).__name__}: {exc}", traceback.format_exc(),
                         iteration)
         return 1
     finally:

@@ -86,6 +86,19 @@ class TinyMLP(Trainable):
 
     def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
         x, y, ids = batch
+        self._hooks(ids)
+        p = self.params
+        if p.get("autocast"):  # mixed precision as a user writes it: the forward under autocast
+            with torch.autocast(x.device.type, dtype=getattr(torch, p["autocast"])):
+                out = F.cross_entropy(model(x), y)
+        else:
+            out = F.cross_entropy(model(x), y)
+        if p.get("nan_at") is not None and self._at(p["nan_at"]):
+            return out * float("nan")
+        return out
+
+    def _hooks(self, ids: torch.Tensor) -> None:
+        """The test hooks of every loss call (see the class doc)."""
         p = self.params
         if p.get("record_dir"):
             rank = os.environ["RANK"]
@@ -107,14 +120,6 @@ class TinyMLP(Trainable):
             raise ValueError("tiny model refuses this batch")
         if p.get("exit_at") is not None and self._at(p["exit_at"]):
             sys.exit(p.get("exit_code", 1))
-        if p.get("autocast"):  # mixed precision as a user writes it: the forward under autocast
-            with torch.autocast(x.device.type, dtype=getattr(torch, p["autocast"])):
-                out = F.cross_entropy(model(x), y)
-        else:
-            out = F.cross_entropy(model(x), y)
-        if p.get("nan_at") is not None and self._at(p["nan_at"]):
-            return out * float("nan")
-        return out
 
     def before_step(self, model: nn.Module) -> None:
         if self.params.get("clip") is not None:  # clipping the global gradient, as users do
@@ -134,6 +139,95 @@ class TinyMLP(Trainable):
         if self.params.get("eval_draw"):  # an evaluation that samples (a random subset, MC dropout)
             acc += float(torch.rand(1))
         return {"accuracy": acc, **self.params.get("eval_extra", {})}
+
+
+class NoClipMLP(TinyMLP):
+    """TinyMLP without its before_step (which the parameter server refuses)."""
+
+    before_step = Trainable.before_step
+
+
+REC_ENTRY = "tests.runtime.builders:TinyRec"
+
+
+def _rec_data(n: int, users: int, items: int, seed: int = 321) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    u = torch.randint(users, (n,), generator=g)
+    i = torch.randint(items, (n,), generator=g)
+    y = ((u * 7 + i * 3) % 5 < 2).float()  # a learnable rule over the pairs
+    return TensorDataset(u, i, y, torch.arange(n))
+
+
+class RecNet(nn.Module):
+    """Two embedding tables (users with a sparse gradient, items with a dense one) and an MLP
+    head with dropout: the parameter server's row-served and dense parameters, both kinds."""
+
+    def __init__(self, users: int, items: int, dim: int, dropout: float) -> None:
+        super().__init__()
+        self.users = nn.Embedding(users, dim, sparse=True)
+        self.items = nn.Embedding(items, dim)
+        self.head = nn.Sequential(nn.Linear(2 * dim, 8), nn.ReLU(), nn.Dropout(dropout), nn.Linear(8, 1))
+
+    def forward(self, u: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+        eu, ei = self.users(u), self.items(i)
+        return (eu * ei).sum(-1) + self.head(torch.cat([eu, ei], -1)).squeeze(-1)
+
+
+class KillingAdagrad(torch.optim.Adagrad):
+    """Adagrad that SIGKILLs its parameter-server process once, at one iteration (a test hook)."""
+
+    kill_server: int | None = None
+    kill_at: int | None = None
+    marker: str | None = None
+
+    def step(self, closure: Any = None) -> Any:
+        from elastic_ops.runtime.paramserver import server
+
+        cls = type(self)
+        if (cls.kill_server is not None and os.environ.get(server.SERVER_ENV) == str(cls.kill_server)
+                and server.CURRENT_ITERATION == cls.kill_at and not Path(cls.marker).exists()):
+            Path(cls.marker).write_text("killed")
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().step(closure)
+
+
+class TinyRec(TinyMLP):
+    """A tiny recommender (:class:`RecNet`, 40 users x 60 items, Adagrad, StepLR) with TinyMLP's
+    test hooks; ``kill_server``/``kill_server_at``/``marker``: that parameter server SIGKILLs
+    itself once, in its optimizer's step of that iteration; ``read_weight`` looks a row up by
+    indexing the table's weight (which the parameter server cannot see)."""
+
+    before_step = Trainable.before_step  # TinyMLP's clips the whole gradient, which no server holds
+
+    def build_model(self) -> nn.Module:
+        return RecNet(int(self.params.get("users", 40)), int(self.params.get("items", 60)), 4,
+                      float(self.params.get("dropout", 0.1)))
+
+    def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        p = self.params
+        if p.get("kill_server") is not None:
+            KillingAdagrad.kill_server = int(p["kill_server"])
+            KillingAdagrad.kill_at = int(p["kill_server_at"])
+            KillingAdagrad.marker = str(p["marker"])
+            return KillingAdagrad(model.parameters(), lr=float(p.get("lr", 0.2)))
+        return torch.optim.Adagrad(model.parameters(), lr=float(p.get("lr", 0.2)))
+
+    def train_dataset(self) -> TensorDataset:
+        return _rec_data(self.n, int(self.params.get("users", 40)), int(self.params.get("items", 60)))
+
+    def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        u, i, y, ids = batch
+        self._hooks(ids)
+        logits = model(u, i)
+        if self.params.get("read_weight"):
+            logits = logits + model.users.weight[u].sum(-1) * 0.0 + model.users.weight[0].sum() * 1e-3
+        return F.binary_cross_entropy_with_logits(logits, y)
+
+    def evaluate(self, model: nn.Module) -> dict[str, float]:
+        u, i, y, _ = self.train_dataset().tensors
+        with torch.no_grad():
+            acc = ((model(u, i) > 0).float() == y).float().mean().item()
+        return {"accuracy": acc}
 
 
 class NoisySGD(torch.optim.SGD):
@@ -177,6 +271,14 @@ def final_state(spec: JobSpec) -> dict[str, Any]:
 
     store = open_store(spec.checkpoint)
     return store.load(store.latest(spec_hash=spec.spec_hash()))
+
+
+def make_ps_spec(tmp_path: Path, **overrides: Any) -> JobSpec:
+    """The standard tiny parameter-server job: TinyRec, 2 servers, 6 virtual shards, 30 iterations."""
+    fields: dict[str, Any] = dict(entrypoint=REC_ENTRY, name="tinyrec", strategy="parameter_server",
+                                  servers=2, global_batch=12, params={})
+    fields.update(overrides)
+    return make_spec(tmp_path, **fields)
 
 
 def make_spec(tmp_path: Path, **overrides: Any) -> JobSpec:
