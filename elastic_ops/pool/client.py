@@ -68,12 +68,19 @@ from elastic_ops.pool.model import HostState, Observation, Slot
 from elastic_ops.pool.scaling import Batching, ScalingModel, measured_from_rows
 from elastic_ops.pool.scaling import fit as fit_scaling
 from elastic_ops.pool.usage import usage as usage_of
-from elastic_ops.spec import MAX_WORKERS_LIMIT, check_host_selector, check_number
+from elastic_ops.spec import (
+    DEFAULT_TENANT,
+    MAX_WORKERS_LIMIT,
+    check_host_selector,
+    check_number,
+    check_tenant,
+)
 from elastic_ops.urls import shown_url
 
 T = TypeVar("T")
 SETTLE_POLL_S = 0.002  # a change waiting for another's plan reads the planner this often (x2, to 50 ms)
 _BUSY = object()  # _plan_for: another client holds the pool lock
+MAX_TENANT_SLOTS = 10**9  # a tenant's guarantee or max (slots)
 NUDGE_BACKOFF_S = 1.0  # a heartbeat that found another client planning tries again after this (its
 # plan, once committed, covers what this one saw; a planner that died drops its lock at once)
 
@@ -462,6 +469,26 @@ class PoolClient:
         st = check_host_state(state)
         self._change(lambda tx: tx.set_host_state(name, st))
 
+    # --- tenants -------------------------------------------------------------------------
+
+    def add_tenant(self, name: str, *, guaranteed: int, max_slots: int | None = None,
+                   weight: float = 1.0) -> None:
+        """Register a tenant (a team sharing the pool) or change its settings: ``guaranteed``
+        slots whenever its jobs can use them (reclaimed from borrowers at their next iteration
+        boundaries), at most ``max_slots`` in all (None: no limit), ``weight`` in lending idle
+        capacity (see docs/explanation/pool.md, "Tenants")."""
+        check_tenant("tenant", name)
+        check_int("guaranteed", guaranteed, 0, MAX_TENANT_SLOTS)
+        if max_slots is not None:
+            check_int("max_slots", max_slots, max(guaranteed, 1), MAX_TENANT_SLOTS)
+        check_number("weight", weight, minimum=0, exclusive=True, maximum=1e6)
+        self._change(lambda tx: tx.add_tenant(name, guaranteed, max_slots, float(weight)))
+
+    def remove_tenant(self, name: str) -> None:
+        """Remove a tenant no unfinished job belongs to."""
+        check_tenant("tenant", name)
+        self._change(lambda tx: tx.remove_tenant(name))
+
     # --- jobs ----------------------------------------------------------------------------
 
     def submit(
@@ -474,8 +501,13 @@ class PoolClient:
         preemptible: bool = True,
         selector: Mapping[str, str] | None = None,
         batching: Batching | Mapping[str, int] | None = None,
+        tenant: str = DEFAULT_TENANT,
+        dag_id: str | None = None,
     ) -> None:
         """Register a job or update its demand (idempotent). A finished job becomes waiting again.
+        ``tenant``: the team whose share it runs in (one :meth:`add_tenant` registered, or
+        ``default``; its max must allow ``max_workers``). ``dag_id``: the Airflow DAG it comes
+        from (the HTTP API asks for edit permission on it to change the job's priority or bounds).
         ``selector``: labels every host the job runs on must carry (``{"gpu": "h100"}``).
         ``batching``: the global batches an adaptive job (``scaling: adaptive``) lets the pool
         choose from (:class:`~elastic_ops.pool.scaling.Batching`; None: its batch is fixed):
@@ -487,11 +519,17 @@ class PoolClient:
             raise SpecError("preemptible", preemptible, "must be true or false")
         wanted = check_host_selector("selector", selector)
         chosen = check_batching(batching)
+        check_tenant("tenant", tenant)
+        if dag_id is not None:
+            check_name("dag_id", dag_id)
         values = dict(min_workers=min_workers, max_workers=max_workers, priority=priority,
                       preemptible=preemptible, selector=json.dumps(wanted, sort_keys=True),
+                      tenant=tenant, dag_id=dag_id,
                       batching=None if chosen is None else json.dumps(dataclasses.asdict(chosen),
                                                                       sort_keys=True))
         described = f"min {min_workers} max {max_workers} priority {priority} preemptible {preemptible}"
+        if tenant != DEFAULT_TENANT:
+            described += f" tenant {tenant}"
         if chosen is not None:
             described += f" batch {chosen.lowest}..{chosen.most} (base {chosen.base})"
         on = f" on hosts with {_labels(wanted)}" if wanted else ""
@@ -678,7 +716,8 @@ class PoolClient:
             job,
             {"min_workers": min_workers, "max_workers": max_workers},
             f"bounds -> {min_workers}..{max_workers}",
-            check=lambda tx, row: tx.check_unpreemptible_min(job, min_workers, row.preemptible),
+            check=lambda tx, row: (tx.check_unpreemptible_min(job, min_workers, row.preemptible),
+                                   tx.check_tenant_demand(job, row.tenant, max_workers)),
         )
 
     def set_selector(self, job: str, selector: Mapping[str, str] | None) -> None:
@@ -700,6 +739,11 @@ class PoolClient:
         self._change(lambda tx: tx.update_job(job, values, reason, check), lock=Lock.NONE)
 
     # --- reading -------------------------------------------------------------------------
+
+    def job_dag(self, job: str) -> str | None:
+        """The Airflow DAG ``job`` comes from (None: submitted outside Airflow)."""
+        check_name("job", job)
+        return self._read(lambda tx: tx.job_row(job).dag_id)
 
     def status(self) -> dict[str, Any]:
         """Hosts, jobs (with held slots, targets, leases) and settings, after any plan due
@@ -748,6 +792,8 @@ class PoolClient:
                         # an adaptive job's batches and the batch the plan chose (0: its own)
                         "batching": None if r.batching is None else json.loads(r.batching),
                         "batch": r.plan_batch,
+                        "tenant": r.tenant,
+                        "dag_id": r.dag_id,
                     }
                 )
             total = sum(h["slots"] for h in hosts if h["state"] == HostState.UP.value)
@@ -758,6 +804,7 @@ class PoolClient:
                 "planner": dataclasses.asdict(tx.planner_state()),
                 "hosts": hosts,
                 "jobs": jobs,
+                "tenants": tenant_rows(tx.tenants(), jobs, total),
                 "slots": {"up": total, "used": used},
             }
 
@@ -834,6 +881,38 @@ class PoolClient:
             raise SpecError("older_than_s", older_than_s, "must be a positive number of seconds")
 
         return self._tx(lambda tx: tx.prune_events(older_than_s))[0]
+
+
+def lent_and_borrowed(
+    guaranteed: Mapping[str, int], used: Mapping[str, int], up: int
+) -> dict[str, tuple[int, int]]:
+    """Per tenant, (borrowed, lent): slots held beyond its guarantee, and the part of its idle
+    guarantee that others' borrowing takes (borrowing comes first from the slots nobody is
+    guaranteed; the rest from idle guarantees, in proportion to them)."""
+    borrowed = {t: max(0, used.get(t, 0) - g) for t, g in guaranteed.items()}
+    idle = {t: max(0, g - used.get(t, 0)) for t, g in guaranteed.items()}
+    from_idle = max(0, sum(borrowed.values()) - max(0, up - sum(guaranteed.values())))
+    total_idle = sum(idle.values())
+    return {t: (borrowed[t], round(idle[t] * min(1.0, from_idle / total_idle)) if total_idle else 0)
+            for t in guaranteed}
+
+
+def tenant_rows(listed, jobs: list[dict[str, Any]], up: int) -> list[dict[str, Any]]:
+    """``status()["tenants"]``: each tenant's settings and what its jobs hold now (``default``
+    listed when jobs are in it)."""
+    used: dict[str, int] = {}
+    for j in jobs:
+        used[j["tenant"]] = used.get(j["tenant"], 0) + j["workers"]
+    rows = {t.name: {"name": t.name, "guaranteed": t.guaranteed, "max_slots": t.max_slots, "weight": t.weight}
+            for t in listed}
+    for name in used:
+        rows.setdefault(name, {"name": name, "guaranteed": 0, "max_slots": None, "weight": 1.0})
+    split = lent_and_borrowed({n: r["guaranteed"] for n, r in rows.items()}, used, up)
+    for name, r in rows.items():
+        r["in_use"] = used.get(name, 0)
+        r["borrowed"], r["lent"] = split[name]
+        r["jobs"] = sum(1 for j in jobs if j["tenant"] == name and j["state"] != "finished")
+    return [rows[n] for n in sorted(rows)]
 
 
 class _Dropped(Exception):

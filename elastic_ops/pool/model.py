@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from elastic_ops.errors import SpecError
 from elastic_ops.pool.scaling import Batching, GradStats, ScalingModel
-from elastic_ops.spec import check_number
+from elastic_ops.spec import DEFAULT_TENANT, check_number
 
 Slot = tuple[str, int]  # (host name, slot index on that host)
 
@@ -135,7 +135,7 @@ class Job:
     attained: float = 0.0
     batching: Batching | None = None
     grad: GradStats | None = None
-    tenant: str = "default"
+    tenant: str = DEFAULT_TENANT
 
 
 def make_job(
@@ -143,7 +143,7 @@ def make_job(
     avoid_hosts: frozenset[str], leave_hosts: frozenset[str], submitted: float,
     waiting_since: float | None, last_rescale: float | None, held: tuple[Slot, ...], epoch: int,
     releasing: frozenset[Slot], scaling: ScalingModel | None = None, attained: float = 0.0,
-    batching: Batching | None = None, grad: GradStats | None = None, tenant: str = "default",
+    batching: Batching | None = None, grad: GradStats | None = None, tenant: str = DEFAULT_TENANT,
 ) -> Job:
     """The same :class:`Job` as ``Job(...)``, built without the frozen dataclass ``__init__``
     (as :func:`make_decision`): the ledger builds one per job for every plan."""
@@ -221,9 +221,6 @@ def _preemption(value: object) -> Preemption:
         return Preemption(value)
     except ValueError:
         raise SpecError("preemption", value, "must be one of 'none', 'graceful'") from None
-
-
-DEFAULT_TENANT = "default"
 
 
 @dataclasses.dataclass(frozen=True)
