@@ -469,6 +469,11 @@ def _usage(args: argparse.Namespace) -> None:
     print(report.text_table([[h["host"], f"{h['slot_hours']:.2f}",
                    f"{100 * h['utilization']:.1f}%" if "utilization" in h else "-"] for h in u["hosts"]],
                  ["HOST", "SLOT-HOURS", "BUSY"]))
+    if any(t["tenant"] != "default" or t["guaranteed"] for t in u.get("tenants", ())):
+        print()
+        kinds = ("guaranteed", "used", "borrowed", "lent")
+        print(report.text_table([[t["tenant"], *(f"{t[k]:.2f}" for k in kinds)] for t in u["tenants"]],
+                                ["TENANT", "GUARANTEED", "USED", "BORROWED", "LENT"]))
 
 
 def _prune_events(args: argparse.Namespace) -> None:

@@ -67,6 +67,7 @@ from elastic_ops.pool.ledger import PlannerState, Tx
 from elastic_ops.pool.model import HostState, Observation, Slot
 from elastic_ops.pool.scaling import Batching, ScalingModel, measured_from_rows
 from elastic_ops.pool.scaling import fit as fit_scaling
+from elastic_ops.pool.usage import lent_and_borrowed
 from elastic_ops.pool.usage import usage as usage_of
 from elastic_ops.spec import (
     DEFAULT_TENANT,
@@ -843,9 +844,10 @@ class PoolClient:
         return self._read(op)
 
     def usage(self, *, hours: float | None = None, job: str | None = None) -> dict[str, Any]:
-        """Slot-hours per job and per host over the last ``hours`` (default: since the oldest
-        event), replayed from the event log (see :mod:`elastic_ops.pool.usage`); ``job``: that
-        job's only (and the hosts as it used them), reading its events alone."""
+        """Slot-hours per job, per host and per tenant (guaranteed, used, borrowed, lent) over the
+        last ``hours`` (default: since the oldest event), replayed from the event log (see
+        :mod:`elastic_ops.pool.usage`); ``job``: that job's only (and the hosts as it used them),
+        reading its events alone."""
         if hours is not None:
             check_number("hours", hours, minimum=0, exclusive=True, maximum=MAX_LOOKBACK_H)
         if job is not None:
@@ -860,12 +862,16 @@ class PoolClient:
             q = select(s.events).where(mine, kinds).order_by(s.events.c.id)
             rows = [_event_dict(r) for r in conn.execute(q)]
             oldest = conn.execute(select(func.min(s.events.c.ts)).where(mine)).scalar()
-            slots = {r.name: r.slots for r in conn.execute(select(s.hosts.c.name, s.hosts.c.slots))}
-            return now, rows, oldest, slots
+            hs = conn.execute(select(s.hosts.c.name, s.hosts.c.slots, s.hosts.c.state)).all()
+            tenant_of = {r.name: r.tenant for r in conn.execute(select(s.jobs.c.name, s.jobs.c.tenant))}
+            guaranteed = {t.name: t.guaranteed for t in tx.tenants()}
+            return now, rows, oldest, hs, tenant_of, guaranteed
 
-        now, rows, oldest, slots = self._read(op)
+        now, rows, oldest, hs, tenant_of, guaranteed = self._read(op)
         since = now - hours * 3600 if hours is not None else (now if oldest is None else float(oldest))
-        return usage_of(rows, since, now).to_dict(slots)
+        up = sum(r.slots for r in hs if r.state == HostState.UP.value)
+        out = usage_of(rows, since, now, tenant_of, guaranteed, up)
+        return out.to_dict({r.name: r.slots for r in hs})
 
     def prune_events(self, older_than_s: float) -> int:
         """Delete events older than ``older_than_s`` seconds; returns how many went.
@@ -883,26 +889,13 @@ class PoolClient:
         return self._tx(lambda tx: tx.prune_events(older_than_s))[0]
 
 
-def lent_and_borrowed(
-    guaranteed: Mapping[str, int], used: Mapping[str, int], up: int
-) -> dict[str, tuple[int, int]]:
-    """Per tenant, (borrowed, lent): slots held beyond its guarantee, and the part of its idle
-    guarantee that others' borrowing takes (borrowing comes first from the slots nobody is
-    guaranteed; the rest from idle guarantees, in proportion to them)."""
-    borrowed = {t: max(0, used.get(t, 0) - g) for t, g in guaranteed.items()}
-    idle = {t: max(0, g - used.get(t, 0)) for t, g in guaranteed.items()}
-    from_idle = max(0, sum(borrowed.values()) - max(0, up - sum(guaranteed.values())))
-    total_idle = sum(idle.values())
-    return {t: (borrowed[t], round(idle[t] * min(1.0, from_idle / total_idle)) if total_idle else 0)
-            for t in guaranteed}
-
-
 def tenant_rows(listed, jobs: list[dict[str, Any]], up: int) -> list[dict[str, Any]]:
-    """``status()["tenants"]``: each tenant's settings and what its jobs hold now (``default``
-    listed when jobs are in it)."""
+    """``status()["tenants"]``: each tenant's settings and what its jobs hold now (a tenant not
+    registered, ``default``, listed while unfinished jobs are in it)."""
     used: dict[str, int] = {}
     for j in jobs:
-        used[j["tenant"]] = used.get(j["tenant"], 0) + j["workers"]
+        if j["state"] != "finished":
+            used[j["tenant"]] = used.get(j["tenant"], 0) + j["workers"]
     rows = {t.name: {"name": t.name, "guaranteed": t.guaranteed, "max_slots": t.max_slots, "weight": t.weight}
             for t in listed}
     for name in used:
