@@ -161,6 +161,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         help="every job scaling: adaptive under goodput (the pool chooses its batch per allocation; "
         "the other policies run it at its own batch)",
     )
+    sim.add_argument("--tenants", default=None, metavar="FILE",
+                     help='tenants (JSON: {"tenants": {NAME: {"guaranteed": N, "max_slots": M, '
+                     '"weight": W}}, "jobs": {JOB: NAME}}); a job not listed: its workload tenant column')
     sim.add_argument("--json", action="store_true", help="last line: one JSON object")
     # An error about a library parameter names the option it came from: the options' dests are the
     # parameters' names (min_rescale_interval_s, slots_per_host, …, workload, traces, policy), so

@@ -192,6 +192,12 @@ def _tenant_round(
             demand[tid[i]] += caps[i]
     targets = [0] * len(free_idx)
     left_out: dict[int, str] = {}
+    held_back = np.zeros(len(tt), dtype=np.int64)
+    cfg = snap.config
+    for i in frozen:  # what jobs held back by min_rescale_interval_s take once they may
+        last = ordered[i].last_rescale
+        if last is not None and snap.now - last < cfg.min_rescale_interval_s:
+            held_back[tid[i]] += max(0, caps[i] - keep[i])
 
     def run(t: int, cap: int) -> int:
         ks = groups[t]
@@ -205,7 +211,7 @@ def _tenant_round(
                 left_out[k] = left[n]
         return sum(part)
 
-    parts, given = tenants.divide_among(tt, demand, kept, capacity, groups, run)
+    parts, given = tenants.divide_among(tt, demand, kept, capacity, groups, run, held_back)
     return targets, left_out, [given[tid[i]] for i in free_idx], parts
 
 

@@ -640,7 +640,7 @@ def _targets(t: _Table, share: ShareFn, held_up, hs: _Hosts, snap: Snapshot, fre
             given = None
         else:
             usable, admitted, given, parts = _tenant_round(t, tt, share, snap, targets, free_idx, mins, fcaps,
-                                                           held_up, is_free, capacity)
+                                                           held_up, is_free, capacity, caps)
         new = _freeze(t, held_up, targets, is_free, snap, flags)
         if not new or rnd == SETTLE_AFTER:
             break
@@ -660,7 +660,7 @@ def _targets(t: _Table, share: ShareFn, held_up, hs: _Hosts, snap: Snapshot, fre
 
 
 def _tenant_round(t: _Table, tt, share: ShareFn, snap: Snapshot, targets, free_idx, mins, fcaps, held_up,
-                  is_free, capacity: int):
+                  is_free, capacity: int, caps):
     """Admission and share per tenant, on the parts :func:`tenants.divide_among` gives them
     (plain_policies._tenant_round). Fills ``targets`` of the free jobs; returns the admission
     masks (over ``free_idx``), the capacity each free job's tenant gave its free jobs, and the
@@ -685,7 +685,11 @@ def _tenant_round(t: _Table, tt, share: ShareFn, snap: Snapshot, targets, free_i
         targets[a] = got
         return int(np.sum(got))
 
-    parts, given = tenants.divide_among(tt, demand, kept, capacity, groups, run)
+    # what jobs held back by min_rescale_interval_s take once they may (plain_policies)
+    with np.errstate(invalid="ignore"):
+        recent = ~is_free & (snap.now - t.last_rescale < snap.config.min_rescale_interval_s)
+    held_back = tt.per_tenant(tt.ids[recent], np.maximum(caps[recent] - held_up[recent], 0))
+    parts, given = tenants.divide_among(tt, demand, kept, capacity, groups, run, held_back)
     return usable, admitted, np.array([given[k] for k in tid.tolist()], dtype=np.int64), parts
 
 

@@ -131,16 +131,23 @@ def divide(guaranteed: np.ndarray, limit: np.ndarray, weight: np.ndarray, floor:
 
 
 def divide_among(tt: Tenants, demand: np.ndarray, kept: np.ndarray, capacity: int,
-                 members: Iterable[int], run: Callable[[int, int], int]) -> tuple[np.ndarray, dict[int, int]]:
+                 members: Iterable[int], run: Callable[[int, int], int],
+                 held_back: np.ndarray | None = None) -> tuple[np.ndarray, dict[int, int]]:
     """Divide ``capacity`` (:func:`divide`) and share each part: ``run(t, cap)`` shares ``cap``
     among tenant ``t``'s free jobs (``members``: the tenants that have any) and returns what they
-    take. A tenant that takes less than its part keeps what it took and the rest is divided again
-    (each round fixes at least one tenant). Returns the parts and what each member's free jobs
-    were given (``part - kept``)."""
+    take. A tenant that takes less than its part keeps what it took, and the rest is divided again
+    (each round fixes at least one tenant) -- except, within its guarantee, what ``held_back``
+    (per tenant) says its jobs held back by ``min_rescale_interval_s`` will take once they may:
+    lent now, the borrower's own rescale would protect it, and the guarantee would come back
+    only after two intervals. Returns the parts and what each member's free jobs were given
+    (``part - kept``)."""
+    if held_back is not None:  # claimed within the guarantee from the start
+        demand = demand + np.minimum(held_back, np.maximum(tt.guaranteed - demand, 0))
     limit = np.maximum(np.minimum(demand, tt.max_slots), kept)
     members = list(members)
     given: dict[int, int] = {}
     took: dict[int, int] = {}
+    fixed: set[int] = set()
     parts = kept
     for _ in range(len(members) + 1):
         parts = divide(tt.guaranteed, limit, tt.weight, kept, capacity)
@@ -150,11 +157,15 @@ def divide_among(tt: Tenants, demand: np.ndarray, kept: np.ndarray, capacity: in
             if given.get(t) != cap:
                 given[t] = cap
                 took[t] = run(t, cap)
-            if kept[t] + took[t] < parts[t]:
+            if t not in fixed and kept[t] + took[t] < parts[t]:
                 short.append(t)
         if not short:
             break
-        limit[short] = kept[short] + np.array([took[t] for t in short], dtype=np.int64)
+        fixed.update(short)
+        used = kept[short] + np.array([took[t] for t in short], dtype=np.int64)
+        if held_back is not None:
+            used += np.minimum(held_back[short], np.maximum(tt.guaranteed[short] - used, 0))
+        limit[short] = np.minimum(limit[short], used)
     return parts, given
 
 
