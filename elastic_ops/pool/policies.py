@@ -589,6 +589,7 @@ def _freeze(t: _Table, held_up, targets, free, snap: Snapshot, flags=(False, Fal
                reclaims, over)
     out: dict[int, str] = {}
     left = cand
+    reclaims, over = (np.broadcast_to(x, held_up.shape) for x in flags)  # one job's, below
     with np.errstate(invalid="ignore", divide="ignore"):  # rows outside ``cand`` may hold 0
         for rule in FREEZE_RULES:
             hit = left & rule.holds(c, cfg, now)
@@ -597,8 +598,7 @@ def _freeze(t: _Table, held_up, targets, free, snap: Snapshot, flags=(False, Fal
             left = left & ~hit
             for i in np.flatnonzero(hit).tolist():
                 one = Change(int(held_up[i]), int(targets[i]), bool(c.pinned[i]), float(t.last_rescale[i]),
-                             bool(c.admitted_above[i]), bool(np.broadcast_to(reclaims, held_up.shape)[i]),
-                             bool(np.broadcast_to(over, held_up.shape)[i]))
+                             bool(c.admitted_above[i]), bool(reclaims[i]), bool(over[i]))
                 out[i] = rule.text(one, cfg, now)
     return out
 
@@ -690,7 +690,9 @@ def _tenant_round(t: _Table, tt, share: ShareFn, snap: Snapshot, targets, free_i
         recent = ~is_free & (snap.now - t.last_rescale < snap.config.min_rescale_interval_s)
     held_back = tt.per_tenant(tt.ids[recent], np.maximum(caps[recent] - held_up[recent], 0))
     parts, given = tenants.divide_among(tt, demand, kept, capacity, groups, run, held_back)
-    return usable, admitted, np.array([given[k] for k in tid.tolist()], dtype=np.int64), parts
+    per = np.zeros(len(tt), dtype=np.int64)
+    per[list(given)] = list(given.values())
+    return usable, admitted, per[tid], parts
 
 
 def _reasons(targets, cap_left, free_idx, mins, fcaps, usable, admitted, frozen, held_up, given=None,
