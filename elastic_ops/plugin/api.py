@@ -349,7 +349,9 @@ def _timeline(job: str | None, since: float | None, until: float | None, max_poi
     status = _call("status")
     done = job is not None and any(j["name"] == job and j["state"] == "finished" for j in status["jobs"])
     now = None if done else status["now"]  # a finished job's picture ends where it did
-    return compute(events, progress, job=job, since=since, until=until, max_points=max_points, now=now)
+    tenant_of = {j["name"]: j.get("tenant", "default") for j in status["jobs"]}
+    return compute(events, progress, job=job, since=since, until=until, max_points=max_points, now=now,
+                   tenant_of=tenant_of)
 
 
 @app.get("/timeline")

@@ -87,3 +87,22 @@ def test_a_ledger_of_schema_7_upgrades_to_tenants_in_place(sqlite_url, clock):
     pool.submit("b", min_workers=1, max_workers=2, tenant="vision")
     assert "tenant vision" in pool.status()["jobs"][1]["reason"]
     engine.dispose()
+
+
+def test_the_timeline_groups_jobs_by_tenant(sqlite_url, clock):
+    from elastic_ops.timeline import compute
+
+    pool = PoolClient(sqlite_url, clock=clock)
+    pool.add_host("h0", 4)
+    pool.add_tenant("vision", guaranteed=2)
+    pool.submit("v1", min_workers=1, max_workers=2, tenant="vision")
+    pool.submit("v2", min_workers=1, max_workers=1, tenant="vision")
+    pool.submit("d1", min_workers=1, max_workers=1)
+    for j in ("v1", "v2", "d1"):
+        assert isinstance(pool.request(j), Grant)
+        clock.advance(1)
+    tenant_of = {j["name"]: j["tenant"] for j in pool.status()["jobs"]}
+    tl = compute(pool.events(), tenant_of=tenant_of)
+    by = tl.held_by_tenant()
+    assert by["vision"][-1][1] == 3 and by["default"][-1][1] == 1
+    assert tl.to_dict()["tenants"] == {"v1": "vision", "v2": "vision", "d1": "default"}
