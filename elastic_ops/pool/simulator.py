@@ -129,6 +129,7 @@ class _SimJob:
     model: ScalingModel | None = None
     fitted_at: float = -math.inf
     fitted_on: int = 0  # configurations measured at the last fit
+    target: int = 0  # what a plan without anti-thrashing gave it last (tenants' restore times)
     _rate: float = 0.0  # iterations at its own batch (their statistical worth) per second
     _step: float = 0.0  # seconds per iteration at the batch it runs
     _scattered: bool = False
@@ -434,7 +435,8 @@ class Simulation:
             if not j.held:
                 self._start_or_rescale(j, _packed(free, min(j.spec.num_replicas, self.cfg.slots)))
 
-    def _snapshot(self, active: list[_SimJob]) -> Snapshot:
+    def _snapshot(self, active: list[_SimJob], refit: bool = True) -> Snapshot:
+        """``refit=False``: each job's model as last fitted (a look that changes nothing)."""
         learns = self.policy in LEARNING
         jobs = tuple(
             Job(
@@ -446,7 +448,7 @@ class Simulation:
                 waiting_since=None if j.held else max(j.spec.submit, j.waiting_since),
                 last_rescale=j.last_rescale,
                 held=j.held,
-                scaling=j.scaling(self.now) if learns else None,
+                scaling=(j.scaling(self.now) if refit else j.model) if learns else None,
                 attained=j.attained() if learns else 0.0,
                 batching=j.batching,
                 grad=j.grad(),
@@ -471,6 +473,18 @@ class Simulation:
                     by_name[plan.jobs[k]].set_batch(plan.batch_of(k))
             if not changed:
                 break
+        if self._tenants is not None and self._tenants.borrowed_now(active):
+            self._entitled(active, policy)
+
+    def _entitled(self, active: list[_SimJob], policy) -> None:
+        """Each job's target without anti-thrashing: what its tenant is entitled to now (the
+        tenants' restore times compare what they hold with it)."""
+        snap = self._snapshot(active, refit=False)
+        free = dataclasses.replace(snap.config, min_rescale_interval_s=0.0, min_gain=0.0)
+        plan = policy(dataclasses.replace(snap, config=free))
+        by_name = {j.spec.name: j for j in active}
+        for k, name in enumerate(plan.jobs):
+            by_name[name].target = plan.target[k]
 
     def _metrics(self) -> dict[str, Any]:
         jcts = sorted(j.finished - j.spec.submit for j in self.jobs)
@@ -501,9 +515,9 @@ class Simulation:
 
 class _TenantClock:
     """What the tenants get over time: per tenant, slot-seconds held beyond its guarantee
-    (borrowed), seconds below its guarantee while its jobs want more and other tenants borrow
-    what it lacks (short: the free slots do not cover it), and how long each shortfall took to
-    be given back (its guarantee's restore time)."""
+    (borrowed), seconds below its guarantee while other tenants borrow what it is entitled to
+    (short: what a plan without anti-thrashing gives its jobs, less what they hold, is more than
+    the free slots), and how long each shortfall took to be given back (its restore time)."""
 
     def __init__(self, tenants: Sequence[Tenant], workload: Sequence[WorkloadJob], slots: int) -> None:
         self.slots = slots
@@ -516,16 +530,23 @@ class _TenantClock:
         self.segments: dict[str, list[tuple[float, float, int, int]]] = {t: [] for t in self.g}
 
     def _state(self, arrived: list[_SimJob]) -> tuple[dict[str, int], dict[str, int]]:
+        """Per tenant, the slots its jobs hold and those the last plan gave them (the policy's
+        view of what they want: a goodput job that gains nothing from more is not short)."""
         held = dict.fromkeys(self.g, 0)
         wants = dict.fromkeys(self.g, 0)
         for j in arrived:
             if j.finished is None:
                 held[j.spec.tenant] += len(j.held)
-                wants[j.spec.tenant] += j.max_workers
+                wants[j.spec.tenant] += max(j.target, len(j.held))
         return held, wants
 
+    def borrowed_now(self, active: list[_SimJob]) -> bool:
+        held, _ = self._state(active)
+        return any(held[t] > g for t, g in self.g.items())
+
     def _lacks(self, held, wants) -> dict[str, int]:
-        """Per short tenant, what it lacks of its guarantee beyond the free slots."""
+        """Per short tenant, what borrowers hold of what it is entitled to within its guarantee
+        (beyond the free slots: those its own jobs take once their protection ends)."""
         borrowing = {t for t in self.g if held[t] > self.g[t]}
         free = self.slots - sum(held.values())
         lack = {t: min(self.g[t], wants[t]) - held[t] - free for t in self.g}
