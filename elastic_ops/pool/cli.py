@@ -279,7 +279,7 @@ def _status(args: argparse.Namespace) -> None:
     print(report.summary(st))
     print()
     print(report.text_table(report.host_rows(st), report.HOST_COLUMNS))
-    if st.get("tenants"):
+    if report.has_tenants(st):
         print()
         print(report.text_table(report.tenant_rows(st), report.TENANT_COLUMNS))
     print()

@@ -43,6 +43,13 @@ def host_rows(st: dict[str, Any]) -> list[list[str]]:
     ]
 
 
+def has_tenants(st: dict[str, Any]) -> bool:
+    """Whether the pool has tenants to show: one registered, or jobs in one that is not (every
+    job in ``default`` with no tenant registered: a pool without tenants)."""
+    return any(t["name"] != "default" or t["guaranteed"] or t["max_slots"] is not None
+               for t in st.get("tenants", ()))
+
+
 def tenant_rows(st: dict[str, Any]) -> list[list[str]]:
     """The tenants: settings, slots their jobs hold, borrowed beyond the guarantee, lent of it."""
     return [
