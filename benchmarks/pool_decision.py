@@ -1,6 +1,11 @@
 """Decision latency of each pool policy as jobs and slots grow.
 
     .venv/bin/python -m benchmarks.pool_decision [--repeats 5] [--no-reference] [--out FILE]
+    .venv/bin/python -m benchmarks.pool_decision --tenants [--repeats 5]
+
+``--tenants``: only the largest cell, each policy on the snapshot as it is and on the same one
+with its jobs in three tenants (guaranteed 50 / 30 / 20 % of the slots, jobs assigned at random
+in those proportions): the cost of the tenant step (:mod:`elastic_ops.pool.tenants`).
 
 For each (jobs, slots) cell a snapshot is built once (8-slot hosts, 2% of them draining; half
 the jobs running and holding slots, the rest waiting; mixed min/max/priorities; some avoided
@@ -47,6 +52,7 @@ from elastic_ops.pool.policies import POLICIES, VECTORISED
 from elastic_ops.pool.scaling import Batching, GradStats
 
 ADAPTIVE = "goodput+adaptive"  # goodput on the same snapshot with half the jobs adaptive
+TENANTS_OUT = "benchmarks/results/pool_decision_tenants.json"
 CELLS = [(100, 1_000), (1_000, 10_000), (1_000, 100_000), (10_000, 10_000), (10_000, 100_000)]
 
 
@@ -100,6 +106,49 @@ def adaptive(snap: Snapshot, seed: int = 1) -> Snapshot:
         for k, j in enumerate(snap.jobs)
     )
     return dataclasses.replace(snap, jobs=jobs)
+
+
+def with_tenants(snap: Snapshot, seed: int = 2) -> Snapshot:
+    """``snap`` with its jobs in tenants a, b, c (probability 0.5 / 0.3 / 0.2), guaranteed 50 /
+    30 / 20 % of the up slots."""
+    from elastic_ops.pool.model import Tenant
+
+    rng = random.Random(seed)
+    up = sum(h.slots for h in snap.hosts if h.state == HostState.UP)
+    tenants = (Tenant("a", up // 2), Tenant("b", up * 3 // 10), Tenant("c", up // 5))
+    jobs = tuple(dataclasses.replace(j, tenant=rng.choices("abc", (5, 3, 2))[0]) for j in snap.jobs)
+    return dataclasses.replace(snap, jobs=jobs, tenants=tenants)
+
+
+def measure_tenants(repeats: int) -> dict:
+    """The largest cell, each policy without and with tenants, calls alternating."""
+    n_jobs, n_slots = CELLS[-1]
+    plain = build(n_jobs, n_slots)
+    shared = with_tenants(plain)
+    calls: dict[tuple[str, bool], list[float]] = {}
+    for _ in range(repeats):
+        for name, policy in sorted(POLICIES.items()):
+            for tenanted, snap in ((False, plain), (True, shared)):
+                calls.setdefault((name, tenanted), []).extend(_time(policy, snap, 1)[1])
+    rows = []
+    for name in sorted(POLICIES):
+        without, with_ = (round(1000 * min(calls[name, t]), 2) for t in (False, True))
+        rows.append({"policy": name, "jobs": n_jobs, "slots": n_slots, "without_tenants_min_cpu_ms": without,
+                     "with_tenants_min_cpu_ms": with_, "tenant_step_ms": round(with_ - without, 2)})
+        print(f"{name:<10} without tenants {without:>7.2f} ms CPU, with {with_:>7.2f} ms", flush=True)
+    return {
+        "benchmark": "pool_decision",
+        "command": "python -m benchmarks.pool_decision " + " ".join(sys.argv[1:]),
+        "python": platform.python_version(),
+        "repeats": repeats,
+        "load_avg_at_start": os.getloadavg()[0],
+        "calibration_ms": {"sum_range_1e7_cpu": _calibrate()},
+        "tenants": {t.name: t.guaranteed for t in shared.tenants},
+        "target_ms_at_10k_jobs_100k_slots": 50,
+        "meets_target_with_tenants": all(r["with_tenants_min_cpu_ms"] <= 50 for r in rows
+                                         if r["policy"] in VECTORISED),
+        "rows": rows,
+    }
 
 
 def _time(fn, arg, repeats: int) -> tuple[list[float], list[float]]:
@@ -219,7 +268,14 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default="benchmarks/results/pool_decision.json")
     ap.add_argument("--no-reference", action="store_true", help="skip timing the reference implementation")
+    ap.add_argument("--tenants", action="store_true", help="the largest cell without and with tenants")
     args = ap.parse_args()
+    if args.tenants:
+        out = args.out if args.out != ap.get_default("out") else TENANTS_OUT
+        result = measure_tenants(args.repeats)
+        write_json(out, result)
+        print(json.dumps({k: v for k, v in result.items() if k != "rows"}))
+        return
     result = measure(args.repeats, not args.no_reference)
     write_json(args.out, result)
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}))

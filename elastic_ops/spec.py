@@ -39,6 +39,17 @@ URI_ALLOWED = (
 )
 
 
+DEFAULT_TENANT = "default"
+
+
+def check_tenant(field: str, value: object) -> str:
+    """A tenant's name: 1-128 letters, digits, ``_ . -``, starting with a letter or digit."""
+    if not isinstance(value, str) or not _NAME_RE.fullmatch(value):
+        raise SpecError(field, value, "must be a tenant name: 1-128 letters, digits, '_', '.', '-', starting "
+                        "with a letter or digit")
+    return value
+
+
 _LABEL_KEY_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-/]{0,62}")
 MAX_SELECTOR_LABELS = 16
 
@@ -301,6 +312,7 @@ class JobSpec:
     device: Device = Device.CPU
     params: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     host_selector: Mapping[str, str] = dataclasses.field(default_factory=dict)  # labels its hosts carry
+    tenant: str = DEFAULT_TENANT  # the team whose share of the pool it runs in
     stop_when: Mapping[str, Any] | None = None  # stop at the first chunk end that meets it
     script_args: Sequence[str] = ()  # a script entrypoint's sys.argv[1:]
     strategy: Strategy = Strategy.ALLREDUCE
@@ -380,6 +392,7 @@ class JobSpec:
 
             check_params_if_imported(self.entrypoint, self.params)
         set_("host_selector", check_host_selector("host_selector", self.host_selector))
+        check_tenant("tenant", self.tenant)
         set_("stop_when", check_stop_when("stop_when", self.stop_when))
         set_("script_args", self._checked_script_args())
 

@@ -160,6 +160,7 @@ def _check_chunk_kwargs(chunk_kwargs: object) -> None:
 
 
 _INTERNAL = ("task_id", "chunk_index", "spec_fields", "group_id")
+TENANT_TAG = "tenant:"  # a DAG tag naming the tenant of its elastic jobs (tenant= overrides it)
 
 
 def elastic_training(
@@ -196,7 +197,8 @@ def elastic_training(
     :param chunk_kwargs: extra ``BaseOperator`` arguments for the chunk tasks (retries, pool, …).
     :param tracking: record the job in an experiment tracker, e.g.
         ``elastic_ops.tracking.MlflowTracking(experiment="digits")`` (docs/howto/mlflow.md).
-    :param spec: any other ``JobSpec`` field (consistency, params, preemptible, data_seed, …).
+    :param spec: any other ``JobSpec`` field (consistency, params, preemptible, data_seed,
+        tenant, …). Without ``tenant``, a DAG tag ``tenant:NAME`` names it (else ``default``).
     """
     try:  # the group's id (Airflow's TypeError or ValueError otherwise, from safe_name or TaskGroup)
         validate_group_key(task_id)
@@ -212,6 +214,14 @@ def elastic_training(
     }
     if "name" in spec:
         raise SpecError("name", spec["name"], "is set by elastic_training: <dag_id>.<task_id>.<run_id>")
+    if "tenant" not in spec and dag is not None:  # the DAG's tag `tenant:NAME` names the team
+        tagged = sorted(t.split(":", 1)[1] for t in (getattr(dag, "tags", None) or ())
+                        if isinstance(t, str) and t.startswith(TENANT_TAG))
+        if len(tagged) > 1:
+            raise SpecError("tags", sorted(TENANT_TAG + t for t in tagged),
+                            "at most one tenant:NAME tag per DAG", hint="or pass tenant= to elastic_training")
+        if tagged:
+            fields["tenant"] = tagged[0]
     native = dag is None or bool(getattr(dag, "render_template_as_native_obj", False))
     for field in _STRUCTURED:
         if is_template(spec.get(field)) and not native:  # it passed here and failed the register task

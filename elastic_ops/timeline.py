@@ -53,6 +53,27 @@ class Timeline:
     changes: tuple[Change, ...]
     progress: dict[str, tuple[Point, ...]]
     truncated: bool = False
+    tenants: dict[str, str] = dataclasses.field(default_factory=dict)  # job -> its tenant
+
+    def held_by_tenant(self) -> dict[str, tuple[Point, ...]]:
+        """Slots each tenant's jobs held over time (``tenants``; a job not in it: ``default``)."""
+        steps: dict[str, list[tuple[float, str, int]]] = {}
+        for job, pts in self.held.items():
+            steps.setdefault(self.tenants.get(job, "default"), []).extend((t, job, n) for t, n in pts)
+        out = {}
+        for tenant, rows in steps.items():
+            now: dict[str, int] = {}
+            series: list[Point] = []
+            total = 0
+            for t, job, n in sorted(rows):
+                total += n - now.get(job, 0)
+                now[job] = n
+                if series and series[-1][0] == t:
+                    series[-1] = (t, total)
+                elif not series or series[-1][1] != total:
+                    series.append((t, total))
+            out[tenant] = tuple(series)
+        return out
 
     @property
     def jobs(self) -> list[str]:
@@ -75,6 +96,8 @@ class Timeline:
             "capacity": [list(p) for p in self.capacity],
             "changes": [dataclasses.asdict(c) for c in self.changes],
             "progress": {j: [list(p) for p in pts] for j, pts in self.progress.items()},
+            "tenants": dict(self.tenants),
+            "held_by_tenant": {t: [list(p) for p in pts] for t, pts in self.held_by_tenant().items()},
         }
 
 
@@ -132,12 +155,14 @@ def compute(
     until: float | None = None,
     max_points: int = DEFAULT_POINTS,
     now: float | None = None,
+    tenant_of: Mapping[str, str] | None = None,
 ) -> Timeline:
     """The timeline of ``job`` (None: every job, the pool) between ``since`` and ``until`` (Unix
     seconds; None: from the job's first event, to the last event or ``now``; a ``since`` before
     the first event means the first event). Every series starts at ``since`` with the value it
     had then (replayed from all ``events``), so a range shows a state, not only the changes
-    inside it; at most ``max_points`` points in all, the newest kept."""
+    inside it; at most ``max_points`` points in all, the newest kept. ``tenant_of``: each job's
+    tenant (the timeline then groups jobs by tenant: :meth:`Timeline.held_by_tenant`)."""
     check_bounds(since, until, max_points)
     progress = progress or {}
     held = {j: pts for j, pts in held_series(events).items() if job is None or j == job}
@@ -166,7 +191,8 @@ def compute(
         cap, changes = cap[-share:], changes[-share:]
     return Timeline(start=start, end=end, held={j: tuple(p) for j, p in held.items() if p},
                     capacity=tuple(cap), changes=tuple(changes),
-                    progress={j: tuple(p) for j, p in prog.items() if p}, truncated=truncated)
+                    progress={j: tuple(p) for j, p in prog.items() if p}, truncated=truncated,
+                    tenants={j: t for j, t in (tenant_of or {}).items() if j in held or j in prog})
 
 
 def _clip(points: Sequence[Point], start: float, end: float) -> list[Point]:

@@ -320,3 +320,42 @@ def test_a_body_that_is_not_one_strict_json_object_is_a_422(tmp_path, monkeypatc
     r = client.post("/jobs/j/priority", content=raw, headers={"content-type": "application/json"})
     assert r.status_code == 422 and says in r.text, r.text
     assert job(pool)["priority"] == 2
+
+
+class _DagEditor:
+    """May read the pool and edit DAG ``d`` only (not the pool)."""
+
+    def is_authorized_pool(self, *, method, details, user):
+        return method == "GET"
+
+    def is_authorized_dag(self, *, method, details, user, access_entity=None):
+        return details.id == "d"
+
+
+def test_a_jobs_priority_and_bounds_need_edit_permission_on_its_dag(tmp_path, monkeypatch):
+    client, pool = make_api(tmp_path, monkeypatch)
+    pool.submit("k", min_workers=1, max_workers=4, dag_id="d")
+    pool.submit("other", min_workers=1, max_workers=4, dag_id="e")
+    monkeypatch.setattr("airflow.api_fastapi.app.get_auth_manager", _DagEditor)
+    assert client.post("/jobs/k/priority", json={"priority": 7}).status_code == 200
+    assert client.post("/jobs/k/bounds", json={"min_workers": 1, "max_workers": 2}).status_code == 200
+    r = client.post("/jobs/other/priority", json={"priority": 7})
+    assert r.status_code == 403 and "DAG e" in r.json()["detail"]
+    # a job from no DAG: the pool's edit permission, which this user lacks; so for selectors
+    assert client.post("/jobs/j/priority", json={"priority": 7}).status_code == 403
+    assert client.post("/jobs/k/selector", json={"selector": {}}).status_code == 403
+    jobs = {j["name"]: j for j in pool.status()["jobs"]}
+    assert (jobs["k"]["priority"], jobs["k"]["max_workers"]) == (7, 2)
+    assert jobs["other"]["priority"] == 1 and jobs["j"]["priority"] == 2
+
+
+def test_tenants_through_the_api_need_the_pools_permissions(tmp_path, monkeypatch):
+    client, pool = make_api(tmp_path, monkeypatch, role="op")
+    assert client.put("/tenants/vision", json={"guaranteed": 4, "max_slots": 6}).status_code == 200
+    (t,) = [t for t in client.get("/status").json()["tenants"] if t["name"] == "vision"]
+    assert (t["guaranteed"], t["max_slots"], t["weight"]) == (4, 6, 1.0)
+    r = client.put("/tenants/vision", json={"guaranteed": 8, "max_slots": 6})
+    assert r.status_code == 400 and "max_slots" in r.json()["detail"]
+    assert client.delete("/tenants/vision").status_code == 200
+    viewer, _ = make_api(tmp_path / "v", monkeypatch, role="viewer")
+    assert viewer.put("/tenants/nlp", json={"guaranteed": 1}).status_code == 403

@@ -231,3 +231,11 @@ def test_a_jobs_total_comes_from_its_chunk_tasks_rendered_spec(rendered, total):
     from elastic_ops.plugin.runs import _total
 
     assert _total(rendered) == total
+
+
+def test_the_pool_view_lists_the_tenants_once_there_are_any(seeded):
+    client, pool, _ = seeded
+    assert "<h3>Tenants</h3>" not in client.get("/ui").text  # every job in the default tenant
+    pool.add_tenant("vision", guaranteed=2)
+    page = client.get("/ui").text
+    assert "<h3>Tenants</h3>" in page and "<td>vision</td>" in page and "<td>default</td>" in page

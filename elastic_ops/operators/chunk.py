@@ -383,7 +383,7 @@ class ElasticChunkOperator(ElasticOperatorMixin, BaseOperator):
         try:
             outcome = client.request(job, avoid_hosts=tuple(avoid), new_attempt=not again)
         except UnknownJobError:  # register was skipped or the ledger was reset: register again
-            register(client, JobSpec.from_dict(chunk.spec))
+            register(client, JobSpec.from_dict(chunk.spec), context["dag"].dag_id)
             outcome = client.request(job, avoid_hosts=tuple(avoid), new_attempt=not again)
         outcome = self._wait_in_task(client, job, avoid, outcome)
         if isinstance(outcome, Grant):

@@ -72,12 +72,13 @@ class ElasticRegisterOperator(JobTaskOperator):
     def execute(self, context: Context) -> dict[str, Any]:
         refuse_unknown_conf_keys(context)
         spec = self._spec(context)
-        register(self._hook().pool(), spec)
+        register(self._hook().pool(), spec, context["dag"].dag_id)
         self.log.info(
             "registered job %s: %d..%d workers, priority %d, %d chunks of %d iterations, checkpoints %s%s",
             spec.name, spec.min_workers, spec.max_workers, spec.priority, spec.num_chunks,
             spec.chunk_iterations, spec.checkpoint_uri(),
-            f", on hosts labelled {spec.host_selector}" if spec.host_selector else "",
+            (f", on hosts labelled {spec.host_selector}" if spec.host_selector else "")
+            + (f", tenant {spec.tenant}" if spec.tenant != "default" else ""),
         )
         self._open_run(context, spec).close()  # the job's run starts here, with its params and spec
         return {"job": spec.name, "spec": spec.to_dict(), "checkpoint": spec.checkpoint_uri()}

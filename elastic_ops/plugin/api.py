@@ -4,8 +4,10 @@ but no credentials for the ledger's database.
 
 Every route needs an authenticated Airflow user (JWT bearer token or the UI's session cookie),
 authorized through the configured auth manager as an Airflow pool named ``elastic_ops``:
-reading needs ``GET`` (read) access, changing a job, a host or a setting ``PUT`` (edit), adding a
-host ``POST`` (create), pruning events ``DELETE``. A change is authorized before its body is
+reading needs ``GET`` (read) access, changing a job, a host, a tenant or a setting ``PUT`` (edit),
+adding a host or a tenant ``POST`` (create), pruning events or removing a tenant ``DELETE``;
+changing a job's priority or bounds needs edit access to the DAG the job comes from instead
+(the pool's for a job from no DAG). A change is authorized before its body is
 read: a user who may not change the pool gets 403 whatever it sent, and no body is parsed for
 one. Bodies are at most ``MAX_BODY_BYTES`` (64 KiB; more: 413, read no further) of strict JSON
 (no key twice, nothing coerced, no unknown fields: 422, naming the field); values the pool
@@ -347,7 +349,9 @@ def _timeline(job: str | None, since: float | None, until: float | None, max_poi
     status = _call("status")
     done = job is not None and any(j["name"] == job and j["state"] == "finished" for j in status["jobs"])
     now = None if done else status["now"]  # a finished job's picture ends where it did
-    return compute(events, progress, job=job, since=since, until=until, max_points=max_points, now=now)
+    tenant_of = {j["name"]: j.get("tenant", "default") for j in status["jobs"]}
+    return compute(events, progress, job=job, since=since, until=until, max_points=max_points, now=now,
+                   tenant_of=tenant_of)
 
 
 @app.get("/timeline")
@@ -484,9 +488,26 @@ async def _login_first(request: Request, exc: HTTPException) -> Response:
 # read and parsed by FastAPI before any dependency runs); the pool calls run in the threadpool.
 
 
+def _authorize_job_dag(job: str, user: Any) -> None:
+    """Changing a job's priority or bounds needs edit permission on the DAG the job comes from
+    (the ledger records it at registration); a job that names no DAG (submitted outside
+    Airflow) needs edit permission on the pool. 404 for a job the pool does not know."""
+    dag_id = _call("job_dag", job)
+    if dag_id is None:
+        _authorize("PUT", user)
+        return
+    from airflow.api_fastapi.app import get_auth_manager
+    from airflow.api_fastapi.auth.managers.models.resource_details import DagDetails
+
+    if not get_auth_manager().is_authorized_dag(method="PUT", details=DagDetails(id=dag_id), user=user):
+        raise HTTPException(status_code=403,
+                            detail=f"user may not edit DAG {dag_id}, which job {job} comes from")
+
+
 @app.post("/jobs/{job}/priority")
 async def set_priority(job: Job, request: Request, user: GetUserDep) -> dict[str, Any]:
-    await _authorized("PUT", user)
+    """Needs edit permission on the job's DAG (the pool's, for a job from no DAG)."""
+    await run_in_threadpool(_authorize_job_dag, job, user)
     body = await _read_body(request, PriorityBody)
     await run_in_threadpool(_call, "set_priority", job, body.priority)
     return {"job": job, "priority": body.priority}
@@ -494,7 +515,8 @@ async def set_priority(job: Job, request: Request, user: GetUserDep) -> dict[str
 
 @app.post("/jobs/{job}/bounds")
 async def set_bounds(job: Job, request: Request, user: GetUserDep) -> dict[str, Any]:
-    await _authorized("PUT", user)
+    """Needs edit permission on the job's DAG (the pool's, for a job from no DAG)."""
+    await run_in_threadpool(_authorize_job_dag, job, user)
     body = await _read_body(request, BoundsBody)
     await run_in_threadpool(_call, "set_bounds", job, body.min_workers, body.max_workers)
     return {"job": job, "min_workers": body.min_workers, "max_workers": body.max_workers}
@@ -538,6 +560,41 @@ async def set_host_state(host: Host, request: Request, user: GetUserDep) -> dict
     body = await _read_body(request, HostStateBody)
     await run_in_threadpool(_call, "set_host_state", host, body.state)
     return {"host": host, "state": body.state}
+
+
+# --- tenants ----------------------------------------------------------------------------------
+
+Tenant = Annotated[str, Path(max_length=NAME_MAX)]
+
+
+class TenantBody(_Body):
+    """``{"guaranteed": N, "max_slots": M, "weight": W}`` (``max_slots`` null: no limit)."""
+
+    guaranteed: StrictInt = Field(ge=0, le=10**9)
+    max_slots: StrictInt | None = Field(None, ge=1, le=10**9)
+    weight: StrictFloat | StrictInt = 1.0
+
+
+@app.put("/tenants/{tenant}")
+async def add_tenant(tenant: Tenant, request: Request, user: GetUserDep) -> dict[str, Any]:
+    """Register a tenant (create permission on the pool) or change one (edit permission), as hosts."""
+    await _authorized("POST", user)
+    body = await _read_body(request, TenantBody)
+    status = await run_in_threadpool(_call, "status")
+    if any(t["name"] == tenant for t in status.get("tenants", ())):
+        await _authorized("PUT", user)
+    await run_in_threadpool(lambda: _call("add_tenant", tenant, guaranteed=body.guaranteed,
+                                          max_slots=body.max_slots, weight=float(body.weight)))
+    return {"tenant": tenant, "guaranteed": body.guaranteed, "max_slots": body.max_slots,
+            "weight": float(body.weight)}
+
+
+@app.delete("/tenants/{tenant}")
+def remove_tenant(tenant: Tenant, user: GetUserDep) -> dict[str, Any]:
+    """Remove a tenant no unfinished job belongs to (delete permission on the pool)."""
+    _authorize("DELETE", user)
+    _call("remove_tenant", tenant)
+    return {"tenant": tenant, "removed": True}
 
 
 # --- pool -------------------------------------------------------------------------------------

@@ -226,6 +226,14 @@ def _events_section(events: Sequence[Mapping[str, Any]], flt: EventFilter, statu
             + _table(EVENT_COLUMNS, event_rows(page), "No events match.", "events"))
 
 
+def _tenants_section(status: dict) -> str:
+    """The tenants (guaranteed, in use, borrowed, lent) when the pool has any."""
+    if not report.has_tenants(status):
+        return ""
+    table = _table(report.TENANT_COLUMNS, report.tenant_rows(status), "None.", "tenants")
+    return f"<section><h3>Tenants</h3>{table}</section>"
+
+
 def pool_page(
     status: Mapping[str, Any], timeline: Timeline, events: Sequence[Mapping[str, Any]], flt: EventFilter, *,
     kinds: Sequence[str], observations: Mapping[str, Any], can_edit: bool, base: str,
@@ -252,7 +260,9 @@ def pool_page(
         f'<p class="legend">{legend}<span class="legend-item capacity-key">- - capacity</span></p></section>'
         f'<section><h3>Hosts</h3>{charts.host_cells(hosts, _owners(status))}'
         + _table((*report.HOST_COLUMNS, ""), host_rows, "No hosts registered.", "hosts", raw_last=True)
-        + "</section><section><h3>Running and waiting jobs</h3>"
+        + "</section>"
+        + _tenants_section(status)
+        + "<section><h3>Running and waiting jobs</h3>"
         + _table(JOB_HEADER, _job_rows(live, observations, can_edit, job_links, totals),
                  "No job is running or waiting.", "jobs", raw_last=True)
         + f'<details class="finished"><summary>Finished jobs ({len(done)})</summary>'

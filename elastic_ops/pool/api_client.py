@@ -184,6 +184,14 @@ class ApiPoolClient:
     def add_host(self, name: str, slots: int, labels: dict[str, str] | None = None) -> None:
         self._call("PUT", f"/hosts/{_q(name)}", json={"slots": slots, "labels": dict(labels or {})})
 
+    def add_tenant(self, name: str, *, guaranteed: int, max_slots: int | None = None,
+                   weight: float = 1.0) -> None:
+        body = {"guaranteed": guaranteed, "max_slots": max_slots, "weight": weight}
+        self._call("PUT", f"/tenants/{_q(name)}", json=body)
+
+    def remove_tenant(self, name: str) -> None:
+        self._call("DELETE", f"/tenants/{_q(name)}")
+
     def configure(self, **settings: object) -> dict[str, Any]:
         return self._call("PATCH", "/settings", json=settings)
 

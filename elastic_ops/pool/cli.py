@@ -67,6 +67,21 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     _prints_change(p, lambda c, a: c.add_host(a.host, a.slots, parse_labels(a.label)), host_change)
     p.set_defaults(flag_aliases={"labels": "--label"})
 
+    p = psub.add_parser("add-tenant", help="register (or change) a tenant: a team with guaranteed slots")
+    p.add_argument("tenant")
+    p.add_argument("--guaranteed", type=int, required=True, metavar="N",
+                   help="slots it gets whenever its jobs can use them (reclaimed from borrowers)")
+    p.add_argument("--max", type=int, default=None, metavar="M", dest="max_slots",
+                   help="the most it may hold, borrowing included (default: no limit)")
+    p.add_argument("--weight", type=float, default=1.0, metavar="W",
+                   help="its share of idle capacity lent to tenants wanting more (default: %(default)s)")
+    _prints_change(p, lambda c, a: c.add_tenant(a.tenant, guaranteed=a.guaranteed, max_slots=a.max_slots,
+                                                weight=a.weight), tenant_change)
+
+    p = psub.add_parser("remove-tenant", help="remove a tenant no unfinished job belongs to")
+    p.add_argument("tenant")
+    _prints_change(p, lambda c, a: c.remove_tenant(a.tenant), tenant_change)
+
     p = psub.add_parser("configure", help="pool-wide settings (policy, preemption, ttl, anti-thrashing)")
     p.add_argument("--policy")
     p.add_argument("--preemption", choices=["none", "graceful"])
@@ -146,6 +161,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         help="every job scaling: adaptive under goodput (the pool chooses its batch per allocation; "
         "the other policies run it at its own batch)",
     )
+    sim.add_argument("--tenants", default=None, metavar="FILE",
+                     help='tenants (JSON: {"tenants": {NAME: {"guaranteed": N, "max_slots": M, '
+                     '"weight": W}}, "jobs": {JOB: NAME}}); a job not listed: its workload tenant column')
     sim.add_argument("--json", action="store_true", help="last line: one JSON object")
     # An error about a library parameter names the option it came from: the options' dests are the
     # parameters' names (min_rescale_interval_s, slots_per_host, …, workload, traces, policy), so
@@ -261,6 +279,9 @@ def _status(args: argparse.Namespace) -> None:
     print(report.summary(st))
     print()
     print(report.text_table(report.host_rows(st), report.HOST_COLUMNS))
+    if report.has_tenants(st):
+        print()
+        print(report.text_table(report.tenant_rows(st), report.TENANT_COLUMNS))
     print()
     print(report.text_table(report.job_rows(st), report.JOB_COLUMNS))
 
@@ -308,6 +329,17 @@ def job_change(args: argparse.Namespace, before: dict, after: dict) -> str:
              if old.get("target") != new.get("target") else None]
     said = [p for p in parts if p]
     return f"job {args.job}: " + (", ".join(said) if said else "unchanged")
+
+
+def tenant_change(args: argparse.Namespace, before: dict, after: dict) -> str:
+    """``tenant vision: guaranteed 8, max 16, weight 1 (in use 3)`` or ``tenant vision: removed``."""
+    new, old = _named(after, "tenants", args.tenant), _named(before, "tenants", args.tenant)
+    if not hasattr(args, "guaranteed") or new is None:  # remove-tenant
+        return f"tenant {args.tenant}: removed"
+    limit = "no max" if new["max_slots"] is None else f"max {new['max_slots']}"
+    what = "added" if old is None else "set"
+    return (f"tenant {args.tenant}: {what} guaranteed {new['guaranteed']}, {limit}, weight {new['weight']:g} "
+            f"(in use {new['in_use']}, borrowed {new['borrowed']}, lent {new['lent']})")
 
 
 def host_change(args: argparse.Namespace, before: dict, after: dict) -> str:
@@ -440,6 +472,11 @@ def _usage(args: argparse.Namespace) -> None:
     print(report.text_table([[h["host"], f"{h['slot_hours']:.2f}",
                    f"{100 * h['utilization']:.1f}%" if "utilization" in h else "-"] for h in u["hosts"]],
                  ["HOST", "SLOT-HOURS", "BUSY"]))
+    if any(t["tenant"] != "default" or t["guaranteed"] for t in u.get("tenants", ())):
+        print()
+        kinds = ("guaranteed", "used", "borrowed", "lent")
+        print(report.text_table([[t["tenant"], *(f"{t[k]:.2f}" for k in kinds)] for t in u["tenants"]],
+                                ["TENANT", "GUARANTEED", "USED", "BORROWED", "LENT"]))
 
 
 def _prune_events(args: argparse.Namespace) -> None:

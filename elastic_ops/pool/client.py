@@ -67,13 +67,21 @@ from elastic_ops.pool.ledger import PlannerState, Tx
 from elastic_ops.pool.model import HostState, Observation, Slot
 from elastic_ops.pool.scaling import Batching, ScalingModel, measured_from_rows
 from elastic_ops.pool.scaling import fit as fit_scaling
+from elastic_ops.pool.usage import lent_and_borrowed
 from elastic_ops.pool.usage import usage as usage_of
-from elastic_ops.spec import MAX_WORKERS_LIMIT, check_host_selector, check_number
+from elastic_ops.spec import (
+    DEFAULT_TENANT,
+    MAX_WORKERS_LIMIT,
+    check_host_selector,
+    check_number,
+    check_tenant,
+)
 from elastic_ops.urls import shown_url
 
 T = TypeVar("T")
 SETTLE_POLL_S = 0.002  # a change waiting for another's plan reads the planner this often (x2, to 50 ms)
 _BUSY = object()  # _plan_for: another client holds the pool lock
+MAX_TENANT_SLOTS = 10**9  # a tenant's guarantee or max (slots)
 NUDGE_BACKOFF_S = 1.0  # a heartbeat that found another client planning tries again after this (its
 # plan, once committed, covers what this one saw; a planner that died drops its lock at once)
 
@@ -462,6 +470,26 @@ class PoolClient:
         st = check_host_state(state)
         self._change(lambda tx: tx.set_host_state(name, st))
 
+    # --- tenants -------------------------------------------------------------------------
+
+    def add_tenant(self, name: str, *, guaranteed: int, max_slots: int | None = None,
+                   weight: float = 1.0) -> None:
+        """Register a tenant (a team sharing the pool) or change its settings: ``guaranteed``
+        slots whenever its jobs can use them (reclaimed from borrowers at their next iteration
+        boundaries), at most ``max_slots`` in all (None: no limit), ``weight`` in lending idle
+        capacity (see docs/explanation/pool.md, "Tenants")."""
+        check_tenant("tenant", name)
+        check_int("guaranteed", guaranteed, 0, MAX_TENANT_SLOTS)
+        if max_slots is not None:
+            check_int("max_slots", max_slots, max(guaranteed, 1), MAX_TENANT_SLOTS)
+        check_number("weight", weight, minimum=0, exclusive=True, maximum=1e6)
+        self._change(lambda tx: tx.add_tenant(name, guaranteed, max_slots, float(weight)))
+
+    def remove_tenant(self, name: str) -> None:
+        """Remove a tenant no unfinished job belongs to."""
+        check_tenant("tenant", name)
+        self._change(lambda tx: tx.remove_tenant(name))
+
     # --- jobs ----------------------------------------------------------------------------
 
     def submit(
@@ -474,8 +502,13 @@ class PoolClient:
         preemptible: bool = True,
         selector: Mapping[str, str] | None = None,
         batching: Batching | Mapping[str, int] | None = None,
+        tenant: str = DEFAULT_TENANT,
+        dag_id: str | None = None,
     ) -> None:
         """Register a job or update its demand (idempotent). A finished job becomes waiting again.
+        ``tenant``: the team whose share it runs in (one :meth:`add_tenant` registered, or
+        ``default``; its max must allow ``max_workers``). ``dag_id``: the Airflow DAG it comes
+        from (the HTTP API asks for edit permission on it to change the job's priority or bounds).
         ``selector``: labels every host the job runs on must carry (``{"gpu": "h100"}``).
         ``batching``: the global batches an adaptive job (``scaling: adaptive``) lets the pool
         choose from (:class:`~elastic_ops.pool.scaling.Batching`; None: its batch is fixed):
@@ -487,11 +520,17 @@ class PoolClient:
             raise SpecError("preemptible", preemptible, "must be true or false")
         wanted = check_host_selector("selector", selector)
         chosen = check_batching(batching)
+        check_tenant("tenant", tenant)
+        if dag_id is not None:
+            check_name("dag_id", dag_id)
         values = dict(min_workers=min_workers, max_workers=max_workers, priority=priority,
                       preemptible=preemptible, selector=json.dumps(wanted, sort_keys=True),
+                      tenant=tenant, dag_id=dag_id,
                       batching=None if chosen is None else json.dumps(dataclasses.asdict(chosen),
                                                                       sort_keys=True))
         described = f"min {min_workers} max {max_workers} priority {priority} preemptible {preemptible}"
+        if tenant != DEFAULT_TENANT:
+            described += f" tenant {tenant}"
         if chosen is not None:
             described += f" batch {chosen.lowest}..{chosen.most} (base {chosen.base})"
         on = f" on hosts with {_labels(wanted)}" if wanted else ""
@@ -678,7 +717,8 @@ class PoolClient:
             job,
             {"min_workers": min_workers, "max_workers": max_workers},
             f"bounds -> {min_workers}..{max_workers}",
-            check=lambda tx, row: tx.check_unpreemptible_min(job, min_workers, row.preemptible),
+            check=lambda tx, row: (tx.check_unpreemptible_min(job, min_workers, row.preemptible),
+                                   tx.check_tenant_demand(job, row.tenant, max_workers)),
         )
 
     def set_selector(self, job: str, selector: Mapping[str, str] | None) -> None:
@@ -700,6 +740,11 @@ class PoolClient:
         self._change(lambda tx: tx.update_job(job, values, reason, check), lock=Lock.NONE)
 
     # --- reading -------------------------------------------------------------------------
+
+    def job_dag(self, job: str) -> str | None:
+        """The Airflow DAG ``job`` comes from (None: submitted outside Airflow)."""
+        check_name("job", job)
+        return self._read(lambda tx: tx.job_row(job).dag_id)
 
     def status(self) -> dict[str, Any]:
         """Hosts, jobs (with held slots, targets, leases) and settings, after any plan due
@@ -748,6 +793,8 @@ class PoolClient:
                         # an adaptive job's batches and the batch the plan chose (0: its own)
                         "batching": None if r.batching is None else json.loads(r.batching),
                         "batch": r.plan_batch,
+                        "tenant": r.tenant,
+                        "dag_id": r.dag_id,
                     }
                 )
             total = sum(h["slots"] for h in hosts if h["state"] == HostState.UP.value)
@@ -758,6 +805,7 @@ class PoolClient:
                 "planner": dataclasses.asdict(tx.planner_state()),
                 "hosts": hosts,
                 "jobs": jobs,
+                "tenants": tenant_rows(tx.tenants(), jobs, total),
                 "slots": {"up": total, "used": used},
             }
 
@@ -796,9 +844,10 @@ class PoolClient:
         return self._read(op)
 
     def usage(self, *, hours: float | None = None, job: str | None = None) -> dict[str, Any]:
-        """Slot-hours per job and per host over the last ``hours`` (default: since the oldest
-        event), replayed from the event log (see :mod:`elastic_ops.pool.usage`); ``job``: that
-        job's only (and the hosts as it used them), reading its events alone."""
+        """Slot-hours per job, per host and per tenant (guaranteed, used, borrowed, lent) over the
+        last ``hours`` (default: since the oldest event), replayed from the event log (see
+        :mod:`elastic_ops.pool.usage`); ``job``: that job's only (and the hosts as it used them),
+        reading its events alone."""
         if hours is not None:
             check_number("hours", hours, minimum=0, exclusive=True, maximum=MAX_LOOKBACK_H)
         if job is not None:
@@ -813,12 +862,16 @@ class PoolClient:
             q = select(s.events).where(mine, kinds).order_by(s.events.c.id)
             rows = [_event_dict(r) for r in conn.execute(q)]
             oldest = conn.execute(select(func.min(s.events.c.ts)).where(mine)).scalar()
-            slots = {r.name: r.slots for r in conn.execute(select(s.hosts.c.name, s.hosts.c.slots))}
-            return now, rows, oldest, slots
+            hs = conn.execute(select(s.hosts.c.name, s.hosts.c.slots, s.hosts.c.state)).all()
+            tenant_of = {r.name: r.tenant for r in conn.execute(select(s.jobs.c.name, s.jobs.c.tenant))}
+            guaranteed = {t.name: t.guaranteed for t in tx.tenants()}
+            return now, rows, oldest, hs, tenant_of, guaranteed
 
-        now, rows, oldest, slots = self._read(op)
+        now, rows, oldest, hs, tenant_of, guaranteed = self._read(op)
         since = now - hours * 3600 if hours is not None else (now if oldest is None else float(oldest))
-        return usage_of(rows, since, now).to_dict(slots)
+        up = sum(r.slots for r in hs if r.state == HostState.UP.value)
+        out = usage_of(rows, since, now, tenant_of, guaranteed, up)
+        return out.to_dict({r.name: r.slots for r in hs})
 
     def prune_events(self, older_than_s: float) -> int:
         """Delete events older than ``older_than_s`` seconds; returns how many went.
@@ -834,6 +887,25 @@ class PoolClient:
             raise SpecError("older_than_s", older_than_s, "must be a positive number of seconds")
 
         return self._tx(lambda tx: tx.prune_events(older_than_s))[0]
+
+
+def tenant_rows(listed, jobs: list[dict[str, Any]], up: int) -> list[dict[str, Any]]:
+    """``status()["tenants"]``: each tenant's settings and what its jobs hold now (a tenant not
+    registered, ``default``, listed while unfinished jobs are in it)."""
+    used: dict[str, int] = {}
+    for j in jobs:
+        if j["state"] != "finished":
+            used[j["tenant"]] = used.get(j["tenant"], 0) + j["workers"]
+    rows = {t.name: {"name": t.name, "guaranteed": t.guaranteed, "max_slots": t.max_slots, "weight": t.weight}
+            for t in listed}
+    for name in used:
+        rows.setdefault(name, {"name": name, "guaranteed": 0, "max_slots": None, "weight": 1.0})
+    split = lent_and_borrowed({n: r["guaranteed"] for n, r in rows.items()}, used, up)
+    for name, r in rows.items():
+        r["in_use"] = used.get(name, 0)
+        r["borrowed"], r["lent"] = split[name]
+        r["jobs"] = sum(1 for j in jobs if j["tenant"] == name and j["state"] != "finished")
+    return [rows[n] for n in sorted(rows)]
 
 
 class _Dropped(Exception):

@@ -56,12 +56,14 @@ from elastic_ops.pool.model import (
     Slot,
     Snapshot,
     TargetAction,
+    Tenant,
     make_job,
     outside,
 )
 from elastic_ops.pool.policies import LEARNING, get_policy
 from elastic_ops.pool.rules import target_of
 from elastic_ops.pool.scaling import Batching, GradStats, Measured, fit_cached
+from elastic_ops.spec import DEFAULT_TENANT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -515,7 +517,7 @@ class Tx:
                 frozenset(going) if going else none,
                 fit_cached(tuple(measured)) if measured else None,
                 sum(m.workers * m.seconds for m in measured) if measured else 0.0,
-                batchings.get(r.name), grads.get(r.name),
+                batchings.get(r.name), grads.get(r.name), r.tenant,
             ))
         config = PolicyConfig(
             preemption=Preemption(cfg["preemption"]),
@@ -524,7 +526,54 @@ class Tx:
             aging_s=cfg["aging_s"],
             rescale_cost_s=cfg["rescale_cost_s"],
         )
-        return Snapshot(hosts, tuple(jobs), now, config), rows
+        return Snapshot(hosts, tuple(jobs), now, config, self.tenants()), rows
+
+    def tenants(self) -> tuple[Tenant, ...]:
+        return tuple(Tenant(r.name, r.guaranteed, r.max_slots, r.weight)
+                     for r in self.conn.execute(select(s.tenants).order_by(s.tenants.c.name)))
+
+    def tenant_row(self, name: str):
+        return self.conn.execute(select(s.tenants).where(s.tenants.c.name == name)).first()
+
+    def check_tenant_demand(self, job: str, tenant: str, max_workers: int) -> None:
+        """A job's tenant must exist (``default`` always does) and its maximum allow the job's."""
+        row = self.tenant_row(tenant)
+        if row is None and tenant != DEFAULT_TENANT:
+            known = ", ".join(t.name for t in self.tenants()) or "none yet"
+            raise SpecError("tenant", tenant, f"a tenant of the pool (known: {known}; and 'default')",
+                            hint=f"add it first: elastic-ops pool add-tenant {tenant} --guaranteed N")
+        if row is not None and row.max_slots is not None and max_workers > row.max_slots:
+            raise SpecError("max_workers", max_workers,
+                            f"must be <= {row.max_slots}, the max of tenant {tenant!r} (job {job!r})")
+
+    def add_tenant(self, name: str, guaranteed: int, max_slots: int | None, weight: float) -> None:
+        """Register a tenant or change its settings (its jobs are re-planned at once)."""
+        values = dict(guaranteed=guaranteed, max_slots=max_slots, weight=weight)
+        if self.tenant_row(name) is None:
+            self.conn.execute(insert(s.tenants).values(name=name, **values))
+            what = "added"
+        else:
+            self.conn.execute(update(s.tenants).where(s.tenants.c.name == name).values(**values))
+            what = "changed"
+        limit = "no max" if max_slots is None else f"max {max_slots}"
+        self.log_event(EventKind.CONFIG, reason=f"tenant {name} {what}: guaranteed {guaranteed}, {limit}, "
+                       f"weight {weight:g}")
+        self.mark_dirty()
+
+    def remove_tenant(self, name: str) -> None:
+        """Remove a tenant that no unfinished job belongs to."""
+        if self.tenant_row(name) is None:
+            raise SpecError("tenant", name, f"a tenant of the pool (known: "
+                            f"{', '.join(t.name for t in self.tenants()) or 'none'})")
+        j = s.jobs.c
+        busy = self.conn.execute(select(j.name).where(j.tenant == name, j.state != JobState.FINISHED.value)
+                                 .limit(1)).first()
+        if busy is not None:
+            raise SpecError("tenant", name, f"a tenant no unfinished job belongs to (job {busy.name!r} does)",
+                            hint="move its jobs to another tenant (submit them again) or let them finish")
+        self.conn.execute(delete(s.tenants).where(s.tenants.c.name == name))
+        self.log_event(EventKind.CONFIG, reason=f"tenant {name} removed")
+        self.mark_dirty()
 
     def plan(self, seen: int | None = None) -> Plan:
         """sync → decide → apply, under the pool lock. Reserves decided grows of running jobs,
@@ -864,7 +913,10 @@ class Tx:
     def submit(self, job: str, values: dict[str, Any], described: str, on: str) -> None:
         """Register a job or update its demand (``values``: its demand columns)."""
         row = self.conn.execute(select(s.jobs).where(s.jobs.c.name == job)).first()
+        self.check_tenant_demand(job, values["tenant"], values["max_workers"])
         values = {**values, "last_seen": self.now}
+        if values.get("dag_id") is None and row is not None:
+            values["dag_id"] = row.dag_id  # submitted again outside Airflow: it still comes from its DAG
         if row is None:
             self.conn.execute(insert(s.jobs).values(
                 name=job, state=JobState.WAITING.value, submitted=self.now, waiting_since=self.now,
@@ -1060,7 +1112,7 @@ class Tx:
 def _changed_demand(row: Row[Any], values: dict[str, Any]) -> str:
     """What a submit changes of a job's demand, as ``"max 8 -> 2, priority 1 -> 7"`` ('' if nothing)."""
     parts = []
-    for key in ("min_workers", "max_workers", "priority", "preemptible", "selector", "batching"):
+    for key in ("min_workers", "max_workers", "priority", "preemptible", "selector", "batching", "tenant"):
         old, new = getattr(row, key), values[key]
         if key == "preemptible":
             old = bool(old)

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from elastic_ops.errors import SpecError
 from elastic_ops.pool.scaling import Batching, GradStats, ScalingModel
-from elastic_ops.spec import check_number
+from elastic_ops.spec import DEFAULT_TENANT, check_number
 
 Slot = tuple[str, int]  # (host name, slot index on that host)
 
@@ -114,7 +114,8 @@ class Job:
     ``attained``: GPU-seconds it has trained so far. ``batching``: the global batches an
     adaptive job (``scaling: adaptive``) lets the pool choose from (None: its batch is fixed);
     ``grad``: its gradient statistics as last measured (None: not measured). Only the
-    ``goodput`` policy reads these four.
+    ``goodput`` policy reads these four. ``tenant``: the team it belongs to (a
+    :class:`Tenant` of the snapshot; one not listed is a tenant without guarantee or max).
     """
 
     name: str
@@ -134,6 +135,7 @@ class Job:
     attained: float = 0.0
     batching: Batching | None = None
     grad: GradStats | None = None
+    tenant: str = DEFAULT_TENANT
 
 
 def make_job(
@@ -141,7 +143,7 @@ def make_job(
     avoid_hosts: frozenset[str], leave_hosts: frozenset[str], submitted: float,
     waiting_since: float | None, last_rescale: float | None, held: tuple[Slot, ...], epoch: int,
     releasing: frozenset[Slot], scaling: ScalingModel | None = None, attained: float = 0.0,
-    batching: Batching | None = None, grad: GradStats | None = None,
+    batching: Batching | None = None, grad: GradStats | None = None, tenant: str = DEFAULT_TENANT,
 ) -> Job:
     """The same :class:`Job` as ``Job(...)``, built without the frozen dataclass ``__init__``
     (as :func:`make_decision`): the ledger builds one per job for every plan."""
@@ -150,7 +152,7 @@ def make_job(
         name=name, min_workers=min_workers, max_workers=max_workers, priority=priority,
         preemptible=preemptible, avoid_hosts=avoid_hosts, leave_hosts=leave_hosts, submitted=submitted,
         waiting_since=waiting_since, last_rescale=last_rescale, held=held, epoch=epoch, releasing=releasing,
-        scaling=scaling, attained=attained, batching=batching, grad=grad,
+        scaling=scaling, attained=attained, batching=batching, grad=grad, tenant=tenant,
     )
     return j
 
@@ -222,11 +224,28 @@ def _preemption(value: object) -> Preemption:
 
 
 @dataclasses.dataclass(frozen=True)
+class Tenant:
+    """A team sharing the pool (see :mod:`elastic_ops.pool.tenants`). ``guaranteed``: the slots
+    it gets whenever its jobs can use them (reclaimed from borrowers by graceful preemption);
+    ``max_slots``: the most it may hold, borrowing included (None: no limit); ``weight``: its
+    share of the idle capacity lent to tenants that want more than their guarantee."""
+
+    name: str
+    guaranteed: int = 0
+    max_slots: int | None = None
+    weight: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
 class Snapshot:
+    """``tenants``: the pool's tenants (empty: every job in one tenant, the decision as without
+    tenants)."""
+
     hosts: tuple[Host, ...]
     jobs: tuple[Job, ...]
     now: float
     config: PolicyConfig = PolicyConfig()
+    tenants: tuple[Tenant, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,6 +12,9 @@ import dataclasses
 import math
 from collections.abc import Callable, Iterable, Sequence
 
+import numpy as np
+
+from elastic_ops.pool import tenants
 from elastic_ops.pool.goodput import goodput_fill, move_pays
 from elastic_ops.pool.model import (
     Decision,
@@ -38,6 +41,7 @@ from elastic_ops.pool.rules import (
     too_few,
 )
 from elastic_ops.pool.shares import strict_fill, weighted_fill
+from elastic_ops.pool.tenants import Tenants
 
 Policy = Callable[[Snapshot], Plan]
 ShareFn = Callable[[list[Job], list[int], int, Snapshot], list[int]]
@@ -131,12 +135,14 @@ def _share_round(
     return targets, left_out
 
 
-def _freeze_reason(job: Job, held_up: int, target: int, snap: Snapshot, admits: bool = False) -> str | None:
+def _freeze_reason(
+    job: Job, held_up: int, target: int, snap: Snapshot, admits: bool = False, flags: tuple = (False, False)
+) -> str | None:
     """Why a running job must stay at ``held_up`` rather than move to ``target`` (None: it may):
     :data:`elastic_ops.pool.rules.FREEZE_RULES` on one job. ``admits``: a higher-ranked job that
-    holds nothing is admitted in this plan."""
+    holds nothing is admitted in this plan; ``flags``: its tenant's (reclaims, over its max)."""
     last = math.nan if job.last_rescale is None else job.last_rescale
-    c = Change(held_up, target, not job.preemptible, last, admits)
+    c = Change(held_up, target, not job.preemptible, last, admits, *flags)
     if not may_freeze(c, job.min_workers, job.max_workers):
         return None
     return freeze_reason(c, snap.config, snap.now)
@@ -166,6 +172,49 @@ def _scan(jobs: Iterable[Job], up: dict[str, int]) -> tuple[dict[str, list[int]]
     return taken, held_up
 
 
+def _tenant_round(
+    tt: Tenants, tid: list[int], free_idx: list[int], ordered: list[Job], caps: list[int],
+    base_caps: list[int], keep: list[int], frozen: dict[int, str], capacity: int, snap: Snapshot,
+    share: ShareFn,
+) -> tuple[list[int], dict[int, str], list[int], np.ndarray]:
+    """:func:`_share_round` per tenant, on the parts :func:`tenants.divide_among` gives them.
+    Returns the targets and left-out reasons (as ``_share_round``, by position in ``free_idx``),
+    the capacity each free job's tenant gave its free jobs, and the parts."""
+    groups: dict[int, list[int]] = {}
+    for k, i in enumerate(free_idx):
+        groups.setdefault(tid[i], []).append(k)
+    kept = np.zeros(len(tt), dtype=np.int64)
+    for i in frozen:
+        kept[tid[i]] += keep[i]
+    demand = kept.copy()
+    for i in free_idx:
+        if caps[i] >= ordered[i].min_workers:
+            demand[tid[i]] += caps[i]
+    targets = [0] * len(free_idx)
+    left_out: dict[int, str] = {}
+    held_back = np.zeros(len(tt), dtype=np.int64)
+    cfg = snap.config
+    for i in frozen:  # what jobs held back by min_rescale_interval_s take once they may
+        last = ordered[i].last_rescale
+        if last is not None and snap.now - last < cfg.min_rescale_interval_s:
+            held_back[tid[i]] += max(0, caps[i] - keep[i])
+
+    def run(t: int, cap: int) -> int:
+        ks = groups[t]
+        part, left = _share_round([ordered[free_idx[k]] for k in ks], [caps[free_idx[k]] for k in ks], cap,
+                                  snap, share, [base_caps[free_idx[k]] for k in ks])
+        for k in ks:
+            left_out.pop(k, None)
+        for n, k in enumerate(ks):
+            targets[k] = part[n]
+            if n in left:
+                left_out[k] = left[n]
+        return sum(part)
+
+    parts, given = tenants.divide_among(tt, demand, kept, capacity, groups, run, held_back)
+    return targets, left_out, [given[tid[i]] for i in free_idx], parts
+
+
 def _targets(
     snap,
     share: ShareFn,
@@ -174,8 +223,10 @@ def _targets(
     capacity: int,
     held_up: list[int],
     limit: dict[int, int] | None = None,
+    tt: Tenants | None = None,
 ):
-    """Targets and reasons. ``limit``: caps lowered by placement (see :func:`_host_repair`)."""
+    """Targets and reasons. ``limit``: caps lowered by placement (see :func:`_host_repair`);
+    ``tt``: the tenants (None: one, the step skipped), their ids in ``ordered``'s order."""
     no_frozen: dict = {}
     base_caps = [_cap(j, up, capacity, cache=no_frozen) for j in ordered]
     limit = limit or {}
@@ -185,12 +236,21 @@ def _targets(
     # to it, and no further than a job that may not shrink may go)
     keep = [min(h, j.max_workers) for h, j in zip(held_up, ordered, strict=True)]
     frozen: dict[int, str] = {}
+    tid: list[int] = []
+    flags = [(False, False)] * len(ordered)
+    if tt is not None:
+        tid = tt.ids.tolist()
+        ids = tt.ids
+        usable = np.array([c >= j.min_workers for c, j in zip(base_caps, ordered, strict=True)], dtype=bool)
+        held_t = tt.per_tenant(ids, np.array(held_up, dtype=np.float64))
+        tt.flags(held_t, tt.per_tenant(ids, np.where(usable, np.maximum(base_caps, held_up), held_up)))
+        flags = list(zip(tt.reclaims[ids].tolist(), tt.over[ids].tolist(), strict=True))
     # a fixed point: rounds of share and freeze, a long chain of freezes cut after SETTLE_AFTER
     # rounds (see elastic_ops.pool.rules); the last round's targets are always the plan
     for rnd in range(SETTLE_AFTER + 1):
         if rnd == SETTLE_AFTER:
             for i in range(len(ordered)):
-                why = None if i in frozen else _freeze_reason(ordered[i], keep[i], 0, snap)
+                why = None if i in frozen else _freeze_reason(ordered[i], keep[i], 0, snap, flags=flags[i])
                 if why:
                     frozen[i] = why
         free_idx = [i for i in range(len(ordered)) if i not in frozen]
@@ -202,10 +262,15 @@ def _targets(
             caps[i] = _cap(ordered[i], up, capacity, frozen_on, round_cache)
         for i, c in limit.items():
             caps[i] = min(caps[i], c)
-        part, left_out = _share_round(
-            [ordered[i] for i in free_idx], [caps[i] for i in free_idx], cap_left, snap, share,
-            [base_caps[i] for i in free_idx],
-        )
+        if tt is None:
+            part, left_out = _share_round(
+                [ordered[i] for i in free_idx], [caps[i] for i in free_idx], cap_left, snap, share,
+                [base_caps[i] for i in free_idx],
+            )
+        else:
+            part, left_out, given, parts = _tenant_round(
+                tt, tid, free_idx, ordered, caps, base_caps, keep, frozen, capacity, snap, share
+            )
         targets = list(keep)  # frozen jobs keep what they hold
         for k, i in enumerate(free_idx):
             targets[i] = part[k]
@@ -213,7 +278,7 @@ def _targets(
         admitted_above = False  # a job ranked above i that holds nothing gets slots
         for i in free_idx:
             if keep[i] and targets[i] != keep[i]:
-                r = _freeze_reason(ordered[i], keep[i], targets[i], snap, admits=admitted_above)
+                r = _freeze_reason(ordered[i], keep[i], targets[i], snap, admitted_above, flags[i])
                 if r:
                     new[i] = r
             admitted_above = admitted_above or (held_up[i] == 0 and targets[i] > 0)
@@ -221,10 +286,20 @@ def _targets(
             break
         frozen.update(new)
     reasons = [f"share {t} of {cap_left}" for t in targets]
+    if tt is not None:
+        for k, i in enumerate(free_idx):
+            reasons[i] = f"share {targets[i]} of {given[k]}"
     for k, why in left_out.items():
         reasons[free_idx[k]] = why
     for i, why in frozen.items():
         reasons[i] = f"keeps {keep[i]}: {why}"
+    if tt is not None:
+        held_t = tt.per_tenant(tt.ids, np.array(held_up, dtype=np.float64))
+        demand = tt.per_tenant(tt.ids, np.array(
+            [keep[i] if i in frozen else (max(caps[i], 0) if caps[i] >= j.min_workers else 0)
+             for i, j in enumerate(ordered)], dtype=np.float64))
+        sfx = tenants.texts(tt, parts, held_t, demand, capacity)
+        reasons = [r + sfx[t] for r, t in zip(reasons, tid, strict=True)]
     return targets, reasons
 
 
@@ -385,12 +460,13 @@ def make_policy(share: ShareFn, pack: bool = False, moves: bool = False) -> Poli
     def decide(snap: Snapshot) -> Plan:
         up, capacity = _usable(snap)
         ordered = [_honoured(j, up, capacity) for j in sorted(snap.jobs, key=lambda j: order_key(j, snap))]
+        tt = tenants.of_snapshot(snap, [j.tenant for j in ordered], capacity)
         taken, held_up_by = _scan(ordered, up)
         held_up = [held_up_by[j.name] for j in ordered]
         spare = spare_hosts(ordered, up)
         limit: dict[int, int] = {}
         for passes in range(1, REPAIR_PASSES + 2):
-            targets, reasons = _targets(snap, share, ordered, up, capacity, held_up, limit)
+            targets, reasons = _targets(snap, share, ordered, up, capacity, held_up, limit, tt)
             placed = _place_all(
                 snap, ordered, targets, reasons, up, taken, held_up, spare, repair=passes <= REPAIR_PASSES,
                 pack=pack, moves=moves,

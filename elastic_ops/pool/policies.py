@@ -35,6 +35,7 @@ from operator import attrgetter, itemgetter
 import numpy as np
 
 from elastic_ops.errors import UnknownPolicyError
+from elastic_ops.pool import tenants
 from elastic_ops.pool.goodput import goodput_fill_array, move_pays, with_batches
 from elastic_ops.pool.model import (
     HostState,
@@ -751,17 +752,21 @@ def _admit(mins: np.ndarray, caps: np.ndarray, capacity: int) -> tuple[np.ndarra
     return usable, admitted
 
 
-def _freeze(t: _Table, held_up, targets, free, snap: Snapshot) -> dict[int, str]:
+def _freeze(t: _Table, held_up, targets, free, snap: Snapshot, flags=(False, False)) -> dict[int, str]:
     """Jobs (among ``free``) that must stay at what they hold, with why:
-    :data:`elastic_ops.pool.rules.FREEZE_RULES` on all of them at once (first rule that holds)."""
+    :data:`elastic_ops.pool.rules.FREEZE_RULES` on all of them at once (first rule that holds).
+    ``flags``: per job, its tenant's (reclaims, over its max) columns (no tenants: False)."""
     cfg, now = snap.config, snap.now
-    cand = free & may_freeze(Change(held_up, targets, None, None, None), t.mins, t.maxs)
+    reclaims, over = flags
+    cand = free & may_freeze(Change(held_up, targets, None, None, None, None, over), t.mins, t.maxs)
     if not cand.any():
         return {}
     admitting = free & (held_up == 0) & (targets > 0)
-    c = Change(held_up, targets, ~t.preemptible, t.last_rescale, (np.cumsum(admitting) - admitting) > 0)
+    c = Change(held_up, targets, ~t.preemptible, t.last_rescale, (np.cumsum(admitting) - admitting) > 0,
+               reclaims, over)
     out: dict[int, str] = {}
     left = cand
+    reclaims, over = (np.broadcast_to(x, held_up.shape) for x in flags)  # one job's, below
     with np.errstate(invalid="ignore", divide="ignore"):  # rows outside ``cand`` may hold 0
         for rule in FREEZE_RULES:
             hit = left & rule.holds(c, cfg, now)
@@ -770,7 +775,7 @@ def _freeze(t: _Table, held_up, targets, free, snap: Snapshot) -> dict[int, str]
             left = left & ~hit
             for i in np.flatnonzero(hit).tolist():
                 one = Change(int(held_up[i]), int(targets[i]), bool(c.pinned[i]), float(t.last_rescale[i]),
-                             bool(c.admitted_above[i]))
+                             bool(c.admitted_above[i]), bool(reclaims[i]), bool(over[i]))
                 out[i] = rule.text(one, cfg, now)
     return out
 
@@ -779,6 +784,15 @@ def _targets(t: _Table, share: ShareFn, held_up, hs: _Hosts, snap: Snapshot, fre
     capacity = hs.capacity
     caps0, avoided = _caps(t, hs, capacity)
     n = t.n
+    tt = tenants.of_snapshot(snap, _column(*t.fields, "tenant"), capacity) if snap.tenants else None
+    held_t = None
+    flags: tuple = (False, False)
+    if tt is not None:
+        tt.ids = tt.ids[t.order]  # rank order
+        held_t = tt.per_tenant(tt.ids, held_up)
+        wants = np.where(caps0 >= t.mins, np.maximum(caps0, held_up), held_up)
+        tt.flags(held_t, tt.per_tenant(tt.ids, wants))
+        flags = (tt.reclaims[tt.ids], tt.over[tt.ids])
     # what a frozen job keeps: down to its max (see plain_policies._targets)
     held_up = np.minimum(held_up, t.maxs)
     frozen: dict[int, str] = {}
@@ -786,40 +800,105 @@ def _targets(t: _Table, share: ShareFn, held_up, hs: _Hosts, snap: Snapshot, fre
     # a fixed point, a long chain of freezes cut after SETTLE_AFTER rounds (elastic_ops.pool.rules)
     for rnd in range(SETTLE_AFTER + 1):
         if rnd == SETTLE_AFTER:
-            hard = _freeze(t, held_up, np.where(is_free, 0, held_up), is_free, snap)
+            hard = _freeze(t, held_up, np.where(is_free, 0, held_up), is_free, snap, flags)
             frozen.update(hard)
             is_free[list(hard)] = False
         free_idx = np.flatnonzero(is_free)
         cap_left = capacity - int(held_up[~is_free].sum())
         caps = _frozen_caps(t, hs, free, caps0, avoided, capacity, restricted, is_free)
         mins, fcaps = t.mins[free_idx], caps[free_idx]
-        usable, admitted = _admit(mins, fcaps, cap_left)
         targets = held_up.copy()  # frozen jobs keep what they hold
         targets[free_idx] = 0
-        a = free_idx[admitted]
-        jobs = _Picked(t.jobs, a, t.order, t.fields)
-        targets[a] = share(mins[admitted], fcaps[admitted], t.prio[a], t.eff[a], cap_left, jobs, snap)
-        new = _freeze(t, held_up, targets, is_free, snap)
+        if tt is None:
+            usable, admitted = _admit(mins, fcaps, cap_left)
+            a = free_idx[admitted]
+            jobs = _Picked(t.jobs, a, t.order, t.fields)
+            targets[a] = share(mins[admitted], fcaps[admitted], t.prio[a], t.eff[a], cap_left, jobs, snap)
+            given = None
+        else:
+            usable, admitted, given, parts = _tenant_round(t, tt, share, snap, targets, free_idx, mins, fcaps,
+                                                           held_up, is_free, capacity, caps)
+        new = _freeze(t, held_up, targets, is_free, snap, flags)
         if not new or rnd == SETTLE_AFTER:
             break
         frozen.update(new)
         is_free[list(new)] = False
-    reasons = _reasons(targets, cap_left, free_idx, mins, fcaps, usable, admitted, frozen, held_up)
+    reasons = _reasons(targets, cap_left, free_idx, mins, fcaps, usable, admitted, frozen, held_up, given,
+                       None if tt is None else tt.ids[free_idx])
     if caps is not caps0:  # frozen jobs keep slots on restricted jobs' hosts
         for i in free_idx[~usable & (caps0[free_idx] >= mins)].tolist():
             reasons[i] = too_few(int(t.mins[i]), int(caps[i]), int(caps0[i]))
+    if tt is not None:
+        demand = tt.per_tenant(tt.ids, np.where(is_free, np.where(caps >= t.mins, np.maximum(caps, 0), 0),
+                                                held_up))
+        sfx = tenants.texts(tt, parts, held_t, demand, capacity)
+        reasons = list(map(str.__add__, reasons, map(sfx.__getitem__, tt.ids.tolist())))
     return targets, reasons
 
 
-def _reasons(targets, cap_left, free_idx, mins, fcaps, usable, admitted, frozen, held_up) -> list[str]:
+def _tenant_round(t: _Table, tt, share: ShareFn, snap: Snapshot, targets, free_idx, mins, fcaps, held_up,
+                  is_free, capacity: int, caps):
+    """Admission and share per tenant, on the parts :func:`tenants.divide_among` gives them
+    (plain_policies._tenant_round). Fills ``targets`` of the free jobs; returns the admission
+    masks (over ``free_idx``), the capacity each free job's tenant gave its free jobs, and the
+    parts."""
+    tid = tt.ids[free_idx]
+    order = np.argsort(tid, kind="stable")  # rank order within each tenant
+    cut = np.searchsorted(tid[order], np.arange(len(tt) + 1))
+    groups = {k: order[cut[k]:cut[k + 1]] for k in range(len(tt)) if cut[k + 1] > cut[k]}
+    kept = tt.per_tenant(tt.ids[~is_free], held_up[~is_free])
+    demand = kept + tt.per_tenant(tid, np.where(fcaps >= mins, np.maximum(fcaps, 0), 0))
+    usable = np.zeros(len(free_idx), dtype=bool)
+    admitted = np.zeros(len(free_idx), dtype=bool)
+
+    def run(k: int, cap: int) -> int:
+        g = groups[k]
+        u, ad = _admit(mins[g], fcaps[g], cap)
+        usable[g], admitted[g] = u, ad
+        targets[free_idx[g]] = 0
+        a = free_idx[g[ad]]
+        jobs = _Picked(t.jobs, a, t.order, t.fields)
+        got = share(mins[g[ad]], fcaps[g[ad]], t.prio[a], t.eff[a], cap, jobs, snap)
+        targets[a] = got
+        return int(np.sum(got))
+
+    # what jobs held back by min_rescale_interval_s take once they may (plain_policies)
+    with np.errstate(invalid="ignore"):
+        recent = ~is_free & (snap.now - t.last_rescale < snap.config.min_rescale_interval_s)
+    held_back = tt.per_tenant(tt.ids[recent], np.maximum(caps[recent] - held_up[recent], 0))
+    parts, given = tenants.divide_among(tt, demand, kept, capacity, groups, run, held_back)
+    per = np.zeros(len(tt), dtype=np.int64)
+    per[list(given)] = list(given.values())
+    return usable, admitted, per[tid], parts
+
+
+def _reasons(targets, cap_left, free_idx, mins, fcaps, usable, admitted, frozen, held_up, given=None,
+             tid=None) -> list[str]:
     """Why each job gets its target (see plain_policies.too_few for a job whose cap frozen jobs
-    lowered). Texts are built once per distinct value, not per job."""
+    lowered). Texts are built once per distinct value, not per job. ``given``: with tenants, the
+    capacity each free job's tenant shared (``tid``: its tenant), in place of ``cap_left``."""
     tl = targets.tolist()
-    text = {v: f"share {v} of {cap_left}" for v in set(tl)}
-    reasons = list(map(text.__getitem__, tl))
+    if given is None:
+        text = {v: f"share {v} of {cap_left}" for v in set(tl)}
+        reasons = list(map(text.__getitem__, tl))
+    else:
+        of = np.zeros(len(targets), dtype=np.int64)
+        of[free_idx] = given
+        width = int(of.max(initial=0)) + 1
+        uniq, inv = np.unique(targets * width + of, return_inverse=True)
+        texts = [f"share {u // width} of {u % width}" for u in uniq.tolist()]
+        reasons = list(map(texts.__getitem__, inv.reshape(-1).tolist()))
     if not admitted.all():
         m_adm = np.where(admitted, mins, 0)
-        left = cap_left - (np.cumsum(m_adm) - m_adm)
+        if given is None:
+            left = cap_left - (np.cumsum(m_adm) - m_adm)
+        else:  # what higher-ranked jobs of its own tenant left of its tenant's part
+            order = np.argsort(tid, kind="stable")
+            cum = np.cumsum(m_adm[order])
+            starts = np.searchsorted(tid[order], tid[order])
+            before = cum - m_adm[order] - np.where(starts > 0, cum[starts - 1], 0)
+            left = np.empty(len(tid), dtype=np.int64)
+            left[order] = given[order] - before
         for fits, rule in ((False, CAP_BELOW_MIN), (True, GANG_DOES_NOT_FIT)):
             k = np.flatnonzero(~admitted & (usable == fits))
             if len(k) == 0:

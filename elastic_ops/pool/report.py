@@ -8,6 +8,7 @@ from typing import Any
 
 HOST_COLUMNS = ("HOST", "STATE", "SLOTS", "USED", "LABELS")
 NODE_COLUMNS = ("HOST", "PID", "VERSION", "CHUNKS", "ADDRESS")
+TENANT_COLUMNS = ("TENANT", "GUARANTEED", "MAX", "WEIGHT", "IN USE", "BORROWED", "LENT", "JOBS")
 JOB_COLUMNS = (
     "JOB", "STATE", "MIN..MAX", "PRIO", "PREEMPT", "HOSTS", "WORKERS", "TARGET", "EPOCH", "LEASE", "REASON",
 )
@@ -39,6 +40,22 @@ def host_rows(st: dict[str, Any]) -> list[list[str]]:
         [h["name"], h["state"], str(h["slots"]), str(h["used"]),
          ",".join(f"{k}={v}" for k, v in h["labels"].items()) or "-"]
         for h in st["hosts"]
+    ]
+
+
+def has_tenants(st: dict[str, Any]) -> bool:
+    """Whether the pool has tenants to show: one registered, or jobs in one that is not (every
+    job in ``default`` with no tenant registered: a pool without tenants)."""
+    return any(t["name"] != "default" or t["guaranteed"] or t["max_slots"] is not None
+               for t in st.get("tenants", ()))
+
+
+def tenant_rows(st: dict[str, Any]) -> list[list[str]]:
+    """The tenants: settings, slots their jobs hold, borrowed beyond the guarantee, lent of it."""
+    return [
+        [t["name"], str(t["guaranteed"]), "-" if t["max_slots"] is None else str(t["max_slots"]),
+         f"{t['weight']:g}", str(t["in_use"]), str(t["borrowed"]), str(t["lent"]), str(t["jobs"])]
+        for t in st.get("tenants", ())
     ]
 
 

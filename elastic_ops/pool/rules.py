@@ -5,8 +5,11 @@ A decision runs four steps in this order (:func:`elastic_ops.pool.policies.make_
 1. **Admit** (gang): walking the jobs in :func:`order_key` order, a job is admitted when its
    minimum fits in what the jobs admitted before it left. Not admitted: :data:`CAP_BELOW_MIN`
    (its hosts cannot hold its minimum) or :data:`GANG_DOES_NOT_FIT`.
-2. **Share**: the policy's share function splits the capacity among the admitted jobs within
-   ``[min, max]`` (:mod:`elastic_ops.pool.shares`, :mod:`elastic_ops.pool.goodput`).
+2. **Share**: with tenants, capacity is first divided among them (guarantees, idle capacity
+   lent by weight up to each one's max: :mod:`elastic_ops.pool.tenants`), and steps 1-2 run
+   within each tenant's part; the policy's share function splits the capacity among the
+   admitted jobs within ``[min, max]`` (:mod:`elastic_ops.pool.shares`,
+   :mod:`elastic_ops.pool.goodput`).
 3. **Freeze**: a running job that one of :data:`FREEZE_RULES` holds back keeps what it holds,
    and the rest is shared again around it (a fixed point; :data:`SETTLE_AFTER`).
 4. **Place**: each job keeps its slots on up hosts and takes free ones (its own hosts first,
@@ -129,13 +132,17 @@ class Change(NamedTuple, Generic[T]):
     """What the freeze rules read of running jobs that the share would rescale: one job's values
     (the plain path) or numpy columns of many (the vectorised one). ``last_rescale``: NaN when
     never rescaled; ``pinned``: not preemptible; ``admitted_above``: a job ranked above it that
-    holds nothing is admitted in this plan."""
+    holds nothing is admitted in this plan; ``reclaims``: its tenant borrows while another is
+    below its guarantee; ``tenant_over``: its tenant holds more than its maximum
+    (:mod:`elastic_ops.pool.tenants`; both False without tenants)."""
 
     held: T
     target: T
     pinned: T
     last_rescale: T
     admitted_above: T
+    reclaims: T = False  # type: ignore[assignment]
+    tenant_over: T = False  # type: ignore[assignment]
 
 
 def no(x: T) -> T:
@@ -178,10 +185,12 @@ FREEZE_RULES: tuple[FreezeRule, ...] = (
     ),
     # min_gain never holds back a shrink that lets a higher-ranked job holding nothing in: it would
     # keep that job waiting for good (a 1-slot newcomer next to an 8-slot job is a 12 % change);
-    # min_rescale_interval_s only delays it.
+    # min_rescale_interval_s only delays it. Nor a borrower's shrink that gives another tenant its
+    # guarantee back: the reclaim would wait for good.
     FreezeRule(
         "min_gain",
-        lambda c, cfg, now: (c.target > 0) & (_gain(c) < cfg.min_gain) & no(_shrinks(c) & c.admitted_above),
+        lambda c, cfg, now: (c.target > 0) & (_gain(c) < cfg.min_gain)
+        & no(_shrinks(c) & (c.admitted_above | c.reclaims)),
         lambda c, cfg, now: f"gain {_gain(c):.2f} below min_gain {cfg.min_gain:.2f}",
     ),
 )
@@ -189,8 +198,10 @@ FREEZE_RULES: tuple[FreezeRule, ...] = (
 
 def may_freeze(c: Change, min_workers, max_workers):
     """Which changes a freeze rule may hold back: a running job within its bounds that the share
-    would rescale (a job above its max, which a user lowered, or below its min always moves)."""
-    return (c.held > 0) & (c.target != c.held) & (c.held <= max_workers) & (c.held >= min_workers)
+    would rescale (a job above its max, which a user lowered, or below its min always moves; so
+    does a job of a tenant above its maximum)."""
+    return (c.held > 0) & (c.target != c.held) & (c.held <= max_workers) & (c.held >= min_workers) & no(
+        c.tenant_over)
 
 
 def freeze_reason(c: Change, cfg: PolicyConfig, now: float) -> str | None:

@@ -120,6 +120,21 @@ jobs = Table(
     # (0: its own)
     Column("batching", Text),
     Column("plan_batch", Integer, nullable=False, default=0, server_default="0"),
+    # v8: the tenant the job belongs to, and the Airflow DAG it comes from (NULL: submitted
+    # outside Airflow; the HTTP API then asks for edit permission on the pool)
+    Column("tenant", String(255), nullable=False, default="default", server_default="default"),
+    Column("dag_id", String(255)),
+)
+
+# v8: the teams sharing the pool (elastic_ops.pool.tenants): slots guaranteed, the most they may
+# hold (NULL: no limit), their weight in lending idle capacity
+tenants = Table(
+    "tenants",
+    metadata,
+    Column("name", String(255), primary_key=True),
+    Column("guaranteed", Integer, nullable=False),
+    Column("max_slots", Integer),
+    Column("weight", Float, nullable=False, default=1.0),
 )
 
 leases = Table(
@@ -304,8 +319,18 @@ def _v7(conn: Connection) -> None:
             conn.execute(text(f"ALTER TABLE leases ADD COLUMN {col} FLOAT"))
 
 
+def _v8(conn: Connection) -> None:
+    """Tenants: their table, each job's tenant (``default`` for the jobs there were) and DAG."""
+    names = {c["name"] for c in inspect(conn).get_columns("jobs")}
+    if "tenant" not in names:
+        conn.execute(text("ALTER TABLE jobs ADD COLUMN tenant VARCHAR(255) NOT NULL DEFAULT 'default'"))
+    if "dag_id" not in names:
+        conn.execute(text("ALTER TABLE jobs ADD COLUMN dag_id VARCHAR(255)"))
+    metadata.create_all(conn, tables=[tenants], checkfirst=True)
+
+
 MIGRATIONS: list[tuple[int, Callable[[Connection], None]]] = [
-    (1, _v1), (2, _v2), (3, _v3), (4, _v4), (5, _v5), (6, _v6), (7, _v7),
+    (1, _v1), (2, _v2), (3, _v3), (4, _v4), (5, _v5), (6, _v6), (7, _v7), (8, _v8),
 ]
 LATEST = MIGRATIONS[-1][0]
 

@@ -56,7 +56,7 @@ from pathlib import Path
 from typing import Any
 
 from elastic_ops.errors import SpecError, UnknownPolicyError
-from elastic_ops.pool.model import Host, Job, PolicyConfig, Preemption, Snapshot
+from elastic_ops.pool.model import Host, Job, PolicyConfig, Preemption, Snapshot, Tenant
 from elastic_ops.pool.plain_policies import best_fit
 from elastic_ops.pool.policies import LEARNING, POLICIES, get_policy
 from elastic_ops.pool.scaling import Batching, GradStats, Measured, ScalingModel, fit
@@ -129,6 +129,7 @@ class _SimJob:
     model: ScalingModel | None = None
     fitted_at: float = -math.inf
     fitted_on: int = 0  # configurations measured at the last fit
+    target: int = 0  # what a plan without anti-thrashing gave it last (tenants' restore times)
     _rate: float = 0.0  # iterations at its own batch (their statistical worth) per second
     _step: float = 0.0  # seconds per iteration at the batch it runs
     _scattered: bool = False
@@ -252,6 +253,8 @@ class SimConfig:
     # every job scaling: adaptive under a policy that chooses batches (goodput): from its own
     # batch up to the largest its application's traces measured
     adaptive: bool = False
+    # the pool's tenants (elastic_ops.pool.tenants); each job's is its workload row's
+    tenants: tuple[Tenant, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.adaptive, bool):
@@ -302,6 +305,8 @@ class Simulation:
             rescale_cost_s=config.rescale_cost,
         )
         self.jobs: list[_SimJob] = []
+        self._reclaim_at = math.inf  # when a borrower's rescale protection ends while a tenant is short
+        self._tenants = _TenantClock(config.tenants, workload, config.slots) if config.tenants else None
         for w in workload:
             try:
                 app = load_application(str(traces), w.application)
@@ -341,15 +346,18 @@ class Simulation:
             running = [j for j in arrived if j.finished is None and j.held]
             t_done = min((self.now + j.time_to_event() for j in running), default=math.inf)
             t_arr = pending[0].spec.submit if pending else math.inf
-            t_next = min(t_done, t_arr, next_tick if self.policy != STATIC else math.inf)
+            t_next = min(t_done, t_arr, next_tick if self.policy != STATIC else math.inf, self._reclaim_at)
             if t_next == math.inf:  # static: nothing runs and nothing arrives -> stuck
                 raise SpecError(
                     "workload", self.jobs[0].spec.name, "a job asks for more GPUs than the cluster has"
                 )
             for j in running:
                 j.advance(t_next - self.now)
+            if self._tenants is not None:
+                self._tenants.advance(arrived, self.now, t_next)
             self.now = t_next
-            changed = False
+            changed = t_next >= self._reclaim_at  # a borrower's protection is over: reclaim now
+            self._reclaim_at = math.inf
             for j in running:
                 if j.time_to_finish() <= max(EPS, CLOCK_ROUNDING * self.now):
                     j.finished, changed = self.now, True
@@ -365,6 +373,9 @@ class Simulation:
                 else:
                     self._replan(arrived)
                 next_tick = self.now + self.cfg.replan_interval
+            if self._tenants is not None:
+                interval = self.cfg.min_rescale_interval_s
+                self._reclaim_at = self._tenants.reclaim_at(arrived, self.now, interval)
         return self._metrics()
 
     def _tick_at_or_after(self, tick: float, t: float) -> float:
@@ -424,7 +435,8 @@ class Simulation:
             if not j.held:
                 self._start_or_rescale(j, _packed(free, min(j.spec.num_replicas, self.cfg.slots)))
 
-    def _snapshot(self, active: list[_SimJob]) -> Snapshot:
+    def _snapshot(self, active: list[_SimJob], refit: bool = True) -> Snapshot:
+        """``refit=False``: each job's model as last fitted (a look that changes nothing)."""
         learns = self.policy in LEARNING
         jobs = tuple(
             Job(
@@ -436,14 +448,15 @@ class Simulation:
                 waiting_since=None if j.held else max(j.spec.submit, j.waiting_since),
                 last_rescale=j.last_rescale,
                 held=j.held,
-                scaling=j.scaling(self.now) if learns else None,
+                scaling=(j.scaling(self.now) if refit else j.model) if learns else None,
                 attained=j.attained() if learns else 0.0,
                 batching=j.batching,
                 grad=j.grad(),
+                tenant=j.spec.tenant,
             )
             for j in active
         )
-        return Snapshot(self.hosts, jobs, self.now, self.pconfig)
+        return Snapshot(self.hosts, jobs, self.now, self.pconfig, self.cfg.tenants)
 
     def _replan(self, arrived: list[_SimJob]) -> None:
         active = [j for j in arrived if j.finished is None]
@@ -460,6 +473,18 @@ class Simulation:
                     by_name[plan.jobs[k]].set_batch(plan.batch_of(k))
             if not changed:
                 break
+        if self._tenants is not None and self._tenants.borrowed_now(active):
+            self._entitled(active, policy)
+
+    def _entitled(self, active: list[_SimJob], policy) -> None:
+        """Each job's target without anti-thrashing: what its tenant is entitled to now (the
+        tenants' restore times compare what they hold with it)."""
+        snap = self._snapshot(active, refit=False)
+        free = dataclasses.replace(snap.config, min_rescale_interval_s=0.0, min_gain=0.0)
+        plan = policy(dataclasses.replace(snap, config=free))
+        by_name = {j.spec.name: j for j in active}
+        for k, name in enumerate(plan.jobs):
+            by_name[name].target = plan.target[k]
 
     def _metrics(self) -> dict[str, Any]:
         jcts = sorted(j.finished - j.spec.submit for j in self.jobs)
@@ -484,7 +509,109 @@ class Simulation:
             "scattered": round(sum(j.scattered_gpu_seconds for j in self.jobs) / busy, 4) if busy else 0.0,
             "placement": self.cfg.placement,
             "avg_jct_by_application": {a: round(sum(v) / len(v), 3) for a, v in sorted(by_app.items())},
+            **({"tenants": self._tenants.metrics(self.jobs)} if self._tenants is not None else {}),
         }
+
+
+class _TenantClock:
+    """What the tenants get over time: per tenant, slot-seconds held beyond its guarantee
+    (borrowed), seconds below its guarantee while other tenants borrow what it is entitled to
+    (short: what a plan without anti-thrashing gives its jobs, less what they hold, is more than
+    the free slots), and how long each shortfall took to be given back (its restore time)."""
+
+    def __init__(self, tenants: Sequence[Tenant], workload: Sequence[WorkloadJob], slots: int) -> None:
+        self.slots = slots
+        self.g = {t.name: t.guaranteed for t in tenants}
+        for w in workload:
+            self.g.setdefault(w.tenant, 0)
+        self.borrowed = dict.fromkeys(self.g, 0.0)
+        self.short = dict.fromkeys(self.g, 0.0)
+        # per tenant, (from, to, held, shortfall) while short: what restore_times reads
+        self.segments: dict[str, list[tuple[float, float, int, int]]] = {t: [] for t in self.g}
+
+    def _state(self, arrived: list[_SimJob]) -> tuple[dict[str, int], dict[str, int]]:
+        """Per tenant, the slots its jobs hold and those the last plan gave them (the policy's
+        view of what they want: a goodput job that gains nothing from more is not short)."""
+        held = dict.fromkeys(self.g, 0)
+        wants = dict.fromkeys(self.g, 0)
+        for j in arrived:
+            if j.finished is None:
+                held[j.spec.tenant] += len(j.held)
+                wants[j.spec.tenant] += max(j.target, len(j.held))
+        return held, wants
+
+    def borrowed_now(self, active: list[_SimJob]) -> bool:
+        held, _ = self._state(active)
+        return any(held[t] > g for t, g in self.g.items())
+
+    def _lacks(self, held, wants) -> dict[str, int]:
+        """Per short tenant, what borrowers hold of what it is entitled to within its guarantee
+        (beyond the free slots: those its own jobs take once their protection ends)."""
+        borrowing = {t for t in self.g if held[t] > self.g[t]}
+        free = self.slots - sum(held.values())
+        lack = {t: min(self.g[t], wants[t]) - held[t] - free for t in self.g}
+        return {t: n for t, n in lack.items() if n > 0 and borrowing - {t}}
+
+    def _short(self, held, wants) -> set[str]:
+        return set(self._lacks(held, wants))
+
+    def advance(self, arrived: list[_SimJob], t0: float, t1: float) -> None:
+        held, wants = self._state(arrived)
+        lacks = self._lacks(held, wants)
+        for t in self.g:
+            self.borrowed[t] += max(0, held[t] - self.g[t]) * (t1 - t0)
+            if t in lacks and t1 > t0:
+                self.short[t] += t1 - t0
+                self.segments[t].append((t0, t1, held[t], lacks[t]))
+
+    def reclaim_at(self, arrived: list[_SimJob], now: float, interval: float) -> float:
+        """When the next plan could reclaim for a short tenant: the earliest end of a running
+        job's rescale protection (a borrower's, or the short tenant's own job that will grow;
+        the ledger plans again within ``plan_refresh_s``; inf: none is short)."""
+        held, wants = self._state(arrived)
+        if not self._short(held, wants) or interval <= 0:
+            return math.inf
+        ends = [j.last_rescale + interval for j in arrived if j.finished is None and j.held
+                and j.last_rescale is not None and j.last_rescale + interval > now]
+        if not ends:
+            return math.inf
+        at = min(ends)
+        last = at - interval
+        while at - last < interval:  # the first time the rule (now - last < interval) lets it go
+            at = math.nextafter(at, math.inf)
+        return at
+
+    def restore_times(self, t: str) -> list[float]:
+        """For each moment tenant ``t`` became short by ``s`` slots (its jobs want more, another
+        borrows), how long until it held ``s`` more or was short no more."""
+        segs = self.segments[t]
+        out = []
+        for k, (a, _, held, s) in enumerate(segs):
+            if k and segs[k - 1][1] == a and segs[k - 1][2:] == (held, s):
+                continue  # the same shortfall as the segment before
+            end = a
+            for b0, b1, h, _ in segs[k:]:
+                if b0 > end or h >= held + s:  # not short in between, or covered
+                    break
+                end = b1
+            out.append(end - a)
+        return out
+
+    def metrics(self, jobs: list[_SimJob]) -> dict[str, dict[str, float]]:
+        out = {}
+        for t in sorted(self.g):
+            mine = [j.finished - j.spec.submit for j in jobs if j.spec.tenant == t]
+            eps = self.restore_times(t)
+            out[t] = {
+                "guaranteed": self.g[t],
+                "jobs": len(mine),
+                "avg_jct": round(sum(mine) / len(mine), 3) if mine else 0.0,
+                "borrowed_slot_hours": round(self.borrowed[t] / 3600, 3),
+                "below_guarantee_s": round(self.short[t], 3),
+                "shortfalls": len(eps),
+                "max_restore_s": round(max(eps, default=0.0), 3),
+            }
+        return out
 
 
 def _packed(free: dict[str, list[int]], n: int) -> tuple[tuple[str, int], ...]:
@@ -522,8 +649,43 @@ def policy_names(name: str) -> list[str]:
     return [name]
 
 
+def read_tenants(path: str | Path) -> tuple[tuple[Tenant, ...], dict[str, str]]:
+    """A tenants file (JSON): ``{"tenants": {NAME: {"guaranteed": N, "max_slots": M, "weight":
+    W}}, "jobs": {JOB: NAME}}``; ``jobs`` (optional) puts workload jobs in tenants, in place of
+    the workload's ``tenant`` column."""
+    from elastic_ops.spec import check_int, check_tenant
+
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise SpecError("tenants", str(p), f"a readable JSON tenants file ({exc})") from None
+    allowed = '{"tenants": {NAME: {"guaranteed": N, "max_slots": M, "weight": W}}, "jobs": {JOB: NAME}}'
+    if not isinstance(data, dict) or not isinstance(data.get("tenants"), dict) or (
+            set(data) - {"tenants", "jobs"}):
+        raise SpecError("tenants", str(p), f"a JSON object {allowed}")
+    out = []
+    for name, t in sorted(data["tenants"].items()):
+        check_tenant("tenants", name)
+        if not isinstance(t, dict) or set(t) - {"guaranteed", "max_slots", "weight"}:
+            raise SpecError("tenants", f"{p}: {name}",
+                            f"an object of guaranteed, max_slots, weight ({allowed})")
+        g = check_int(f"tenants.{name}.guaranteed", t.get("guaranteed", 0), 0, 10**9)
+        m = t.get("max_slots")
+        if m is not None:
+            check_int(f"tenants.{name}.max_slots", m, max(g, 1), 10**9)
+        w = check_number(f"tenants.{name}.weight", t.get("weight", 1.0), minimum=0, exclusive=True)
+        out.append(Tenant(name, g, m, float(w)))
+    jobs = data.get("jobs", {})
+    if not isinstance(jobs, dict) or not all(isinstance(v, str) and v in data["tenants"]
+                                             for v in jobs.values()):
+        raise SpecError("tenants", str(p), "its jobs must map job names to tenants it lists")
+    return tuple(out), dict(jobs)
+
+
 def main_simulate(args) -> int:
     names = policy_names(args.policy)  # a typo fails before any work
+    tenants, tenant_of = read_tenants(args.tenants) if getattr(args, "tenants", None) else ((), {})
     cfg = SimConfig(
         slots=args.slots,
         slots_per_host=args.slots_per_host,
@@ -534,9 +696,10 @@ def main_simulate(args) -> int:
         min_gain=args.min_gain,
         placement=args.placement,
         adaptive=args.adaptive,
+        tenants=tenants,
     )
     try:
-        results = _run_policies(args, names, cfg)
+        results = _run_policies(args, names, cfg, tenant_of)
     except SpecError as exc:
         # the CLI shows an error about the traces as --traces; without it they came from elsewhere
         if exc.field == "traces" and not args.traces:
@@ -552,7 +715,8 @@ def main_simulate(args) -> int:
     return 0
 
 
-def _run_policies(args, names: list[str], cfg: SimConfig) -> dict[str, dict[str, Any]]:
+def _run_policies(args, names: list[str], cfg: SimConfig, tenant_of: dict[str, str] | None = None
+                  ) -> dict[str, dict[str, Any]]:
     traces = Path(args.traces) if args.traces else default_traces_dir()
     if args.synthetic is not None:
         workload: str | list[WorkloadJob] = synthetic_workload(
@@ -560,6 +724,9 @@ def _run_policies(args, names: list[str], cfg: SimConfig) -> dict[str, dict[str,
         )
     else:
         workload = args.workload
+    if tenant_of:
+        jobs = read_workload(workload) if isinstance(workload, str | Path) else workload
+        workload = [dataclasses.replace(w, tenant=tenant_of.get(w.name, w.tenant)) for w in jobs]
     results = {}
     for name in names:
         results[name] = r = simulate(workload, name, cfg, traces)
@@ -567,4 +734,8 @@ def _run_policies(args, names: list[str], cfg: SimConfig) -> dict[str, dict[str,
             f"{name:<10} avg_jct {r['avg_jct']:>10.1f}s  p99_jct {r['p99_jct']:>10.1f}s  "
             f"makespan {r['makespan']:>10.1f}s  utilization {r['utilization']:.3f}  rescales {r['rescales']}"
         )
+        for t, m in r.get("tenants", {}).items():
+            print(f"  tenant {t:<10} avg_jct {m['avg_jct']:>10.1f}s  below guarantee "
+                  f"{m['below_guarantee_s']:.0f}s (longest restore {m['max_restore_s']:.0f}s)  "
+                  f"borrowed {m['borrowed_slot_hours']:.1f} slot-hours")
     return results

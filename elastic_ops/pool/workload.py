@@ -1,8 +1,8 @@
 """Workloads and measured application models for the simulator (Pollux artifact traces).
 
-A workload row is ``name,time,application,num_replicas,batch_size``: a job submitted at
-``time`` asking for ``num_replicas`` GPUs at global batch ``batch_size``. Its length comes from
-the application traces (``<traces>/<application>/``):
+A workload row is ``name,time,application,num_replicas,batch_size`` (and optionally ``tenant``):
+a job submitted at ``time`` asking for ``num_replicas`` GPUs at global batch ``batch_size``. Its
+length comes from the application traces (``<traces>/<application>/``):
 
 - **iterations** to reach the application's target metric at that global batch, read from
   ``validation-<batch>.csv`` (linear between epochs). The target is the *worst final metric*
@@ -36,6 +36,7 @@ from pathlib import Path
 
 from elastic_ops.errors import SpecError
 from elastic_ops.pool.scaling import adascale_gain
+from elastic_ops.spec import check_tenant
 
 GPUS_PER_NODE = 4
 TRACES_ENV = "ELASTIC_OPS_TRACES"
@@ -57,6 +58,7 @@ class WorkloadJob:
     application: str
     num_replicas: int
     batch_size: int
+    tenant: str = "default"  # the optional ``tenant`` column
 
 
 # Latest arrival a workload may have, in seconds (about 31 years): far beyond any trace, and far
@@ -121,7 +123,8 @@ def _decode(path: Path) -> str:
 def _parse_row(row: dict[str, str]) -> WorkloadJob:
     """One workload row; ValueError (KeyError: a missing column) says what is wrong with it."""
     job = WorkloadJob(
-        row["name"], float(row["time"]), row["application"], int(row["num_replicas"]), int(row["batch_size"])
+        row["name"], float(row["time"]), row["application"], int(row["num_replicas"]), int(row["batch_size"]),
+        row.get("tenant") or "default",
     )
     if not job.name:
         raise ValueError("name is empty")
@@ -131,6 +134,7 @@ def _parse_row(row: dict[str, str]) -> WorkloadJob:
         raise ValueError(f"application {row['application']!r} is not a plain name (a folder of the traces)")
     if job.num_replicas < 1 or job.batch_size < 1:
         raise ValueError("num_replicas and batch_size must be >= 1")
+    check_tenant("tenant", job.tenant)
     return job
 
 

@@ -121,12 +121,12 @@ def chunk_range(spec: JobSpec, index: int) -> tuple[int, int]:
     return spec.total_iterations, spec.total_iterations
 
 
-def register(client: PoolClient, spec: JobSpec) -> None:
-    """Register (or update) ``spec``'s demand with the pool."""
+def register(client: PoolClient, spec: JobSpec, dag_id: str | None = None) -> None:
+    """Register (or update) ``spec``'s demand with the pool (``dag_id``: the DAG it comes from)."""
     client.submit(
         spec.name, min_workers=spec.min_workers, max_workers=spec.max_workers,
         priority=spec.priority, preemptible=spec.preemptible, selector=spec.host_selector,
-        batching=batching_of(spec),
+        batching=batching_of(spec), tenant=spec.tenant, dag_id=dag_id,
     )
 
 

@@ -224,3 +224,19 @@ def test_node_agents_are_listed_through_the_api_server(server, monkeypatch, caps
     monkeypatch.setattr(plugin_api, "_nodes", lambda: None)  # the api-server has no cluster settings
     assert run(["nodes"]) != 0
     assert "unset on the api-server" in capsys.readouterr().err  # the CLI says what to set, and where
+
+
+def test_tenants_through_the_api_server(server, monkeypatch, capsys):
+    pool, _, _ = server
+    monkeypatch.setenv("ELASTIC_OPS_API_TOKEN", "op-token")
+    assert run(["pool", "add-tenant", "vision", "--guaranteed", "4", "--max", "8", "--weight", "2"]) == 0
+    assert capsys.readouterr().out.startswith("tenant vision: added guaranteed 4, max 8, weight 2")
+    (t,) = pool.status()["tenants"]
+    assert (t["name"], t["guaranteed"], t["max_slots"], t["weight"]) == ("vision", 4, 8, 2.0)
+    assert run(["pool", "add-tenant", "vision", "--guaranteed", "2"]) == 0  # changed: no max now
+    assert pool.status()["tenants"][0]["max_slots"] is None
+    assert run(["pool", "remove-tenant", "vision"]) == 0
+    assert pool.status()["tenants"] == []
+    monkeypatch.setenv("ELASTIC_OPS_API_TOKEN", "viewer-token")
+    assert run(["pool", "add-tenant", "nlp", "--guaranteed", "1"]) == 2
+    assert "HTTP 403" in capsys.readouterr().err

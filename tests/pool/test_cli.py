@@ -290,3 +290,25 @@ def test_events_follow_prints_new_events_until_ctrl_c(sqlite_url, monkeypatch, c
     assert run(["pool", "events", "--follow", "--kind", "host"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 2 and "h0" in lines[0] and "h1" in lines[1] and "added: 2 slots" in lines[1]
+
+
+def test_tenant_commands(sqlite_url, monkeypatch, capsys):
+    monkeypatch.setenv("ELASTIC_OPS_POOL_URL", sqlite_url)
+    assert run(["pool", "add-host", "gpu-0", "8"]) == 0
+    assert run(["pool", "add-tenant", "vision", "--guaranteed", "4", "--max", "6"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "tenant vision: added guaranteed 4, max 6, weight 1 (in use 0, borrowed 0, lent 0)")
+    client = PoolClient(sqlite_url)
+    client.submit("v", min_workers=1, max_workers=6, tenant="vision")
+    client.request("v")
+    assert run(["pool", "status"]) == 0
+    out = capsys.readouterr().out
+    assert "TENANT  GUARANTEED  MAX  WEIGHT  IN USE  BORROWED  LENT  JOBS" in out
+    assert "vision  4           6    1       6       2         0     1" in out
+    assert run(["pool", "usage"]) == 0
+    assert "TENANT  GUARANTEED  USED  BORROWED  LENT" in capsys.readouterr().out
+    assert run(["pool", "add-tenant", "vision", "--guaranteed", "8", "--max", "6"]) == 2
+    assert "invalid --max=6: must be an integer between 8" in capsys.readouterr().err
+    client.finish("v")
+    assert run(["pool", "remove-tenant", "vision"]) == 0
+    assert capsys.readouterr().out.strip() == "tenant vision: removed"

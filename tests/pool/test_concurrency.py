@@ -18,6 +18,7 @@ from elastic_ops.pool import Grant, PoolClient, TargetAction
 from .timeline import held_now, replay
 
 PROCS, OPS = 6, 30
+TENANTS = ("a", "b", "default")
 
 
 def _worker(url: str, proc: int, seed: int, out) -> None:
@@ -29,9 +30,10 @@ def _worker(url: str, proc: int, seed: int, out) -> None:
     live: dict[str, tuple[int, int]] = {}  # job -> (epoch, workers)
     parked: set[str] = set()
     new_try: set[str] = set(jobs)
-    for j in jobs:
+    for j in jobs:  # in tenants a and b (guaranteed 6 each of the 18 slots) and the default one
         pool.submit(
-            j, min_workers=rng.randint(1, 3), max_workers=rng.randint(3, 8), priority=rng.randint(1, 5)
+            j, min_workers=rng.randint(1, 3), max_workers=rng.randint(3, 8), priority=rng.randint(1, 5),
+            tenant=TENANTS[proc % len(TENANTS)],
         )
     done = 0
     for _ in range(OPS):
@@ -90,6 +92,8 @@ def _run(url: str) -> None:
     setup = PoolClient(url, lease_ttl_s=3600, policy="priority", preemption="graceful")
     for h in range(3):
         setup.add_host(f"h{h}", 6)
+    setup.add_tenant("a", guaranteed=6)
+    setup.add_tenant("b", guaranteed=6, max_slots=10, weight=2.0)
     ctx = mp.get_context("fork")
     out = ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(url, i, 1000 + i, out)) for i in range(PROCS)]
@@ -198,6 +202,8 @@ def _run_with_kills(url: str, tmp_path) -> None:
     setup = PoolClient(url, lease_ttl_s=ttl, policy="priority", preemption="graceful", plan_interval_s=0.02)
     for h in range(3):
         setup.add_host(f"h{h}", 6)
+    setup.add_tenant("a", guaranteed=6)
+    setup.add_tenant("b", guaranteed=6, max_slots=10, weight=2.0)
     ctx = mp.get_context("fork")
     out = ctx.Queue()
     seconds = 6.0

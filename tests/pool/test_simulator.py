@@ -251,3 +251,27 @@ def test_an_iteration_at_its_own_batch_is_worth_one_and_a_larger_one_its_gain():
         assert app.gain(2048, epoch) >= app.gain(1024, epoch) >= 1.0
     ends = app.epoch_iterations(2048)
     assert list(ends) == sorted(ends) and ends[-1] >= app.iterations(2048) * 0.5
+
+
+def test_simulate_with_tenants_reports_each_tenant(tmp_path, capsys):
+    jobs = read_workload(WORKLOAD)
+    spec = {"tenants": {"a": {"guaranteed": 8}, "b": {"guaranteed": 8, "weight": 2}},
+            "jobs": {j.name: "ab"[k % 2] for k, j in enumerate(jobs)}}
+    path = tmp_path / "tenants.json"
+    path.write_text(json.dumps(spec))
+    rc = run(["simulate", "--workload", str(WORKLOAD), "--slots", "16", "--policy", "fairshare",
+              "--min-rescale-interval-s", "120", "--tenants", str(path), "--json"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    result = json.loads(out.strip().splitlines()[-1])
+    tenants = result["tenants"]
+    assert set(tenants) == {"a", "b"} and sum(t["jobs"] for t in tenants.values()) == len(jobs)
+    for t in tenants.values():  # every guarantee given back within one rescale interval
+        assert t["max_restore_s"] <= 120 + 1e-6 and t["avg_jct"] > 0
+    assert "tenant a" in out
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"tenants": {"a": {"guaranteed": -1}}}))
+    with pytest.raises(SpecError, match="tenants.a.guaranteed"):
+        from elastic_ops.pool.simulator import read_tenants
+
+        read_tenants(bad)

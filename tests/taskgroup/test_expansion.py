@@ -313,3 +313,21 @@ def test_a_misspelt_param_of_a_trainable_the_dag_imports_fails_at_parse_time():
     assert "invalid params.hiden=32: DigitsMLP takes no parameter 'hiden'" in str(err.value)
     assert "did you mean 'hidden'?" in str(err.value)
     make_dag(params={"hidden": 32})
+
+
+def test_the_tenant_comes_from_the_argument_else_a_dag_tag_else_default():
+    def spec_of(tags, **kwargs):
+        args = {"task_id": "train", "trainable": DIGITS, "total_iterations": 100, "chunk_iterations": 50}
+        start = pendulum.datetime(2024, 1, 1, tz="UTC")
+        with DAG(dag_id="d", schedule=None, start_date=start, tags=tags) as dag:
+            elastic_training(**args, **kwargs)
+        fields = dag.get_task("train.register").spec_fields
+        return runtime_spec(fields, name="d.train.r", checkpoint_root="file:///tmp/x", run_id="r")
+
+    assert spec_of(["tenant:vision", "ml"]).tenant == "vision"
+    assert spec_of(["tenant:vision"], tenant="nlp").tenant == "nlp"
+    assert spec_of([]).tenant == "default"
+    with pytest.raises(SpecError, match="at most one tenant:NAME tag"):
+        spec_of(["tenant:a", "tenant:b"])
+    with pytest.raises(SpecError, match="tenant"):
+        spec_of([], tenant="no spaces")
