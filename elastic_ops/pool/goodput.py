@@ -69,7 +69,7 @@ from elastic_ops.pool.shares import weighted_fill_array
 
 __all__ = [
     "MAX_HORIZON_S", "MIN_HORIZON_S", "YOUTH_BONUS", "YOUTH_GPU_S", "goodput_fill", "goodput_fill_array",
-    "host_slots", "move_pays", "speed_on",
+    "host_slots", "move_pays", "moves_that_pay", "speed_on",
     "with_batches",
 ]
 
@@ -232,12 +232,13 @@ def _table(snap: Snapshot, fields: tuple[list, Callable] | None = None) -> _Tabl
     return table
 
 
-def _log_speed(t: _Table, r: np.ndarray, n: np.ndarray) -> np.ndarray:
+def _log_speed(t: _Table, r: np.ndarray, n: np.ndarray, hosts: np.ndarray | None = None) -> np.ndarray:
     """``log S(n)`` of the jobs at rows ``r`` on ``n`` workers (one entry per point; n > 0),
-    packed on the pool's hosts; an adaptive job's at its best batch (best_batches)."""
+    over ``hosts`` hosts (default: packed on the pool's hosts); an adaptive job's at its best
+    batch (best_batches)."""
     per_host = t.per_host
     e = np.maximum(np.minimum(n, t.explore[r]), 1.0)
-    h = np.minimum(np.ceil(n / per_host), e)
+    h = np.minimum(np.ceil(n / per_host) if hosts is None else np.maximum(hosts, 1), e)
     local, net = (e >= 2) & (h == 1), h >= 2
     q = t.params[r]
     step = q[:, 0] + q[:, 1] / e + local * (q[:, 2] + q[:, 3] * (e - 2))
@@ -307,6 +308,26 @@ def move_pays(job: Job, workers: int, hosts_now: int, hosts_then: int, now: floa
         return False
     horizon = min(max(now - job.submitted, MIN_HORIZON_S), MAX_HORIZON_S)
     return horizon * (1 - before / after) > cost_s
+
+
+def moves_that_pay(snap: Snapshot, rows: np.ndarray, workers: np.ndarray, hosts_now: np.ndarray,
+                   cost_s: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`move_pays` for the jobs at ``rows`` of ``snap`` (running ``workers`` over
+    ``hosts_now`` hosts; ``cost_s``: each one's restart) onto every number of hosts from the
+    fewest their size needs (``least``) to ``hosts_now``, in one vectorised pass: job ``k``
+    moved onto ``h`` hosts pays where ``pays[at[k] + h - least[k]]``. Returns (pays, at, least)."""
+    t = _table(snap)
+    least = np.minimum(np.ceil(workers / t.per_host).astype(np.int64), hosts_now)
+    sizes = hosts_now.astype(np.int64) - least + 1
+    at = np.cumsum(sizes) - sizes
+    seg = np.repeat(np.arange(len(rows)), sizes)
+    h = (np.arange(int(sizes.sum())) - at[seg] + least[seg]).astype(np.float64)
+    log_s = _log_speed(t, rows[seg], workers[seg].astype(np.float64), h)
+    gain = log_s - log_s[at + sizes - 1][seg]  # against the spread it runs on
+    horizon = np.clip(snap.now - t.submitted[rows], MIN_HORIZON_S, MAX_HORIZON_S)[seg]
+    with np.errstate(over="ignore", invalid="ignore"):
+        pays = (gain > np.log1p(TIE)) & (horizon * -np.expm1(-gain) > cost_s[seg])
+    return pays, at, least
 
 
 def with_batches(plan: Plan, snap: Snapshot) -> Plan:

@@ -36,7 +36,7 @@ import numpy as np
 
 from elastic_ops.errors import UnknownPolicyError
 from elastic_ops.pool import tenants
-from elastic_ops.pool.goodput import goodput_fill_array, move_pays, with_batches
+from elastic_ops.pool.goodput import goodput_fill_array, moves_that_pay, with_batches
 from elastic_ops.pool.model import (
     HostState,
     Job,
@@ -338,6 +338,9 @@ class _Free:
         bf = self.packer
         cnt, pos, starts, sizes, took = bf.count, self.pos, self.run_start, self.run_size, bf.took
         left, mine = n, len(own)
+        # the usual case, inline (no spare hosts, nothing avoided): _BestFit.best on tier 1
+        plain = not avoid and not bf.spare_room
+        at, heaps, most, pop = bf.at[1], bf.heaps[1], bf.most, heapq.heappop
         i = 0
         while left > 0:
             if i < mine:
@@ -345,6 +348,18 @@ class _Free:
                 i += 1
                 if r < 0 or not cnt[r] or r in avoid:
                     continue
+            elif plain:
+                r = -1
+                first = left if left <= most else most + 1
+                for c in chain(range(first, most + 1), range(first - 1, 0, -1)):
+                    if at[c]:
+                        heap = heaps[c]
+                        while cnt[heap[0]] != c:  # stale: the host has fewer free now
+                            pop(heap)
+                        r = heap[0]
+                        break
+                if r < 0:
+                    raise AssertionError(f"{left} fewer free slots than counted")
             else:
                 r = bf.best(left, avoid)
                 if r < 0:  # callers check count_for(avoid) >= n
@@ -580,33 +595,45 @@ class _Mover:
         """plain_policies._defragment for ``candidates`` (rank order): a job that keeps its
         target on more hosts than it needs moves when its model says the spread costs more than
         the move. Returns the slots released."""
-        t, snap, released = self.t, self.snap, 0
-        for i in candidates.tolist():
+        t, snap, released, free = self.t, self.snap, 0, self.free
+        restarts = self.n_keep[candidates] < t.n_held[candidates]
+        ok = restarts | _movable(t, candidates, snap)
+        candidates, restarts = candidates[ok], restarts[ok]
+        if len(candidates) == 0:
+            return 0
+        # hosts each keeps slots on; then, all at once, whether any move could pay back its cost
+        a = free.first[candidates]
+        kept = self.n_keep[candidates]
+        owner = np.repeat(np.arange(len(candidates)), kept)
+        hosts = free.host[self.perm[_ranges(a, a + kept)]]
+        pairs = np.unique(owner * (len(free.names) + 1) + hosts)
+        spans = np.bincount(pairs // (len(free.names) + 1), minlength=len(candidates))
+        cost = np.where(restarts, 0.0, snap.config.rescale_cost_s)
+        pays, at, least = moves_that_pay(snap, t.order[candidates], targets[candidates], spans, cost)
+        # a search only for a job that some move could pay for (onto fewer hosts than it spans)
+        may = np.logical_or.reduceat(pays, at) if len(pays) else np.zeros(0, bool)
+        for k in np.flatnonzero(may).tolist():
             if self.searches <= 0:
                 break
+            i = int(candidates[k])
             target = int(targets[i])
-            restarts = self.n_keep[i] < t.n_held[i]
-            if not (restarts or _movable(t, i, snap)):
-                continue
             mine, own = self.mine(i)
             chosen = self.fewest(i, target, mine, own)
-            if not chosen or len(chosen) >= len(mine):
-                continue
-            cost = 0.0 if restarts else snap.config.rescale_cost_s
-            if move_pays(t.jobs[i], target, len(mine), len(chosen), snap.now, cost):
+            if chosen and len(chosen) < len(mine) and pays[at[k] + len(chosen) - least[k]]:
                 released += self.move(i, target, chosen, mine)
                 n_new[i] = target - int(self.n_keep[i])
                 reasons[i] += "; moved onto fewer hosts"
         return released
 
 
-def _movable(t: _Table, i: int, snap: Snapshot) -> bool:
-    """plain_policies._movable for job ``i`` (rank)."""
+def _movable(t: _Table, jobs: np.ndarray, snap: Snapshot) -> np.ndarray:
+    """plain_policies._movable for the jobs (ranks) ``jobs``."""
     cfg = snap.config
-    if cfg.preemption != Preemption.GRACEFUL or not t.preemptible[i]:
-        return False
-    last = float(t.last_rescale[i])
-    return last != last or snap.now - last >= cfg.min_rescale_interval_s  # nan: never rescaled
+    if cfg.preemption != Preemption.GRACEFUL:
+        return np.zeros(len(jobs), dtype=bool)
+    last = t.last_rescale[jobs]
+    with np.errstate(invalid="ignore"):
+        return t.preemptible[jobs] & (np.isnan(last) | (snap.now - last >= cfg.min_rescale_interval_s))
 
 
 def _lookup(d: dict, keys: list) -> np.ndarray:
