@@ -338,9 +338,6 @@ class _Free:
         bf = self.packer
         cnt, pos, starts, sizes, took = bf.count, self.pos, self.run_start, self.run_size, bf.took
         left, mine = n, len(own)
-        # the usual case, inline (no spare hosts, nothing avoided): _BestFit.best on tier 1
-        plain = not avoid and not bf.spare_room
-        at, heaps, most, pop = bf.at[1], bf.heaps[1], bf.most, heapq.heappop
         i = 0
         while left > 0:
             if i < mine:
@@ -348,18 +345,6 @@ class _Free:
                 i += 1
                 if r < 0 or not cnt[r] or r in avoid:
                     continue
-            elif plain:
-                r = -1
-                first = left if left <= most else most + 1
-                for c in chain(range(first, most + 1), range(first - 1, 0, -1)):
-                    if at[c]:
-                        heap = heaps[c]
-                        while cnt[heap[0]] != c:  # stale: the host has fewer free now
-                            pop(heap)
-                        r = heap[0]
-                        break
-                if r < 0:
-                    raise AssertionError(f"{left} fewer free slots than counted")
             else:
                 r = bf.best(left, avoid)
                 if r < 0:  # callers check count_for(avoid) >= n

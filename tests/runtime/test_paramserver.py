@@ -64,30 +64,28 @@ def test_resume_restores_the_servers_shards_and_optimizer_state_bit_for_bit(tmp_
     assert second.param_sha256 == reference["sha"]
 
 
-def test_a_killed_worker_is_retryable_and_the_rerun_matches_an_uninterrupted_run(tmp_path, reference):
-    params = {"kill_at": 17, "kill_rank": 1, "marker": str(tmp_path / "killed-once")}
-    spec = make_ps_spec(tmp_path, params=params)
+def _killed_then_rerun(spec, target, says: str, reference) -> None:
+    """The chunk loses a process at iteration 17: retryable, blamed on its host, the checkpoint
+    at 10 intact; a rerun from there gives the uninterrupted run's parameters."""
     with pytest.raises(WorkerLostError) as err:
-        run_chunk(spec, 0, 30, target=lambda i: 2, host="host-a")
+        run_chunk(spec, 0, 30, target=target, host="host-a")
     assert err.value.retryable and err.value.host == "host-a"
-    assert "rank 1" in str(err.value) and "SIGKILL" in str(err.value)
+    assert says in str(err.value) and "SIGKILL" in str(err.value)
     assert open_store(spec.checkpoint).latest().iteration == 10
-    result = run_chunk(spec, 0, 30, target=lambda i: 2)
+    result = run_chunk(spec, 0, 30, target=lambda i: 2)  # new workers and servers, from the checkpoint
     assert result.workers_timeline[0][0] == 10
     assert result.param_sha256 == reference["sha"]
+
+
+def test_a_killed_worker_is_retryable_and_the_rerun_matches_an_uninterrupted_run(tmp_path, reference):
+    params = {"kill_at": 17, "kill_rank": 1, "marker": str(tmp_path / "killed-once")}
+    _killed_then_rerun(make_ps_spec(tmp_path, params=params), lambda i: 2, "rank 1", reference)
 
 
 def test_a_killed_server_is_retryable_and_restores_from_the_checkpoint(tmp_path, reference):
     params = {"kill_server": 1, "kill_server_at": 17, "marker": str(tmp_path / "server-killed-once")}
     spec = make_ps_spec(tmp_path, params=params)
-    with pytest.raises(WorkerLostError) as err:
-        run_chunk(spec, 0, 30, target=Schedule.parse("1@0,3@12", spec, 0, 30), host="host-a")
-    assert err.value.retryable and err.value.host == "host-a"
-    assert "parameter server 1" in str(err.value) and "SIGKILL" in str(err.value)
-    assert open_store(spec.checkpoint).latest().iteration == 10
-    result = run_chunk(spec, 0, 30, target=lambda i: 2)  # new servers, from the checkpoint at 10
-    assert result.workers_timeline[0][0] == 10
-    assert result.param_sha256 == reference["sha"]
+    _killed_then_rerun(spec, Schedule.parse("1@0,3@12", spec, 0, 30), "parameter server 1", reference)
     _same_model(reference, spec)
 
 
