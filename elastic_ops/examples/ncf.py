@@ -38,13 +38,6 @@ from elastic_ops.errors import SpecError
 from elastic_ops.examples import params as P
 from elastic_ops.runtime.trainable import Trainable
 
-
-def _flag(key: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise SpecError(f"params.{key}", value, "must be true or false")
-    return value
-
-
 SCHEMA = {
     "users": (1000, P.positive_int),
     "items": (1000, P.positive_int),
@@ -57,7 +50,7 @@ SCHEMA = {
     "lr": (0.1, P.positive_float),
     "data_seed": (0, P.non_negative_int),
     "init_seed": (0, P.non_negative_int),
-    "sparse": (True, _flag),
+    "sparse": (True, P.flag),
 }
 
 TEST_NEGATIVES = 99

@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from elastic_ops.errors import SpecError
+from elastic_ops.pool.checks import check_flag
 from elastic_ops.spec import check_int
 
 Check = Callable[[str, Any], Any]
@@ -22,6 +23,10 @@ def positive_int(key: str, value: object) -> int:
 
 def non_negative_int(key: str, value: object) -> int:
     return check_int(f"params.{key}", value, 0)
+
+
+def flag(key: str, value: object) -> bool:
+    return check_flag(f"params.{key}", value)
 
 
 def positive_float(key: str, value: object) -> float:
