@@ -26,6 +26,7 @@ for J jobs, H hosts and S held slots, with O(J + H + S) of it C-level reads and 
 
 from __future__ import annotations
 
+import bisect
 import gc
 import heapq
 from collections.abc import Callable, Sequence
@@ -336,6 +337,9 @@ class _Free:
         skipping ``avoid``; lowest slot indices first on each host. Callers check that
         ``count_for(avoid) >= n``."""
         bf = self.packer
+        if not avoid and bf.spare_room <= 0:
+            self._take_packed(n, own)
+            return
         cnt, pos, starts, sizes, took = bf.count, self.pos, self.run_start, self.run_size, bf.took
         left, mine = n, len(own)
         i = 0
@@ -358,6 +362,97 @@ class _Free:
         if n > 0:
             self.total -= n
 
+    def _take_packed(self, n: int, own: list[int]) -> None:
+        """:meth:`take` of one job that avoids nothing, with one tier of hosts."""
+        self.take_run([n], own, [0, len(own)], 0, 1)
+
+    def take_run(self, wants: list[int], own: list[int], at_own: list[int], j: int, stop: int) -> None:
+        """:meth:`take` for jobs ``j..stop-1`` in turn, job ``k`` taking ``wants[k]`` with its
+        own ranks ``own[at_own[k]:at_own[k + 1]]``, none avoiding a host; the callers check that
+        all of it is free. Where no spare host has room (one tier of hosts: the common case)
+        these are the same takes as :meth:`_BestFit.best` and ``took`` make, inline: a job that
+        no host can hold takes whole hosts off the heap of the largest free count, as many as
+        leave a rest that one host holds, in one step (no host ever gains free slots, so no
+        count above the largest fills again), then the rest best fit. Per job, not per slot:
+        this loop is most of a decision's placement time at cluster size."""
+        bf = self.packer
+        cnt, pos, starts, sizes = bf.count, self.pos, self.run_start, self.run_size
+        at, heaps, top = bf.at[1], bf.heaps[1], bf.most
+        push, pop = heapq.heappush, heapq.heappop
+        total = self.total
+        for q in range(j, stop):
+            n = wants[q]
+            if bf.spare_room > 0:  # two tiers: the general take (spare_room only falls)
+                self.total = total
+                self.take(n, own[at_own[q] : at_own[q + 1]], _NONE)
+                total = self.total
+                continue
+            left = n
+            for i in range(at_own[q], at_own[q + 1]):
+                if left <= 0:
+                    break
+                r = own[i]
+                if r < 0:
+                    continue
+                c = cnt[r]
+                if not c:
+                    continue
+                k = c if c < left else left
+                starts.append(pos[r])
+                sizes.append(k)
+                pos[r] += k
+                left -= k
+                at[c] -= 1
+                c -= k
+                cnt[r] = c
+                at[c] += 1
+                if c:
+                    push(heaps[c], r)
+            # while no host holds the rest, all of the hosts with the most free, lowest rank first
+            # (no host ever gains free slots, so no bucket above ``top`` fills again)
+            while left > 0:
+                while top and not at[top]:
+                    top -= 1
+                if left <= top or not top:
+                    break
+                heap = heaps[top]
+                k = (left - 1) // top
+                if k > at[top]:
+                    k = at[top]
+                for _ in range(k):
+                    r = pop(heap)
+                    while cnt[r] != top:  # stale: it has fewer free since
+                        r = pop(heap)
+                    starts.append(pos[r])
+                    sizes.append(top)
+                    pos[r] += top
+                    cnt[r] = 0
+                at[top] -= k
+                at[0] += k
+                left -= k * top
+            if left > 0:  # the host with the fewest free that holds the rest
+                r = c = -1
+                for c in range(left, top + 1):
+                    if at[c]:
+                        heap = heaps[c]
+                        while cnt[heap[0]] != c:
+                            pop(heap)
+                        r = heap[0]
+                        break
+                if r < 0:  # callers check that it is free
+                    raise AssertionError(f"{left} fewer free slots than counted")
+                starts.append(pos[r])
+                sizes.append(left)
+                pos[r] += left
+                at[c] -= 1
+                c -= left
+                cnt[r] = c
+                at[c] += 1
+                if c:
+                    push(heaps[c], r)
+            total -= n
+        self.total = total
+
     def avoid_ids(self, avoid: frozenset[str]) -> set[int]:
         """The host ids of the listed hosts among ``avoid``."""
         ids = self.ids
@@ -376,10 +471,13 @@ class _BestFit:
         self.count = count
         self.n_spare = n_spare
         self.most = most = max(count, default=0)
-        self.heaps: tuple[list[list[int]], list[list[int]]] = ([[] for _ in range(most + 1)],
-                                                              [[] for _ in range(most + 1)])
-        for r, c in enumerate(count):  # ranks ascending: each heap starts sorted
-            self.heaps[r >= n_spare][c].append(r)
+        # ranks ascending: each heap starts sorted (one stable sort by tier and count, split)
+        key = np.asarray(count, dtype=np.int64)
+        key[n_spare:] += most + 1
+        ranks = np.argsort(key, kind="stable").tolist()
+        cut = np.searchsorted(key[ranks], np.arange(2 * most + 3)).tolist()
+        buckets = [ranks[cut[k] : cut[k + 1]] for k in range(2 * most + 2)]
+        self.heaps: tuple[list[list[int]], list[list[int]]] = (buckets[: most + 1], buckets[most + 1 :])
         # hosts with exactly c free, per tier (exact, unlike the heaps)
         self.at: tuple[list[int], list[int]] = tuple(list(map(len, h)) for h in self.heaps)  # type: ignore[assignment]
         self.spare_room = n_spare - self.at[0][0]
@@ -1278,22 +1376,47 @@ def _take_all(
     kl, avoids = kept.tolist(), t.has_avoid[growing].tolist()
     gl, nl = growing.tolist(), need.tolist()
     got = [0] * len(gl)  # slots given to each growing job (into n_new once, at the end)
-    for j, (i, want) in enumerate(zip(gl, nl, strict=True)):
+    # Runs of plain jobs (avoiding nothing, not moved), taken in one call while all they want is
+    # free: run_end[j] is where the run holding j ends (j itself where j is not plain).
+    plain = ~t.has_avoid[growing]
+    if mover is not None:
+        plain &= kept == 0
+    not_plain = np.flatnonzero(~plain)
+    run_end = np.append(not_plain, len(gl))[np.searchsorted(not_plain, np.arange(len(gl)))].tolist()
+    cum = np.cumsum(need).tolist()
+    j = 0
+    while j < len(gl):
         if free.total == 0:  # nothing left to give: the rest wait (or run on what they keep)
             _nothing_free(t, growing[j:], need[j:], n_keep, reasons, pending)
             break
-        if mover is not None and kl[j] and i not in t.releasing:
-            moved = mover.repack(i, kl[j] + want)
-            if moved is not None:  # it restarts anyway: onto fewer hosts rather than spread
-                got[j] = moved
-                reasons[i] += "; packed onto fewer hosts"
+        end = run_end[j]
+        if end > j:  # the run's jobs that find all they want free
+            stop = bisect.bisect_right(cum, free.total + (cum[j - 1] if j else 0), j, end)
+            if stop > j:
+                free.take_run(nl, own, a, j, stop)
+                got[j:stop] = nl[j:stop]
+                j = stop
                 continue
-        if not avoids[j] and free.total >= want:  # the common case of _grow, inline
-            free.take(want, own[a[j] : a[j + 1]], _NONE)
-            got[j] = want
-        else:
-            got[j], reasons[i] = _grow(t, i, want, kl[j], own[a[j] : a[j + 1]], reasons[i], free, pending)
+        i, want = gl[j], nl[j]
+        j += 1
+        _take_one(t, free, i, want, j - 1, kl, avoids, own, a, got, reasons, pending, mover)
     n_new[growing] = got
+
+
+def _take_one(t, free, i, want, j, kl, avoids, own, a, got, reasons, pending, mover) -> None:
+    """Growing job ``i`` (``j``-th of :func:`_take_all`'s) outside a run: it avoids hosts, may
+    move, or finds less free than it wants."""
+    if mover is not None and kl[j] and i not in t.releasing:
+        moved = mover.repack(i, kl[j] + want)
+        if moved is not None:  # it restarts anyway: onto fewer hosts rather than spread
+            got[j] = moved
+            reasons[i] += "; packed onto fewer hosts"
+            return
+    if not avoids[j] and free.total >= want:  # the common case of _grow, inline
+        free.take(want, own[a[j] : a[j + 1]], _NONE)
+        got[j] = want
+    else:
+        got[j], reasons[i] = _grow(t, i, want, kl[j], own[a[j] : a[j + 1]], reasons[i], free, pending)
 
 
 class _HostsNeeded(Exception):

@@ -63,22 +63,25 @@ def _nothing_held(snap: Snapshot) -> Snapshot:
     return dataclasses.replace(snap, jobs=jobs)
 
 
-def _scattered(seed: int, n_jobs: int, n_hosts: int, per_host: int = 8) -> Snapshot:
+def _scattered(seed: int, n_jobs: int, n_hosts: int, per_host: tuple[int, ...] = (8,), held: float = 0.8,
+               most: int = 20) -> Snapshot:
     """A busy cluster like the benchmark's: most slots held, scattered over the hosts, half the
     jobs waiting, some avoided and unhealthy hosts. Large enough that free slots are taken
-    across many hosts and past slots other jobs took on their own hosts."""
+    across many hosts and past slots other jobs took on their own hosts. ``per_host``: the
+    sizes hosts are drawn from; ``held``: the share of slots held; ``most``: the widest range
+    between a job's min and max."""
     rng = random.Random(seed)
     hosts = tuple(
-        Host(f"h{i:04d}", per_host, HostState.DRAINING if rng.random() < 0.05 else HostState.UP)
+        Host(f"h{i:04d}", rng.choice(per_host), HostState.DRAINING if rng.random() < 0.05 else HostState.UP)
         for i in range(n_hosts)
     )
     free = [(h.name, s) for h in hosts for s in range(h.slots)]
     rng.shuffle(free)
-    budget = int(0.8 * len(free))
+    budget = int(held * len(free))
     jobs = []
     for i in range(n_jobs):
         lo = rng.randint(1, 4)
-        hi = lo + rng.randint(0, 20)
+        hi = lo + rng.randint(0, most)
         n_held = min(rng.randint(lo, hi), budget) if i % 2 == 0 else 0
         held, free = tuple(sorted(free[:n_held])), free[n_held:]
         budget -= n_held
@@ -218,6 +221,15 @@ def test_fast_policies_match_the_reference_on_a_larger_busy_cluster(seed):
     # Many newcomers placed best fit next to jobs that avoid hosts and jobs that fill their own
     # hosts first.
     _assert_same_plan(_scattered(100 + seed, n_jobs=1500, n_hosts=500))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_wide_newcomers_on_hosts_of_several_sizes_get_the_reference_plan(seed):
+    # Jobs wider than any host take whole hosts, the fullest free count first, until one host
+    # holds the rest (the vectorised path takes them in bulk): with hosts of several sizes the
+    # largest free count falls as hosts fill, and empty hosts remain beside partly used ones.
+    _assert_same_plan(_scattered(200 + seed, n_jobs=600, n_hosts=300, per_host=(2, 4, 8, 16),
+                                 held=0.4, most=60))
 
 
 @pytest.mark.parametrize("big", [False, True])
