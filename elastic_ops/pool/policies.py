@@ -1377,18 +1377,21 @@ def _take_all(
     gl, nl = growing.tolist(), need.tolist()
     got = [0] * len(gl)  # slots given to each growing job (into n_new once, at the end)
     # Runs of plain jobs (avoiding nothing, not moved), taken in one call while all they want is
-    # free: run_end[j] is where the run holding j ends (j itself where j is not plain).
+    # free: run_end[j] is where the run holding j ends (j itself where j is not plain). A job
+    # that keeps slots may move while the mover has searches left; after, it is plain too.
     plain = ~t.has_avoid[growing]
+    run_end = after_moves = _run_ends(plain)
     if mover is not None:
-        plain &= kept == 0
-    not_plain = np.flatnonzero(~plain)
-    run_end = np.append(not_plain, len(gl))[np.searchsorted(not_plain, np.arange(len(gl)))].tolist()
+        releasing = np.isin(growing, list(t.releasing)) if t.releasing else False
+        run_end = _run_ends(plain & ((kept == 0) | releasing))
     cum = np.cumsum(need).tolist()
     j = 0
     while j < len(gl):
         if free.total == 0:  # nothing left to give: the rest wait (or run on what they keep)
             _nothing_free(t, growing[j:], need[j:], n_keep, reasons, pending)
             break
+        if mover is not None and mover.searches <= 0:
+            run_end = after_moves
         end = run_end[j]
         if end > j:  # the run's jobs that find all they want free
             stop = bisect.bisect_right(cum, free.total + (cum[j - 1] if j else 0), j, end)
@@ -1401,6 +1404,13 @@ def _take_all(
         j += 1
         _take_one(t, free, i, want, j - 1, kl, avoids, own, a, got, reasons, pending, mover)
     n_new[growing] = got
+
+
+def _run_ends(plain: np.ndarray) -> list[int]:
+    """For each position, where the run of ``plain`` positions holding it ends (itself where it
+    is not plain)."""
+    not_plain = np.flatnonzero(~plain)
+    return np.append(not_plain, len(plain))[np.searchsorted(not_plain, np.arange(len(plain)))].tolist()
 
 
 def _take_one(t, free, i, want, j, kl, avoids, own, a, got, reasons, pending, mover) -> None:
