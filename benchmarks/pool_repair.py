@@ -6,8 +6,9 @@ selectors), next to the same pool with no restricted job, in one run.
 The pool: 8-slot hosts, every slot held (held slots scattered), a quarter of the hosts carry
 the label half the jobs select; most jobs may be rescaled (moved), ``min_rescale_interval_s``
 60. With restricted jobs short on their hosts, the plain implementation repairs (moves, lowered
-caps: docs/pool.md "Place", at most ``REPAIR_PASSES`` repairing passes); without them the
-vectorised path decides alone. ``ratio`` is restricted / unrestricted (the cost of the repair).
+caps: docs/explanation/pool.md "How a decision is made", step "Place", at most ``REPAIR_PASSES``
+repairing passes); without them the vectorised path decides alone. ``ratio`` is restricted /
+unrestricted (the cost of the repair).
 Timed: the least wall time of ``--repeats`` calls of ``POLICIES["priority"](snapshot)``.
 """
 

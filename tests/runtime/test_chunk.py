@@ -49,7 +49,7 @@ def reference(tmp_path_factory) -> dict[str, str]:
 
 
 def _mode_fields(mode: str) -> dict:
-    # fast mode: no dropout, since random masks are drawn per worker there (see docs/runtime.md)
+    # fast mode: no dropout, since random masks are drawn per worker there (docs/explanation/elasticity.md)
     if mode == "bitwise":
         return {"virtual_shards": 6}
     return {"virtual_shards": None, "params": {"dropout": 0.0}}

@@ -6,7 +6,7 @@ and the two share what a deployment shares: the SQLite pool ledger (through the
 ``elastic_ops_pool`` connection) and the machine. The test plays the operator at the pool: it
 starts job 2 once job 1 trains on 8 workers and raises job 2's priority through
 ``PoolClient.set_priority`` once they train on 4 / 4. The pool's event log must show
-8/0 → 4/4 → 3/5 → 0/8 (with the transient states between, see docs/airflow.md) and no slot held
+8/0 → 4/4 → 3/5 → 0/8 (with the transient states between, see docs/howto/demo.md) and no slot held
 by two jobs at once.
 
 The jobs train ``PacedDigits`` (``paced.py``): the test's gate files hold each job at its
