@@ -1,7 +1,7 @@
 """The timeline route and the two views (pool, job) of the plugin, on a scripted ledger: the
 seed sequence as the charts' series, ranges and point limits, the plan's reasons, controls only
 for users who may change the pool, filters and paging of the event log, and every value from the
-ledger or Airflow escaped. (The real browser against a real api-server: tests/e2e/test_ui_browser.py.)"""
+ledger or Airflow escaped. (The real browser against a real api-server: tests/e2e/test_airflow_e2e.py.)"""
 
 from __future__ import annotations
 
