@@ -34,6 +34,14 @@ fit misses its own measurements by more than 10 %), it promises nothing beyond t
 worker count measured: a job grows one doubling at a time, and each step is measured before the
 next is paid for. A certain model extrapolates.
 
+**Measured points.** A model that misses its own measurements by more than ``CERTAIN_ERROR``
+(a job whose speed-up is not of this shape, as bert's: slower on two hosts than on one, faster
+on three) also keeps what it measured at its base batch: at a measured (workers, hosts) its
+step is the measured one, shrunk towards the fit by the measurement's weight (the fit's
+``iterations / (iterations + 20)``): ``step * exp(weight * log(measured / fitted))``. Speed-ups
+stay relative to the one-worker step (measured, where it was). A model that fits keeps its smooth
+curve (its small residuals would only make neighbouring sizes look different).
+
 **Adaptive batch** (a job with ``scaling: adaptive`` lets the pool choose its global batch).
 The compute term grows with the per-worker batch: at global batch ``scale`` times the job's
 base batch, ``compute * scale / n`` (Pollux's linear compute model); measurements at several
@@ -183,18 +191,27 @@ class ScalingModel:
     seconds; ``explore_to``: the largest worker count the model promises a gain up to (None: a
     certain model, no limit); ``measured``: how many configurations it was fitted on;
     ``error``: its relative RMS error on them; ``largest``: the most workers it measured (0:
-    not known)."""
+    not known); ``points``: the configurations it measured at its base batch, as (workers,
+    hosts, correction): the log of measured over modelled step, shrunk by the measurement's
+    weight (module docstring, "Measured points")."""
 
     params: tuple[float, float, float, float, float, float]
     explore_to: int | None
     measured: int
     error: float
     largest: int = 0
+    points: tuple[tuple[int, int, float], ...] = ()
 
     def step_s(self, workers: int, hosts: int = 1, scale: float = 1.0) -> float:
         """The modelled seconds per iteration at ``scale`` times the base batch (no
-        exploration limit)."""
-        return float(_features(workers, hosts, scale) @ np.asarray(self.params))
+        exploration limit; at a measured configuration of the base batch, what was measured,
+        as far as its weight says)."""
+        step = float(_features(workers, hosts, scale) @ np.asarray(self.params))
+        if scale == 1.0:
+            for n, h, corr in self.points:
+                if n == workers and h == hosts:
+                    return step * math.exp(corr)
+        return step
 
     def speedup(self, workers: int, hosts: int = 1) -> float:
         """Iteration rate at ``workers`` over ``hosts`` relative to one worker, as far as the
@@ -243,8 +260,12 @@ def fit(measured: Sequence[Measured], prior: Sequence[float] = PRIOR) -> Scaling
     counts = {m.workers for m in ms}
     certain = len(counts) >= CERTAIN_COUNTS and error <= CERTAIN_ERROR
     explore_to = None if certain else EXPLORE_FACTOR * max(counts)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        corr = w * np.log(y / predicted)
+    points = tuple((m.workers, m.hosts, float(c)) for m, c in zip(ms, corr.tolist(), strict=True)
+                   if error > CERTAIN_ERROR and m.scale == 1.0 and math.isfinite(c) and c != 0.0)
     return ScalingModel(
-        tuple(float(x) for x in theta), explore_to, len(ms), error, max(counts)  # type: ignore[arg-type]
+        tuple(float(x) for x in theta), explore_to, len(ms), error, max(counts), points  # type: ignore[arg-type]
     )
 
 

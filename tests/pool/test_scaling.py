@@ -112,6 +112,21 @@ def test_observation_rows_of_the_ledger_become_measurements():
     assert measured_from_rows(rows, batch=256) == [Measured(4, 1, 10, 1.0)]
 
 
+def test_a_model_that_cannot_explain_its_measurements_keeps_them():
+    """bert's shape (the traces): 3.85x on one host, 2.90x on two, 5.90x on three. No step of
+    the model's form bends that way: the fit misses, and the measured configurations count as
+    measured (shrunk by their weight: 1000 iterations, about 0.98); a fit that explains its
+    measurements keeps no points."""
+    bert = {(1, 1): 1.0, (4, 1): 1 / 3.85, (8, 2): 1 / 2.90, (11, 3): 1 / 5.90}
+    model = fit([Measured(n, h, 1000, 1000 * s) for (n, h), s in bert.items()])
+    assert model.error > 0.10 and {(n, h) for n, h, _ in model.points} == set(bert)
+    assert model.speedup(11, 3) == pytest.approx(5.90, rel=0.05)
+    assert model.speedup(11, 3) > model.speedup(4, 1) > model.speedup(8, 2)
+    assert model.speedup(1, 1) == pytest.approx(1.0)
+    linear = fit([Measured(n, 1, 1000, 1000 / n) for n in (1, 2, 4)])
+    assert linear.error <= 0.10 and linear.points == ()
+
+
 def test_a_spread_that_is_impossible_is_refused():
     with pytest.raises(ValueError, match="hosts=3"):
         fit([]).speedup(2, 3)
