@@ -37,7 +37,7 @@ import numpy as np
 
 from elastic_ops.errors import UnknownPolicyError
 from elastic_ops.pool import tenants
-from elastic_ops.pool.goodput import goodput_fill_array, moves_that_pay, with_batches
+from elastic_ops.pool.goodput import Columns, goodput_fill_array, moves_that_pay, with_batches
 from elastic_ops.pool.model import (
     HostState,
     Job,
@@ -141,7 +141,10 @@ class _Table:
             if waiting.any():
                 eff = prio.copy()
                 eff[waiting] = prio[waiting] + np.floor(np.maximum(0.0, snap.now - ws[waiting]) / aging)
-        order = _rank(-eff, hl == 0, _array(jobs, get, "submitted", np.float64), names)
+        submitted = _array(jobs, get, "submitted", np.float64)
+        self.snapshot_held, self.snapshot_submitted = hl, submitted  # snapshot order (goodput's Columns)
+        self.cols: Columns  # with the hosts' (with_hosts), before any share rule runs
+        order = _rank(-eff, hl == 0, submitted, names)
         ol = order.tolist()
         self.n = n
         self.order = order  # rank -> position in snap.jobs
@@ -172,14 +175,18 @@ class _Table:
         self.preemptible = _array(jobs, get, "preemptible", bool)[order]
         self.last_rescale = _array(jobs, get, "last_rescale", np.float64)[order]  # None -> nan
 
+    def with_hosts(self, hs: _Hosts) -> None:
+        """``cols``: what a share rule may reuse of this table and the hosts (snapshot order)."""
+        self.cols = Columns(*self.fields, self.snapshot_held, self.snapshot_submitted, hs.largest_up)
+
 
 class _Picked(Sequence[Job]):
     """The jobs at positions ``idx`` of ``jobs``, read only if a share rule asks (most never do:
     a list per freeze round would cost every policy a pass over the admitted jobs)."""
 
-    def __init__(self, jobs: list[Job], idx: np.ndarray, order: np.ndarray, fields: tuple[list, Callable]):
+    def __init__(self, jobs: list[Job], idx: np.ndarray, order: np.ndarray, columns: Columns):
         self._jobs, self._idx, self._order = jobs, idx, order
-        self.snapshot_fields = fields  # every job's fields and their getter (see _rows)
+        self.snapshot_columns = columns  # what the policy read of every job (goodput reads more)
 
     @property
     def snapshot_rows(self) -> np.ndarray:
@@ -757,6 +764,7 @@ class _Hosts:
         names = list(map(_name, hosts))
         size = np.fromiter(map(_slots, hosts), np.int64, len(hosts))
         up = np.fromiter(map(_UP, map(_state, hosts)), bool, len(hosts))
+        self.largest_up = int(size[up].max()) if up.any() else 1  # goodput.host_slots
         by_name = sorted(names)
         if by_name != names:
             order = np.array(sorted(range(len(names)), key=names.__getitem__), dtype=np.int64)
@@ -901,6 +909,7 @@ def _freeze(t: _Table, held_up, targets, free, snap: Snapshot, flags=(False, Fal
 
 def _targets(t: _Table, share: ShareFn, held_up, hs: _Hosts, snap: Snapshot, free: _Free, restricted):
     capacity = hs.capacity
+    t.with_hosts(hs)
     caps0, avoided = _caps(t, hs, capacity)
     n = t.n
     tt = tenants.of_snapshot(snap, _column(*t.fields, "tenant"), capacity) if snap.tenants else None
@@ -931,7 +940,7 @@ def _targets(t: _Table, share: ShareFn, held_up, hs: _Hosts, snap: Snapshot, fre
         if tt is None:
             usable, admitted = _admit(mins, fcaps, cap_left)
             a = free_idx[admitted]
-            jobs = _Picked(t.jobs, a, t.order, t.fields)
+            jobs = _Picked(t.jobs, a, t.order, t.cols)
             targets[a] = share(mins[admitted], fcaps[admitted], t.prio[a], t.eff[a], cap_left, jobs, snap)
             given = None
         else:
@@ -976,7 +985,7 @@ def _tenant_round(t: _Table, tt, share: ShareFn, snap: Snapshot, targets, free_i
         usable[g], admitted[g] = u, ad
         targets[free_idx[g]] = 0
         a = free_idx[g[ad]]
-        jobs = _Picked(t.jobs, a, t.order, t.fields)
+        jobs = _Picked(t.jobs, a, t.order, t.cols)
         got = share(mins[g[ad]], fcaps[g[ad]], t.prio[a], t.eff[a], cap, jobs, snap)
         targets[a] = got
         return int(np.sum(got))
