@@ -657,7 +657,8 @@ class _Mover:
         free, perm = self.free, self.perm
         a, e, k = int(free.first[i]), int(free.first[i + 1]), int(self.n_keep[i])
         kept, gone = perm[a : a + k].copy(), perm[a + k : e].copy()
-        stay = np.isin(free.host[kept], chosen)
+        on = set(chosen)  # (a job's few slots: a set beats np.isin's machinery)
+        stay = np.fromiter(map(on.__contains__, free.host[kept].tolist()), bool, len(kept))
         perm[a:e] = np.concatenate([kept[stay], gone, kept[~stay]])
         self.n_keep[i] = int(stay.sum())
         ranks = [int(free.rank_of[h]) for h in sorted(chosen, key=lambda h: -mine.get(h, 0))]
