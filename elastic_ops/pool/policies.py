@@ -1419,9 +1419,8 @@ def _take_all(
                 got[j:stop] = nl[j:stop]
                 j = stop
                 continue
-        i, want = gl[j], nl[j]
+        _take_one(t, free, gl[j], nl[j], j, kl, avoids, own, a, got, reasons, pending, mover)
         j += 1
-        _take_one(t, free, i, want, j - 1, kl, avoids, own, a, got, reasons, pending, mover)
     n_new[growing] = got
 
 
