@@ -281,6 +281,14 @@ def _log_speed(t: _Table, r: np.ndarray, n: np.ndarray, hosts: np.ndarray | None
     """``log S(n)`` of the jobs at rows ``r`` on ``n`` workers (one entry per point; n > 0),
     over ``hosts`` hosts (default: packed on the pool's hosts); an adaptive job's at its best
     batch (best_batches)."""
+    out, e, h = _modelled(t, r, n, hosts)
+    return _with_measured(t, r, e, h, out)
+
+
+def _modelled(t: _Table, r: np.ndarray, n: np.ndarray, hosts: np.ndarray | None):
+    """:func:`_log_speed` without a misfit model's measured points, and the workers and hosts it
+    was modelled at. The model reads only whether a job spans hosts (one host, or more: the
+    network's terms), not how many."""
     per_host = t.per_host
     e = np.maximum(np.minimum(n, t.explore[r]), 1.0)
     h = np.minimum(np.ceil(n / per_host) if hosts is None else np.maximum(hosts, 1), e)
@@ -289,10 +297,19 @@ def _log_speed(t: _Table, r: np.ndarray, n: np.ndarray, hosts: np.ndarray | None
     step = q[:, 0] + q[:, 1] / e + local * (q[:, 2] + q[:, 3] * (e - 2))
     step += net * (q[:, 4] + q[:, 5] * (e - 2))
     out = np.log(q[:, 0] + q[:, 1]) - np.log(step)  # against the step on one worker
-    if t.point_keys is not None:  # configurations a misfit model measured: as measured
-        out += _measured(t, r, np.ones(len(r)), np.ones(len(r))) - _measured(t, r, e, h)
     if t.any_adaptive and (pts := np.flatnonzero(t.adaptive[r])).size:
         out[pts] = np.log(best_batches(t.batch_rows(r[pts], n[pts], h[pts]))[1])
+    return out, e, h
+
+
+def _with_measured(t: _Table, r: np.ndarray, e: np.ndarray, h: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """``out`` (modelled log speeds of rows ``r`` at ``e`` workers over ``h`` hosts) with the
+    configurations a misfit model measured as measured (not an adaptive job's: its batch moves)."""
+    if t.point_keys is not None:
+        fix = _measured(t, r, np.ones(len(r)), np.ones(len(r))) - _measured(t, r, e, h)
+        if t.any_adaptive:
+            fix[t.adaptive[r]] = 0.0
+        out += fix
     return out
 
 
@@ -382,7 +399,15 @@ def moves_that_pay(snap: Snapshot, rows: np.ndarray, workers: np.ndarray, hosts_
     at = np.cumsum(sizes) - sizes
     seg = np.repeat(np.arange(len(rows)), sizes)
     h = (np.arange(int(sizes.sum())) - at[seg] + least[seg]).astype(np.float64)
-    log_s = _log_speed(t, rows[seg], workers[seg].astype(np.float64), h)
+    # each job modelled on one host and on two (the model reads only whether it spans hosts),
+    # spread over its counts; a misfit model's measured points per count
+    k = len(rows)
+    w = workers.astype(np.float64)
+    two, _, _ = _modelled(t, np.concatenate([rows, rows]), np.concatenate([w, w]),
+                          np.repeat([1.0, 2.0], k))
+    log_s = np.where(h == 1, two[:k][seg], two[k:][seg])
+    e = np.maximum(np.minimum(w, t.explore[rows]), 1.0)[seg]  # as _modelled
+    log_s = _with_measured(t, rows[seg], e, np.minimum(h, e), log_s)
     gain = log_s - log_s[at + sizes - 1][seg]  # against the spread it runs on
     horizon = np.clip(snap.now - t.submitted[rows], MIN_HORIZON_S, MAX_HORIZON_S)[seg]
     with np.errstate(over="ignore", invalid="ignore"):

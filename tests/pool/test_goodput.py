@@ -5,13 +5,14 @@ from __future__ import annotations
 import dataclasses
 import random
 
+import numpy as np
 import pytest
 
 from elastic_ops.pool import Grant, PoolClient
 from elastic_ops.pool.model import Observation, Snapshot
 from elastic_ops.pool.plain_policies import PLAIN
 from elastic_ops.pool.policies import POLICIES
-from elastic_ops.pool.scaling import Batching, GradStats, ScalingModel, best_batch, fit
+from elastic_ops.pool.scaling import Batching, GradStats, Measured, ScalingModel, best_batch, fit
 
 from .builders import make_job, make_snapshot
 
@@ -160,6 +161,33 @@ def test_a_spread_job_stays_where_it_is_when_the_move_does_not_pay():
     for job in ({"last_rescale": 9_990.0}, {"preemptible": False}):
         d = GOODPUT(_spread(SPREAD_SLOW, **job))["a"]
         assert {h for h, _ in d.placements} == {"h0", "h1"} and not d.release, job
+
+
+BERT = fit([Measured(n, h, 1000, 1000 * s) for (n, h), s in
+            {(1, 1): 1.0, (4, 1): 1 / 3.85, (8, 2): 1 / 2.90, (11, 3): 1 / 5.90}.items()])  # a misfit: keeps points
+
+
+def test_the_vectorised_move_check_agrees_with_move_pays_for_every_host_count():
+    """moves_that_pay (one pass over every candidate and host count) decides as move_pays does
+    job by job: models that fit and misfit ones (measured points), adaptive jobs, young and old."""
+    from elastic_ops.pool.goodput import move_pays, moves_that_pay
+
+    assert BERT.points
+    rng = random.Random(3)
+    for _ in range(4):
+        base = _adaptive_snapshot(rng, 60, 16, 4)
+        jobs = tuple(dataclasses.replace(j, scaling=rng.choice([None, LINEAR, SPREAD_SLOW, BERT]),
+                                         submitted=rng.uniform(0.0, base.now)) for j in base.jobs)
+        snap = dataclasses.replace(base, jobs=jobs)
+        rows = np.arange(len(jobs))
+        workers = np.array([rng.randint(1, 16) for _ in jobs])
+        hosts_now = np.array([rng.randint(1, w) for w in workers.tolist()])
+        cost = np.array([rng.choice([0.0, 30.0]) for _ in jobs])
+        pays, at, least = moves_that_pay(snap, rows, workers, hosts_now, cost)
+        for k, job in enumerate(jobs):
+            for h in range(int(least[k]), int(hosts_now[k]) + 1):
+                want = move_pays(job, int(workers[k]), int(hosts_now[k]), h, snap.now, float(cost[k]))
+                assert bool(pays[at[k] + h - least[k]]) == want, (job.name, workers[k], hosts_now[k], h)
 
 
 def _random_snapshot(rng: random.Random, n_jobs: int, n_hosts: int, per_host: int) -> Snapshot:
