@@ -163,8 +163,9 @@ def test_a_spread_job_stays_where_it_is_when_the_move_does_not_pay():
         assert {h for h, _ in d.placements} == {"h0", "h1"} and not d.release, job
 
 
+# bert's shape: a misfit model, which keeps its measured points
 BERT = fit([Measured(n, h, 1000, 1000 * s) for (n, h), s in
-            {(1, 1): 1.0, (4, 1): 1 / 3.85, (8, 2): 1 / 2.90, (11, 3): 1 / 5.90}.items()])  # a misfit: keeps points
+            {(1, 1): 1.0, (4, 1): 1 / 3.85, (8, 2): 1 / 2.90, (11, 3): 1 / 5.90}.items()])
 
 
 def test_the_vectorised_move_check_agrees_with_move_pays_for_every_host_count():
