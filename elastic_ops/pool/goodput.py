@@ -68,7 +68,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from itertools import chain, compress, repeat
 from operator import attrgetter, is_, is_not
 
@@ -98,8 +98,6 @@ class Columns:
     """What a policy has already read of a snapshot's jobs, in snapshot order, so that the rule
     does not read it again (the vectorised policy hands it over with the jobs it admits)."""
 
-    rows: list  # each job's field dict (or the job itself)
-    get: Callable[[str], Callable]  # itemgetter for field dicts, attrgetter for jobs
     held: np.ndarray  # slots each job holds
     submitted: np.ndarray
     per_host: int  # host_slots(snapshot)
@@ -129,13 +127,11 @@ class _Table:
         jobs = snap.jobs
         n = len(jobs)
         prior = _prior()
-        # Columns read at C level: from the jobs' field dicts where the policy has them (a dict
-        # lookup per field costs less than attribute access), else by attrgetter; a model's
-        # fields once per distinct model object (jobs that measured nothing share the prior).
-        rows, get = (cols.rows, cols.get) if cols is not None else (jobs, attrgetter)
+        # Columns read at C level; a model's fields once per distinct model object (jobs that
+        # measured nothing share the prior).
 
         def column(field: str):
-            return map(get(field), rows)
+            return map(attrgetter(field), jobs)
 
         scal = list(column("scaling"))
         first, inv = _groups(np.fromiter(map(id, scal), np.int64, n))
@@ -169,7 +165,7 @@ class _Table:
         has = np.fromiter(map(is_not, batchings, repeat(None)), bool, n)
         batched = np.flatnonzero(has)
         mine = list(compress(batchings, has))
-        grads = list(map(get("grad"), compress(rows, has)))
+        grads = list(map(attrgetter("grad"), compress(jobs, has)))
         measured = np.fromiter(map(is_not, grads, repeat(None)), bool, len(grads))
         chooses = batched[measured]
         self.any_batching = bool(len(batched))

@@ -81,7 +81,7 @@ class Preemption(enum.StrEnum):
     GRACEFUL = "graceful"
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class Host:
     name: str
     slots: int
@@ -98,7 +98,7 @@ def outside(selector: Mapping[str, str], hosts: Iterable[Host]) -> frozenset[str
     return frozenset(h.name for h in hosts if not need <= set(h.labels))
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class Job:
     """A demand: ``min_workers..max_workers`` at a priority.
 
@@ -138,6 +138,10 @@ class Job:
     tenant: str = DEFAULT_TENANT
 
 
+# Job's slots in field order, as make_job passes them (the descriptors set a frozen slot)
+_JOB_SLOTS = tuple(getattr(Job, f.name).__set__ for f in dataclasses.fields(Job))
+
+
 def make_job(
     name: str, min_workers: int, max_workers: int, priority: int, preemptible: bool,
     avoid_hosts: frozenset[str], leave_hosts: frozenset[str], submitted: float,
@@ -146,14 +150,14 @@ def make_job(
     batching: Batching | None = None, grad: GradStats | None = None, tenant: str = DEFAULT_TENANT,
 ) -> Job:
     """The same :class:`Job` as ``Job(...)``, built without the frozen dataclass ``__init__``
-    (as :func:`make_decision`): the ledger builds one per job for every plan."""
+    (one ``object.__setattr__`` per field): each field's slot is set through its descriptor. The
+    ledger builds one per job for every plan."""
     j = _new(Job)
-    j.__dict__.update(
-        name=name, min_workers=min_workers, max_workers=max_workers, priority=priority,
-        preemptible=preemptible, avoid_hosts=avoid_hosts, leave_hosts=leave_hosts, submitted=submitted,
-        waiting_since=waiting_since, last_rescale=last_rescale, held=held, epoch=epoch, releasing=releasing,
-        scaling=scaling, attained=attained, batching=batching, grad=grad, tenant=tenant,
-    )
+    for put, value in zip(_JOB_SLOTS, (
+        name, min_workers, max_workers, priority, preemptible, avoid_hosts, leave_hosts, submitted,
+        waiting_since, last_rescale, held, epoch, releasing, scaling, attained, batching, grad, tenant,
+    ), strict=True):
+        put(j, value)
     return j
 
 

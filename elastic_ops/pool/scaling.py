@@ -121,7 +121,7 @@ def _features(workers: int, hosts: int, scale: float = 1.0) -> np.ndarray:
     return np.array([1.0, scale / n, float(local), local * (n - 2), float(net), net * (n - 2)])
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class GradStats:
     """A job's gradient statistics, as its workers last measured them: ``sqr``, the squared
     norm of the true gradient; ``var``, the variance (trace of the covariance) of the gradient
@@ -145,7 +145,7 @@ def gain(stats: GradStats | None, scale: float | np.ndarray) -> float | np.ndarr
     return adascale_gain(stats.sqr, stats.var, scale)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class Batching:
     """The global batches an adaptive job allows: from ``least`` (0: ``base``) to ``most``,
     with ``per_worker`` to ``per_worker_most`` (0: no limit; what fits a worker's memory)
@@ -185,7 +185,7 @@ def scale_grid(low: np.ndarray, top: np.ndarray, floor: np.ndarray, ceiling: np.
     return np.sort(np.concatenate([grid, np.ones((len(low), 1))], axis=1), axis=1)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class ScalingModel:
     """A job's fitted step time. ``params``: (fixed, compute, local, local_per, net, net_per) in
     seconds; ``explore_to``: the largest worker count the model promises a gain up to (None: a
