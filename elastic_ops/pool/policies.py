@@ -142,7 +142,9 @@ class _Table:
                 eff = prio.copy()
                 eff[waiting] = prio[waiting] + np.floor(np.maximum(0.0, snap.now - ws[waiting]) / aging)
         submitted = _array(jobs, get, "submitted", np.float64)
-        self.snapshot_held, self.snapshot_submitted = hl, submitted  # snapshot order (goodput's Columns)
+        last = _array(jobs, get, "last_rescale", np.float64)  # None -> nan
+        # snapshot order (goodput's Columns)
+        self.snapshot_held, self.snapshot_submitted, self.snapshot_last_rescale = hl, submitted, last
         self.cols: Columns  # with the hosts' (with_hosts), before any share rule runs
         order = _rank(-eff, hl == 0, submitted, names)
         ol = order.tolist()
@@ -173,11 +175,12 @@ class _Table:
         self.mins = _array(jobs, get, "min_workers", np.int64)[order]
         self.maxs = _array(jobs, get, "max_workers", np.int64)[order]
         self.preemptible = _array(jobs, get, "preemptible", bool)[order]
-        self.last_rescale = _array(jobs, get, "last_rescale", np.float64)[order]  # None -> nan
+        self.last_rescale = last[order]
 
     def with_hosts(self, hs: _Hosts) -> None:
         """``cols``: what a share rule may reuse of this table and the hosts (snapshot order)."""
-        self.cols = Columns(*self.fields, self.snapshot_held, self.snapshot_submitted, hs.largest_up)
+        self.cols = Columns(*self.fields, self.snapshot_held, self.snapshot_submitted, self.snapshot_last_rescale,
+                            hs.largest_up)
 
 
 class _Picked(Sequence[Job]):
