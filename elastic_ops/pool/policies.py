@@ -131,7 +131,9 @@ class _Table:
                 eff = prio.copy()
                 eff[waiting] = prio[waiting] + np.floor(np.maximum(0.0, snap.now - ws[waiting]) / aging)
         submitted = _array(jobs, "submitted", np.float64)
-        self.snapshot_held, self.snapshot_submitted = hl, submitted  # snapshot order (goodput's Columns)
+        last = _array(jobs, "last_rescale", np.float64)  # None -> nan
+        # snapshot order (goodput's Columns)
+        self.snapshot_held, self.snapshot_submitted, self.snapshot_last_rescale = hl, submitted, last
         self.cols: Columns  # with the hosts' (with_hosts), before any share rule runs
         order = _rank(-eff, hl == 0, submitted, names)
         ol = order.tolist()
@@ -162,11 +164,12 @@ class _Table:
         self.mins = _array(jobs, "min_workers", np.int64)[order]
         self.maxs = _array(jobs, "max_workers", np.int64)[order]
         self.preemptible = _array(jobs, "preemptible", bool)[order]
-        self.last_rescale = _array(jobs, "last_rescale", np.float64)[order]  # None -> nan
+        self.last_rescale = last[order]
 
     def with_hosts(self, hs: _Hosts) -> None:
         """``cols``: what a share rule may reuse of this table and the hosts (snapshot order)."""
-        self.cols = Columns(self.snapshot_held, self.snapshot_submitted, hs.largest_up)
+        self.cols = Columns(self.snapshot_held, self.snapshot_submitted, self.snapshot_last_rescale,
+                            hs.largest_up)
 
 
 class _Picked(Sequence[Job]):

@@ -101,6 +101,17 @@ def test_a_grow_that_does_not_pay_back_its_restart_is_skipped():
     assert GOODPUT(old).targets() == {"a": 8}  # a long run pays the stall back
 
 
+def test_a_grow_is_counted_over_the_time_since_the_job_was_last_reshaped():
+    # the long run above, reshaped 100 s ago: its new allocation is expected to last about as
+    # long as the last one did (5 min at least), too short for the 8th worker to pay 120 s back
+    job = make_job("a", 1, 8, scaling=LINEAR, held=_slots("h0", 7), submitted=-100_000.0, last_rescale=900.0)
+    snap = make_snapshot(hosts=(("h0", 8),), jobs=[job], now=1000.0, rescale_cost_s=120.0)
+    assert GOODPUT(snap).targets() == PLAIN["goodput"](snap).targets() == {"a": 7}
+    settled = dataclasses.replace(job, last_rescale=-50_000.0)
+    snap = dataclasses.replace(snap, jobs=(settled,))
+    assert GOODPUT(snap).targets() == PLAIN["goodput"](snap).targets() == {"a": 8}
+
+
 def test_a_newcomer_is_placed_on_as_few_hosts_as_it_fits():
     # h0 and h1 have 2 and 4 slots free: first-fit by name would split a 4-worker job 2 + 2;
     # every policy packs it on h1 alone
