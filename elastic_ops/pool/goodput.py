@@ -404,8 +404,8 @@ def move_pays(job: Job, workers: int, hosts_now: int, hosts_then: int, now: floa
     before, after = speed_on(job, workers, hosts_now), speed_on(job, workers, hosts_then)
     if not after > before * (1 + TIE):
         return False
-    since = job.submitted if job.last_rescale is None else max(job.submitted, job.last_rescale)
-    horizon = min(max(now - since, MIN_HORIZON_S), MAX_HORIZON_S)
+    last = np.nan if job.last_rescale is None else job.last_rescale
+    horizon = float(_horizons(now, np.float64(job.submitted), np.float64(last)))
     return horizon * (1 - before / after) > cost_s
 
 
@@ -425,10 +425,10 @@ def moves_that_pay(snap: Snapshot, rows: np.ndarray, workers: np.ndarray, hosts_
     # spread over its counts; a misfit model's measured points per count
     k = len(rows)
     w = workers.astype(np.float64)
-    two, _, _ = _modelled(t, np.concatenate([rows, rows]), np.concatenate([w, w]),
+    two, e, _ = _modelled(t, np.concatenate([rows, rows]), np.concatenate([w, w]),
                           np.repeat([1.0, 2.0], k))
     log_s = np.where(h == 1, two[:k][seg], two[k:][seg])
-    e = np.maximum(np.minimum(w, t.explore[rows]), 1.0)[seg]  # as _modelled
+    e = e[:k][seg]  # the workers each job is modelled at
     log_s = _with_measured(t, rows[seg], e, np.minimum(h, e), log_s)
     gain = log_s - log_s[at + sizes - 1][seg]  # against the spread it runs on
     horizon = _horizons(snap.now, t.submitted[rows], t.last_rescale[rows])[seg]
