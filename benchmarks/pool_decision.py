@@ -51,9 +51,10 @@ import time
 from benchmarks._results import write_json
 from elastic_ops.pool.model import Host, HostState, Job, Plan, PolicyConfig, Snapshot
 from elastic_ops.pool.policies import POLICIES, VECTORISED
-from elastic_ops.pool.scaling import Batching, GradStats
+from elastic_ops.pool.scaling import Batching, GradStats, Measured, fit
 
 ADAPTIVE = "goodput+adaptive"  # goodput on the same snapshot with half the jobs adaptive
+FITTED = "goodput+fitted"  # goodput on the same snapshot with every running job's model fitted
 TENANTS_OUT = "benchmarks/results/pool_decision_tenants.json"
 REFERENCE_MAX_JOBS_X_HOSTS = 2 * 10**7
 CELLS = [(100, 1_000), (1_000, 10_000), (1_000, 100_000), (10_000, 10_000), (10_000, 100_000)]
@@ -109,6 +110,28 @@ def adaptive(snap: Snapshot, seed: int = 1) -> Snapshot:
         for k, j in enumerate(snap.jobs)
     )
     return dataclasses.replace(snap, jobs=jobs)
+
+
+def fitted(snap: Snapshot, seed: int = 3) -> Snapshot:
+    """``snap`` with every job that holds 2 or more slots on a model fitted from what it measured
+    (one worker, half its slots and all of them, 3 % noise; step times of varied shape: a
+    fixed part, compute that splits, a ring that grows), as in a cluster that has run a while:
+    most such models are certain, so the goodput rule weighs many more sizes per job than on
+    the prior."""
+    rng = random.Random(seed)
+    jobs = []
+    for job in snap.jobs:
+        n = len(job.held)
+        if n >= 2:
+            fixed, ring = rng.uniform(0.02, 0.1), rng.uniform(0.002, 0.05)
+            seen = []
+            for w in sorted({1, max(1, n // 2), n}):
+                hosts = -(-w // 8)
+                sync = 0.0 if w == 1 else (0.05 + ring * (w - 2)) * (1.0 if hosts == 1 else 1.5)
+                seen.append(Measured(w, hosts, 100, 100 * (fixed + 1.0 / w + sync) * rng.uniform(0.97, 1.03)))
+            job = dataclasses.replace(job, scaling=fit(seen))
+        jobs.append(job)
+    return dataclasses.replace(snap, jobs=tuple(jobs))
 
 
 def with_tenants(snap: Snapshot, seed: int = 2) -> Snapshot:
@@ -196,6 +219,7 @@ def measure(repeats: int, reference: bool) -> dict:
         base_snap = build(n_jobs, n_slots)
         runs = {name: (policy, base_snap) for name, policy in POLICIES.items()}
         runs[ADAPTIVE] = (POLICIES["goodput"], adaptive(base_snap))
+        runs[FITTED] = (POLICIES["goodput"], fitted(base_snap))
         # The policies take turns, call by call, so that a burst of load on this shared machine
         # does not fall on every call of one policy.
         calls: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in runs}

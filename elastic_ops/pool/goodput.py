@@ -102,6 +102,7 @@ MIN_HORIZON_S = 300.0  # the least horizon a change's gain is counted over (modu
 MAX_HORIZON_S = 1200.0  # ... and the most
 MOST_RESTART_SHARE = 0.5  # a held size is worth at most log 2 (a restart of half the horizon or more)
 BISECTIONS = 60
+NARROW_AFTER = 8  # bisections on every job's points before only the undecided ones are searched
 TIE = 1e-9  # objective differences below this are ties (fewer workers win)
 LOG_NONE = -30.0  # log S(0): finite, so a job with minimum 0 is in the sums, first to get one
 
@@ -150,7 +151,8 @@ class _Table:
         scal = list(column("scaling"))
         first, inv = _groups(np.fromiter(map(id, scal), np.int64, n))
         models = [scal[i] or prior for i in first.tolist()]
-        self.params = np.array([m.params for m in models], np.float64).reshape(len(models), 6)[inv]
+        params = np.fromiter(chain.from_iterable(map(attrgetter("params"), models)), np.float64, 6 * len(models))
+        self.params = np.take(params.reshape(len(models), 6), inv, axis=0)  # (take: rows, a few times faster)
         self.explore = np.array([np.inf if m.explore_to is None else m.explore_to for m in models],
                                 np.float64)[inv]
         self.largest = np.array([m.largest for m in models], np.int64)[inv]
@@ -211,6 +213,17 @@ class _Table:
             self.low = col(np.where(least > 0, least, base), 1.0)  # Batching.lowest
             self.per_most = col(np.where(per_most > 0, per_most, most), 1.0)  # 0: no limit
 
+        self.uncertain = np.isfinite(self.explore)
+        # no job gains past its top: an uncertain model's explore_to; a certain one's step time
+        # has a minimum where the ring's cost outgrows the compute it splits
+        compute = self.params[:, 1]
+        if self.any_adaptive:  # a larger batch moves the peak out: compute grows with it
+            compute = compute * np.where(self.adaptive, self.most / self.base, 1.0)
+        ring = self.params[:, 5]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            peak = np.where(ring > 0, np.ceil(np.sqrt(compute / ring)) + self.per_host, np.inf)
+        self.top = np.where(self.uncertain, np.maximum(self.explore, 1), np.maximum(peak, self.per_host))
+
     def log_speeds(self, rows: np.ndarray, lo: np.ndarray, hi: np.ndarray, seg: np.ndarray,
                    n: np.ndarray) -> np.ndarray:
         """``log S`` at the points ``n`` of jobs ``rows`` (job ``i``'s points ``lo[i]..hi[i]``,
@@ -229,7 +242,8 @@ class _Table:
             out[miss] = _log_speed(self, r[miss], n[miss])
             new = np.flatnonzero(~hit & (c_lo[rows] < 0))  # jobs not asked about before
             if len(new):
-                pts = np.flatnonzero(np.isin(seg, new))  # their points, job by job in order
+                # their points, job by job in order
+                pts = np.arange(len(seg)) if len(new) == len(rows) else np.flatnonzero(np.isin(seg, new))
                 c_lo, c_hi, c_at = c_lo.copy(), c_hi.copy(), c_at.copy()
                 c_lo[rows[new]], c_hi[rows[new]] = lo[new], hi[new]
                 sizes = hi[new] - lo[new] + 1
@@ -256,7 +270,7 @@ class _Table:
 
     def batch_rows(self, rows: np.ndarray, workers: np.ndarray, hosts: np.ndarray) -> BatchRows:
         """Jobs ``rows`` (adaptive ones) at ``workers`` over ``hosts``, for best_batches."""
-        return BatchRows(self.params[rows], self.explore[rows], self.sqr[rows], self.var[rows],
+        return BatchRows(np.take(self.params, rows, axis=0), self.explore[rows], self.sqr[rows], self.var[rows],
                          self.base[rows], self.low[rows], self.most[rows], self.per[rows],
                          self.per_most[rows], workers.astype(np.float64), hosts.astype(np.float64))
 
@@ -305,7 +319,7 @@ def _modelled(t: _Table, r: np.ndarray, n: np.ndarray, hosts: np.ndarray | None)
     e = np.maximum(np.minimum(n, t.explore[r]), 1.0)
     h = np.minimum(np.ceil(n / per_host) if hosts is None else np.maximum(hosts, 1), e)
     local, net = (e >= 2) & (h == 1), h >= 2
-    q = t.params[r]
+    q = np.take(t.params, r, axis=0)
     step = q[:, 0] + q[:, 1] / e + local * (q[:, 2] + q[:, 3] * (e - 2))
     step += net * (q[:, 4] + q[:, 5] * (e - 2))
     out = np.log(q[:, 0] + q[:, 1]) - np.log(step)  # against the step on one worker
@@ -345,31 +359,24 @@ class _Curves:
     def __init__(self, t: _Table, rows: np.ndarray, w: np.ndarray, lo: np.ndarray, caps: np.ndarray,
                  spare: int):
         per_host = t.per_host
-        p = t.params[rows]
-        explore = t.explore[rows]
-        self.uncertain = np.isfinite(explore)
+        self.uncertain = t.uncertain[rows]
         self.largest = t.largest[rows]
         self.w = w
-        # no job gains past its top: an uncertain model's explore_to; a certain one's step time
-        # has a minimum where the ring's cost outgrows the compute it splits
-        compute = p[:, 1]
-        if t.any_adaptive:  # a larger batch moves the peak out: compute grows with it
-            compute = compute * np.where(t.adaptive[rows], t.most[rows] / t.base[rows], 1.0)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            peak = np.where(p[:, 5] > 0, np.ceil(np.sqrt(compute / p[:, 5])) + per_host, np.inf)
-        top = np.where(self.uncertain, np.maximum(explore, 1), np.maximum(peak, per_host))
+        top = t.top[rows]
         hi = np.maximum(lo, np.minimum(np.minimum(top, caps), lo + max(spare, 0))).astype(np.int64)
         self.lo, self.sizes = lo, hi - lo + 1
         self.starts = np.concatenate([[0], np.cumsum(self.sizes)[:-1]]).astype(np.int64)
         seg = np.repeat(np.arange(len(rows)), self.sizes)
         self.offs = np.arange(len(seg)) - self.starts[seg]
-        n = (lo[seg] + self.offs).astype(np.float64)
+        whole = lo[seg] + self.offs
+        n = whole.astype(np.float64)
         log_speed = t.log_speeds(rows, lo, hi, seg, n)
         self.flat = self.w[seg] * np.where(n == 0, LOG_NONE, log_speed)
         # packable sizes: more workers than one host holds come in whole hosts (any count up to a
         # host, the minimum and the maximum are allowed): partly used hosts of multi-host jobs are what
         # scatters the jobs after them
-        ok = (n <= per_host) | (n % per_host == 0) | (self.offs == 0) | (n == caps[seg])
+        k = np.arange(int(hi.max(initial=0)) + 1)
+        ok = ((k <= per_host) | (k % per_host == 0))[whole] | (self.offs == 0) | (whole == caps[seg])
         self.packable = np.where(ok, self.flat, -np.inf)
 
     def at(self, idx: np.ndarray, workers: np.ndarray) -> np.ndarray:
@@ -587,7 +594,10 @@ def _packed_floor(n: np.ndarray, lo: np.ndarray, caps: np.ndarray, per_host: int
 
 def _solve(c: _Curves, idx: np.ndarray, capacity: int) -> np.ndarray:
     """Workers for jobs ``idx`` maximising their summed (packable) objective with ``sum <=
-    capacity``, by the Lagrangian (bisection on the price of a slot) and a greedy top-up."""
+    capacity``, by the Lagrangian (bisection on the price of a slot) and a greedy top-up.
+    After :data:`NARROW_AFTER` bisections only the jobs whose pick still differs between the
+    two ends of the bracket are searched, on their points between the two picks: the same
+    price, in a fraction of the passes over every job's points."""
     if len(idx) == 0:
         return np.zeros(0, dtype=np.int64)
     sizes = c.sizes[idx]
@@ -596,34 +606,60 @@ def _solve(c: _Curves, idx: np.ndarray, capacity: int) -> np.ndarray:
     offs = np.arange(int(sizes.sum())) - starts[seg]
     flat = c.packable[c.starts[idx][seg] + offs]
     rel = flat - flat[starts][seg]
-    big = np.iinfo(np.int64).max
-
-    def pick(lam: float) -> np.ndarray:
-        val = rel - lam * offs
-        best = np.maximum.reduceat(val, starts)
-        return np.minimum.reduceat(np.where(val >= best[seg] - TIE, offs, big), starts)
-
     lo = c.lo[idx]
     room = capacity - int(lo.sum())
-    extra = pick(0.0)
+    extra = _pick(rel, offs, starts, seg, 0.0)
     if int(extra.sum()) > room:
         # a price above every job's best average gain per worker keeps everyone at its min
         with np.errstate(invalid="ignore"):
             slope = np.where(offs > 0, rel / np.maximum(offs, 1), 0.0)
         a, b = 0.0, max(float(np.max(slope, initial=0.0)), 0.0) + 1.0
-        for _ in range(BISECTIONS):
+        most, fewest = extra, _pick(rel, offs, starts, seg, b)  # the picks at a and at b
+        # after a few rounds on every point, only the jobs whose pick still moves between a
+        # and b are searched on, and only their points between the two picks (a higher price
+        # never picks more workers)
+        part = (rel, offs, starts, seg)
+        fixed = 0
+        for step in range(BISECTIONS):
             mid = (a + b) / 2
-            if int(pick(mid).sum()) > room:
+            got = _pick(*part, mid)
+            if fixed + int(got.sum()) > room:
                 a = mid
+                most = got
             else:
                 b = mid
+                fewest = got
             if b - a <= 1e-12 * b:
                 break
-        extra = pick(b)
-    left = room - int(extra.sum())
-    if left > 0:
-        extra = _top_up(flat, starts, sizes, extra, left)
+            if step == NARROW_AFTER:
+                moving = most != fewest
+                if not moving.any():
+                    break
+                fixed = int(fewest[~moving].sum())
+                on = np.flatnonzero(moving[seg] & (offs >= fewest[seg]) & (offs <= most[seg]))
+                s_seg = seg[on]
+                first = np.ones(len(on), dtype=bool)
+                np.not_equal(s_seg[1:], s_seg[:-1], out=first[1:])
+                s_starts = np.flatnonzero(first)
+                part = (rel[on], offs[on], s_starts, np.cumsum(first) - 1)
+                most, fewest = most[moving], fewest[moving]
+        extra = _pick(rel, offs, starts, seg, b)
+        # (at price 0 every job is at its best already: no step gains)
+        left = room - int(extra.sum())
+        if left > 0:
+            extra = _top_up(flat, starts, sizes, extra, left)
     return lo + extra
+
+
+def _pick(rel: np.ndarray, offs: np.ndarray, starts: np.ndarray, seg: np.ndarray, lam: float) -> np.ndarray:
+    """Each job's workers beyond its minimum at price ``lam`` a worker: the point of most
+    ``rel - lam * offs`` (ties: fewer workers)."""
+    val = rel - lam * offs
+    best = np.maximum.reduceat(val, starts)
+    return np.minimum.reduceat(np.where(val >= best[seg] - TIE, offs, _BIG), starts)
+
+
+_BIG = np.iinfo(np.int64).max
 
 
 def _top_up(flat: np.ndarray, starts: np.ndarray, sizes: np.ndarray, extra: np.ndarray, left: int):

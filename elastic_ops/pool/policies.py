@@ -481,6 +481,10 @@ class _BestFit:
         self.at: tuple[list[int], list[int]] = tuple(list(map(len, h)) for h in self.heaps)  # type: ignore[assignment]
         self.spare_room = n_spare - self.at[0][0]
 
+    def most_free(self) -> int:
+        """The most free slots any host has now."""
+        return next((c for c in range(self.most, 0, -1) if self.at[0][c] or self.at[1][c]), 0)
+
     def took(self, r: int, k: int) -> None:
         tier = r >= self.n_spare
         at = self.at[tier]
@@ -611,9 +615,11 @@ class _BestFit:
 
 
 # Searches for fewer hosts (moves of running jobs) one vectorised decision makes at most, in
-# rank order: each is a walk over the free counts in Python; what is left waits for the next
-# decision (the plain path, for small snapshots, searches for every job).
-MOVE_SEARCHES = 128
+# rank order: each is a walk over the free counts in Python, and a move restarts the job; what
+# is left waits for the next decision (the plain path, for small snapshots, searches for every
+# job). Only jobs a move could pay for are searched, and for a move onto one host only those a
+# host can hold whole (checked for all candidates at once).
+MOVE_SEARCHES = 32
 
 
 class _Mover:
@@ -689,10 +695,31 @@ class _Mover:
         kept = self.n_keep[candidates]
         owner = np.repeat(np.arange(len(candidates)), kept)
         hosts = free.host[self.perm[_ranges(a, a + kept)]]
-        pairs = _distinct(owner * (len(free.names) + 1) + hosts)
-        spans = np.bincount(pairs // (len(free.names) + 1), minlength=len(candidates))
+        span = len(free.names) + 1
+        keys = np.sort(owner * span + hosts)
+        first = np.ones(len(keys), dtype=bool)
+        np.not_equal(keys[1:], keys[:-1], out=first[1:])
+        pairs = keys[first]
+        job = pairs // span
+        spans = np.bincount(job, minlength=len(candidates))
         cost = np.where(restarts, 0.0, snap.config.rescale_cost_s)
-        pays, at, least = moves_that_pay(snap, t.order[candidates], targets[candidates], spans, cost)
+        target = targets[candidates]
+        pays, at, least = moves_that_pay(snap, t.order[candidates], target, spans, cost)
+        # a move onto one host needs a host that holds the whole job: one of its own (what it
+        # keeps there and what is free there) or the host with the most free (avoided hosts not
+        # counted out: this only saves searches that cannot succeed)
+        one = np.flatnonzero(least == 1)
+        if len(one):
+            count = np.asarray(free.packer.count, dtype=np.int64)
+            rank = free.rank_of[pairs % span]
+            mine = np.diff(np.append(np.flatnonzero(first), len(keys)))
+            room = mine.copy()
+            has = rank >= 0
+            room[has] += count[rank[has]]
+            most = np.full(len(candidates), free.packer.most_free(), dtype=np.int64)
+            on = spans > 0
+            most[on] = np.maximum(most[on], np.maximum.reduceat(room, (np.cumsum(spans) - spans)[on]))
+            pays[at[one]] &= most[one] >= target[one]
         # a search only for a job that some move could pay for (onto fewer hosts than it spans)
         may = np.logical_or.reduceat(pays, at) if len(pays) else np.zeros(0, bool)
         for k in np.flatnonzero(may).tolist():
@@ -707,15 +734,6 @@ class _Mover:
                 n_new[i] = target - int(self.n_keep[i])
                 reasons[i] += "; moved onto fewer hosts"
         return released
-
-
-def _distinct(keys: np.ndarray) -> np.ndarray:
-    """``np.unique(keys)`` of integers by one sort: numpy 2's ``unique`` of integers hashes them,
-    about 15 times slower at tens of thousands of keys."""
-    s = np.sort(keys)
-    first = np.ones(len(s), dtype=bool)
-    np.not_equal(s[1:], s[:-1], out=first[1:])
-    return s[first]
 
 
 def _movable(t: _Table, jobs: np.ndarray, snap: Snapshot) -> np.ndarray:

@@ -10,6 +10,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+NARROW_STEPS = 12  # bisections of λ before the breakpoints left are sorted (_solve_lambda)
+
 
 def weighted_fill(
     mins: Sequence[int], caps: Sequence[int], weights: Sequence[float], capacity: int
@@ -65,31 +67,53 @@ def _smallest(keys: np.ndarray, k: int) -> np.ndarray:
 def _solve_lambda(lo: np.ndarray, hi: np.ndarray, w: np.ndarray, capacity: float) -> float:
     """The λ with ``sum(clip(w λ, lo, hi)) == capacity``: the total is piecewise linear and
     nondecreasing in λ with breakpoints ``lo/w`` and ``hi/w``; a binary search over the
-    distinct sorted breakpoints finds the segment where it reaches ``capacity`` (O(log n)
-    evaluations of the total, each one vectorised pass), and that segment is solved exactly.
+    distinct sorted breakpoints finds the segment where it reaches ``capacity``, and that
+    segment is solved exactly.
 
     Each evaluation sums the same clipped terms in the same order, and rounding is monotone,
-    so the computed total is nondecreasing in λ too and the search is well defined. (Cheaper
-    than totals at every breakpoint from sorted cumulative sums: that needs two argsorts and
-    two searchsorted passes over all breakpoints; the distinct breakpoints are usually few.)
+    so the computed total is nondecreasing in λ too and the search is well defined. The search
+    first bisects λ itself (:data:`NARROW_STEPS` vectorised totals), so only the breakpoints
+    left in that bracket, and the nearest one on each side, are sorted: the same segment as a
+    search over all of them, without sorting thousands of distinct weights' breakpoints.
     """
-    points = np.unique(np.concatenate([lo / w, hi / w]))
+    points = np.concatenate([lo / w, hi / w])
 
-    def total(lam: float) -> float:
-        return float(np.clip(w * lam, lo, hi).sum())
+    buf = np.empty_like(w)
 
-    a, b = 0, len(points)  # the first k with total(points[k]) >= capacity lies in [a, b]
-    while a < b:
-        mid = (a + b) // 2
+    def total(lam: float) -> float:  # sum(clip(w lam, lo, hi)), in place (lo <= hi)
+        np.multiply(w, lam, out=buf)
+        np.maximum(buf, lo, out=buf)
+        return float(np.minimum(buf, hi, out=buf).sum())
+
+    # total(a) < capacity <= total(b) (callers: sum(lo) < capacity < sum(hi))
+    a, b = 0.0, float(points.max())
+    if total(a) < capacity <= total(b):
+        for _ in range(NARROW_STEPS):
+            mid = (a + b) / 2
+            if total(mid) >= capacity:
+                b = mid
+            else:
+                a = mid
+        # the segment's ends: distinct breakpoints within [a, b], and the nearest outside it
+        inside = points[(points >= a) & (points <= b)]
+        below = np.max(points, where=points < a, initial=-np.inf)
+        above = np.min(points, where=points > b, initial=np.inf)
+        points = np.unique(np.concatenate([inside, [below, above]]))
+        points = points[np.isfinite(points)]
+    else:
+        points = np.unique(points)
+    k, m = 0, len(points)  # the first k with total(points[k]) >= capacity lies in [k, m]
+    while k < m:
+        mid = (k + m) // 2
         if total(points[mid]) >= capacity:
-            b = mid
+            m = mid
         else:
-            a = mid + 1
-    if a == 0:
+            k = mid + 1
+    if k == 0:
         return float(points[0])
-    if a == len(points):
+    if k == len(points):
         return float(points[-1])
-    p0, p1 = float(points[a - 1]), float(points[a])
+    p0, p1 = float(points[k - 1]), float(points[k])
     t0, t1 = total(p0), total(p1)
     return p0 + (p1 - p0) * (capacity - t0) / (t1 - t0) if t1 > t0 else p1
 

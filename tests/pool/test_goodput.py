@@ -174,6 +174,28 @@ def test_a_spread_job_stays_where_it_is_when_the_move_does_not_pay():
         assert {h for h, _ in d.placements} == {"h0", "h1"} and not d.release, job
 
 
+def test_at_cluster_size_the_move_searches_go_to_jobs_one_host_can_hold():
+    # pairs of full 4-slot hosts, each pair shared by two spread jobs that no host can hold
+    # whole (ranked first), more of them than one decision searches for; then "z", spread over
+    # h_a and h_b, where h_a has room for all of it: z moves there
+    from elastic_ops.pool import policies
+
+    pairs = max(policies.MOVE_SEARCHES // 2 + 4, policies.SMALL_CLUSTER[1] // 2 + 1)  # the vectorised path
+    hosts = [(f"h{k:03d}", 4) for k in range(2 * pairs)] + [("h_a", 4), ("h_b", 4)]
+    jobs = []
+    for k in range(pairs):
+        one, two = f"h{2 * k:03d}", f"h{2 * k + 1:03d}"
+        for name, start in ((f"s{k:03d}", 0), (f"t{k:03d}", 2)):
+            jobs.append(make_job(name, 4, 4, priority=2, held=_slots(one, 2, start) + _slots(two, 2, start),
+                                 scaling=SPREAD_SLOW, submitted=0.0))
+    jobs.append(make_job("z", 4, 4, held=_slots("h_a", 2) + _slots("h_b", 2), scaling=SPREAD_SLOW, submitted=1.0))
+    jobs.append(make_job("y", 2, 2, held=_slots("h_b", 2, 2), scaling=LINEAR, submitted=2.0))
+    snap = make_snapshot(hosts=hosts, jobs=jobs, now=10_000.0, rescale_cost_s=30.0)
+    plan = GOODPUT(snap)
+    assert {h for h, _ in plan["z"].placements} == {"h_a"} and "moved onto fewer hosts" in plan["z"].reason
+    assert not any(plan[j.name].release for j in jobs if j.name != "z")
+
+
 # bert's shape: a misfit model, which keeps its measured points
 BERT = fit([Measured(n, h, 1000, 1000 * s) for (n, h), s in
             {(1, 1): 1.0, (4, 1): 1 / 3.85, (8, 2): 1 / 2.90, (11, 3): 1 / 5.90}.items()])
@@ -218,6 +240,38 @@ def _random_snapshot(rng: random.Random, n_jobs: int, n_hosts: int, per_host: in
                              attained=rng.uniform(0, 50_000), submitted=rng.uniform(0, 9_000)))
     hosts = tuple((f"h{i:03d}", per_host) for i in range(n_hosts))
     return make_snapshot(hosts=hosts, jobs=jobs, now=10_000.0)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_share_solver_finds_the_price_as_a_bisection_over_every_job_does(seed, monkeypatch):
+    # after a few bisections the solver searches only the jobs whose pick still moves; curves
+    # with dips, holes (sizes a multi-host job cannot take) and ties, thousands of jobs or a few
+    import types
+
+    from elastic_ops.pool import goodput
+
+    rng = np.random.default_rng(seed)
+    cases = []
+    for k in range(100):
+        n = int(rng.integers(1, 2000 if k % 4 == 0 else 60))
+        sizes = rng.integers(1, 40, n)
+        starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        seg = np.repeat(np.arange(n), sizes)
+        offs = np.arange(int(sizes.sum())) - starts[seg]
+        curve = rng.uniform(0.5, 4, n)[seg] * np.log1p(rng.uniform(0.2, 1.0, n)[seg] * offs)
+        curve -= (rng.random(len(offs)) < 0.1) * rng.uniform(0, 0.5, len(offs))
+        if k % 3 == 0:
+            curve = np.round(curve, 2)
+        hole = (rng.random(len(offs)) < 0.15) & (offs > 0)
+        c = types.SimpleNamespace(sizes=sizes, starts=starts, lo=rng.integers(0, 3, n),
+                                  packable=np.where(hole, -np.inf, curve))
+        idx = np.arange(n) if k % 2 else np.sort(rng.choice(n, max(1, n // 2), replace=False))
+        cases.append((c, idx, int(c.lo[idx].sum() + rng.integers(0, sizes[idx].sum()))))
+    narrowed = [goodput._solve(*case) for case in cases]
+    monkeypatch.setattr(goodput, "NARROW_AFTER", goodput.BISECTIONS)
+    for (c, idx, capacity), got in zip(cases, narrowed, strict=True):
+        assert np.array_equal(got, goodput._solve(c, idx, capacity))
+        assert int(got.sum()) <= capacity and (got >= c.lo[idx]).all() and (got <= c.lo[idx] + c.sizes[idx] - 1).all()
 
 
 @pytest.mark.parametrize("size", [(12, 4, 4), (60, 16, 4), (400, 100, 8)])

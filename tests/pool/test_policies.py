@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from elastic_ops.errors import SpecError, UnknownPolicyError
@@ -196,6 +197,28 @@ def test_avoid_hosts_are_respected_and_cap_the_share():
 def test_weighted_fill_rounds_deterministically_and_sums_to_capacity():
     assert weighted_fill([1, 1, 1], [8, 8, 8], [1, 1, 1], 8) == [3, 3, 2]
     assert weighted_fill([1, 1], [2, 8], [5, 1], 8) == [2, 6]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_weighted_fill_shares_as_a_search_over_every_breakpoint_does(seed, monkeypatch):
+    # the share narrows the price by bisection before it sorts the breakpoints left; with no
+    # narrowing it sorts them all: the same shares, thousands of distinct weights or a few
+    from elastic_ops.pool import shares
+
+    rng = np.random.default_rng(seed)
+    cases = []
+    for k in range(150):
+        n = int(rng.integers(1, 3000 if k % 3 == 0 else 40))
+        lo = rng.integers(0, 5, n)
+        hi = lo + rng.integers(0, 30, n)
+        w = rng.integers(1, 4, n).astype(float) if k % 2 else rng.uniform(0.01, 5.0, n)
+        cases.append((lo, hi, w, int(rng.integers(lo.sum(), hi.sum() + 2))))
+    narrowed = [shares.weighted_fill_array(*c) for c in cases]
+    monkeypatch.setattr(shares, "NARROW_STEPS", 0)
+    for case, got in zip(cases, narrowed, strict=True):
+        lo, hi, _, capacity = case
+        assert np.array_equal(got, shares.weighted_fill_array(*case))
+        assert int(got.sum()) == min(capacity, int(hi.sum())) and (lo <= got).all() and (got <= hi).all()
 
 
 def test_invalid_policy_inputs_get_clear_errors():
