@@ -151,8 +151,9 @@ class _Table:
         scal = list(column("scaling"))
         first, inv = _groups(np.fromiter(map(id, scal), np.int64, n))
         models = [scal[i] or prior for i in first.tolist()]
-        params = np.fromiter(chain.from_iterable(map(attrgetter("params"), models)), np.float64, 6 * len(models))
-        self.params = np.take(params.reshape(len(models), 6), inv, axis=0)  # (take: rows, a few times faster)
+        params = np.fromiter(chain.from_iterable(map(attrgetter("params"), models)), np.float64,
+                             6 * len(models)).reshape(len(models), 6)
+        self.params = np.take(params, inv, axis=0)  # (take: rows, a few times faster than [inv])
         self.explore = np.array([np.inf if m.explore_to is None else m.explore_to for m in models],
                                 np.float64)[inv]
         self.largest = np.array([m.largest for m in models], np.int64)[inv]
@@ -270,8 +271,8 @@ class _Table:
 
     def batch_rows(self, rows: np.ndarray, workers: np.ndarray, hosts: np.ndarray) -> BatchRows:
         """Jobs ``rows`` (adaptive ones) at ``workers`` over ``hosts``, for best_batches."""
-        return BatchRows(np.take(self.params, rows, axis=0), self.explore[rows], self.sqr[rows], self.var[rows],
-                         self.base[rows], self.low[rows], self.most[rows], self.per[rows],
+        return BatchRows(np.take(self.params, rows, axis=0), self.explore[rows], self.sqr[rows],
+                         self.var[rows], self.base[rows], self.low[rows], self.most[rows], self.per[rows],
                          self.per_most[rows], workers.astype(np.float64), hosts.astype(np.float64))
 
 
@@ -636,13 +637,12 @@ def _solve(c: _Curves, idx: np.ndarray, capacity: int) -> np.ndarray:
                 if not moving.any():
                     break
                 fixed = int(fewest[~moving].sum())
-                on = np.flatnonzero(moving[seg] & (offs >= fewest[seg]) & (offs <= most[seg]))
-                s_seg = seg[on]
-                first = np.ones(len(on), dtype=bool)
-                np.not_equal(s_seg[1:], s_seg[:-1], out=first[1:])
-                s_starts = np.flatnonzero(first)
-                part = (rel[on], offs[on], s_starts, np.cumsum(first) - 1)
                 most, fewest = most[moving], fewest[moving]
+                count = most - fewest + 1
+                s_starts = np.cumsum(count) - count
+                s_seg = np.repeat(np.arange(len(count)), count)
+                on = (starts[moving] + fewest - s_starts)[s_seg] + np.arange(len(s_seg))
+                part = (rel[on], offs[on], s_starts, s_seg)
         extra = _pick(rel, offs, starts, seg, b)
         # (at price 0 every job is at its best already: no step gains)
         left = room - int(extra.sum())

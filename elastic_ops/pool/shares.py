@@ -77,7 +77,6 @@ def _solve_lambda(lo: np.ndarray, hi: np.ndarray, w: np.ndarray, capacity: float
     search over all of them, without sorting thousands of distinct weights' breakpoints.
     """
     points = np.concatenate([lo / w, hi / w])
-
     buf = np.empty_like(w)
 
     def total(lam: float) -> float:  # sum(clip(w lam, lo, hi)), in place (lo <= hi)

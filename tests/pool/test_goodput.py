@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import types
 
 import numpy as np
 import pytest
 
-from elastic_ops.pool import Grant, PoolClient
+from elastic_ops.pool import Grant, PoolClient, goodput, policies
 from elastic_ops.pool.model import Observation, Snapshot
 from elastic_ops.pool.plain_policies import PLAIN
 from elastic_ops.pool.policies import POLICIES
@@ -178,8 +179,6 @@ def test_at_cluster_size_the_move_searches_go_to_jobs_one_host_can_hold():
     # pairs of full 4-slot hosts, each pair shared by two spread jobs that no host can hold
     # whole (ranked first), more of them than one decision searches for; then "z", spread over
     # h_a and h_b, where h_a has room for all of it: z moves there
-    from elastic_ops.pool import policies
-
     pairs = max(policies.MOVE_SEARCHES // 2 + 4, policies.SMALL_CLUSTER[1] // 2 + 1)  # the vectorised path
     hosts = [(f"h{k:03d}", 4) for k in range(2 * pairs)] + [("h_a", 4), ("h_b", 4)]
     jobs = []
@@ -188,7 +187,8 @@ def test_at_cluster_size_the_move_searches_go_to_jobs_one_host_can_hold():
         for name, start in ((f"s{k:03d}", 0), (f"t{k:03d}", 2)):
             jobs.append(make_job(name, 4, 4, priority=2, held=_slots(one, 2, start) + _slots(two, 2, start),
                                  scaling=SPREAD_SLOW, submitted=0.0))
-    jobs.append(make_job("z", 4, 4, held=_slots("h_a", 2) + _slots("h_b", 2), scaling=SPREAD_SLOW, submitted=1.0))
+    jobs.append(make_job("z", 4, 4, held=_slots("h_a", 2) + _slots("h_b", 2), scaling=SPREAD_SLOW,
+                         submitted=1.0))
     jobs.append(make_job("y", 2, 2, held=_slots("h_b", 2, 2), scaling=LINEAR, submitted=2.0))
     snap = make_snapshot(hosts=hosts, jobs=jobs, now=10_000.0, rescale_cost_s=30.0)
     plan = GOODPUT(snap)
@@ -246,10 +246,6 @@ def _random_snapshot(rng: random.Random, n_jobs: int, n_hosts: int, per_host: in
 def test_the_share_solver_finds_the_price_as_a_bisection_over_every_job_does(seed, monkeypatch):
     # after a few bisections the solver searches only the jobs whose pick still moves; curves
     # with dips, holes (sizes a multi-host job cannot take) and ties, thousands of jobs or a few
-    import types
-
-    from elastic_ops.pool import goodput
-
     rng = np.random.default_rng(seed)
     cases = []
     for k in range(100):
@@ -271,7 +267,8 @@ def test_the_share_solver_finds_the_price_as_a_bisection_over_every_job_does(see
     monkeypatch.setattr(goodput, "NARROW_AFTER", goodput.BISECTIONS)
     for (c, idx, capacity), got in zip(cases, narrowed, strict=True):
         assert np.array_equal(got, goodput._solve(c, idx, capacity))
-        assert int(got.sum()) <= capacity and (got >= c.lo[idx]).all() and (got <= c.lo[idx] + c.sizes[idx] - 1).all()
+        assert int(got.sum()) <= capacity
+        assert (c.lo[idx] <= got).all() and (got <= c.lo[idx] + c.sizes[idx] - 1).all()
 
 
 @pytest.mark.parametrize("size", [(12, 4, 4), (60, 16, 4), (400, 100, 8)])

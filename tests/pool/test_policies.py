@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from elastic_ops.errors import SpecError, UnknownPolicyError
+from elastic_ops.pool import shares
 from elastic_ops.pool.model import PolicyConfig, TargetAction
 from elastic_ops.pool.plain_policies import PLAIN
 from elastic_ops.pool.policies import VECTORISED, decide, effective_priority, get_policy
@@ -203,8 +204,6 @@ def test_weighted_fill_rounds_deterministically_and_sums_to_capacity():
 def test_weighted_fill_shares_as_a_search_over_every_breakpoint_does(seed, monkeypatch):
     # the share narrows the price by bisection before it sorts the breakpoints left; with no
     # narrowing it sorts them all: the same shares, thousands of distinct weights or a few
-    from elastic_ops.pool import shares
-
     rng = np.random.default_rng(seed)
     cases = []
     for k in range(150):
