@@ -39,7 +39,8 @@ class TinyMLP(Trainable):
     ``sys.exit(exit_code)``); ``nan_at`` returns NaN there;
     ``kill_rank``/``kill_at`` SIGKILL that rank once (a marker file makes it one-shot; ``kill_from``:
     at the first iteration at or past it, for an adaptive job's counter, which skips some);
-    ``hold_at`` waits there until the file ``hold_file`` exists (a test's gate, at most 120 s);
+    ``hold_at`` waits there until the file ``hold_file`` exists (a test's gate, at most 120 s;
+    each waiting rank first creates ``<hold_file>.rank<r>``);
     ``sleep_s`` slows every loss call (the runner then decides few boundaries ahead);
     ``double_head`` makes the last layer float64 (parameters of two dtypes); ``numpy_scheduler``
     keeps a numpy scalar in the scheduler's state (which the safe loader refuses);
@@ -253,6 +254,9 @@ class WithAux(nn.Module):
 
 
 def _hold(gate: Path) -> None:
+    # says that this rank waits (``<gate>.rank<r>``): a test can act once every rank is past its
+    # rendezvous and training
+    gate.with_name(f"{gate.name}.rank{os.environ['RANK']}").touch()
     deadline = time.monotonic() + 120
     while not gate.exists() and time.monotonic() < deadline:
         time.sleep(0.01)

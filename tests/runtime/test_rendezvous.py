@@ -94,11 +94,13 @@ def test_real_workers_sign_their_rendezvous_and_an_outsider_changes_nothing(tmp_
                 threading.Event().wait(0.01)
             req = launcher.requests[0]
             store = _client(req.master_port)
-            for _ in range(2000):  # both ranks have joined once each has set its keys
-                keys = store.list_keys()
-                if len(keys) >= 2:
+            # both ranks past their rendezvous (gloo reads its pairs' keys until it is done) and
+            # training: each waits at the gate
+            for _ in range(6000):
+                if all(gate.with_name(f"gate.rank{r}").exists() for r in range(2)):
                     break
                 threading.Event().wait(0.01)
+            keys = store.list_keys()
             signed = SignedStore(store, req.rendezvous_key)
             for k in keys:
                 seen[k] = signed.get(k)  # verifies: the workers signed it with the segment's key
